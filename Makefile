@@ -1,0 +1,72 @@
+# The commands a person types. Each does all the set-up it needs on a fresh machine
+# and is idempotent: with nothing changed, a second run only re-checks.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check --quiet
+
+DEPS_STAMP  := $(VENV)/.deps-installed
+BUILD_STAMP := $(VENV)/.torchkit-built
+SOURCES     := setup.py pyproject.toml $(shell find csrc torchkit -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' 2>/dev/null)
+
+# Benchmarks: QUICK=1 runs the headline case of each op only.
+BENCH_JSON  := benchmarks/results/cpu.json
+BENCH_SEL   := $(if $(QUICK),-m headline,)
+
+.PHONY: build test bench cuda-build gpu-check lint clean
+
+build: $(BUILD_STAMP)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch from PyPI is the CUDA build (~5 GB); it runs on the CPU and is what torchvision needs.
+$(DEPS_STAMP): requirements-dev.txt | $(VENV)/bin/python
+	$(PIP) install --upgrade pip
+	$(PIP) install torch torchvision
+	$(PIP) install -r requirements-dev.txt
+	touch $@
+
+# Object files persist under build/temp (see setup.py), so this relinks rather than rebuilds.
+$(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+test: build
+	$(PY) -m pytest tests
+
+# A fixed mmap threshold returns large freed blocks to the OS at once, so that the peak
+# resident set that benchmarks/common.py reads is the peak of live tensors.
+bench: build
+	MALLOC_MMAP_THRESHOLD_=131072 $(PY) -m pytest benchmarks -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
+	$(PY) benchmarks/report.py $(BENCH_JSON)
+
+# CUDA build check, no GPU needed: compile and link every .cu with the nvcc that matches
+# torch's CUDA, in build/cuda (the default .venv's extension is left alone), then ask the
+# dispatcher for each op's CUDA kernel and run a representative CPU test subset on that build.
+cuda-build: $(DEPS_STAMP)
+	mkdir -p build && $(PY) tools/cuda_toolkit.py > build/cuda_home
+	CUDA_HOME=$$(cat build/cuda_home) TORCHKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" \
+		$(PY) setup.py --quiet build --build-base build/cuda --build-lib build/cuda/lib --build-temp build/cuda/temp
+	cd build && PYTHONPATH=$(CURDIR)/build/cuda/lib ../$(PY) ../tools/check_cuda_build.py
+	TORCHKIT_EXPECT_CUDA_BUILD=1 PYTHONPATH=$(CURDIR)/build/cuda/lib $(VENV)/bin/pytest tests -m "not slow" -q -p no:cacheprovider
+
+# For the lent GPU machine (no network, its own torch): build for the local GPU, run the
+# whole suite including the CUDA tests, then the GPU benchmarks.
+GPU_PY ?= python3
+gpu-check:
+	TORCHKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" $(GPU_PY) setup.py --quiet build_ext --inplace
+	$(GPU_PY) -c "import torchkit; print(torchkit.build_info())"
+	$(GPU_PY) -m pytest tests -q
+	mkdir -p benchmarks/results/h100
+	$(GPU_PY) -m pytest benchmarks -m cuda --benchmark-json=benchmarks/results/h100/gpu.json
+	$(GPU_PY) benchmarks/report.py benchmarks/results/h100/gpu.json
+
+lint: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $$(find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
+
+clean:
+	rm -rf build torchkit/_C*.so $(BUILD_STAMP)

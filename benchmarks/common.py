@@ -1,0 +1,74 @@
+"""What every benchmark file uses: one timed case per (op, case, pass, implementation),
+tagged so that benchmarks/report.py can line torchkit up against its peers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+# Each case is timed for about this long (at least MIN_ROUNDS rounds, at most MAX_ROUNDS).
+TARGET_SECONDS = 1.0
+MIN_ROUNDS, MAX_ROUNDS = 3, 50
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_extra_bytes(fn, device: torch.device) -> int | None:
+    """Peak memory that one call of fn adds on top of what is allocated before it.
+
+    CUDA: the caching allocator's peak. CPU: the process's peak resident set (VmHWM), reset
+    through /proc/self/clear_refs; exact only when large blocks go straight back to the OS,
+    which `make bench` ensures with MALLOC_MMAP_THRESHOLD_. None where neither is available.
+    """
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        base = _rss_bytes("VmRSS")
+        fn()
+        return max(_rss_bytes("VmHWM") - base, 0)
+    except OSError:
+        return None
+
+
+def run(benchmark, fn, *, op: str, case: str, pass_: str, impl: str, device, **extra) -> None:
+    """Time fn (a closure over prepared inputs) as one pytest-benchmark entry.
+
+    `impl` is "torchkit" or a peer's name; the report divides each peer's median by torchkit's
+    within the same (op, case, pass) group. Extra keyword arguments land in extra_info
+    (e.g. `max_rel_error` for cdist's accuracy column).
+    """
+    device = torch.device(device)
+
+    def call():
+        fn()
+        _sync(device)
+
+    call()  # warm-up: first-call allocations, compilation, lazy initialisation
+    start = time.perf_counter()
+    call()
+    once = time.perf_counter() - start
+    rounds = int(min(MAX_ROUNDS, max(MIN_ROUNDS, TARGET_SECONDS / max(once, 1e-9))))
+
+    benchmark.group = f"{op} | {case} | {pass_}"
+    benchmark.extra_info.update(
+        op=op, case=case, pass_=pass_, impl=impl, device=str(device), peak_bytes=peak_extra_bytes(fn, device), **extra
+    )
+    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=0)

@@ -1,0 +1,128 @@
+"""Build torchkit._C: one extension holding every op's CPU (and optionally CUDA) kernels.
+
+Environment:
+  TORCHKIT_CUDA=1        force a CUDA build (works without a GPU, given a CUDA toolkit)
+  TORCHKIT_CUDA=0        force a CPU-only build
+  (unset)                CUDA when torch.cuda.is_available() and a toolkit is found
+  TORCH_CUDA_ARCH_LIST   GPU architectures; a forced build defaults to "8.0;9.0"
+  DEBUG=1                -O0 -g
+"""
+
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from packaging.version import Version
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).parent
+LIBRARY = "torchkit"
+# torch supports limited-API (abi3) extensions from 2.6; ours never touches Python objects.
+PY_LIMITED_API = Version(torch.__version__).release >= (2, 6)
+
+
+def _cuda_wanted() -> tuple[bool, str]:
+    flag = os.environ.get("TORCHKIT_CUDA")
+    if flag == "1":
+        if cpp_extension.CUDA_HOME is None:
+            raise RuntimeError("TORCHKIT_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME")
+        return True, "TORCHKIT_CUDA=1"
+    if flag == "0":
+        return False, "TORCHKIT_CUDA=0"
+    if flag not in (None, ""):
+        raise RuntimeError(f"TORCHKIT_CUDA must be 0, 1 or unset, got {flag!r}")
+    found = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+    return found, f"auto: torch.cuda.is_available()={torch.cuda.is_available()}, CUDA_HOME={cpp_extension.CUDA_HOME}"
+
+
+def _nvcc_version() -> str:
+    nvcc = Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc"
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-1]
+
+
+def _c_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's BuildExtension with ninja, compiling into build/temp instead of a throw-away directory.
+
+    pip's editable install compiles into a fresh temporary directory every time, so every
+    `make build` would recompile everything; a fixed directory lets ninja skip what is
+    up to date. An explicit --build-temp (as `make cuda-build` gives) is kept.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, use_ninja=True, **kwargs)
+
+    def finalize_options(self):
+        super().finalize_options()
+        if Path(self.build_temp).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve()):
+            self.build_temp = str(ROOT / "build" / "temp")
+
+
+def make_extension():
+    use_cuda, why = _cuda_wanted()
+    debug = os.environ.get("DEBUG") == "1"
+    if use_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and os.environ.get("TORCHKIT_CUDA") == "1":
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native") if use_cuda else ""
+    compiler = os.environ.get("CXX", "c++")
+    cuda_compiler = _nvcc_version() if use_cuda else ""
+
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
+    sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
+    if use_cuda:
+        sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
+
+    # The C++ standard is left to torch: 2.4 builds with C++17, newer releases need C++20.
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    # Build facts that torchkit.build_info() reports; compiled in so they travel with the .so.
+    info = [
+        f"-DTORCHKIT_BUILD_TORCH={_c_string(torch.__version__)}",
+        f"-DTORCHKIT_BUILD_ARCHS={_c_string(archs)}",
+    ]
+    cxx = [*opt, "-fdiagnostics-color=always", *info]
+    extra_compile_args = {"cxx": cxx}
+    if use_cuda:
+        extra_compile_args["nvcc"] = [*opt, "--expt-relaxed-constexpr", "-lineinfo"]
+
+    print(
+        "torchkit build configuration:\n"
+        f"  torch          {torch.__version__} (CUDA {torch.version.cuda})\n"
+        f"  CUDA kernels   {'yes' if use_cuda else 'no'} ({why})\n"
+        f"  CUDA_HOME      {cpp_extension.CUDA_HOME if use_cuda else '-'}\n"
+        f"  nvcc           {cuda_compiler or '-'}\n"
+        f"  architectures  {archs or '-'}\n"
+        f"  C++ compiler   {compiler}\n"
+        f"  debug          {debug}\n"
+        f"  limited API    {PY_LIMITED_API}\n"
+        f"  sources        {len(sources)}",
+        flush=True,
+    )
+    extension = cpp_extension.CUDAExtension if use_cuda else cpp_extension.CppExtension
+    return extension(
+        f"{LIBRARY}._C",
+        sources,
+        include_dirs=[str(ROOT / "csrc")],
+        extra_compile_args=extra_compile_args,
+        extra_link_args=[] if debug else ["-Wl,-O1"],
+        py_limited_api=PY_LIMITED_API,
+    )
+
+
+setup(
+    name=LIBRARY,
+    packages=find_packages(include=[LIBRARY, f"{LIBRARY}.*"]),
+    ext_modules=[make_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={
+        **({"bdist_wheel": {"py_limited_api": "cp39"}} if PY_LIMITED_API else {}),
+    },
+    platforms=[platform.system()],
+)

@@ -1,0 +1,89 @@
+"""Shared test vocabulary: devices, dtypes, and the checks every op's tests run.
+
+Test modules import these names (`from conftest import DEVICES, assert_close_reduced, ...`);
+tests/ is on sys.path because pytest puts a rootdir-less test folder there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+# `cuda` is skipped, not dropped, where no GPU is visible, so a CPU run reports what it left out.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
+]
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+REDUCED_DTYPES = [torch.float16, torch.bfloat16]
+
+# Tolerances for comparing against a reference computed in the same dtype.
+TOLERANCES = {
+    torch.float64: dict(rtol=1e-10, atol=1e-12),
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.float16: dict(rtol=2e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, **overrides) -> None:
+    """`torch.testing.assert_close` with this project's per-dtype tolerances."""
+    tol = {**TOLERANCES[expected.dtype], **overrides}
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+def assert_close_reduced(actual: torch.Tensor, baseline: torch.Tensor, reference64: torch.Tensor) -> None:
+    """Reduced-precision rule: `actual`'s error against a float64 reference is at most twice
+    the error of `baseline` (the plain PyTorch composition computed in float32, rounded to
+    `actual`'s dtype), with one unit in the last place of the output as the floor."""
+    assert actual.dtype == baseline.dtype, (actual.dtype, baseline.dtype)
+    assert not actual.isnan().any() or reference64.isnan().any(), "NaN where the reference has none"
+    ref = reference64.double()
+    err = (actual.double() - ref).abs().max().item() if ref.numel() else 0.0
+    base = (baseline.double() - ref).abs().max().item() if ref.numel() else 0.0
+    ulp = torch.finfo(actual.dtype).eps * (ref.abs().max().item() if ref.numel() else 0.0)
+    assert err <= max(2 * base, ulp), f"error {err:.3g} > 2 x baseline error {base:.3g} (ulp floor {ulp:.3g})"
+
+
+def poison_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of t's shape and type full of NaN (or the largest integer): what an output
+    slot holds before a kernel that forgets to write it."""
+    fill = float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).max
+    return torch.full_like(t, fill)
+
+
+def make_noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values as `t` in a tensor whose every dimension is strided (every other element)."""
+    big = torch.empty([2 * s for s in t.shape], dtype=t.dtype, device=t.device)
+    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    assert t.dim() == 0 or t.numel() <= 1 or not view.is_contiguous()
+    return view.requires_grad_(t.requires_grad)
+
+
+def check_gradcheck(fn, inputs: tuple, **kwargs) -> None:
+    """float64 `gradcheck` (and `gradgradcheck` is not claimed: backward ops are not differentiable)."""
+    assert all(not torch.is_tensor(x) or not x.is_floating_point() or x.dtype == torch.float64 for x in inputs)
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4, **kwargs)
+
+
+def check_opcheck(op, args: tuple, kwargs: dict | None = None) -> None:
+    """`torch.library.opcheck`: schema, fake kernel, autograd registration and AOT dispatch."""
+    torch.library.opcheck(op, args, kwargs or {})
+
+
+@functools.cache
+def compiled(fn, dynamic: bool = True):
+    """`torch.compile(fn, fullgraph=True)`; cached so parametrised tests share one compilation."""
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic)
+
+
+def check_compile(fn, *args, **kwargs) -> None:
+    """The compiled function (fullgraph, dynamic shapes) agrees with eager, values and grads."""
+    eager = fn(*args, **kwargs)
+    out = compiled(fn)(*args, **kwargs)
+    torch.testing.assert_close(out, eager)

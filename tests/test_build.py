@@ -1,0 +1,78 @@
+"""The extension itself: it loads, reports how it was built, and fails loudly when it cannot."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.version import Version
+
+import torchkit
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_has_ops():
+    assert torchkit.has_ops()
+    assert hasattr(torch.ops.torchkit, "_build_info")
+
+
+def test_version():
+    assert Version(torchkit.__version__) >= Version("0.1.0")
+
+
+def test_build_info_describes_this_build():
+    info = torchkit.build_info()
+    assert set(info) == {"torch", "cuda", "architectures", "compiler", "cuda_compiler"}
+    assert Version(info["torch"]).release[:2] == Version(torch.__version__).release[:2]
+    assert info["compiler"].split()[0] in {"gcc", "clang"}
+    if info["cuda"] is None:
+        assert info["architectures"] == [] and info["cuda_compiler"] is None
+    else:
+        assert info["cuda_compiler"].startswith("nvcc ") and info["architectures"]
+
+
+def test_cuda_version_agrees_with_build_info():
+    built = torch.ops.torchkit._cuda_version()
+    info = torchkit.build_info()
+    if info["cuda"] is None:
+        assert built == -1
+    else:
+        assert f"{built // 1000}.{built % 1000 // 10}" == info["cuda"]
+        assert info["cuda"] == ".".join(torch.version.cuda.split(".")[:2])
+
+
+@pytest.mark.skipif(os.environ.get("TORCHKIT_EXPECT_CUDA_BUILD") != "1", reason="only under make cuda-build")
+def test_this_is_the_cuda_build():
+    assert torchkit.build_info()["cuda"] is not None
+
+
+def test_cuda_version_mismatch_is_a_clear_error():
+    with pytest.raises(ImportError, match=r"compiled with CUDA 12\.4, but the installed torch .* uses CUDA 13\.2"):
+        torchkit._check_cuda_version(12040, "13.2")
+    torchkit._check_cuda_version(13020, "13.2")  # same major.minor: fine
+    torchkit._check_cuda_version(-1, "13.2")  # CPU-only build: fine
+    torchkit._check_cuda_version(13020, None)  # CPU-only torch: the CUDA kernels are never reached
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same torchkit as this run
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def test_import_from_outside_the_repo(tmp_path):
+    run = _python("import torchkit; print(torchkit.build_info()['torch'])", tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == torchkit.build_info()["torch"]
+
+
+def test_missing_extension_is_an_actionable_import_error(tmp_path):
+    # sys.modules[name] = None makes `import name` raise ImportError, as a missing .so does.
+    run = _python("import sys; sys.modules['torchkit._C'] = None; import torchkit", tmp_path)
+    assert run.returncode != 0
+    assert "torchkit's compiled extension torchkit._C could not be loaded" in run.stderr
+    assert f"installed: torch {torch.__version__}" in run.stderr
+    assert "make build" in run.stderr

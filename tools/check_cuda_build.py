@@ -1,0 +1,45 @@
+"""Check a CUDA build on a machine without a GPU: it imports from the CUDA build directory,
+reports the CUDA version torch uses, and every torchkit op that takes a tensor has a CUDA
+kernel registered with the dispatcher. (Ops without tensor arguments, such as _cuda_version,
+cannot dispatch by device and are catch-all kernels.)"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+import torchkit
+
+BUILD = Path(__file__).resolve().parent.parent / "build" / "cuda"
+
+
+def takes_tensor(schema: torch._C.FunctionSchema) -> bool:
+    return any("Tensor" in str(arg.type) for arg in schema.arguments)
+
+
+def main() -> None:
+    info = torchkit.build_info()
+    print(f"torchkit from {Path(torchkit.__file__).parent}\n  build_info: {info}")
+    if BUILD not in Path(torchkit.__file__).resolve().parents:
+        sys.exit(f"FAIL: imported torchkit from {torchkit.__file__}, not from the CUDA build in {BUILD}")
+    torch_cuda = ".".join(torch.version.cuda.split(".")[:2])
+    if info["cuda"] != torch_cuda:
+        sys.exit(f"FAIL: build_info()['cuda'] is {info['cuda']}, torch uses CUDA {torch_cuda}")
+
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchkit::"))
+    missing = []
+    for name in names:
+        schema = torch._C._get_schema(name, "")
+        if takes_tensor(schema):
+            has = torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
+            missing += [] if has else [name]
+            print(f"  {name:45s} CUDA kernel: {'yes' if has else 'MISSING'}")
+        else:
+            print(f"  {name:45s} catch-all (no tensor arguments)")
+    if missing:
+        sys.exit(f"FAIL: no CUDA kernel for {', '.join(missing)}")
+    print(f"OK: {len(names)} torchkit ops, every tensor op has a CUDA kernel")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""torchkit: fused CPU and CUDA kernels for fine-grained vision and metric learning.
+
+Ops (``torchkit.ops``), their pure-PyTorch references (``torchkit.reference``),
+drop-in modules (``torchkit.nn``) and torchvision transforms (``torchkit.transforms``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from packaging.version import Version
+
+__version__ = "0.1.0"
+
+_REBUILD = f"cd {Path(__file__).resolve().parent.parent} && make build  (or: pip install --no-build-isolation -e .)"
+
+
+def _load_extension() -> None:
+    try:
+        from torchkit import _C  # noqa: F401  (registers torch.ops.torchkit.*)
+    except ImportError as err:
+        raise ImportError(
+            f"torchkit's compiled extension torchkit._C could not be loaded: {err}\n"
+            f"  installed: torch {torch.__version__} (CUDA {torch.version.cuda}), Python {sys.version.split()[0]}\n"
+            "  The extension is missing or was built against another torch/CUDA. Rebuild it with:\n"
+            f"    {_REBUILD}"
+        ) from err
+
+
+def _check_cuda_version(built: int, installed_cuda: str | None) -> None:
+    """Raise if the extension's CUDA (e.g. 13020) is not the installed torch's (e.g. "13.2")."""
+    if built == -1 or installed_cuda is None:
+        return
+    built_major, built_minor = built // 1000, (built % 1000) // 10
+    installed = Version(installed_cuda)
+    if (built_major, built_minor) != (installed.major, installed.minor):
+        raise ImportError(
+            f"torchkit was compiled with CUDA {built_major}.{built_minor}, but the installed torch "
+            f"{torch.__version__} uses CUDA {installed_cuda}. Rebuild it with:\n    {_REBUILD}"
+        )
+
+
+_load_extension()
+_check_cuda_version(torch.ops.torchkit._cuda_version(), torch.version.cuda)
+
+
+def has_ops() -> bool:
+    """Whether the compiled torchkit ops are registered with the dispatcher."""
+    return hasattr(torch.ops.torchkit, "_cuda_version")
+
+
+def build_info() -> dict:
+    """How the loaded extension was built.
+
+    Returns a dict with ``torch`` (the version compiled against), ``cuda`` (e.g. ``"13.2"``,
+    or ``None`` for a CPU-only build), ``architectures`` (list of GPU architectures, empty
+    for CPU-only), ``compiler`` (the C++ compiler) and ``cuda_compiler`` (nvcc or ``None``).
+    """
+    raw = json.loads(torch.ops.torchkit._build_info())
+    cuda = raw["cuda"]
+    return {
+        "torch": raw["torch"],
+        "cuda": None if cuda == -1 else f"{cuda // 1000}.{(cuda % 1000) // 10}",
+        "architectures": [a for a in raw["architectures"].replace(" ", ";").split(";") if a],
+        "compiler": raw["compiler"],
+        "cuda_compiler": raw["cuda_compiler"] or None,
+    }
+
+
+from torchkit import nn, ops, reference, transforms  # noqa: E402
+
+__all__ = ["__version__", "build_info", "has_ops", "nn", "ops", "reference", "transforms"]
