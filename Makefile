@@ -36,10 +36,8 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 test: build
 	$(PY) -m pytest tests
 
-# A fixed mmap threshold returns large freed blocks to the OS at once, so that the peak
-# resident set that benchmarks/common.py reads is the peak of live tensors.
 bench: build
-	MALLOC_MMAP_THRESHOLD_=131072 $(PY) -m pytest benchmarks -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
+	$(PY) -m pytest benchmarks -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
 	$(PY) benchmarks/report.py $(BENCH_JSON)
 
 # CUDA build check, no GPU needed: compile and link every .cu with the nvcc that matches

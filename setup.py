@@ -66,6 +66,22 @@ class BuildExtension(cpp_extension.BuildExtension):
             self.build_temp = str(ROOT / "build" / "temp")
 
 
+def _cpu_isa_flags() -> tuple[list[str], str]:
+    """Vector ISA of the CPU kernels: at::vec picks its implementation at compile time.
+
+    TORCHKIT_CPU_ISA=avx2 (the default where the build machine has AVX2 and FMA) or
+    TORCHKIT_CPU_ISA=default (portable SSE2 code, for a binary that must run on any x86-64).
+    """
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    isa = os.environ.get("TORCHKIT_CPU_ISA") or ("avx2" if {"avx2", "fma", "f16c"} <= flags else "default")
+    if isa == "avx2":
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"], isa
+    if isa != "default":
+        raise RuntimeError(f"TORCHKIT_CPU_ISA must be avx2 or default, got {isa!r}")
+    return [], isa
+
+
 def make_extension():
     use_cuda, why = _cuda_wanted()
     debug = os.environ.get("DEBUG") == "1"
@@ -87,7 +103,8 @@ def make_extension():
         f"-DTORCHKIT_BUILD_TORCH={_c_string(torch.__version__)}",
         f"-DTORCHKIT_BUILD_ARCHS={_c_string(archs)}",
     ]
-    cxx = [*opt, "-fdiagnostics-color=always", *info]
+    isa_flags, isa = _cpu_isa_flags()
+    cxx = [*opt, "-fdiagnostics-color=always", *isa_flags, *info]
     extra_compile_args = {"cxx": cxx}
     if use_cuda:
         extra_compile_args["nvcc"] = [*opt, "--expt-relaxed-constexpr", "-lineinfo"]
@@ -100,6 +117,7 @@ def make_extension():
         f"  nvcc           {cuda_compiler or '-'}\n"
         f"  architectures  {archs or '-'}\n"
         f"  C++ compiler   {compiler}\n"
+        f"  CPU ISA        {isa}\n"
         f"  debug          {debug}\n"
         f"  limited API    {PY_LIMITED_API}\n"
         f"  sources        {len(sources)}",

@@ -3,6 +3,7 @@ tagged so that benchmarks/report.py can line torchkit up against its peers."""
 
 from __future__ import annotations
 
+import ctypes
 import time
 from pathlib import Path
 
@@ -28,9 +29,10 @@ def _rss_bytes(field: str) -> int:
 def peak_extra_bytes(fn, device: torch.device) -> int | None:
     """Peak memory that one call of fn adds on top of what is allocated before it.
 
-    CUDA: the caching allocator's peak. CPU: the process's peak resident set (VmHWM), reset
-    through /proc/self/clear_refs; exact only when large blocks go straight back to the OS,
-    which `make bench` ensures with MALLOC_MMAP_THRESHOLD_. None where neither is available.
+    CUDA: the caching allocator's peak. CPU: the growth of the process's peak resident set
+    (VmHWM, reset through /proc/self/clear_refs) after malloc_trim has returned free heap
+    memory to the OS; glibc maps blocks over 32 MiB afresh each time, so the large tensors
+    that matter are counted exactly. None where neither is available.
     """
     if device.type == "cuda":
         _sync(device)
@@ -40,6 +42,7 @@ def peak_extra_bytes(fn, device: torch.device) -> int | None:
         _sync(device)
         return torch.cuda.max_memory_allocated(device) - base
     try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         Path("/proc/self/clear_refs").write_text("5")
         base = _rss_bytes("VmRSS")
         fn()

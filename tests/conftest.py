@@ -83,7 +83,12 @@ def compiled(fn, dynamic: bool = True):
 
 
 def check_compile(fn, *args, **kwargs) -> None:
-    """The compiled function (fullgraph, dynamic shapes) agrees with eager, values and grads."""
+    """The compiled function (fullgraph, dynamic shapes) agrees with eager: its output and,
+    through the compiled backward graph, the gradients of the inputs that require them."""
+    leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
     eager = fn(*args, **kwargs)
     out = compiled(fn)(*args, **kwargs)
     torch.testing.assert_close(out, eager)
+    if leaves:
+        g = torch.randn_like(eager)
+        torch.testing.assert_close(torch.autograd.grad(out, leaves, g), torch.autograd.grad(eager, leaves, g))

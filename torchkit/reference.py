@@ -5,4 +5,48 @@ Same signatures as ``torchkit.ops``; tests use them as oracles and benchmarks as
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["label_smoothing_cross_entropy"]
+
+
+def label_smoothing_cross_entropy(
+    input: Tensor,
+    target: Tensor,
+    weight: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.1,
+    *,
+    exclude_target: bool = False,
+) -> Tensor:
+    """The cookbook's smoothed-target cross-entropy (see ``torchkit.ops`` for the semantics):
+    build the smoothed distribution q explicitly, then ``−Σ w·q·log_softmax``."""
+    class_dim = 0 if input.dim() == 1 else 1
+    C = input.shape[class_dim]
+    eps = label_smoothing
+    logp = F.log_softmax(input, dim=class_dim)
+    if target.is_floating_point():
+        y, keep = target, None
+    else:
+        keep = target != ignore_index
+        y = F.one_hot(torch.where(keep, target, 0), C).movedim(-1, class_dim).to(input.dtype)
+    q = (1 - eps) * y + (eps * (1 - y) / max(C - 1, 1) if exclude_target else eps / C)
+    shape = [1] * input.dim()
+    shape[class_dim] = C
+    w = torch.ones(C, dtype=input.dtype, device=input.device) if weight is None else weight
+    loss = -(w.view(shape) * q * logp).sum(class_dim)
+    if keep is None:
+        denominator = loss.new_tensor(loss.numel())
+    else:
+        loss = torch.where(keep, loss, 0)
+        denominator = torch.where(keep, w[torch.where(keep, target, 0)], 0).sum()
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / denominator

@@ -1,0 +1,363 @@
+// Label-smoothing cross-entropy on the CPU.
+//
+// The input is processed as rows of C contiguous logits ((N, C, d...) inputs are transposed
+// to (N·d..., C) rows once: the class dimension is strided there and a row-wise pass over
+// strided memory would be slower than the copy). Each row is cut into parts so that even
+// a single row (N = 1, C = 10⁶) keeps every core busy; a part is read from memory once,
+// in blocks of kBlock classes that stay in L1 while the block is read a second time.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "checks.h"
+#include "label_smoothing_ce.h"
+
+namespace torchkit::lsce {
+namespace {
+
+using at::Tensor;
+using at::vec::Vectorized;
+
+constexpr int64_t kBlock = 2048;  // classes per block: 8 KiB of float32
+constexpr int64_t kTasksPerThread = 4;
+
+inline Vectorized<float> vexp(const Vectorized<float>& x) { return x.exp_u20(); }
+inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.map(std::exp); }
+
+// n values starting at src as acc_t: src itself when the types agree, else a copy in buf.
+template <typename scalar_t, typename acc_t>
+const acc_t* as_acc(const scalar_t* src, int64_t n, acc_t* buf) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<acc_t>(src[i]);
+    return buf;
+  }
+}
+
+// Running sums over part of a row: max, Σ exp(x − max), Σ w·x, Σ w·p, Σ w·p·x.
+template <typename acc_t>
+struct RowState {
+  acc_t max = -std::numeric_limits<acc_t>::infinity();
+  acc_t sumexp = 0, wx = 0, wp = 0, wpx = 0;
+
+  // Rescale sumexp to a new maximum; exp(−∞ − m) = 0 also covers an empty state.
+  acc_t rescale(acc_t new_max) const {
+    return max == -std::numeric_limits<acc_t>::infinity() ? acc_t(0)
+                                                          : sumexp * std::exp(max - new_max);
+  }
+
+  void merge(const RowState& o) {
+    const acc_t m = std::max(max, o.max);
+    sumexp = rescale(m) + o.rescale(m);
+    max = m;
+    wx += o.wx;
+    wp += o.wp;
+    wpx += o.wpx;
+  }
+};
+
+template <typename acc_t, bool kWeight, bool kProb>
+void accumulate_block(RowState<acc_t>& st, const acc_t* x, const acc_t* w, const acc_t* p,
+                      int64_t n) {
+  using V = Vectorized<acc_t>;
+  const acc_t block_max =
+      at::vec::reduce_all<acc_t>([](V a, V b) { return at::vec::maximum(a, b); }, x, n);
+  if (block_max > st.max) {
+    st.sumexp = st.rescale(block_max);
+    st.max = block_max;
+  }
+  const V vmax(st.max);
+  V vs(0), vwx(0), vwp(0), vwpx(0);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    const V xv = V::loadu(x + i);
+    vs += vexp(xv - vmax);
+    const V wv = kWeight ? V::loadu(w + i) : V(1);
+    vwx += kWeight ? wv * xv : xv;
+    if constexpr (kProb) {
+      const V wpv = wv * V::loadu(p + i);
+      vwp += wpv;
+      vwpx += wpv * xv;
+    }
+  }
+  auto hsum = [](const V& v) {
+    return at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, v);
+  };
+  acc_t s = hsum(vs), wx = hsum(vwx), wp = hsum(vwp), wpx = hsum(vwpx);
+  for (; i < n; ++i) {
+    s += std::exp(x[i] - st.max);
+    const acc_t wi = kWeight ? w[i] : acc_t(1);
+    wx += wi * x[i];
+    if constexpr (kProb) {
+      wp += wi * p[i];
+      wpx += wi * p[i] * x[i];
+    }
+  }
+  st.sumexp += s;
+  st.wx += wx;
+  st.wp += wp;
+  st.wpx += wpx;
+}
+
+// How many parts to cut each of `rows` rows of C classes into: one when rows alone keep
+// every thread busy, more (down to one block each) when they do not.
+int64_t parts_per_row(int64_t rows, int64_t C) {
+  const int64_t tasks = kTasksPerThread * at::get_num_threads();
+  const int64_t blocks = (C + kBlock - 1) / kBlock;
+  return std::max<int64_t>(1, std::min(blocks, (tasks + rows - 1) / std::max<int64_t>(rows, 1)));
+}
+
+template <typename index_t>
+void check_target(const Problem& p, index_t t) {
+  TK_CHECK_INDEX(kOp, t >= 0 && t < p.C, "target must hold class indices in [0, ", p.C,
+                 ") or ignore_index=", p.ignore_index, ", got ", static_cast<int64_t>(t));
+}
+
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+void forward_rows(const Problem& pr, const Tensor& x_rows, const Tensor& target_rows,
+                  const Tensor& w_acc, double weight_total, Tensor& lse, Tensor& losses,
+                  Tensor& position_weights) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = x_rows.size(0), C = pr.C;
+  const int64_t parts = parts_per_row(rows, C);
+  const int64_t part_len = (C + parts - 1) / parts;
+  const scalar_t* x = x_rows.const_data_ptr<scalar_t>();
+  const scalar_t* p = kProb ? target_rows.const_data_ptr<scalar_t>() : nullptr;
+  const index_t* t = kProb ? nullptr : target_rows.const_data_ptr<index_t>();
+  const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
+
+  std::vector<RowState<acc_t>> states(rows * parts);
+  at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
+    acc_t xbuf[kBlock], pbuf[kBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / parts, c0 = (task % parts) * part_len;
+      const int64_t c1 = std::min(C, c0 + part_len);
+      RowState<acc_t>& st = states[task];
+      for (int64_t b = c0; b < c1; b += kBlock) {
+        const int64_t n = std::min(kBlock, c1 - b);
+        const acc_t* xa = as_acc(x + r * C + b, n, xbuf);
+        const acc_t* pa = kProb ? as_acc(p + r * C + b, n, pbuf) : nullptr;
+        accumulate_block<acc_t, kWeight, kProb>(st, xa, kWeight ? w + b : nullptr, pa, n);
+      }
+    }
+  });
+
+  const acc_t a = pr.a, bb = pr.b, W = weight_total;
+  acc_t* lse_out = lse.mutable_data_ptr<acc_t>();
+  acc_t* loss_out = losses.mutable_data_ptr<acc_t>();
+  acc_t* pw_out = position_weights.mutable_data_ptr<acc_t>();
+  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      RowState<acc_t> st = states[r * parts];
+      for (int64_t k = 1; k < parts; ++k) st.merge(states[r * parts + k]);
+      const acc_t l = st.max + std::log(st.sumexp);
+      lse_out[r] = l;
+      // ε = 0 skips the smoothing sum, so that −∞ logits (masking) stay finite as in PyTorch.
+      const acc_t smooth = bb != 0 ? bb * (W * l - st.wx) : acc_t(0);
+      if constexpr (kProb) {
+        loss_out[r] = a * (st.wp * l - st.wpx) + smooth;
+        pw_out[r] = 1;
+      } else {
+        const index_t ti = t[r];
+        if (ti == pr.ignore_index) {
+          loss_out[r] = 0;
+          pw_out[r] = 0;
+          continue;
+        }
+        check_target(pr, ti);
+        const acc_t wt = kWeight ? w[ti] : acc_t(1);
+        loss_out[r] = a * wt * (l - static_cast<acc_t>(x[r * C + ti])) + smooth;
+        pw_out[r] = wt;
+      }
+    }
+  });
+}
+
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
+                   const Tensor& target_rows, const Tensor& w_acc, double weight_total,
+                   const Tensor& lse, Tensor& grad_rows) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
+  const int64_t rows = x_rows.size(0), C = pr.C;
+  const int64_t parts = parts_per_row(rows, C);
+  const int64_t part_len = (C + parts - 1) / parts;
+  const scalar_t* x = x_rows.const_data_ptr<scalar_t>();
+  const scalar_t* p = kProb ? target_rows.const_data_ptr<scalar_t>() : nullptr;
+  const index_t* t = kProb ? nullptr : target_rows.const_data_ptr<index_t>();
+  const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* g = scale.const_data_ptr<acc_t>();
+  const int64_t g_stride = scale.dim() == 0 ? 0 : 1;
+  const acc_t* lse_in = lse.const_data_ptr<acc_t>();
+  scalar_t* out = grad_rows.mutable_data_ptr<scalar_t>();
+  const acc_t a = pr.a, bb = pr.b, W = weight_total;
+
+  // K = Σ_c w_c q_c: a·w_t + b·W for an index target; a·Σ w·p + b·W needs a pass over p.
+  std::vector<acc_t> K(rows);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    acc_t pbuf[kBlock];
+    for (int64_t r = begin; r < end; ++r) {
+      if constexpr (kProb) {
+        acc_t wp = 0;
+        for (int64_t b = 0; b < C; b += kBlock) {
+          const int64_t n = std::min(kBlock, C - b);
+          const acc_t* pa = as_acc(p + r * C + b, n, pbuf);
+          for (int64_t i = 0; i < n; ++i) wp += (kWeight ? w[b + i] : acc_t(1)) * pa[i];
+        }
+        K[r] = a * wp + bb * W;
+      } else {
+        const index_t ti = t[r];
+        if (ti == pr.ignore_index) {
+          K[r] = 0;
+          continue;
+        }
+        check_target(pr, ti);
+        K[r] = a * (kWeight ? w[ti] : acc_t(1)) + bb * W;
+      }
+    }
+  });
+
+  at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
+    acc_t xbuf[kBlock], pbuf[kBlock], gbuf[kBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / parts, c0 = (task % parts) * part_len;
+      const int64_t c1 = std::min(C, c0 + part_len);
+      const bool ignored = !kProb && t[r] == pr.ignore_index;
+      const acc_t gr = g[r * g_stride];
+      const V vg(gr), vK(K[r]), vlse(lse_in[r]), va(a), vb(bb);
+      for (int64_t b = c0; b < c1; b += kBlock) {
+        const int64_t n = std::min(kBlock, c1 - b);
+        scalar_t* dst = out + r * C + b;
+        acc_t* gout = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(dst) : gbuf;
+        if (ignored) {
+          std::fill(gout, gout + n, acc_t(0));
+        } else {
+          const acc_t* xa = as_acc(x + r * C + b, n, xbuf);
+          const acc_t* pa = kProb ? as_acc(p + r * C + b, n, pbuf) : nullptr;
+          const acc_t* wb = kWeight ? w + b : nullptr;
+          int64_t i = 0;
+          for (; i + V::size() <= n; i += V::size()) {
+            const V wv = kWeight ? V::loadu(wb + i) : V(1);
+            const V q = kProb ? va * V::loadu(pa + i) + vb : vb;
+            (vg * (vexp(V::loadu(xa + i) - vlse) * vK - wv * q)).store(gout + i);
+          }
+          for (; i < n; ++i) {
+            const acc_t q = kProb ? a * pa[i] + bb : bb;
+            gout[i] = gr * (std::exp(xa[i] - lse_in[r]) * K[r] - (kWeight ? wb[i] : acc_t(1)) * q);
+          }
+          if constexpr (!kProb) {
+            // The target's own term, in acc_t before rounding (bf16 would lose it otherwise).
+            const int64_t ti = t[r];
+            if (ti >= b && ti < b + n) {
+              const acc_t wt = kWeight ? w[ti] : acc_t(1);
+              gout[ti - b] = gr * (std::exp(xa[ti - b] - lse_in[r]) * K[r] - wt * (a + bb));
+            }
+          }
+        }
+        if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+          for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(gout[i]);
+        }
+      }
+    }
+  });
+}
+
+template <typename F>
+void with_bool(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// Calls f(Type<scalar_t>, Type<index_t>, kWeight, kProb) with the problem's types as
+// compile-time arguments (C++17: torch 2.4 builds extensions without C++20's template lambdas).
+template <typename F>
+void dispatch(const Problem& p, const Tensor& input, const Tensor& target, bool has_weight, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kOp, [&] {
+    with_bool(has_weight, [&](auto weighted) {
+      if (p.prob_target) {
+        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::true_type{});
+      } else if (target.scalar_type() == at::kInt) {
+        f(Type<scalar_t>{}, Type<int32_t>{}, weighted, std::false_type{});
+      } else {
+        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::false_type{});
+      }
+    });
+  });
+}
+
+#define TK_DISPATCHED(fn)                                                         \
+  fn<typename decltype(s)::type, typename decltype(i)::type, decltype(kW)::value, \
+     decltype(kP)::value>
+
+// (N, C, S) → (N·S, C) rows of contiguous classes; a view when S = 1 and input is contiguous.
+Tensor as_rows(const Problem& p, const Tensor& t) {
+  return t.reshape({p.N, p.C, p.S}).transpose(1, 2).reshape({p.N * p.S, p.C}).contiguous();
+}
+
+std::tuple<Tensor, Tensor, Tensor> forward_cpu(const Tensor& input, const Tensor& target,
+                                               const std::optional<Tensor>& weight,
+                                               int64_t ignore_index, c10::string_view reduction,
+                                               double label_smoothing, bool exclude_target) {
+  const Problem p =
+      check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
+  auto [lse, losses, position_weights] = allocate_positions(p, input);
+  if (lse.numel() > 0) {
+    const Tensor x_rows = as_rows(p, input);
+    const Tensor t_rows = p.prob_target ? as_rows(p, target) : target.reshape({-1}).contiguous();
+    const Tensor w_sum = weight_sum(p, input, weight);
+    const Tensor w_acc = weight ? weight->to(w_sum.scalar_type()).contiguous() : Tensor();
+    const double W = w_sum.item<double>();  // a CPU scalar: no device synchronisation
+    dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
+      TK_DISPATCHED(forward_rows)(p, x_rows, t_rows, w_acc, W, lse, losses, position_weights);
+    });
+  }
+  return reduce(p, input, lse, losses, position_weights);
+}
+
+Tensor backward_cpu(const Tensor& grad, const Tensor& input, const Tensor& target,
+                    const std::optional<Tensor>& weight, const Tensor& lse,
+                    const Tensor& total_weight, int64_t ignore_index, c10::string_view reduction,
+                    double label_smoothing, bool exclude_target) {
+  const Problem p =
+      check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
+  if (input.numel() == 0) return at::zeros_like(input, at::MemoryFormat::Contiguous);
+  const Tensor x_rows = as_rows(p, input);
+  const Tensor t_rows = p.prob_target ? as_rows(p, target) : target.reshape({-1}).contiguous();
+  const Tensor w_sum = weight_sum(p, input, weight);
+  const Tensor w_acc = weight ? weight->to(w_sum.scalar_type()).contiguous() : Tensor();
+  const double W = w_sum.item<double>();
+  const Tensor scale = grad_scale(p, grad, total_weight);
+  Tensor grad_rows = at::empty({p.N * p.S, p.C}, input.options());
+  dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
+    TK_DISPATCHED(backward_rows)(p, scale, x_rows, t_rows, w_acc, W, lse.contiguous(), grad_rows);
+  });
+  if (p.S == 1) return grad_rows.view(input.sizes());
+  return grad_rows.view({p.N, p.S, p.C}).transpose(1, 2).contiguous().view(input.sizes());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
+  m.impl("label_smoothing_cross_entropy", &forward_cpu);
+  m.impl("_label_smoothing_cross_entropy_backward", &backward_cpu);
+}
+
+}  // namespace torchkit::lsce

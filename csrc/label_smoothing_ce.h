@@ -1,0 +1,62 @@
+// Label-smoothing cross-entropy: what the schema file shares with the CPU and CUDA kernels.
+//
+// Every supported form reduces to one per-position formula. With logits x (C classes),
+// lse = log Σ_c exp(x_c), class weights w (all 1 when absent) and a smoothed target
+// distribution q, the loss at a position is
+//     ℓ = Σ_c w_c q_c (lse − x_c)
+// where, for a class-index target t and a probability target p respectively,
+//     q_c = a·[c = t] + b        q_c = a·p_c + b
+// with (a, b) = (1 − ε, ε/C) for PyTorch's convention and (1 − ε − ε/(C−1), ε/(C−1)) for the
+// cookbook's (exclude_target=True: the target gets 1 − ε, every other class ε/(C−1)).
+// The gradient is ∂ℓ/∂x_c = K·softmax_c − w_c q_c with K = Σ_c w_c q_c.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace torchkit::lsce {
+
+constexpr const char* kOp = "label_smoothing_cross_entropy";
+
+enum class Reduction { None, Mean, Sum };
+
+// The input viewed as (N, C, S): S = 1 for (N, C) and (C); S = d1·…·dk for (N, C, d1, …, dk).
+struct Problem {
+  int64_t N = 0, C = 0, S = 0;
+  bool prob_target = false;
+  Reduction reduction = Reduction::Mean;
+  int64_t ignore_index = -100;
+  double a = 1.0, b = 0.0;
+};
+
+// Validates the arguments (each message names the argument, the expectation and the value)
+// and describes the problem. Shared by both backends; index range checks are the kernels'.
+Problem check_inputs(const at::Tensor& input, const at::Tensor& target,
+                     const std::optional<at::Tensor>& weight, int64_t ignore_index,
+                     c10::string_view reduction, double label_smoothing, bool exclude_target);
+
+// Per-position outputs every forward kernel fills: (lse, loss, weight of the position in a
+// mean: w_t for a kept index target, 0 for an ignored one, 1 for a probability target),
+// all in the accumulation type (float32, or float64 for float64 input), shaped as the
+// positions ((), (N,) or (N, d1, …, dk)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_positions(const Problem& p,
+                                                                  const at::Tensor& input);
+
+// The op's outputs from the per-position losses: (loss in the reduction's shape and the
+// input's dtype, lse, total weight). Device tensor ops only: no host synchronisation.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce(const Problem& p, const at::Tensor& input,
+                                                      const at::Tensor& lse,
+                                                      const at::Tensor& losses,
+                                                      const at::Tensor& position_weights);
+
+// The per-position upstream gradient scale for the backward kernels, in the accumulation
+// type: grad for 'none' (positions-shaped), grad for 'sum' and grad / total_weight for
+// 'mean' (0-d, broadcast by the kernels).
+at::Tensor grad_scale(const Problem& p, const at::Tensor& grad, const at::Tensor& total_weight);
+
+// Σ_c w_c as a 0-d accumulation-type tensor on the input's device (C when weight is absent).
+at::Tensor weight_sum(const Problem& p, const at::Tensor& input,
+                      const std::optional<at::Tensor>& weight);
+
+}  // namespace torchkit::lsce

@@ -1,0 +1,376 @@
+"""torchkit.ops.label_smoothing_cross_entropy against F.cross_entropy and the reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    DEVICES,
+    FLOAT_DTYPES,
+    REDUCED_DTYPES,
+    assert_close,
+    assert_close_reduced,
+    check_compile,
+    check_gradcheck,
+    check_opcheck,
+    make_noncontiguous,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchkit
+from torchkit import ops, reference
+
+OP = torch.ops.torchkit.label_smoothing_cross_entropy.default
+BACKWARD = torch.ops.torchkit._label_smoothing_cross_entropy_backward.default
+
+# (input shape, target kind): the forms F.cross_entropy accepts.
+FORMS = [
+    ((7,), "index"),
+    ((5, 7), "index"),
+    ((3, 6, 4, 5), "index"),
+    ((7,), "prob"),
+    ((5, 7), "prob"),
+    ((3, 6, 4, 5), "prob"),
+]
+
+
+def make_case(shape, kind, dtype=torch.float32, device="cpu", ignore=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).to(device)
+    class_dim = 0 if len(shape) == 1 else 1
+    C = shape[class_dim]
+    if kind == "prob":
+        t = torch.randn(shape, generator=g, dtype=torch.float64).softmax(class_dim).to(dtype).to(device)
+    else:
+        pos = shape[:class_dim] + shape[class_dim + 1 :]
+        t = torch.randint(C, pos, generator=g)
+        if ignore and t.numel() > 1:
+            t.view(-1)[:: max(2, t.numel() // 3)] = -100  # a few ignored positions
+        t = t.to(device)
+    w = (torch.rand(C, generator=g, dtype=torch.float64) + 0.5).to(dtype).to(device)
+    return x, t, w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,kind", FORMS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 0.1, 1.0])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_matches_f_cross_entropy(device, shape, kind, reduction, weighted, eps, contiguous):
+    x, t, w = make_case(shape, kind, torch.float64, device)
+    if not contiguous:
+        x = make_noncontiguous(x)
+        t = make_noncontiguous(t)
+    x.requires_grad_()
+    kw = dict(weight=w if weighted else None, reduction=reduction, label_smoothing=eps)
+    ours = ops.label_smoothing_cross_entropy(x, t, **kw)
+    theirs = F.cross_entropy(x, t, **kw)
+    ref = reference.label_smoothing_cross_entropy(x, t, **kw)
+    assert_close(ours, theirs)
+    assert_close(ref, theirs)
+    g = torch.randn_like(theirs)
+    (ga,) = torch.autograd.grad(ours, x, g)
+    (gb,) = torch.autograd.grad(theirs, x, g)
+    assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("kind", ["index", "prob"])
+def test_dtypes(device, dtype, kind):
+    x, t, w = make_case((33, 301), kind, dtype, device)
+    x.requires_grad_()
+    out = ops.label_smoothing_cross_entropy(x, t, weight=w, label_smoothing=0.1, reduction="none")
+    assert out.dtype == F.cross_entropy(x, t, weight=w, label_smoothing=0.1, reduction="none").dtype
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert grad.dtype == dtype
+    x64, t64, w64 = x.detach().double().requires_grad_(), (t.double() if kind == "prob" else t), w.double()
+    ref = F.cross_entropy(x64, t64, weight=w64, label_smoothing=0.1, reduction="none")
+    (ref_grad,) = torch.autograd.grad(ref.sum(), x64)
+    if dtype in REDUCED_DTYPES:
+        # The plain composition in float32, rounded: the baseline the fused kernel must match.
+        x32 = x.detach().float().requires_grad_()
+        base = F.cross_entropy(
+            x32, t.float() if kind == "prob" else t, weight=w.float(), label_smoothing=0.1, reduction="none"
+        )
+        (base_grad,) = torch.autograd.grad(base.sum(), x32)
+        assert_close_reduced(out, base.to(dtype), ref)
+        assert_close_reduced(grad, base_grad.to(dtype), ref_grad)
+    else:
+        assert_close(out, ref.to(dtype))
+        assert_close(grad, ref_grad.to(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_target_gradient_kept_in_float32(device):
+    # Liger #1268: the target-class term (softmax − 1) loses its digits if rounded early.
+    x = torch.zeros(2, 4096, dtype=torch.bfloat16, device=device)
+    x[:, 7] = 12.0  # softmax of the target close to 1
+    x.requires_grad_()
+    t = torch.tensor([7, 7], device=device)
+    ops.label_smoothing_cross_entropy(x, t, label_smoothing=0.0).backward()
+    x64 = x.detach().double().requires_grad_()
+    F.cross_entropy(x64, t, label_smoothing=0.0).backward()
+    torch.testing.assert_close(x.grad[:, 7].double(), x64.grad[:, 7], rtol=8e-3, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["index", "prob"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_exclude_target_is_the_cookbook_formula(device, kind, weighted):
+    x, t, w = make_case((6, 9), kind, torch.float64, device, ignore=False)
+    eps, C = 0.1, 9
+    w = w if weighted else None
+    # The cookbook's snippet, generalised to probabilities: the target keeps 1 − ε of its mass,
+    # the other C − 1 classes share ε.
+    y = t if kind == "prob" else F.one_hot(t, C).double()
+    smoothed = (1 - eps) * y + eps * (1 - y) / (C - 1)
+    per_class = -F.log_softmax(x, 1) * smoothed * (1 if w is None else w)
+    denominator = 6 if (kind == "prob" or w is None) else w[t].sum()
+    expected = per_class.sum() / denominator
+    ours = ops.label_smoothing_cross_entropy(x, t, weight=w, label_smoothing=eps, exclude_target=True)
+    assert_close(ours, expected)
+    assert_close(
+        reference.label_smoothing_cross_entropy(x, t, weight=w, label_smoothing=eps, exclude_target=True), expected
+    )
+
+
+def test_exclude_target_with_ignore_index_matches_reference():
+    x, t, w = make_case((3, 5, 4), "index", torch.float64)
+    for reduction in ("mean", "sum", "none"):
+        kw = dict(weight=w, reduction=reduction, label_smoothing=0.3, exclude_target=True)
+        assert_close(ops.label_smoothing_cross_entropy(x, t, **kw), reference.label_smoothing_cross_entropy(x, t, **kw))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pytorch_bug_cases(device):
+    x, t, w = make_case((8, 10), "index", torch.float64, device)
+    t[:4] = -100
+    # #73205: ignored rows must not count in the smoothing term; #69339: weight + smoothing +
+    # ignore_index together.
+    for kw in (dict(), dict(weight=w)):
+        for red in ("mean", "sum", "none"):
+            a = ops.label_smoothing_cross_entropy(x, t, reduction=red, label_smoothing=0.2, **kw)
+            assert_close(a, F.cross_entropy(x, t, reduction=red, label_smoothing=0.2, **kw))
+    t2 = torch.full_like(t, 3)
+    t2[0] = 9
+    assert_close(
+        ops.label_smoothing_cross_entropy(x, t2, ignore_index=3, weight=w),
+        F.cross_entropy(x, t2, ignore_index=3, weight=w, label_smoothing=0.1),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_ignored(device):
+    x = torch.randn(4, 5, device=device, requires_grad=True)
+    t = torch.full((4,), -100, device=device)
+    for red in ("mean", "sum", "none"):
+        ours = ops.label_smoothing_cross_entropy(x, t, reduction=red)
+        theirs = F.cross_entropy(x, t, reduction=red, label_smoothing=0.1)
+        torch.testing.assert_close(ours, theirs, equal_nan=True)
+    ops.label_smoothing_cross_entropy(x, t, reduction="sum").backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_logits_propagate_like_pytorch(device):
+    x = torch.randn(4, 6, device=device)
+    x[0, 1] = float("nan")
+    x[1, 2] = float("inf")
+    x[2, 3] = float("-inf")  # masking: finite with ε = 0
+    t = torch.tensor([0, 1, 2, 4], device=device)
+    for eps in (0.0, 0.1):
+        ours = ops.label_smoothing_cross_entropy(x, t, reduction="none", label_smoothing=eps)
+        theirs = F.cross_entropy(x, t, reduction="none", label_smoothing=eps)
+        torch.testing.assert_close(ours, theirs, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_rows_and_few_rows(device):
+    # N = 1 splits the row across threads; the parts must combine exactly.
+    x, t, w = make_case((1, 100_003), "index", torch.float64, device, ignore=False)
+    x.requires_grad_()
+    kw = dict(weight=w, label_smoothing=0.1)
+    a = ops.label_smoothing_cross_entropy(x, t, **kw)
+    b = F.cross_entropy(x, t, **kw)
+    assert_close(a, b)
+    assert_close(torch.autograd.grad(a, x)[0], torch.autograd.grad(b, x)[0])
+
+
+def test_int32_targets():
+    x, t, _ = make_case((6, 11), "index", torch.float64)
+    assert_close(ops.label_smoothing_cross_entropy(x, t.int()), F.cross_entropy(x, t, label_smoothing=0.1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_probability_target_gradient(device):
+    x, p, w = make_case((4, 6), "prob", torch.float64, device)
+    x.requires_grad_()
+    p.requires_grad_()
+    for red in ("mean", "none"):
+        a = ops.label_smoothing_cross_entropy(x, p, weight=w, reduction=red, label_smoothing=0.2)
+        b = F.cross_entropy(x, p, weight=w, reduction=red, label_smoothing=0.2)
+        g = torch.randn_like(b)
+        for ga, gb in zip(torch.autograd.grad(a, (x, p), g), torch.autograd.grad(b, (x, p), g)):
+            assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,kind", FORMS)
+@pytest.mark.parametrize("exclude_target", [False, True])
+def test_gradcheck(device, shape, kind, exclude_target):
+    x, t, w = make_case(shape, kind, torch.float64, device)
+    x.requires_grad_()
+    if kind == "prob":
+        t.requires_grad_()
+    inputs = (x, t)
+
+    def fn(x, t):
+        return ops.label_smoothing_cross_entropy(
+            x, t, weight=w, reduction="none", label_smoothing=0.3, exclude_target=exclude_target
+        )
+
+    check_gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,kind", [((5, 7), "index"), ((3, 6, 4), "index"), ((5, 7), "prob")])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_opcheck(device, shape, kind, reduction):
+    x, t, w = make_case(shape, kind, torch.float64, device)
+    x.requires_grad_()
+    args = (x, t, w, -100, reduction, 0.1, False)
+    check_opcheck(OP, args)
+    loss, lse, total = OP(*args)
+    # The backward op is not differentiable itself: opcheck it on inputs that need no grad.
+    check_opcheck(
+        BACKWARD, (torch.ones_like(loss), x.detach(), t, w, lse.detach(), total.detach(), -100, reduction, 0.1, False)
+    )
+
+
+def _smoothed_loss(x, t, w):
+    return ops.label_smoothing_cross_entropy(x, t, weight=w, label_smoothing=0.1, reduction="none")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile(device):
+    for shape in ((4, 10), (7, 13), (2, 5, 3)):  # later shapes go through the dynamic graph
+        x, t, w = make_case(shape, "index", torch.float32, device)
+        check_compile(_smoothed_loss, x.requires_grad_(), t, w)
+
+
+def test_double_backward_is_a_clear_error():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(ops.label_smoothing_cross_entropy(x, torch.tensor([0, 1, 2])), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        g.sum().backward()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 6),
+    c=st.integers(1, 40),
+    extra=st.lists(st.integers(1, 4), max_size=2),
+    eps=st.floats(0, 1),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    prob=st.booleans(),
+    exclude=st.booleans(),
+)
+def test_hypothesis_shapes(n, c, extra, eps, reduction, prob, exclude):
+    if exclude and c == 1:
+        eps = 0.0
+    shape = (n, c, *extra)
+    x, t, w = make_case(shape, "prob" if prob else "index", torch.float64, seed=n * 1000 + c)
+    kw = dict(weight=w, reduction=reduction, label_smoothing=eps, exclude_target=exclude)
+    ours = ops.label_smoothing_cross_entropy(x, t, **kw)
+    torch.testing.assert_close(ours, reference.label_smoothing_cross_entropy(x, t, **kw), equal_nan=True)
+    if not exclude:
+        torch.testing.assert_close(
+            ours, F.cross_entropy(x, t, weight=w, reduction=reduction, label_smoothing=eps), equal_nan=True
+        )
+
+
+# Each bad input: (input, target, kwargs, exception, message).
+x57 = torch.randn(5, 7)
+t5 = torch.randint(7, (5,))
+BAD = [
+    (
+        x57,
+        torch.tensor([0, 1, 2, 3, 7]),
+        {},
+        IndexError,
+        r"target must hold class indices in \[0, 7\) or ignore_index=-100, got 7",
+    ),
+    (x57, torch.tensor([0, 1, 2, 3, -1]), {}, IndexError, r"got -1"),
+    (x57, torch.randint(7, (4,)), {}, ValueError, r"class-index target must have shape \[5\].*got \[4\]"),
+    (x57, torch.rand(5, 6), {}, ValueError, r"floating target .* must have the input's shape \[5, 7\], got \[5, 6\]"),
+    (x57, torch.randint(7, (5, 7)), {}, ValueError, r"class-index target must have shape \[5\] .* got \[5, 7\]"),
+    (x57, t5, dict(weight=torch.ones(6)), ValueError, r"weight must have shape \(C,\) = \(7,\), got \[6\]"),
+    (x57, t5, dict(weight=torch.ones(7, dtype=torch.float64)), TypeError, r"input and weight must have the same dtype"),
+    (x57, t5, dict(label_smoothing=1.5), ValueError, r"label_smoothing must be in \[0, 1\], got 1.5"),
+    (x57, t5, dict(label_smoothing=-0.1), ValueError, r"label_smoothing must be in \[0, 1\], got -0.1"),
+    (x57, t5, dict(reduction="avg"), ValueError, r"reduction must be 'none', 'mean' or 'sum', got 'avg'"),
+    (torch.randint(5, (5, 7)), t5, {}, TypeError, r"input must be float32, float64, float16 or bfloat16, got Long"),
+    (torch.randn(5, 7, dtype=torch.complex64), t5, {}, TypeError, r"input must be float32.*got ComplexFloat"),
+    (torch.randn(5, 0), t5, {}, ValueError, r"input must have at least one class \(C > 0\)"),
+    (x57, t5.to(torch.int16), {}, TypeError, r"target must hold class indices \(int64 or int32\).*got Short"),
+    (
+        x57,
+        torch.rand(5, 7),
+        dict(ignore_index=2),
+        ValueError,
+        r"ignore_index is not supported with probability targets",
+    ),
+    (
+        x57,
+        torch.rand(5, 7, dtype=torch.float64),
+        {},
+        TypeError,
+        r"input and a probability target must have the same dtype",
+    ),
+    (
+        torch.randn(5, 1),
+        torch.zeros(5, dtype=torch.long),
+        dict(exclude_target=True),
+        ValueError,
+        r"needs C >= 2, got C = 1",
+    ),
+    (torch.tensor(1.0), torch.tensor(0), {}, ValueError, r"input must have shape \(C\), \(N, C\)"),
+    (x57, t5, dict(weight=torch.ones(7, requires_grad=True)), ValueError, r"weight must not require grad"),
+]
+
+
+@pytest.mark.parametrize("x,t,kw,exc,match", BAD)
+def test_bad_input(x, t, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.label_smoothing_cross_entropy(x, t, **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch():
+    with pytest.raises(ValueError, match=r"input and target must be on the same device"):
+        ops.label_smoothing_cross_entropy(x57.cuda(), t5)
+
+
+def test_module():
+    w = torch.rand(7)
+    m = torchkit.nn.LabelSmoothingCrossEntropy(weight=w, label_smoothing=0.2, reduction="sum")
+    assert "label_smoothing=0.2" in repr(m) and "reduction='sum'" in repr(m) and "weighted=True" in repr(m)
+    assert "weight" in m.state_dict()
+    assert_close(m(x57, t5), F.cross_entropy(x57, t5, weight=w, label_smoothing=0.2, reduction="sum"))
+    excl = torchkit.nn.LabelSmoothingCrossEntropy(exclude_target=True)
+    assert "exclude_target=True" in repr(excl)
+    assert_close(excl(x57, t5), reference.label_smoothing_cross_entropy(x57, t5, exclude_target=True))
+
+
+@pytest.mark.slow
+def test_64bit_indexing_past_2_31_elements():
+    # 2¹¹ rows × 2²⁰ + 1 classes: flat offsets pass 2³¹ (PyTorch #111484). bfloat16 keeps it at 4 GiB.
+    n, c = 2048, (1 << 20) + 1
+    x = torch.zeros(n, c, dtype=torch.bfloat16)
+    t = torch.arange(n) * 511 % c
+    x[torch.arange(n), t] = 5.0
+    loss = ops.label_smoothing_cross_entropy(x, t, reduction="none", label_smoothing=0.0)
+    lse = torch.log(torch.tensor(c - 1 + torch.e**5, dtype=torch.float64))
+    torch.testing.assert_close(loss[-1].double(), lse - 5, rtol=1e-2, atol=0)
