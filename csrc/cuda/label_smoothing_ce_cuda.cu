@@ -1,0 +1,335 @@
+// Label-smoothing cross-entropy on CUDA.
+//
+// Forward: for (N, C) inputs one block per row (threads stride over the classes, reads
+// coalesced); for (N, C, d…) inputs one thread per position, looping over the classes at
+// stride S = d1·…·dk, so that neighbouring threads read neighbouring positions (coalesced,
+// and no transposed copy). Each thread keeps an online max / sum-exp (one exp per element)
+// and the smoothing sums; blocks merge them with warp shuffles. Backward: one elementwise
+// pass writing K·softmax − w·q. Accumulation in float32 (float64 for float64 input); no
+// host synchronisation: the mean's denominator and Σw stay on the device.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/macros/Macros.h>
+#include <torch/library.h>
+
+#include <cuda/std/limits>
+
+#include "label_smoothing_ce.h"
+
+namespace torchkit::lsce {
+namespace {
+
+using at::Tensor;
+
+constexpr int kRowThreads = 512;
+constexpr int kPositionThreads = 256;
+
+// Running sums over some of a row's classes (plain old data: it lives in shared memory).
+template <typename acc_t>
+struct State {
+  acc_t max, sumexp, wx, wp, wpx;
+
+  __device__ static State empty() {
+    return {-::cuda::std::numeric_limits<acc_t>::infinity(), 0, 0, 0, 0};
+  }
+
+  // One exp per element: rescale the sum only when the maximum grows. −∞ adds nothing
+  // (and must not meet a −∞ maximum: −∞ − −∞ is NaN); NaN reaches sumexp and propagates.
+  __device__ void add(acc_t x, acc_t w, acc_t p) {
+    if (x > max) {
+      sumexp = sumexp * ::exp(max - x) + acc_t(1);
+      max = x;
+    } else if (x != -::cuda::std::numeric_limits<acc_t>::infinity()) {
+      sumexp += ::exp(x - max);
+    }
+    wx += w * x;
+    wp += w * p;
+    wpx += w * p * x;
+  }
+
+  __device__ void merge(const State& o) {
+    const acc_t m = max > o.max ? max : o.max;
+    const acc_t ninf = -::cuda::std::numeric_limits<acc_t>::infinity();
+    sumexp = (max == ninf ? acc_t(0) : sumexp * ::exp(max - m)) +
+             (o.max == ninf ? acc_t(0) : o.sumexp * ::exp(o.max - m));
+    max = m;
+    wx += o.wx;
+    wp += o.wp;
+    wpx += o.wpx;
+  }
+
+  __device__ State shfl_down(int offset) const {
+    return {__shfl_down_sync(0xffffffff, max, offset), __shfl_down_sync(0xffffffff, sumexp, offset),
+            __shfl_down_sync(0xffffffff, wx, offset), __shfl_down_sync(0xffffffff, wp, offset),
+            __shfl_down_sync(0xffffffff, wpx, offset)};
+  }
+};
+
+template <typename acc_t>
+__device__ State<acc_t> block_merge(State<acc_t> st) {
+  __shared__ State<acc_t> warps[32];
+  for (int offset = 16; offset > 0; offset >>= 1) st.merge(st.shfl_down(offset));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warps[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    st = lane < blockDim.x / 32 ? warps[lane] : State<acc_t>::empty();
+    for (int offset = 16; offset > 0; offset >>= 1) st.merge(st.shfl_down(offset));
+  }
+  return st;  // valid in thread 0
+}
+
+struct Coefficients {
+  double a, b;
+  int64_t ignore_index, C, S;
+};
+
+// The loss of one position from its merged state; writes lse, loss and the mean's weight.
+template <typename scalar_t, typename index_t, typename acc_t, bool kWeight, bool kProb>
+__device__ void finish_position(const State<acc_t>& st, int64_t pos, const scalar_t* x_row,
+                                const index_t* target, const scalar_t* weight,
+                                const acc_t* weight_sum, Coefficients k, acc_t* lse, acc_t* loss,
+                                acc_t* position_weight) {
+  const acc_t l = st.max + ::log(st.sumexp);
+  const acc_t a = k.a, b = k.b;
+  lse[pos] = l;
+  // ε = 0 skips the smoothing sum, so that −∞ logits (masking) stay finite as in PyTorch.
+  const acc_t smooth = b != 0 ? b * (*weight_sum * l - st.wx) : acc_t(0);
+  if constexpr (kProb) {
+    loss[pos] = a * (st.wp * l - st.wpx) + smooth;
+    position_weight[pos] = 1;
+  } else {
+    const int64_t t = target[pos];
+    if (t == k.ignore_index) {
+      loss[pos] = 0;
+      position_weight[pos] = 0;
+      return;
+    }
+    CUDA_KERNEL_ASSERT(t >= 0 && t < k.C && "target must hold class indices in [0, C)");
+    const acc_t wt = kWeight ? static_cast<acc_t>(weight[t]) : acc_t(1);
+    loss[pos] = a * wt * (l - static_cast<acc_t>(x_row[t * k.S])) + smooth;
+    position_weight[pos] = wt;
+  }
+}
+
+// (N, C) rows: one block per row.
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+__global__ void __launch_bounds__(kRowThreads)
+    forward_rows_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
+                        const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
+                        const at::opmath_type<scalar_t>* __restrict__ weight_sum, Coefficients k,
+                        at::opmath_type<scalar_t>* lse, at::opmath_type<scalar_t>* loss,
+                        at::opmath_type<scalar_t>* position_weight) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t row = blockIdx.x;
+  const scalar_t* x_row = x + row * k.C;
+  State<acc_t> st = State<acc_t>::empty();
+  for (int64_t c = threadIdx.x; c < k.C; c += blockDim.x) {
+    st.add(static_cast<acc_t>(x_row[c]), kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1),
+           kProb ? static_cast<acc_t>(prob[row * k.C + c]) : acc_t(0));
+  }
+  st = block_merge(st);
+  if (threadIdx.x == 0) {
+    finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(
+        st, row, x_row, target, weight, weight_sum, k, lse, loss, position_weight);
+  }
+}
+
+// (N, C, S) positions, S > 1: one thread per position.
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+__global__ void __launch_bounds__(kPositionThreads)
+    forward_positions_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
+                             const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
+                             const at::opmath_type<scalar_t>* __restrict__ weight_sum,
+                             Coefficients k, int64_t positions, at::opmath_type<scalar_t>* lse,
+                             at::opmath_type<scalar_t>* loss,
+                             at::opmath_type<scalar_t>* position_weight) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t pos = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; pos < positions;
+       pos += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = pos / k.S, s = pos % k.S;
+    // Element (n, c, s) lies at n·C·S + c·S + s.
+    const int64_t base = n * k.C * k.S + s;
+    State<acc_t> st = State<acc_t>::empty();
+    for (int64_t c = 0; c < k.C; ++c) {
+      st.add(static_cast<acc_t>(x[base + c * k.S]),
+             kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1),
+             kProb ? static_cast<acc_t>(prob[base + c * k.S]) : acc_t(0));
+    }
+    finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(
+        st, pos, x + base, target, weight, weight_sum, k, lse, loss, position_weight);
+  }
+}
+
+// grad[n, c, s] = g·(exp(x − lse)·K − w_c·q_c) at every element, q_c = a·[c = t] + b or
+// a·p_c + b; ignored positions get 0. K (per position) is precomputed.
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+__global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
+                                const scalar_t* __restrict__ prob,
+                                const scalar_t* __restrict__ weight,
+                                const at::opmath_type<scalar_t>* __restrict__ lse,
+                                const at::opmath_type<scalar_t>* __restrict__ K,
+                                const at::opmath_type<scalar_t>* __restrict__ scale,
+                                int64_t scale_stride, Coefficients k, int64_t numel,
+                                scalar_t* __restrict__ grad) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t a = k.a, b = k.b;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < numel;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t s = i % k.S, c = (i / k.S) % k.C, n = i / (k.S * k.C);
+    const int64_t pos = n * k.S + s;
+    acc_t q = b;
+    if constexpr (kProb) {
+      q += a * static_cast<acc_t>(prob[i]);
+    } else {
+      const int64_t t = target[pos];
+      if (t == k.ignore_index) {
+        grad[i] = scalar_t(0);
+        continue;
+      }
+      if (t == c) q += a;
+    }
+    const acc_t w = kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1);
+    const acc_t g = scale[pos * scale_stride];
+    grad[i] =
+        static_cast<scalar_t>(g * (::exp(static_cast<acc_t>(x[i]) - lse[pos]) * K[pos] - w * q));
+  }
+}
+
+template <typename F>
+void with_bool(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+template <typename F>
+void dispatch(const Problem& p, const Tensor& input, const Tensor& target, bool has_weight, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kOp, [&] {
+    with_bool(has_weight, [&](auto weighted) {
+      if (p.prob_target) {
+        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::true_type{});
+      } else if (target.scalar_type() == at::kInt) {
+        f(Type<scalar_t>{}, Type<int32_t>{}, weighted, std::false_type{});
+      } else {
+        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::false_type{});
+      }
+    });
+  });
+}
+
+int blocks_for(int64_t work, int threads) {
+  const int64_t max_blocks = 16LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min((work + threads - 1) / threads, max_blocks)));
+}
+
+std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& input, const Tensor& target,
+                                                const std::optional<Tensor>& weight,
+                                                int64_t ignore_index, c10::string_view reduction,
+                                                double label_smoothing, bool exclude_target) {
+  const Problem p =
+      check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
+  const c10::cuda::CUDAGuard guard(input.device());
+  auto [lse, losses, position_weights] = allocate_positions(p, input);
+  const int64_t positions = p.N * p.S;
+  if (positions > 0) {
+    const Tensor x = input.contiguous();
+    const Tensor t = target.contiguous();
+    const Tensor w = weight ? weight->contiguous() : Tensor();
+    const Tensor w_sum = weight_sum(p, input, weight);
+    const Coefficients k{p.a, p.b, p.ignore_index, p.C, p.S};
+    auto stream = at::cuda::getCurrentCUDAStream();
+    dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
+      using scalar_t = typename decltype(s)::type;
+      using index_t = typename decltype(i)::type;
+      using acc_t = at::opmath_type<scalar_t>;
+      constexpr bool kWeight = decltype(kW)::value, kProb = decltype(kP)::value;
+      const scalar_t* xp = x.const_data_ptr<scalar_t>();
+      const index_t* tp = kProb ? nullptr : t.const_data_ptr<index_t>();
+      const scalar_t* pp = kProb ? t.const_data_ptr<scalar_t>() : nullptr;
+      const scalar_t* wp = kWeight ? w.const_data_ptr<scalar_t>() : nullptr;
+      if (p.S == 1) {
+        forward_rows_kernel<scalar_t, index_t, kWeight, kProb>
+            <<<positions, kRowThreads, 0, stream>>>(
+                xp, tp, pp, wp, w_sum.const_data_ptr<acc_t>(), k, lse.mutable_data_ptr<acc_t>(),
+                losses.mutable_data_ptr<acc_t>(), position_weights.mutable_data_ptr<acc_t>());
+      } else {
+        forward_positions_kernel<scalar_t, index_t, kWeight, kProb>
+            <<<blocks_for(positions, kPositionThreads), kPositionThreads, 0, stream>>>(
+                xp, tp, pp, wp, w_sum.const_data_ptr<acc_t>(), k, positions,
+                lse.mutable_data_ptr<acc_t>(), losses.mutable_data_ptr<acc_t>(),
+                position_weights.mutable_data_ptr<acc_t>());
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  return reduce(p, input, lse, losses, position_weights);
+}
+
+Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& target,
+                     const std::optional<Tensor>& weight, const Tensor& lse,
+                     const Tensor& total_weight, int64_t ignore_index, c10::string_view reduction,
+                     double label_smoothing, bool exclude_target) {
+  const Problem p =
+      check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
+  const c10::cuda::CUDAGuard guard(input.device());
+  Tensor out = at::empty(input.sizes(), input.options());
+  if (input.numel() == 0) return out;
+  const Tensor x = input.contiguous();
+  const Tensor t = target.contiguous();
+  const Tensor w = weight ? weight->contiguous() : Tensor();
+  const Tensor w_sum = weight_sum(p, input, weight);
+  const Tensor scale = grad_scale(p, grad, total_weight);
+  const auto acc = w_sum.scalar_type();
+  // K = Σ_c w_c q_c per position, with device tensor ops (no synchronisation).
+  Tensor K;
+  if (p.prob_target) {
+    const Tensor p3 = t.view({p.N, p.C, p.S}).to(acc);
+    const Tensor wp = weight ? (p3 * w.to(acc).view({1, p.C, 1})).sum(1) : p3.sum(1);
+    K = (wp * p.a + w_sum * p.b).contiguous();
+  } else {
+    const Tensor t1 = t.view({-1}).to(at::kLong);
+    const Tensor kept = t1 != p.ignore_index;
+    const Tensor wt =
+        weight ? w.to(acc).index_select(0, t1.clamp(0, p.C - 1)) : at::ones_like(t1, acc);
+    K = (wt * p.a + w_sum * p.b).masked_fill(~kept, 0).contiguous();
+  }
+  const Coefficients k{p.a, p.b, p.ignore_index, p.C, p.S};
+  const int64_t numel = input.numel();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
+    using scalar_t = typename decltype(s)::type;
+    using index_t = typename decltype(i)::type;
+    using acc_t = at::opmath_type<scalar_t>;
+    constexpr bool kWeight = decltype(kW)::value, kProb = decltype(kP)::value;
+    backward_kernel<scalar_t, index_t, kWeight, kProb><<<blocks_for(numel, 256), 256, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), kProb ? nullptr : t.const_data_ptr<index_t>(),
+        kProb ? t.const_data_ptr<scalar_t>() : nullptr,
+        kWeight ? w.const_data_ptr<scalar_t>() : nullptr, lse.contiguous().const_data_ptr<acc_t>(),
+        K.const_data_ptr<acc_t>(), scale.const_data_ptr<acc_t>(), scale.dim() == 0 ? 0 : 1, k,
+        numel, out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchkit, CUDA, m) {
+  m.impl("label_smoothing_cross_entropy", &forward_cuda);
+  m.impl("_label_smoothing_cross_entropy_backward", &backward_cuda);
+}
+
+}  // namespace torchkit::lsce
