@@ -11,9 +11,11 @@
 // The gradient is ∂ℓ/∂x_c = K·softmax_c − w_c q_c with K = Σ_c w_c q_c.
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 
 #include <tuple>
+#include <type_traits>
 
 namespace torchkit::lsce {
 
@@ -58,5 +60,39 @@ at::Tensor grad_scale(const Problem& p, const at::Tensor& grad, const at::Tensor
 // Σ_c w_c as a 0-d accumulation-type tensor on the input's device (C when weight is absent).
 at::Tensor weight_sum(const Problem& p, const at::Tensor& input,
                       const std::optional<at::Tensor>& weight);
+
+// Kernel dispatch shared by both backends.
+
+template <typename F>
+void with_bool(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// Calls f(Type<scalar_t>, Type<index_t>, kWeight, kProb) with the problem's types as
+// compile-time arguments (C++17: torch 2.4 builds extensions without C++20's template lambdas).
+template <typename F>
+void dispatch(const Problem& p, const at::Tensor& input, const at::Tensor& target, bool has_weight,
+              F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kOp, [&] {
+    with_bool(has_weight, [&](auto weighted) {
+      if (p.prob_target) {
+        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::true_type{});
+      } else if (target.scalar_type() == at::kInt) {
+        f(Type<scalar_t>{}, Type<int32_t>{}, weighted, std::false_type{});
+      } else {
+        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::false_type{});
+      }
+    });
+  });
+}
 
 }  // namespace torchkit::lsce

@@ -276,37 +276,6 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
   });
 }
 
-template <typename F>
-void with_bool(bool value, F&& f) {
-  if (value) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-template <typename T>
-struct Type {
-  using type = T;
-};
-
-// Calls f(Type<scalar_t>, Type<index_t>, kWeight, kProb) with the problem's types as
-// compile-time arguments (C++17: torch 2.4 builds extensions without C++20's template lambdas).
-template <typename F>
-void dispatch(const Problem& p, const Tensor& input, const Tensor& target, bool has_weight, F&& f) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kOp, [&] {
-    with_bool(has_weight, [&](auto weighted) {
-      if (p.prob_target) {
-        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::true_type{});
-      } else if (target.scalar_type() == at::kInt) {
-        f(Type<scalar_t>{}, Type<int32_t>{}, weighted, std::false_type{});
-      } else {
-        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::false_type{});
-      }
-    });
-  });
-}
-
 #define TK_DISPATCHED(fn)                                                         \
   fn<typename decltype(s)::type, typename decltype(i)::type, decltype(kW)::value, \
      decltype(kP)::value>

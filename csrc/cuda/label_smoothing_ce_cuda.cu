@@ -200,35 +200,6 @@ __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* _
   }
 }
 
-template <typename F>
-void with_bool(bool value, F&& f) {
-  if (value) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-template <typename T>
-struct Type {
-  using type = T;
-};
-
-template <typename F>
-void dispatch(const Problem& p, const Tensor& input, const Tensor& target, bool has_weight, F&& f) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kOp, [&] {
-    with_bool(has_weight, [&](auto weighted) {
-      if (p.prob_target) {
-        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::true_type{});
-      } else if (target.scalar_type() == at::kInt) {
-        f(Type<scalar_t>{}, Type<int32_t>{}, weighted, std::false_type{});
-      } else {
-        f(Type<scalar_t>{}, Type<int64_t>{}, weighted, std::false_type{});
-      }
-    });
-  });
-}
-
 int blocks_for(int64_t work, int threads) {
   const int64_t max_blocks = 16LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return static_cast<int>(
