@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from torchkit import ops
 
-__all__ = ["LabelSmoothingCrossEntropy"]
+__all__ = ["CDist", "LabelSmoothingCrossEntropy"]
 
 
 class LabelSmoothingCrossEntropy(nn.Module):
@@ -50,3 +50,18 @@ class LabelSmoothingCrossEntropy(nn.Module):
             f"ignore_index={self.ignore_index}, exclude_target={self.exclude_target}, "
             f"weighted={self.weight is not None}"
         )
+
+
+class CDist(nn.Module):
+    """Pairwise Euclidean distances between two sets (or within one) as a module; see
+    :func:`torchkit.ops.cdist`."""
+
+    def __init__(self, squared: bool = False) -> None:
+        super().__init__()
+        self.squared = squared
+
+    def forward(self, x1: Tensor, x2: Optional[Tensor] = None) -> Tensor:
+        return ops.cdist(x1, x2, squared=self.squared)
+
+    def extra_repr(self) -> str:
+        return f"squared={self.squared}"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["label_smoothing_cross_entropy"]
+__all__ = ["cdist", "label_smoothing_cross_entropy"]
 
 
 def label_smoothing_cross_entropy(
@@ -50,3 +50,15 @@ def label_smoothing_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / denominator
+
+
+def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
+    """The cookbook's broadcasting formula ``sqrt(Σ (x1[:, None] − x2)²)``: exact, but
+    O(P·R·M) memory. Zero distances get a zero gradient (``torch.cdist``'s convention)."""
+    x2 = x1 if x2 is None else x2
+    d2 = ((x1.unsqueeze(-2) - x2.unsqueeze(-3)) ** 2).sum(-1)
+    if squared:
+        return d2
+    # sqrt'(0) is infinite; route zeros around it so that their gradient is 0, not NaN.
+    zero = d2 == 0
+    return torch.where(zero, 0.0, torch.where(zero, 1.0, d2).sqrt())

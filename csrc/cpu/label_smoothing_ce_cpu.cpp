@@ -13,16 +13,13 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "checks.h"
+#include "cpu/memory.h"
 #include "label_smoothing_ce.h"
 
 namespace torchkit::lsce {
@@ -280,23 +277,6 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
   fn<typename decltype(s)::type, typename decltype(i)::type, decltype(kW)::value, \
      decltype(kP)::value>
 
-// The gradient is as large as the logits and freshly mapped: first-touch page faults on
-// 4 KiB pages cost more than computing it (measured: 220 of 320 ms at 4096 × 32000 float32,
-// and they serialise the threads). Asking for transparent huge pages before the first write
-// makes them 512 times fewer, where the kernel grants THP on request (the common `madvise`
-// setting). Advice only: nothing changes where it is refused.
-Tensor empty_for_writing(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  Tensor t = at::empty(sizes, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = (begin + t.nbytes()) & ~(kHuge - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#endif
-  return t;
-}
-
 // (N, C, S) → (N·S, C) rows of contiguous classes; a view when S = 1 and input is contiguous.
 Tensor as_rows(const Problem& p, const Tensor& t) {
   return t.reshape({p.N, p.C, p.S}).transpose(1, 2).reshape({p.N * p.S, p.C}).contiguous();
@@ -335,7 +315,7 @@ Tensor backward_cpu(const Tensor& grad, const Tensor& input, const Tensor& targe
   const Tensor w_acc = weight ? weight->to(w_sum.scalar_type()).contiguous() : Tensor();
   const double W = w_sum.item<double>();
   const Tensor scale = grad_scale(p, grad, total_weight);
-  Tensor grad_rows = empty_for_writing({p.N * p.S, p.C}, input.options());
+  Tensor grad_rows = cpu::empty_for_writing({p.N * p.S, p.C}, input.options());
   dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
     TK_DISPATCHED(backward_rows)(p, scale, x_rows, t_rows, w_acc, W, lse.contiguous(), grad_rows);
   });

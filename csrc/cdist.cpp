@@ -1,0 +1,137 @@
+// Pairwise Euclidean distance: schemas, input checks, broadcasting and centring.
+#include "cdist.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "checks.h"
+
+namespace torchkit::cdist {
+
+namespace {
+
+at::ScalarType acc_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+std::vector<int64_t> expanded_shape(const Problem& p, int64_t rows) {
+  std::vector<int64_t> shape = p.batch;
+  shape.push_back(rows);
+  shape.push_back(p.M);
+  return shape;
+}
+
+// (*B_i, rows, M) → contiguous (B, rows, M) in the accumulation type.
+at::Tensor batched(const Problem& p, const at::Tensor& x) {
+  const int64_t rows = x.size(-2);
+  return x.expand(expanded_shape(p, rows)).reshape({p.B, rows, p.M}).to(acc_type(x)).contiguous();
+}
+
+}  // namespace
+
+Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, bool squared) {
+  Problem p;
+  p.squared = squared;
+  p.self = !x2.has_value();
+  check_floating(kOp, "x1", x1);
+  TK_CHECK_VALUE(kOp, x1.dim() >= 2, "x1 must have at least 2 dimensions (*, P, M), got shape ",
+                 x1.sizes());
+  p.P = x1.size(-2);
+  p.M = x1.size(-1);
+  p.R = p.P;
+  std::vector<int64_t> b1(x1.sizes().begin(), x1.sizes().end() - 2);
+  p.batch = b1;
+  if (x2.has_value()) {
+    const auto& y = *x2;
+    check_same_device(kOp, "x1", x1, "x2", y);
+    check_same_dtype(kOp, "x1", x1, "x2", y);
+    TK_CHECK_VALUE(kOp, y.dim() >= 2, "x2 must have at least 2 dimensions (*, R, M), got shape ",
+                   y.sizes());
+    TK_CHECK_VALUE(kOp, y.size(-1) == p.M,
+                   "x1 and x2 must have the same number of features M (their last dimension), "
+                   "got x1 of shape ",
+                   x1.sizes(), " and x2 of shape ", y.sizes());
+    p.R = y.size(-2);
+    std::vector<int64_t> b2(y.sizes().begin(), y.sizes().end() - 2);
+    // Broadcast as torch.cdist does: align from the right, sizes equal or one of them 1.
+    const size_t n = std::max(b1.size(), b2.size());
+    p.batch.assign(n, 1);
+    for (size_t k = 0; k < n; ++k) {
+      const int64_t s1 = k < b1.size() ? b1[b1.size() - 1 - k] : 1;
+      const int64_t s2 = k < b2.size() ? b2[b2.size() - 1 - k] : 1;
+      TK_CHECK_VALUE(kOp, s1 == s2 || s1 == 1 || s2 == 1,
+                     "the batch dimensions of x1 and x2 must broadcast, got x1 of shape ",
+                     x1.sizes(), " and x2 of shape ", y.sizes());
+      p.batch[n - 1 - k] = s1 == 1 ? s2 : s1;
+    }
+  }
+  p.B = 1;
+  for (int64_t s : p.batch) p.B *= s;
+  return p;
+}
+
+Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2) {
+  Centred c;
+  c.raw1 = batched(p, x1);
+  if (p.self) {
+    c.raw2 = c.raw1;
+    c.x1 = c.raw1 - c.raw1.mean(1, /*keepdim=*/true);
+    c.x2 = c.x1;
+  } else {
+    c.raw2 = batched(p, *x2);
+    const int64_t count = std::max<int64_t>(p.P + p.R, 1);
+    const at::Tensor mean = (c.raw1.sum(1, true) + c.raw2.sum(1, true)).div_(count);
+    c.x1 = c.raw1 - mean;
+    c.x2 = c.raw2 - mean;
+  }
+  c.n1 = c.x1.square().sum(-1);
+  c.n2 = p.self ? c.n1 : c.x2.square().sum(-1);
+  return c;
+}
+
+void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& x1,
+                           const at::Tensor& dist) {
+  std::vector<int64_t> shape = p.batch;
+  shape.push_back(p.P);
+  shape.push_back(p.R);
+  const c10::IntArrayRef expected(shape);
+  TK_CHECK_VALUE(kOp, dist.sizes() == expected && grad.sizes() == expected,
+                 "backward: grad and dist must have the output's shape ", expected, ", got ",
+                 grad.sizes(), " and ", dist.sizes());
+  check_same_dtype(kOp, "x1", x1, "grad", grad);
+  check_same_dtype(kOp, "x1", x1, "dist", dist);
+  check_same_device(kOp, "x1", x1, "grad", grad);
+  check_same_device(kOp, "x1", x1, "dist", dist);
+}
+
+at::Tensor finish_forward(const Problem& p, const at::Tensor& dist) {
+  std::vector<int64_t> shape = p.batch;
+  shape.push_back(p.P);
+  shape.push_back(p.R);
+  return dist.view(shape);
+}
+
+std::tuple<at::Tensor, at::Tensor> finish_backward(const Problem& p, at::Tensor g1, at::Tensor g2,
+                                                   const at::Tensor& x1,
+                                                   const std::optional<at::Tensor>& x2) {
+  auto to_input = [&](const at::Tensor& g, const at::Tensor& x) {
+    return g.view(expanded_shape(p, x.size(-2))).sum_to_size(x.sizes()).to(x.scalar_type());
+  };
+  if (p.self) {
+    at::Tensor g = g1.defined() && g2.defined() ? g1.add_(g2) : (g1.defined() ? g1 : g2);
+    return {g.defined() ? to_input(g, x1) : at::empty({0}, x1.options()), at::empty({0}, x1.options())};
+  }
+  return {g1.defined() ? to_input(g1, x1) : at::empty({0}, x1.options()),
+          g2.defined() ? to_input(g2, *x2) : at::empty({0}, x1.options())};
+}
+
+TORCH_LIBRARY_FRAGMENT(torchkit, m) {
+  m.def("cdist(Tensor x1, Tensor? x2, bool squared) -> Tensor");
+  // Returns (grad_x1, grad_x2); an output that output_mask does not ask for (and grad_x2 when
+  // x2 is None) is an empty tensor of shape (0,).
+  m.def(
+      "_cdist_backward(Tensor grad, Tensor x1, Tensor? x2, Tensor dist, bool squared, bool[2] "
+      "output_mask) -> (Tensor, Tensor)");
+}
+
+}  // namespace torchkit::cdist

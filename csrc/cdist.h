@@ -1,0 +1,62 @@
+// Pairwise Euclidean distance: the problem description and the device-agnostic steps that
+// both backends share (input checks, broadcasting, centring, the final reshape).
+//
+// Algorithm. d²(a, b) = |a|² + |b|² − 2·a·b puts the work in one GEMM, but loses every digit
+// when |a|², |b|² ≫ d² (points far from the origin: PyTorch #42479). Two cures together:
+//  1. Both sets are centred on their common mean (per batch) before the product; distances
+//     do not change, and the norms become as small as the data's spread allows.
+//  2. Where cancellation remains (d² < (|a|² + |b|²) / kRefineRatio: near-duplicate points
+//     inside a cluster), the epilogue recomputes that entry as Σ(a − b)² from the inputs.
+// The GEMM and the epilogue run in float32 for reduced types (float64 for float64).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+namespace torchkit::cdist {
+
+constexpr const char* kOp = "cdist";
+
+// An entry whose expansion lost more than log2(kRefineRatio) + a few bits is recomputed
+// directly. At 16 the expansion's rounding error stays below ~2⁻¹⁸ relative for K ≤ 10⁴,
+// under the 2e-5 target; random data (d² ≈ |a|² + |b|²) never takes the slow path.
+constexpr double kRefineRatio = 16.0;
+
+struct Problem {
+  std::vector<int64_t> batch;  // broadcast batch shape
+  int64_t B = 1, P = 0, R = 0, M = 0;
+  bool self = false;  // x2 is None: distances within x1
+  bool squared = false;
+};
+
+// Validates x1 (*B1, P, M) and x2 (*B2, R, M) (or None) and broadcasts the batch shapes.
+Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, bool squared);
+
+// x1, x2 as contiguous (B, P, M) and (B, R, M) in the accumulation type, centred on their
+// common per-batch mean, with their squared row norms (B, P), (B, R), and uncentred (raw1,
+// raw2: views of the inputs where they already are contiguous acc-typed). Refinement reads
+// the uncentred values: centring rounds each coordinate to the spread's precision, and
+// would erase differences between near-duplicates far from the mean. For `self` the second
+// of each pair aliases the first.
+struct Centred {
+  at::Tensor x1, x2, n1, n2, raw1, raw2;
+};
+Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2);
+
+// grad and dist must be (*batch, P, R) of x1's dtype: what the forward returned.
+void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& x1,
+                           const at::Tensor& dist);
+
+// (B, P, R) → (*batch, P, R).
+at::Tensor finish_forward(const Problem& p, const at::Tensor& dist);
+
+// Gradients (B, P, M), (B, R, M) in the accumulation type (either may be undefined) → the
+// inputs' shapes and dtype, summed over broadcast batch dimensions. For `self`, both halves
+// are x1's and are added.
+std::tuple<at::Tensor, at::Tensor> finish_backward(const Problem& p, at::Tensor g1, at::Tensor g2,
+                                                   const at::Tensor& x1,
+                                                   const std::optional<at::Tensor>& x2);
+
+}  // namespace torchkit::cdist

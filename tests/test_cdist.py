@@ -1,0 +1,281 @@
+"""torchkit.ops.cdist against float64 ground truth, torch.cdist's exact mode and the reference."""
+
+import pytest
+import torch
+from conftest import (
+    DEVICES,
+    FLOAT_DTYPES,
+    REDUCED_DTYPES,
+    assert_close,
+    assert_close_reduced,
+    check_compile,
+    check_gradcheck,
+    check_opcheck,
+    make_noncontiguous,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchkit
+from torchkit import ops, reference
+
+OP = torch.ops.torchkit.cdist.default
+BACKWARD = torch.ops.torchkit._cdist_backward.default
+EXACT = "donot_use_mm_for_euclid_dist"
+
+# (x1 shape, x2 shape): plain, batched, broadcast batches, odd sizes, vector-width tails.
+SHAPES = [
+    ((5, 3), (7, 3)),
+    ((33, 17), (65, 17)),
+    ((1, 1), (1, 1)),
+    ((2, 9, 4), (2, 11, 4)),
+    ((3, 1, 6, 5), (4, 8, 5)),  # batch (3, 1) with (4,) → (3, 4)
+    ((1, 6, 5), (2, 3, 4, 5)),
+]
+
+
+def ground_truth(x1, x2=None, squared=False):
+    """float64 distances by the difference formula (torch.cdist's exact mode)."""
+    x2 = x1 if x2 is None else x2
+    d = torch.cdist(x1.double(), x2.double(), compute_mode=EXACT)
+    return d.square() if squared else d
+
+
+def max_rel_error(actual, truth, floor=1e-3):
+    """Largest relative error over entries not negligible against the largest distance."""
+    keep = truth > floor * truth.max()
+    return ((actual.double() - truth).abs() / truth)[keep].max().item()
+
+
+def make(shape, dtype=torch.float64, device="cpu", seed=0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (offset + torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize("squared", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_matches_exact_cdist(device, dtype, shapes, squared, contiguous):
+    x1 = make(shapes[0], dtype, device, seed=1)
+    x2 = make(shapes[1], dtype, device, seed=2)
+    if not contiguous:
+        x1, x2 = make_noncontiguous(x1), make_noncontiguous(x2)
+    out = ops.cdist(x1, x2, squared=squared)
+    expected = torch.cdist(x1, x2, compute_mode=EXACT)
+    expected = expected.square() if squared else expected
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert_close(out, expected)
+    assert max_rel_error(out, ground_truth(x1, x2, squared)) < (2e-5 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", REDUCED_DTYPES)
+@pytest.mark.parametrize("shapes", SHAPES[:4])
+def test_reduced_precision(device, dtype, shapes):
+    x1 = make(shapes[0], dtype, device, seed=1).requires_grad_()
+    x2 = make(shapes[1], dtype, device, seed=2).requires_grad_()
+    out = ops.cdist(x1, x2)
+    assert out.dtype == dtype
+    # Baseline: the reference evaluated in float32 on the same (rounded) inputs, rounded back.
+    baseline = reference.cdist(x1.float(), x2.float()).to(dtype)
+    assert_close_reduced(out, baseline, ground_truth(x1, x2))
+    g = torch.rand_like(out)
+    grads = torch.autograd.grad(out, (x1, x2), g)
+    a, b = x1.detach().double().requires_grad_(), x2.detach().double().requires_grad_()
+    grads64 = torch.autograd.grad(reference.cdist(a, b), (a, b), g.double())
+    a32, b32 = x1.detach().float().requires_grad_(), x2.detach().float().requires_grad_()
+    base = torch.autograd.grad(reference.cdist(a32, b32), (a32, b32), g.float())
+    for actual, b_, r in zip(grads, base, grads64):
+        assert actual.dtype == dtype
+        assert_close_reduced(actual, b_.to(dtype), r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_far_from_origin(device):
+    """The case torch.cdist's default mode gets wrong (PyTorch #42479): 1000 + N(0, 1)."""
+    x = make((2048, 128), torch.float32, device, offset=1000.0).requires_grad_()
+    y = make((512, 128), torch.float32, device, seed=3, offset=1000.0).requires_grad_()
+    truth = ground_truth(x, y)
+    out = ops.cdist(x, y)
+    assert max_rel_error(out, truth) < 2e-5
+    assert max_rel_error(torch.cdist(x, y), truth) > 1e-2  # the failure this op exists to fix
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, y), g)
+    a, b = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    grads64 = torch.autograd.grad(reference.cdist(a, b), (a, b), g.double())
+    for actual, expected in zip(grads, grads64):
+        assert (actual.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_near_duplicates_far_from_centre(device):
+    """Tight clusters far apart: centring cannot help inside a cluster; the epilogue's direct
+    recomputation must, down to distances of 1e-4 between points at distance ~1e3."""
+    g = torch.Generator().manual_seed(4)
+    centres = 1000 * torch.randn(4, 64, generator=g, dtype=torch.float64)
+    x = (centres.repeat_interleave(50, 0) + 1e-4 * torch.randn(200, 64, generator=g, dtype=torch.float64))
+    x = x.float().to(device)
+    truth = ground_truth(x)
+    out = ops.cdist(x)
+    keep = truth > 0
+    assert ((out.double() - truth).abs() / truth)[keep].max() < 2e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_self_distance(device, dtype):
+    x = make((3, 40, 9), dtype, device).requires_grad_()
+    d = ops.cdist(x)
+    assert d.shape == (3, 40, 40)
+    assert (torch.diagonal(d, dim1=-2, dim2=-1) == 0).all()
+    expected = ground_truth(x, x)
+    tol = {} if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
+    assert_close(d.double(), expected, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tol))
+    (g,) = torch.autograd.grad(d.sum(), x)
+    assert torch.isfinite(g).all()
+    a = x.detach().double().requires_grad_()
+    (g64,) = torch.autograd.grad(reference.cdist(a).sum(), a)
+    assert (g.double() - g64).abs().max() <= 2e-2 * g64.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_self_distance_equals_two_set_form(device):
+    x = make((30, 7), device=device).requires_grad_()
+    y = x.detach().clone().requires_grad_()
+    g = torch.randn(30, 30, dtype=torch.float64, device=device)
+    (gs,) = torch.autograd.grad(ops.cdist(x), x, g)
+    (gy,) = torch.autograd.grad(ops.cdist(y, y), y, g)  # both arguments' halves
+    assert_close(gs, gy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("squared", [False, True])
+def test_duplicates_have_zero_gradient(device, squared):
+    x = make((6, 4), device=device)
+    y = torch.cat([x[:3], make((2, 4), device=device, seed=5)]).requires_grad_()
+    x.requires_grad_()
+    d = ops.cdist(x, y, squared=squared)
+    assert (d[torch.arange(3), torch.arange(3)] == 0).all()
+    gx, gy = torch.autograd.grad(d, (x, y), torch.ones_like(d))
+    tx, ty = torch.autograd.grad(torch.cdist(x, y, compute_mode=EXACT) ** (2 if squared else 1), (x, y), torch.ones_like(d))
+    assert torch.isfinite(gx).all() and torch.isfinite(gy).all()
+    assert_close(gx, tx)
+    assert_close(gy, ty)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shapes", [((4, 3), (5, 3)), ((2, 1, 3, 2), (3, 4, 2))])
+@pytest.mark.parametrize("squared", [False, True])
+def test_gradcheck(device, shapes, squared):
+    x1 = make(shapes[0], device=device, seed=1).requires_grad_()
+    x2 = make(shapes[1], device=device, seed=2).requires_grad_()
+    check_gradcheck(lambda a, b: ops.cdist(a, b, squared=squared), (x1, x2))
+    check_gradcheck(lambda a: ops.cdist(a, squared=squared), (x1,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_opcheck(device, dtype):
+    x1 = make((2, 5, 3), dtype, device, seed=1).requires_grad_()
+    x2 = make((6, 3), dtype, device, seed=2).requires_grad_()
+    check_opcheck(OP, (x1, x2, False))
+    check_opcheck(OP, (x1, None, True))
+    d = OP(x1, x2, False).detach()
+    grad = torch.randn_like(d)
+    check_opcheck(BACKWARD, (grad, x1.detach(), x2.detach(), d, False, [True, True]))
+    check_opcheck(BACKWARD, (grad, x1.detach(), x2.detach(), d, False, [False, True]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_dynamic(device):
+    for P, R in ((8, 5), (13, 9)):  # a second shape exercises the dynamic graph
+        x1 = make((2, P, 4), torch.float32, device, seed=P).requires_grad_()
+        x2 = make((R, 4), torch.float32, device, seed=R).requires_grad_()
+        check_compile(ops.cdist, x1, x2)
+        check_compile(lambda a: ops.cdist(a, squared=True), x1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("P,R,M", [(0, 5, 3), (5, 0, 3), (4, 5, 0), (0, 0, 0)])
+def test_empty(device, P, R, M):
+    x1 = make((P, M), device=device).requires_grad_()
+    x2 = make((R, M), device=device).requires_grad_()
+    out = ops.cdist(x1, x2)
+    expected = torch.cdist(x1, x2)
+    assert out.shape == expected.shape
+    assert_close(out, expected)
+    gx1, gx2 = torch.autograd.grad(out.sum(), (x1, x2), allow_unused=True)
+    assert gx1.shape == x1.shape and gx2.shape == x2.shape
+    assert (gx1 == 0).all() and (gx2 == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_requested_gradients(device):
+    x1 = make((5, 3), device=device).requires_grad_()
+    x2 = make((4, 3), device=device)
+    d = ops.cdist(x1, x2)
+    (g,) = torch.autograd.grad(d.sum(), x1)
+    assert_close(g, torch.autograd.grad(torch.cdist(x1, x2, compute_mode=EXACT).sum(), x1)[0])
+    g1, g2 = BACKWARD(torch.ones_like(d), x1.detach(), x2, d.detach(), False, [False, True])
+    assert g1.numel() == 0 and g2.shape == x2.shape
+
+
+def test_module():
+    m = torchkit.nn.CDist(squared=True)
+    x1, x2 = make((4, 3)), make((5, 3))
+    assert_close(m(x1, x2), ops.cdist(x1, x2, squared=True))
+    assert_close(m(x1), ops.cdist(x1, squared=True))
+    assert "squared=True" in repr(m)
+
+
+def test_reference_matches_exact_cdist():
+    x1, x2 = make((2, 6, 4)), make((7, 4))
+    assert_close(reference.cdist(x1, x2), torch.cdist(x1, x2, compute_mode=EXACT))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.lists(st.integers(1, 3), max_size=2),
+    P=st.integers(1, 20),
+    R=st.integers(1, 20),
+    M=st.integers(1, 40),
+    offset=st.sampled_from([0.0, 100.0, 1e4]),
+    squared=st.booleans(),
+    self_=st.booleans(),
+)
+def test_hypothesis(batch, P, R, M, offset, squared, self_):
+    x1 = make((*batch, P, M), torch.float32, seed=P * 100 + M, offset=offset)
+    x2 = None if self_ else make((R, M), torch.float32, seed=R, offset=offset)
+    out = ops.cdist(x1, x2, squared=squared)
+    truth = ground_truth(x1, x2, squared)
+    assert out.shape == truth.shape
+    keep = truth > 1e-3 * truth.max()
+    if keep.any():
+        assert ((out.double() - truth).abs() / truth)[keep].max() < 2e-5
+
+
+# Bad input: a clear exception naming the argument.
+BAD = [
+    (lambda: ops.cdist(torch.randn(5), torch.randn(3, 5)), ValueError, "x1 must have at least 2 dimensions"),
+    (lambda: ops.cdist(torch.randn(3, 5), torch.randn(5)), ValueError, "x2 must have at least 2 dimensions"),
+    (lambda: ops.cdist(torch.randn(3, 5), torch.randn(4, 6)), ValueError, "same number of features M"),
+    (lambda: ops.cdist(torch.randn(2, 3, 5), torch.randn(3, 4, 5)), ValueError, "batch dimensions of x1 and x2 must broadcast"),
+    (lambda: ops.cdist(torch.randn(3, 5), torch.randn(4, 5).double()), TypeError, "x1 and x2 must have the same dtype"),
+    (lambda: ops.cdist(torch.ones(3, 5, dtype=torch.int64)), TypeError, "x1 must be float32, float64, float16 or bfloat16, got Long"),
+    (lambda: ops.cdist(torch.ones(3, 5, dtype=torch.bool)), TypeError, "x1 must be float32"),
+    (lambda: ops.cdist(torch.randn(3, 5, dtype=torch.complex64)), TypeError, "x1 must be float32"),
+]
+
+
+@pytest.mark.parametrize("call,exc,message", BAD)
+def test_bad_input(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch():
+    with pytest.raises(ValueError, match="x1 and x2 must be on the same device"):
+        ops.cdist(torch.randn(3, 5, device="cuda"), torch.randn(4, 5))
