@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 
 from torchkit import ops
 
-__all__ = ["CDist", "LabelSmoothingCrossEntropy"]
+__all__ = ["CDist", "LabelSmoothingCrossEntropy", "RegionConfusion"]
 
 
 class LabelSmoothingCrossEntropy(nn.Module):
@@ -65,3 +66,39 @@ class CDist(nn.Module):
 
     def extra_repr(self) -> str:
         return f"squared={self.squared}"
+
+
+class RegionConfusion(nn.Module):
+    """DCL's region confusion mechanism as a layer: in training mode each sample's blocks
+    are shuffled with probability ``p`` (see :func:`torchkit.ops.region_confusion`); in
+    eval mode it is the identity.
+
+    ``forward(x)`` returns ``(x', permutation)``: ``permutation`` (int64, ``(N, n²)``, or
+    ``(n²,)`` for a 3-D x) is the identity for unshuffled samples and in eval mode, so it can
+    always serve as the location label.
+    """
+
+    def __init__(self, num_blocks: int = 7, neighbourhood: int = 2, p: float = 1.0) -> None:
+        super().__init__()
+        ops._check_probability("RegionConfusion", p)
+        if num_blocks < 1 or neighbourhood < 1:
+            raise ValueError(
+                f"RegionConfusion: num_blocks and neighbourhood must be >= 1, got {num_blocks} and {neighbourhood}"
+            )
+        self.num_blocks = num_blocks
+        self.neighbourhood = neighbourhood
+        self.p = p
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        ops._check_rcm_args(x, self.num_blocks, self.neighbourhood)
+        samples = x.shape[0] if x.dim() == 4 else 1
+        n2 = self.num_blocks**2
+        if self.training and self.p > 0:
+            perm = ops._rcm_permutations(samples, self.num_blocks, self.neighbourhood, None, x.device, self.p)
+            perm = perm if x.dim() == 4 else perm.squeeze(0)
+            return ops.permute_blocks(x, perm, self.num_blocks), perm
+        perm = torch.arange(n2, device=x.device).expand(samples, n2)
+        return x, (perm.contiguous() if x.dim() == 4 else perm[0].clone())
+
+    def extra_repr(self) -> str:
+        return f"num_blocks={self.num_blocks}, neighbourhood={self.neighbourhood}, p={self.p}"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["cdist", "label_smoothing_cross_entropy"]
+__all__ = ["cdist", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
 
 
 def label_smoothing_cross_entropy(
@@ -62,3 +62,57 @@ def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> 
     # sqrt'(0) is infinite; route zeros around it so that their gradient is 0, not NaN.
     zero = d2 == 0
     return torch.where(zero, 0.0, torch.where(zero, 1.0, d2).sqrt())
+
+
+def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
+    """Block gather by slicing: output block b is input block permutation[..., b]; pixels
+    beyond the last full block row/column stay in place."""
+    n = num_blocks
+    bh, bw = x.shape[-2] // n, x.shape[-1] // n
+    batch = x if x.dim() == 4 else x.unsqueeze(0)
+    out = batch.clone()
+    for k, perm in enumerate(permutation.reshape(-1, n * n).tolist()):
+        for b, src in enumerate(perm):
+            (i, j), (si, sj) = divmod(b, n), divmod(src, n)
+            out[k, :, i * bh : (i + 1) * bh, j * bw : (j + 1) * bw] = batch[
+                k, :, si * bh : (si + 1) * bh, sj * bw : (sj + 1) * bw
+            ]
+    return out if x.dim() == 4 else out[0]
+
+
+def region_confusion(
+    x: Tensor, num_blocks: int = 7, neighbourhood: int = 2, *, generator: Optional[torch.Generator] = None
+) -> tuple[Tensor, Tensor]:
+    """The cookbook's RCM snippet, image by image (stable argsort; the region of full blocks
+    is shuffled and the remainder rows/columns are left in place). Returns
+    ``(shuffled, permutation)`` like ``torchkit.ops.region_confusion``."""
+    n, k = num_blocks, neighbourhood
+    draw_device = generator.device if generator is not None else torch.device("cpu")
+    batch = x if x.dim() == 4 else x.unsqueeze(0)
+    bh, bw = batch.shape[-2] // n, batch.shape[-1] // n
+    outs, perms = [], []
+    for img in batch:
+        X = img[:, : n * bh, : n * bw]
+        # Shuffle rows: for each block column j, rows are reordered by argsort(i + r).
+        Q = torch.arange(n).unsqueeze(1) * torch.ones(1, n).long() + torch.randint(
+            low=-k, high=k, size=(n, n), generator=generator, device=draw_device
+        ).cpu()
+        Q = torch.argsort(Q, dim=0, stable=True)
+        X = [torch.chunk(row, chunks=n, dim=2) for row in torch.chunk(X, chunks=n, dim=1)]
+        X = [[X[Q[i, j].item()][j] for j in range(n)] for i in range(n)]
+        # Shuffle columns: for each block row i, columns are reordered by argsort(j + r).
+        Q2 = torch.ones(n, 1).long() * torch.arange(n).unsqueeze(0) + torch.randint(
+            low=-k, high=k, size=(n, n), generator=generator, device=draw_device
+        ).cpu()
+        Q2 = torch.argsort(Q2, dim=1, stable=True)
+        X = [[X[i][Q2[i, j].item()] for j in range(n)] for i in range(n)]
+        Y = torch.cat([torch.cat(row, dim=2) for row in X], dim=1)
+        out = img.clone()
+        out[:, : n * bh, : n * bw] = Y
+        outs.append(out)
+        # Output block (i, j) came from input block (Q[i, Q2[i, j]], Q2[i, j]).
+        perms.append(torch.stack([Q[i, Q2[i]] * n + Q2[i] for i in range(n)]).view(n * n))
+    perm = torch.stack(perms).to(x.device)
+    if x.dim() == 3:
+        return outs[0], perm[0]
+    return torch.stack(outs), perm

@@ -1,0 +1,98 @@
+"""cdist vs torch.cdist (default = matmul mode, exact mode, torch.compile), the cookbook
+reference and faiss's pairwise L2; forward and forward+backward, with each implementation's
+accuracy against float64 on the far-from-origin case."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from common import run  # benchmarks/ is on sys.path (rootdir-less test folder)
+
+from torchkit import ops, reference
+
+EXACT = "donot_use_mm_for_euclid_dist"
+REFERENCE_MAX_ELEMENTS = 2**28  # the reference's (B, P, R, M) temporary: 1 GiB of float32
+
+
+@functools.cache
+def compiled_cdist():
+    return torch.compile(torch.cdist, dynamic=False)
+
+
+def faiss_l2(x1, x2):
+    import faiss  # benchmark-only dependency
+
+    return torch.from_numpy(faiss.pairwise_distances(x1.numpy(), x2.numpy())).sqrt_()
+
+
+IMPLS = {
+    "torchkit": lambda a, b: ops.cdist(a, b),
+    "torch.cdist": lambda a, b: torch.cdist(a, b),
+    "torch.cdist exact": lambda a, b: torch.cdist(a, b, compute_mode=EXACT),
+    "torch.compile(torch.cdist)": lambda a, b: compiled_cdist()(a, b),
+    "reference": lambda a, b: reference.cdist(a, b),
+    "faiss": faiss_l2,  # forward only, 2-D float32 on the CPU; squared distances (+ sqrt here)
+}
+
+# (case, x1 shape, x2 shape or None for self-distances, offset, dtype, device)
+CPU_CASES = [
+    pytest.param("P=R=4096 M=128", (4096, 128), (4096, 128), 0.0, torch.float32, "cpu", marks=pytest.mark.headline),
+    pytest.param("P=R=1024 M=512", (1024, 512), (1024, 512), 0.0, torch.float32, "cpu"),
+    pytest.param("B=16 P=R=512 M=64", (16, 512, 64), (16, 512, 64), 0.0, torch.float32, "cpu"),
+    pytest.param("self P=4096 M=128", (4096, 128), None, 0.0, torch.float32, "cpu"),
+    pytest.param("far from origin P=R=2048 M=128", (2048, 128), (2048, 128), 1000.0, torch.float32, "cpu"),
+]
+GPU_CASES = [
+    pytest.param(f"P=R=8192 M=128 {name}", (8192, 128), (8192, 128), 0.0, dtype, "cuda", marks=pytest.mark.cuda)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+]
+
+
+def max_rel_error(d, a, b):
+    truth = torch.cdist(a.double(), (a if b is None else b).double(), compute_mode=EXACT)
+    keep = truth > 1e-3 * truth.max()
+    return (((d.double() - truth).abs() / truth)[keep]).max().item()
+
+
+@pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("case,shape1,shape2,offset,dtype,device", CPU_CASES + GPU_CASES)
+def test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, impl, pass_):
+    batch = shape1[0] if len(shape1) == 3 else 1
+    R = (shape2 or shape1)[-2]
+    if impl == "faiss" and (pass_ != "forward" or device != "cpu" or len(shape1) != 2 or shape2 is None):
+        pytest.skip("faiss: forward only, two 2-D float32 sets on the CPU")
+    if impl == "reference" and batch * shape1[-2] * R * shape1[-1] > REFERENCE_MAX_ELEMENTS:
+        pytest.skip("the reference's O(P·R·M) temporary exceeds the benchmark's memory budget")
+    g = torch.Generator().manual_seed(0)
+    a = (offset + torch.randn(shape1, generator=g)).to(dtype).to(device)
+    b = None if shape2 is None else (offset + torch.randn(shape2, generator=g)).to(dtype).to(device)
+    fn = IMPLS[impl]
+    if impl == "torchkit":
+        call = functools.partial(fn, a, b)
+    elif b is None:  # the peers have no self-distance form: pass the set twice
+        call = functools.partial(fn, a, a)
+    else:
+        call = functools.partial(fn, a, b)
+    extra = {}
+    if offset:
+        with torch.no_grad():
+            extra["max_rel_error"] = max_rel_error(call(), a, b)
+    if pass_ == "forward":
+
+        def step():
+            with torch.no_grad():
+                call()
+    else:
+        a.requires_grad_()
+        if b is not None:
+            b.requires_grad_()
+
+        def step():
+            call().sum().backward()
+            a.grad = None
+            if b is not None:
+                b.grad = None
+
+    run(benchmark, step, op="cdist", case=case, pass_=pass_, impl=impl, device=device, **extra)
