@@ -42,8 +42,7 @@ Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, int64_t num
   const bool channels_last = C > 1 && x4.is_contiguous(at::MemoryFormat::ChannelsLast) &&
                              !x4.is_contiguous();
   p.input = channels_last ? x4 : x4.contiguous();
-  p.output = at::empty_like(p.input, channels_last ? at::MemoryFormat::ChannelsLast
-                                                   : at::MemoryFormat::Contiguous);
+  p.memory_format = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   const int64_t unit = (channels_last ? C : 1) * x.element_size();
   p.layout.planes = channels_last ? N : N * C;
   p.layout.planes_per_sample = channels_last ? 1 : C;

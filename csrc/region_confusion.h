@@ -20,11 +20,13 @@ struct Layout {
   int64_t block_bytes = 0;  // bytes per block row segment (bw · unit)
 };
 
-// Validates the arguments and returns the input in a layout the kernels read (contiguous
-// or channels_last; other strides are copied once), the output (same memory format), the
-// permutation as contiguous int64 (N, n²), and the byte layout.
+// Validates the arguments and returns the input (4-D) in a layout the kernels read
+// (contiguous or channels_last; other strides are copied once), the memory format the output
+// must have (the backend allocates it), the permutation as contiguous int64 (N, n²), and the
+// byte layout.
 struct Prepared {
-  at::Tensor input, output, permutation;
+  at::Tensor input, permutation;
+  at::MemoryFormat memory_format;
   Layout layout;
 };
 Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, int64_t num_blocks);

@@ -309,13 +309,16 @@ def _rcm_permutations(
     gets the identity.
     """
     draw_device = generator.device if generator is not None else torch.device("cpu")
-    r = torch.randint(-k, k, (samples, 2, n, n), generator=generator, device=draw_device).to(device)
+    # generator=None is left out rather than passed: the explicit-generator overload of
+    # randint does not take symbolic sizes under torch.compile(dynamic=True).
+    rng = {} if generator is None else {"generator": generator}
+    r = torch.randint(-k, k, (samples, 2, n, n), device=draw_device, **rng).to(device)
     ar = torch.arange(n, device=device)
     sigma = torch.argsort(ar.view(n, 1) + r[:, 0], dim=1, stable=True)
     tau = torch.argsort(ar.view(1, n) + r[:, 1], dim=2, stable=True)
     perm = (torch.gather(sigma, 2, tau) * n + tau).view(samples, n * n)
     if p < 1.0:
-        keep = torch.rand(samples, generator=generator, device=draw_device).to(device) >= p
+        keep = torch.rand(samples, device=draw_device, **rng).to(device) >= p
         perm = torch.where(keep.unsqueeze(1), torch.arange(n * n, device=device), perm)
     return perm
 

@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "cpu/memory.h"
 #include "region_confusion.h"
 
 namespace torchkit::rcm {
@@ -13,10 +14,11 @@ namespace {
 
 at::Tensor permute_blocks_cpu(const at::Tensor& x, const at::Tensor& permutation,
                               int64_t num_blocks) {
-  Prepared p = prepare(x, permutation, num_blocks);
+  const Prepared p = prepare(x, permutation, num_blocks);
   const Layout L = p.layout;
+  at::Tensor output = cpu::empty_for_writing(p.input.sizes(), p.input.options(), p.memory_format);
   const auto* src = static_cast<const char*>(p.input.const_data_ptr());
-  auto* dst = static_cast<char*>(p.output.data_ptr());
+  auto* dst = static_cast<char*>(output.data_ptr());
   const int64_t* perm = p.permutation.const_data_ptr<int64_t>();
   const int64_t n = L.n, shuffled_rows = n * L.bh, shuffled_bytes = n * L.block_bytes;
   const int64_t plane_bytes = L.H * L.row_bytes;
@@ -43,7 +45,7 @@ at::Tensor permute_blocks_cpu(const at::Tensor& x, const at::Tensor& permutation
                   L.row_bytes - shuffled_bytes);
     }
   });
-  return x.dim() == 3 ? p.output.squeeze(0) : p.output;
+  return x.dim() == 3 ? output.squeeze(0) : output;
 }
 
 }  // namespace

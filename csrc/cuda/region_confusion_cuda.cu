@@ -41,12 +41,12 @@ __global__ void permute_blocks_kernel(const vec_t* __restrict__ src, vec_t* __re
 }
 
 template <typename vec_t>
-void launch(const Prepared& p, int64_t total_bytes) {
+void launch(const Prepared& p, at::Tensor& output, int64_t total_bytes) {
   const int64_t total = total_bytes / sizeof(vec_t);
   const int64_t max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 32;
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min((total + kThreads - 1) / kThreads, max_blocks)));
   permute_blocks_kernel<vec_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const vec_t*>(p.input.const_data_ptr()), static_cast<vec_t*>(p.output.data_ptr()),
+      static_cast<const vec_t*>(p.input.const_data_ptr()), static_cast<vec_t*>(output.data_ptr()),
       p.permutation.const_data_ptr<int64_t>(), p.layout, total);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -54,28 +54,29 @@ void launch(const Prepared& p, int64_t total_bytes) {
 at::Tensor permute_blocks_cuda(const at::Tensor& x, const at::Tensor& permutation,
                                int64_t num_blocks) {
   const c10::cuda::CUDAGuard guard(x.device());
-  Prepared p = prepare(x, permutation, num_blocks);
+  const Prepared p = prepare(x, permutation, num_blocks);
+  at::Tensor output = at::empty(p.input.sizes(), p.input.options(), p.memory_format);
   const int64_t total_bytes = p.layout.planes * p.layout.H * p.layout.row_bytes;
   if (total_bytes > 0) {
     // The widest vector that divides every extent and both addresses.
     const auto fits = [&](int64_t v) {
       return p.layout.row_bytes % v == 0 && p.layout.block_bytes % v == 0 &&
              reinterpret_cast<uintptr_t>(p.input.const_data_ptr()) % v == 0 &&
-             reinterpret_cast<uintptr_t>(p.output.data_ptr()) % v == 0;
+             reinterpret_cast<uintptr_t>(output.data_ptr()) % v == 0;
     };
     if (fits(16)) {
-      launch<uint4>(p, total_bytes);
+      launch<uint4>(p, output, total_bytes);
     } else if (fits(8)) {
-      launch<uint2>(p, total_bytes);
+      launch<uint2>(p, output, total_bytes);
     } else if (fits(4)) {
-      launch<uint32_t>(p, total_bytes);
+      launch<uint32_t>(p, output, total_bytes);
     } else if (fits(2)) {
-      launch<uint16_t>(p, total_bytes);
+      launch<uint16_t>(p, output, total_bytes);
     } else {
-      launch<uint8_t>(p, total_bytes);
+      launch<uint8_t>(p, output, total_bytes);
     }
   }
-  return x.dim() == 3 ? p.output.squeeze(0) : p.output;
+  return x.dim() == 3 ? output.squeeze(0) : output;
 }
 
 }  // namespace
