@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from torchkit import ops
 
-__all__ = ["CDist", "LabelSmoothingCrossEntropy", "RegionConfusion"]
+__all__ = ["BilinearPool2d", "CDist", "LabelSmoothingCrossEntropy", "RegionConfusion"]
 
 
 class LabelSmoothingCrossEntropy(nn.Module):
@@ -102,3 +102,20 @@ class RegionConfusion(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_blocks={self.num_blocks}, neighbourhood={self.neighbourhood}, p={self.p}"
+
+
+class BilinearPool2d(nn.Module):
+    """B-CNN pooling of a feature map (or two): bilinear product, signed sqrt, L2
+    normalisation; see :func:`torchkit.ops.bilinear_pool`. ``(N, D, H, W)`` → ``(N, D·D)``
+    (``(N, D·E)`` with a second stream ``y``)."""
+
+    def __init__(self, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> None:
+        super().__init__()
+        self.sqrt_eps = sqrt_eps
+        self.l2_eps = l2_eps
+
+    def forward(self, x: Tensor, y: Optional[Tensor] = None) -> Tensor:
+        return ops.bilinear_pool(x, y, sqrt_eps=self.sqrt_eps, l2_eps=self.l2_eps)
+
+    def extra_repr(self) -> str:
+        return f"sqrt_eps={self.sqrt_eps}, l2_eps={self.l2_eps}"

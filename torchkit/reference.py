@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["cdist", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
+__all__ = ["bilinear_pool", "cdist", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
 
 
 def label_smoothing_cross_entropy(
@@ -116,3 +116,14 @@ def region_confusion(
     if x.dim() == 3:
         return outs[0], perm[0]
     return torch.stack(outs), perm
+
+
+def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> Tensor:
+    """The cookbook's composition: bmm / HW, signed sqrt, F.normalize (two-stream with y)."""
+    N, D, H, W = x.shape
+    X = x.reshape(N, D, H * W)
+    Y = X if y is None else y.reshape(N, y.shape[1], H * W)
+    Z = torch.bmm(X, Y.transpose(1, 2)) / (H * W)
+    Z = Z.reshape(N, -1)
+    Z = torch.sign(Z) * torch.sqrt(torch.abs(Z) + sqrt_eps)
+    return F.normalize(Z, eps=l2_eps)

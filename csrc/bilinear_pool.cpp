@@ -1,0 +1,121 @@
+// Bilinear pooling: schemas, input checks and the GEMMs of the backward.
+#include "bilinear_pool.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "checks.h"
+
+namespace torchkit::bilinear {
+
+namespace {
+
+at::ScalarType acc_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// (N, C, H, W) → (N, C, HW) without a copy where the memory allows it.
+at::Tensor flat(const Problem& p, const at::Tensor& t) {
+  const at::Tensor a = p.channels_last ? t.permute({0, 2, 3, 1}).reshape({p.N, p.HW, t.size(1)})
+                                             .transpose(1, 2)
+                                       : t.reshape({p.N, t.size(1), p.HW});
+  return a.scalar_type() == acc_type(t) ? a : a.to(acc_type(t));
+}
+
+}  // namespace
+
+Problem check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& y, double sqrt_eps,
+                     double l2_eps) {
+  Problem p;
+  check_floating(kOp, "x", x);
+  TK_CHECK_VALUE(kOp, x.dim() == 4, "x must be a 4-D feature map (N, D, H, W), got shape ",
+                 x.sizes());
+  TK_CHECK_VALUE(kOp, sqrt_eps >= 0, "sqrt_eps must be >= 0, got ", sqrt_eps);
+  TK_CHECK_VALUE(kOp, l2_eps >= 0, "l2_eps must be >= 0, got ", l2_eps);
+  p.N = x.size(0);
+  p.D = x.size(1);
+  p.HW = x.size(2) * x.size(3);
+  TK_CHECK_VALUE(kOp, p.HW > 0,
+                 "x must have at least one spatial position (H·W > 0): the pooled product is "
+                 "divided by H·W; got shape ",
+                 x.sizes());
+  p.self = !y.has_value();
+  p.E = p.D;
+  if (y.has_value()) {
+    const auto& t = *y;
+    check_same_device(kOp, "x", x, "y", t);
+    check_same_dtype(kOp, "x", x, "y", t);
+    TK_CHECK_VALUE(kOp, t.dim() == 4 && t.size(0) == p.N && t.size(2) == x.size(2) &&
+                            t.size(3) == x.size(3),
+                   "y must be (N, E, H, W) with x's N, H and W, got x of shape ", x.sizes(),
+                   " and y of shape ", t.sizes());
+    p.E = t.size(1);
+  }
+  // Read channels_last inputs as (N, HW, C) rows instead of copying them to (N, C, HW).
+  p.channels_last = x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous() &&
+                    (!y.has_value() || (y->is_contiguous(at::MemoryFormat::ChannelsLast) &&
+                                        !y->is_contiguous()));
+  p.sqrt_eps = sqrt_eps;
+  p.l2_eps = l2_eps;
+  return p;
+}
+
+void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& x,
+                           const at::Tensor& out, const at::Tensor& norm) {
+  const std::vector<int64_t> shape{p.N, p.D * p.E};
+  TK_CHECK_VALUE(kOp, grad.sizes() == c10::IntArrayRef(shape) && out.sizes() == grad.sizes(),
+                 "backward: grad and out must have the output's shape ", c10::IntArrayRef(shape),
+                 ", got ", grad.sizes(), " and ", out.sizes());
+  TK_CHECK_VALUE(kOp, norm.dim() == 1 && norm.size(0) == p.N && norm.scalar_type() == acc_type(x),
+                 "backward: norm must be (N,) = (", p.N, ",) of ", acc_type(x), ", got ",
+                 norm.sizes(), " of ", norm.scalar_type());
+  check_same_dtype(kOp, "x", x, "grad", grad);
+  check_same_dtype(kOp, "x", x, "out", out);
+  check_same_device(kOp, "x", x, "grad", grad);
+  check_same_device(kOp, "x", x, "out", out);
+  check_same_device(kOp, "x", x, "norm", norm);
+}
+
+std::tuple<at::Tensor, at::Tensor> operands(const Problem& p, const at::Tensor& x,
+                                            const std::optional<at::Tensor>& y) {
+  const at::Tensor a = flat(p, x);
+  return {a, p.self ? a : flat(p, *y)};
+}
+
+std::tuple<at::Tensor, at::Tensor> input_grads(const Problem& p, const at::Tensor& dz,
+                                               const at::Tensor& x,
+                                               const std::optional<at::Tensor>& y,
+                                               std::array<bool, 2> output_mask, EmptyFn empty) {
+  const auto [a, b] = operands(p, x, y);
+  // Each gradient is produced in the layout its input has: (N, HW, C) rows for
+  // channels_last, (N, C, HW) otherwise, so that the view back to 4-D is free.
+  auto grad_of = [&](const at::Tensor& g, const at::Tensor& other, const at::Tensor& input) {
+    const int64_t C = input.size(1);
+    if (p.channels_last) {  // (g·other)ᵀ = otherᵀ·gᵀ : (N, HW, C)
+      at::Tensor out = empty({p.N, p.HW, C}, g.options());
+      at::bmm_out(out, other.transpose(1, 2), g.transpose(1, 2));
+      return out.view({p.N, input.size(2), input.size(3), C})
+          .permute({0, 3, 1, 2})
+          .to(input.scalar_type());
+    }
+    at::Tensor out = empty({p.N, C, p.HW}, g.options());
+    at::bmm_out(out, g, other);
+    return out.view(input.sizes()).to(input.scalar_type());
+  };
+  const auto none = at::empty({0}, x.options());
+  if (p.self) return {output_mask[0] ? grad_of(dz, a, x) : none, none};
+  return {output_mask[0] ? grad_of(dz, b, x) : none,
+          output_mask[1] ? grad_of(dz.transpose(1, 2), a, *y) : none};
+}
+
+TORCH_LIBRARY_FRAGMENT(torchkit, m) {
+  // Returns (out, norm): norm is the per-sample ‖s‖ before clamping (acc type), what the
+  // backward needs besides the inputs and the output.
+  m.def("bilinear_pool(Tensor x, Tensor? y, float sqrt_eps, float l2_eps) -> (Tensor, Tensor)");
+  // Returns (grad_x, grad_y); one output_mask leaves out (and grad_y for y = None) is (0,).
+  m.def(
+      "_bilinear_pool_backward(Tensor grad, Tensor x, Tensor? y, Tensor out, Tensor norm, float "
+      "sqrt_eps, float l2_eps, bool[2] output_mask) -> (Tensor, Tensor)");
+}
+
+}  // namespace torchkit::bilinear

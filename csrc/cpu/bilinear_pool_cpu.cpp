@@ -1,0 +1,246 @@
+// Bilinear pooling on the CPU.
+//
+// Forward: Z is computed in tiles of kTile × kTile (one BLAS call per tile, tasks spread over
+// the threads); for y = None only the tiles on and above the diagonal (syrk-style: ~half the
+// flops) and each is mirrored. A tile's epilogue (scale, signed sqrt, sum of squares) runs
+// while it is in cache; a second pass over the output applies the per-sample normalisation.
+// Backward: one elementwise pass forms ∂L/∂Z (symmetrised for y = None) from the output and
+// its gradient, then one GEMM per input (bilinear_pool.cpp).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "bilinear_pool.h"
+#include "cpu/memory.h"
+
+namespace torchkit::bilinear {
+namespace {
+
+using at::Tensor;
+using at::vec::Vectorized;
+
+constexpr int64_t kTile = 128;
+
+struct Tile {
+  int64_t n, i0, j0;
+};
+
+// z ← signed_sqrt(z / HW) over n entries; returns Σ of the squares.
+template <typename acc_t>
+acc_t signed_sqrt_row(acc_t* z, int64_t n, acc_t inv_hw, acc_t eps) {
+  using V = Vectorized<acc_t>;
+  const V vinv(inv_hw), veps(eps), zero(0);
+  V vsum(0);
+  int64_t k = 0;
+  for (; k + V::size() <= n; k += V::size()) {
+    const V v = V::loadu(z + k) * vinv;
+    const V root = (v.abs() + veps).sqrt();
+    const V out = V::blendv(V::blendv(root, zero - root, v < zero), zero, v == zero);
+    out.store(z + k);
+    vsum = at::vec::fmadd(out, out, vsum);
+  }
+  acc_t sum = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, vsum);
+  for (; k < n; ++k) {
+    z[k] = signed_sqrt(z[k] * inv_hw, eps);
+    sum += z[k] * z[k];
+  }
+  return sum;
+}
+
+template <typename scalar_t>
+std::tuple<Tensor, Tensor> forward_kernel(const Problem& p, const Tensor& x,
+                                          const std::optional<Tensor>& y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool kDirect = std::is_same_v<scalar_t, acc_t>;
+  const auto [a, b] = operands(p, x, y);
+  const int64_t DE = p.D * p.E;
+  // s is stored in the output itself when the types agree, else in an acc-typed buffer.
+  Tensor out = cpu::empty_for_writing({p.N, DE}, x.options());
+  Tensor s_buf = kDirect ? out : cpu::empty_for_writing({p.N, DE}, a.options());
+  std::vector<Tile> tiles;
+  for (int64_t n = 0; n < p.N; ++n)
+    for (int64_t i0 = 0; i0 < p.D; i0 += kTile)
+      for (int64_t j0 = p.self ? i0 : 0; j0 < p.E; j0 += kTile) tiles.push_back({n, i0, j0});
+  std::vector<acc_t> tile_sumsq(tiles.size());
+  const acc_t inv_hw = acc_t(1) / static_cast<acc_t>(p.HW);
+  const acc_t eps = static_cast<acc_t>(p.sqrt_eps);
+  acc_t* s = s_buf.data_ptr<acc_t>();
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    Tensor scratch = at::empty({kTile, kTile}, a.options());
+    for (int64_t t = begin; t < end; ++t) {
+      const Tile& T = tiles[t];
+      const int64_t di = std::min(kTile, p.D - T.i0), dj = std::min(kTile, p.E - T.j0);
+      Tensor z = scratch.narrow(0, 0, di).narrow(1, 0, dj);
+      at::mm_out(z, a[T.n].narrow(0, T.i0, di), b[T.n].narrow(0, T.j0, dj).t());
+      // Signed sqrt in place in the (cache-resident) tile, then its rows to the output
+      // and, for an off-diagonal tile of x·xᵀ, its columns to the mirrored rows.
+      acc_t* zp = z.data_ptr<acc_t>();
+      const int64_t zs = z.stride(0);
+      acc_t sumsq = 0;
+      for (int64_t r = 0; r < di; ++r) sumsq += signed_sqrt_row(zp + r * zs, dj, inv_hw, eps);
+      acc_t* sn = s + T.n * DE;
+      for (int64_t r = 0; r < di; ++r)
+        std::copy(zp + r * zs, zp + r * zs + dj, sn + (T.i0 + r) * p.E + T.j0);
+      if (p.self && T.i0 != T.j0) {
+        for (int64_t c = 0; c < dj; ++c) {
+          acc_t* row = sn + (T.j0 + c) * p.E + T.i0;
+          for (int64_t r = 0; r < di; ++r) row[r] = zp[r * zs + c];
+        }
+        sumsq *= 2;
+      }
+      tile_sumsq[t] = sumsq;
+    }
+  });
+  // Per-sample ‖s‖ from the tiles' partial sums (in tile order: deterministic).
+  Tensor norm = at::zeros({p.N}, a.options());
+  acc_t* nrm = norm.data_ptr<acc_t>();
+  std::vector<double> sums(p.N, 0.0);
+  for (size_t t = 0; t < tiles.size(); ++t) sums[tiles[t].n] += tile_sumsq[t];
+  for (int64_t n = 0; n < p.N; ++n) nrm[n] = static_cast<acc_t>(std::sqrt(sums[n]));
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const acc_t l2_eps = static_cast<acc_t>(p.l2_eps);
+  constexpr int64_t kChunk = 1 << 14;
+  const int64_t chunks = (DE + kChunk - 1) / kChunk;
+  at::parallel_for(0, p.N * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / chunks, k0 = n * DE + (task % chunks) * kChunk;
+      const int64_t k1 = std::min(k0 + kChunk, (n + 1) * DE);
+      const acc_t inv = acc_t(1) / std::max(nrm[n], l2_eps);
+      if constexpr (kDirect) {
+        at::vec::map([inv](Vectorized<acc_t> v) { return v * Vectorized<acc_t>(inv); }, o + k0,
+                     s + k0, k1 - k0);
+      } else {
+        for (int64_t k = k0; k < k1; ++k) o[k] = static_cast<scalar_t>(s[k] * inv);
+      }
+    }
+  });
+  return {out, norm};
+}
+
+std::tuple<Tensor, Tensor> forward_cpu(const Tensor& x, const std::optional<Tensor>& y,
+                                       double sqrt_eps, double l2_eps) {
+  const Problem p = check_inputs(x, y, sqrt_eps, l2_eps);
+  std::tuple<Tensor, Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bilinear_pool_cpu",
+                                  [&] { result = forward_kernel<scalar_t>(p, x, y); });
+  return result;
+}
+
+// ∂L/∂Z · 1/HW for one sample's n entries. Per sample, grad_z() reduces to
+// (g − o·dot') · c / |o| (0 where o = 0) with c = 1 / (2·denom²·HW), dot' = dot or 0.
+template <typename scalar_t, typename acc_t>
+void grad_z_row(const scalar_t* o, const scalar_t* g, acc_t* dz, int64_t n, acc_t dot, acc_t c) {
+  int64_t k = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    using V = Vectorized<acc_t>;
+    const V vdot(dot), vc(c), zero(0);
+    for (; k + V::size() <= n; k += V::size()) {
+      const V vo = V::loadu(o + k), vg = V::loadu(g + k);
+      const V v = (vg - vo * vdot) * vc / vo.abs();
+      V::blendv(v, zero, vo == zero).store(dz + k);
+    }
+  }
+  for (; k < n; ++k) {
+    const acc_t ok = static_cast<acc_t>(o[k]), gk = static_cast<acc_t>(g[k]);
+    dz[k] = ok == acc_t(0) ? acc_t(0) : (gk - ok * dot) * c / std::abs(ok);
+  }
+}
+
+// ∂L/∂Z · 1/HW (N, D, E) in the accumulation type: the 1/HW of the product is folded in
+// here so that the GEMMs after it need no extra pass. For y = None it is then symmetrised
+// in place (dZ + dZᵀ) in cache-sized square tiles, so that the transposed reads stay in L1.
+template <typename scalar_t>
+Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, const Tensor& norm) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kSquare = 64;
+  const int64_t D = p.D, E = p.E, DE = D * E;
+  const Tensor g_c = grad.contiguous(), o_c = out.contiguous();
+  const scalar_t* g = g_c.const_data_ptr<scalar_t>();
+  const scalar_t* o = o_c.const_data_ptr<scalar_t>();
+  const acc_t* nrm = norm.const_data_ptr<acc_t>();
+  const acc_t l2_eps = static_cast<acc_t>(p.l2_eps);
+  const acc_t inv_hw = acc_t(1) / static_cast<acc_t>(p.HW);
+  Tensor dz = cpu::empty_for_writing({p.N, D, E}, norm.options());
+  acc_t* dzp = dz.data_ptr<acc_t>();
+  // The normalisation's Jacobian needs dot(o, g) per sample; F.normalize's clamp passes
+  // the gradient where ‖s‖ >= l2_eps (grad_z() in the header is the scalar statement).
+  std::vector<acc_t> dot(p.N), c(p.N);
+  at::parallel_for(0, p.N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const bool scaled = nrm[n] >= l2_eps;
+      double acc = 0;
+      if (scaled) {
+        for (int64_t k = n * DE; k < (n + 1) * DE; ++k)
+          acc += static_cast<double>(o[k]) * static_cast<double>(g[k]);
+      }
+      const acc_t denom = scaled ? nrm[n] : l2_eps;
+      dot[n] = static_cast<acc_t>(acc);
+      c[n] = inv_hw / (acc_t(2) * denom * denom);
+    }
+  });
+  constexpr int64_t kChunk = 1 << 14;
+  const int64_t chunks = (DE + kChunk - 1) / kChunk;
+  at::parallel_for(0, p.N * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / chunks, k0 = (task % chunks) * kChunk;
+      const int64_t off = n * DE + k0;
+      grad_z_row<scalar_t, acc_t>(o + off, g + off, dzp + off, std::min(kChunk, DE - k0), dot[n],
+                                  c[n]);
+    }
+  });
+  if (!p.self) return dz;
+  // Z = x·xᵀ: entries (i, j) and (j, i) are the same sum, so both get dZ_ij + dZ_ji.
+  const int64_t squares = (D + kSquare - 1) / kSquare;
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // upper-triangle squares (bi <= bj)
+  for (int64_t bi = 0; bi < squares; ++bi)
+    for (int64_t bj = bi; bj < squares; ++bj) pairs.emplace_back(bi * kSquare, bj * kSquare);
+  const int64_t per_sample = static_cast<int64_t>(pairs.size());
+  at::parallel_for(0, p.N * per_sample, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      acc_t* m = dzp + (task / per_sample) * DE;
+      const auto [i0, j0] = pairs[task % per_sample];
+      for (int64_t i = i0; i < std::min(i0 + kSquare, D); ++i) {
+        for (int64_t j = std::max(j0, i); j < std::min(j0 + kSquare, D); ++j) {
+          const acc_t v = m[i * D + j] + m[j * D + i];
+          m[i * D + j] = v;
+          m[j * D + i] = v;
+        }
+      }
+    }
+  });
+  return dz;
+}
+
+std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x,
+                                        const std::optional<Tensor>& y, const Tensor& out,
+                                        const Tensor& norm, double sqrt_eps, double l2_eps,
+                                        std::array<bool, 2> output_mask) {
+  const Problem p = check_inputs(x, y, sqrt_eps, l2_eps);
+  check_backward_inputs(p, grad, x, out, norm);
+  Tensor dz;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(),
+                                  "bilinear_pool_backward_cpu",
+                                  [&] { dz = grad_z_kernel<scalar_t>(p, grad, out, norm); });
+  return input_grads(p, dz, x, y, output_mask,
+                     [](at::IntArrayRef sizes, const at::TensorOptions& options) {
+                       return cpu::empty_for_writing(sizes, options);
+                     });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
+  m.impl("bilinear_pool", &forward_cpu);
+  m.impl("_bilinear_pool_backward", &backward_cpu);
+}
+
+}  // namespace torchkit::bilinear
