@@ -4,8 +4,9 @@
 
 Prints, per op, one Markdown table: each (case, pass) row gives torchkit's median time and
 peak extra memory, and for every peer the ratio peer median / torchkit median (> 1: torchkit
-is faster), with the peer's accuracy where the benchmark recorded one. Writes the same
-Markdown next to the JSON (<name>.md) and one PNG bar chart per op (<name>_<op>.png).
+is faster), with accuracy (cdist) and bytes saved for backward (bilinear_pool) where the
+benchmark recorded them. Writes the same Markdown next to the JSON (<name>.md) and one PNG
+bar chart per op (<name>_<op>.png).
 """
 
 from __future__ import annotations
@@ -31,8 +32,14 @@ def _bytes(n) -> str:
     return "–" if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def _accuracy(extra: dict) -> str:
-    return f", err {extra['max_rel_error']:.1e}" if "max_rel_error" in extra else ""
+def _notes(extra: dict) -> str:
+    """Op-specific columns folded into the cell: cdist's accuracy, bytes kept for backward."""
+    notes = ""
+    if "max_rel_error" in extra:
+        notes += f", err {extra['max_rel_error']:.1e}"
+    if "saved_bytes" in extra:
+        notes += f", saves {_bytes(extra['saved_bytes'])}"
+    return notes
 
 
 def load(path: Path) -> dict:
@@ -55,11 +62,11 @@ def table(op: str, rows: dict) -> tuple[str, list[str], dict]:
         if TORCHKIT not in impls:
             continue
         t, extra = impls[TORCHKIT]
-        cells = [case, pass_, f"{_time(t)}, {_bytes(extra.get('peak_bytes'))}{_accuracy(extra)}"]
+        cells = [case, pass_, f"{_time(t)}, {_bytes(extra.get('peak_bytes'))}{_notes(extra)}"]
         for peer in peers:
             if peer in impls:
                 pt, pextra = impls[peer]
-                cells.append(f"**{pt / t:.2f}×** ({_time(pt)}, {_bytes(pextra.get('peak_bytes'))}{_accuracy(pextra)})")
+                cells.append(f"**{pt / t:.2f}×** ({_time(pt)}, {_bytes(pextra.get('peak_bytes'))}{_notes(pextra)})")
                 ratios[peer].append(pt / t)
             else:
                 cells.append("–")

@@ -1,0 +1,77 @@
+"""bilinear_pool vs the cookbook composition (torchkit.reference), eager and under
+torch.compile; forward and forward+backward, with the bytes each keeps for backward."""
+
+import functools
+
+import pytest
+import torch
+from common import run  # benchmarks/ is on sys.path (rootdir-less test folder)
+
+from torchkit import ops, reference
+
+
+@functools.cache
+def compiled_reference():
+    return torch.compile(reference.bilinear_pool)
+
+
+IMPLS = {
+    "torchkit": ops.bilinear_pool,
+    "reference": reference.bilinear_pool,
+    "torch.compile(reference)": lambda x, y=None: compiled_reference()(x, y),
+}
+
+# (case, N, D, E or None, H·W side, dtype, device)
+CPU_CASES = [
+    pytest.param("N=8 D=512 28x28 fp32", 8, 512, None, 28, torch.float32, "cpu", marks=pytest.mark.headline),
+    pytest.param("N=32 D=512 28x28 fp32", 32, 512, None, 28, torch.float32, "cpu"),
+    pytest.param("N=16 D=2048 7x7 fp32", 16, 2048, None, 7, torch.float32, "cpu"),
+    pytest.param("two-stream N=8 D=E=256 28x28", 8, 256, 256, 28, torch.float32, "cpu"),
+    pytest.param("N=8 D=512 28x28 bf16", 8, 512, None, 28, torch.bfloat16, "cpu"),
+]
+GPU_CASES = [
+    pytest.param(f"N=32 D=512 28x28 {name}", 32, 512, None, 28, dtype, "cuda", marks=pytest.mark.cuda)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+]
+
+
+def saved_bytes(fn, *args) -> int:
+    """Bytes of the distinct storages autograd keeps for backward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("case,N,D,E,side,dtype,device", CPU_CASES + GPU_CASES)
+def test_bilinear_pool(benchmark, case, N, D, E, side, dtype, device, impl, pass_):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D, side, side, generator=g).relu_().to(dtype).to(device)  # post-ReLU features
+    y = None if E is None else torch.randn(N, E, side, side, generator=g).relu_().to(dtype).to(device)
+    fn = IMPLS[impl]
+    extra = {}
+    if pass_ == "forward":
+
+        def step():
+            with torch.no_grad():
+                fn(x, y)
+    else:
+        x.requires_grad_()
+        if y is not None:
+            y.requires_grad_()
+        extra["saved_bytes"] = saved_bytes(fn, x, y)
+
+        def step():
+            fn(x, y).sum().backward()
+            x.grad = None
+            if y is not None:
+                y.grad = None
+
+    run(benchmark, step, op="bilinear_pool", case=case, pass_=pass_, impl=impl, device=device, **extra)

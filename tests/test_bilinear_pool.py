@@ -1,0 +1,279 @@
+"""torchkit.ops.bilinear_pool against the cookbook composition (torchkit.reference)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    DEVICES,
+    REDUCED_DTYPES,
+    assert_close,
+    assert_close_reduced,
+    check_compile,
+    check_gradcheck,
+    check_opcheck,
+    make_noncontiguous,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchkit
+from torchkit import ops, reference
+
+OP = torch.ops.torchkit.bilinear_pool.default
+BACKWARD = torch.ops.torchkit._bilinear_pool_backward.default
+
+# (x shape, y channels or None)
+SHAPES = [
+    ((2, 5, 3, 4), None),
+    ((2, 5, 3, 4), 3),
+    ((1, 1, 1, 1), None),
+    ((3, 1, 2, 2), 1),
+    ((2, 7, 1, 1), None),
+    ((2, 130, 3, 3), None),  # crosses the CPU kernel's 128-wide tiles
+    ((2, 130, 3, 3), 129),
+]
+
+
+def make(shape, dtype=torch.float64, device="cpu", seed=0, relu=False):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=torch.float64)
+    return (t.relu() if relu else t).to(dtype).to(device)
+
+
+def inputs(shape, E, dtype=torch.float64, device="cpu", relu=False):
+    x = make(shape, dtype, device, 1, relu).requires_grad_()
+    y = None if E is None else make((shape[0], E, *shape[2:]), dtype, device, 2, relu).requires_grad_()
+    return x, y
+
+
+def leaves(x, y):
+    return (x,) if y is None else (x, y)
+
+
+def grads(fn, x, y, g):
+    return torch.autograd.grad(fn(x, y), leaves(x, y), g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,E", SHAPES)
+@pytest.mark.parametrize("relu", [False, True])
+def test_matches_reference(device, dtype, shape, E, relu):
+    x, y = inputs(shape, E, dtype, device, relu)
+    out = ops.bilinear_pool(x, y)
+    expected = reference.bilinear_pool(x, y)
+    assert out.shape == expected.shape == (shape[0], shape[1] * (E or shape[1])) and out.dtype == dtype
+    assert_close(out, expected)
+    g = torch.randn_like(out)
+    for actual, exp in zip(grads(ops.bilinear_pool, x, y, g), grads(reference.bilinear_pool, x, y, g)):
+        assert_close(actual, exp, atol=1e-5 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vgg_sized(device):
+    x = make((2, 512, 7, 7), torch.float32, device, relu=True).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    out, ref = ops.bilinear_pool(x), reference.bilinear_pool(x64)
+    assert (out.double() - ref).abs().max() < 1e-6
+    g = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, g)
+    (g64,) = torch.autograd.grad(ref, x64, g.double())
+    assert (gx.double() - g64).abs().max() <= 1e-5 * g64.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", REDUCED_DTYPES)
+@pytest.mark.parametrize("E", [None, 6])
+def test_reduced_precision(device, dtype, E):
+    x, y = inputs((2, 9, 4, 5), E, dtype, device, relu=True)
+    out = ops.bilinear_pool(x, y)
+    assert out.dtype == dtype
+    x32, y32 = (t.detach().float().requires_grad_() if t is not None else None for t in (x, y))
+    x64, y64 = (t.detach().double().requires_grad_() if t is not None else None for t in (x, y))
+    ref32, ref64 = reference.bilinear_pool(x32, y32), reference.bilinear_pool(x64, y64)
+    assert_close_reduced(out, ref32.to(dtype), ref64)
+    g = torch.randn_like(out)
+    for actual, base, exp in zip(
+        grads(ops.bilinear_pool, x, y, g),
+        torch.autograd.grad(ref32, leaves(x32, y32), g.float()),
+        torch.autograd.grad(ref64, leaves(x64, y64), g.double()),
+    ):
+        assert actual.dtype == dtype
+        assert_close_reduced(actual, base.to(dtype), exp)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E", [None, 4])
+def test_all_zero_input(device, E):
+    """Z = 0 everywhere: the output and the gradient are 0 (not NaN), as the reference gives."""
+    x = torch.zeros(2, 3, 2, 2, dtype=torch.float64, device=device, requires_grad=True)
+    y = None if E is None else torch.zeros(2, E, 2, 2, dtype=torch.float64, device=device, requires_grad=True)
+    out = ops.bilinear_pool(x, y)
+    assert (out == 0).all()
+    g = torch.randn_like(out)
+    for actual, exp in zip(grads(ops.bilinear_pool, x, y, g), grads(reference.bilinear_pool, x, y, g)):
+        assert torch.isfinite(actual).all()
+        assert_close(actual, exp)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_zeros_in_product(device):
+    """Channels that never co-occur give Z_ij = 0 exactly: output and gradient 0 there."""
+    x = make((2, 4, 3, 3), device=device)
+    x[:, :2, :, :2] = 0
+    x[:, 2:, :, 2:] = 0
+    x.requires_grad_()
+    out = ops.bilinear_pool(x)
+    ref = reference.bilinear_pool(x)
+    assert (out == 0).sum() == (ref == 0).sum() > 0
+    g = torch.randn_like(out)
+    assert_close(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E", [None, 5])
+@pytest.mark.parametrize("layout", ["channels_last", "strided"])
+def test_memory_formats(device, E, layout):
+    x, y = inputs((2, 6, 4, 3), E, torch.float64, device)
+    if layout == "channels_last":
+        xs = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+        ys = None if y is None else y.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    else:
+        xs = make_noncontiguous(x.detach()).requires_grad_()
+        ys = None if y is None else make_noncontiguous(y.detach()).requires_grad_()
+    out = ops.bilinear_pool(xs, ys)
+    assert_close(out, reference.bilinear_pool(x, y))
+    g = torch.randn_like(out)
+    got = grads(ops.bilinear_pool, xs, ys, g)
+    for actual, exp in zip(got, grads(reference.bilinear_pool, x, y, g)):
+        assert_close(actual, exp)
+    if layout == "channels_last":
+        assert got[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,E", [((2, 3, 2, 3), None), ((2, 3, 2, 2), 2), ((1, 4, 1, 3), None)])
+def test_gradcheck(device, shape, E):
+    x, y = inputs(shape, E, device=device)
+    if y is None:
+        check_gradcheck(lambda a: ops.bilinear_pool(a), (x,))
+    else:
+        check_gradcheck(lambda a, b: ops.bilinear_pool(a, b), (x, y))
+    check_gradcheck(lambda a: ops.bilinear_pool(a, sqrt_eps=0.1, l2_eps=1e3), (x,))  # the clamped norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(device, dtype):
+    x, y = inputs((2, 4, 3, 3), 3, dtype, device)
+    check_opcheck(OP, (x, None, 1e-5, 1e-12))
+    check_opcheck(OP, (x, y, 1e-5, 1e-12))
+    xc = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    check_opcheck(OP, (xc, None, 1e-5, 1e-12))
+    out, norm = OP(x.detach(), y.detach(), 1e-5, 1e-12)
+    g = torch.randn_like(out)
+    check_opcheck(BACKWARD, (g, x.detach(), y.detach(), out, norm, 1e-5, 1e-12, [True, True]))
+    check_opcheck(BACKWARD, (g, x.detach(), y.detach(), out, norm, 1e-5, 1e-12, [False, True]))
+    out, norm = OP(xc.detach(), None, 1e-5, 1e-12)
+    check_opcheck(BACKWARD, (torch.randn_like(out), xc.detach(), None, out, norm, 1e-5, 1e-12, [True, False]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_dynamic(device):
+    for N, H in ((2, 3), (3, 5)):
+        x, y = inputs((N, 4, H, H), 3, torch.float32, device)
+        check_compile(ops.bilinear_pool, x, y)
+        check_compile(ops.bilinear_pool, x)
+
+
+@pytest.mark.parametrize("E", [None, 16])
+def test_saved_for_backward_is_inputs_output_and_norms(E):
+    """What autograd keeps: x (and y), the output and N norms; the reference keeps N×D² more."""
+    x, y = inputs((4, 32, 6, 6), E, torch.float32)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ops.bilinear_pool(x, y)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    allowed = x.nbytes + (0 if y is None else y.nbytes) + out.nbytes + 4 * 8 * x.shape[0]
+    assert sum(storages.values()) <= allowed
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        reference.bilinear_pool(x, y)
+    ref_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}.values())
+    assert ref_bytes >= allowed + 2 * out.nbytes
+
+
+def test_module():
+    m = torchkit.nn.BilinearPool2d(sqrt_eps=1e-3)
+    x, y = inputs((2, 4, 3, 3), 2)
+    assert_close(m(x), ops.bilinear_pool(x, sqrt_eps=1e-3))
+    assert_close(m(x, y), ops.bilinear_pool(x, y, sqrt_eps=1e-3))
+    assert "sqrt_eps=0.001" in repr(m)
+
+
+def test_reference_is_the_cookbook():
+    x = make((2, 3, 4, 4))
+    N, D, H, W = x.shape
+    X = x.reshape(N, D, H * W)
+    X = torch.bmm(X, X.transpose(1, 2)) / (H * W)
+    X = X.reshape(N, D * D)
+    X = torch.sign(X) * torch.sqrt(torch.abs(X) + 1e-5)
+    assert_close(reference.bilinear_pool(x), F.normalize(X))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    N=st.integers(1, 3),
+    D=st.integers(1, 20),
+    E=st.one_of(st.none(), st.integers(1, 20)),
+    H=st.integers(1, 5),
+    W=st.integers(1, 5),
+    sqrt_eps=st.sampled_from([0.0, 1e-5, 1.0]),
+    channels_last=st.booleans(),
+)
+def test_hypothesis(N, D, E, H, W, sqrt_eps, channels_last):
+    x, y = inputs((N, D, H, W), E)
+    if channels_last:
+        x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    out = ops.bilinear_pool(x, y, sqrt_eps=sqrt_eps)
+    ref = reference.bilinear_pool(x, y, sqrt_eps=sqrt_eps)
+    assert_close(out, ref)
+    g = torch.randn_like(out)
+    for actual, exp in zip(
+        grads(lambda a, b: ops.bilinear_pool(a, b, sqrt_eps=sqrt_eps), x, y, g),
+        grads(lambda a, b: reference.bilinear_pool(a, b, sqrt_eps=sqrt_eps), x, y, g),
+    ):
+        # sqrt_eps = 0 makes the gradient unbounded near Z = 0: compare relative to its size.
+        assert_close(actual, exp, rtol=1e-7, atol=1e-9 * max(1.0, exp.abs().max().item()))
+
+
+x4 = make((2, 3, 4, 4))
+BAD = [
+    (lambda: ops.bilinear_pool(make((3, 4, 4))), ValueError, r"x must be a 4-D feature map \(N, D, H, W\), got shape \[3, 4, 4\]"),
+    (lambda: ops.bilinear_pool(x4, make((3, 2, 4, 4))), ValueError, r"y must be \(N, E, H, W\) with x's N, H and W"),
+    (lambda: ops.bilinear_pool(x4, make((2, 2, 4, 5))), ValueError, r"y must be \(N, E, H, W\) with x's N, H and W"),
+    (lambda: ops.bilinear_pool(x4, make((2, 2, 4, 4), torch.float32)), TypeError, r"x and y must have the same dtype"),
+    (lambda: ops.bilinear_pool(x4.long()), TypeError, r"x must be float32, float64, float16 or bfloat16, got Long"),
+    (lambda: ops.bilinear_pool(x4.bool()), TypeError, r"x must be float32"),
+    (lambda: ops.bilinear_pool(x4.to(torch.complex64)), TypeError, r"x must be float32"),
+    (lambda: ops.bilinear_pool(x4, sqrt_eps=-1e-5), ValueError, r"sqrt_eps must be >= 0, got -1e-05"),
+    (lambda: ops.bilinear_pool(x4, l2_eps=-1.0), ValueError, r"l2_eps must be >= 0, got -1"),
+    (lambda: ops.bilinear_pool(make((2, 3, 0, 4))), ValueError, r"at least one spatial position \(H·W > 0\)"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch():
+    with pytest.raises(ValueError, match="x and y must be on the same device"):
+        ops.bilinear_pool(x4.cuda(), x4)
