@@ -4,7 +4,6 @@ accuracy against float64 on the far-from-origin case."""
 
 import functools
 
-import numpy as np
 import pytest
 import torch
 from common import run  # benchmarks/ is on sys.path (rootdir-less test folder)

@@ -16,9 +16,9 @@ at::ScalarType acc_type(const at::Tensor& x) {
 
 // (N, C, H, W) → (N, C, HW) without a copy where the memory allows it.
 at::Tensor flat(const Problem& p, const at::Tensor& t) {
-  const at::Tensor a = p.channels_last ? t.permute({0, 2, 3, 1}).reshape({p.N, p.HW, t.size(1)})
-                                             .transpose(1, 2)
-                                       : t.reshape({p.N, t.size(1), p.HW});
+  const at::Tensor a = p.channels_last
+                           ? t.permute({0, 2, 3, 1}).reshape({p.N, p.HW, t.size(1)}).transpose(1, 2)
+                           : t.reshape({p.N, t.size(1), p.HW});
   return a.scalar_type() == acc_type(t) ? a : a.to(acc_type(t));
 }
 
@@ -45,16 +45,16 @@ Problem check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& y, do
     const auto& t = *y;
     check_same_device(kOp, "x", x, "y", t);
     check_same_dtype(kOp, "x", x, "y", t);
-    TK_CHECK_VALUE(kOp, t.dim() == 4 && t.size(0) == p.N && t.size(2) == x.size(2) &&
-                            t.size(3) == x.size(3),
-                   "y must be (N, E, H, W) with x's N, H and W, got x of shape ", x.sizes(),
-                   " and y of shape ", t.sizes());
+    TK_CHECK_VALUE(
+        kOp, t.dim() == 4 && t.size(0) == p.N && t.size(2) == x.size(2) && t.size(3) == x.size(3),
+        "y must be (N, E, H, W) with x's N, H and W, got x of shape ", x.sizes(),
+        " and y of shape ", t.sizes());
     p.E = t.size(1);
   }
   // Read channels_last inputs as (N, HW, C) rows instead of copying them to (N, C, HW).
-  p.channels_last = x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous() &&
-                    (!y.has_value() || (y->is_contiguous(at::MemoryFormat::ChannelsLast) &&
-                                        !y->is_contiguous()));
+  p.channels_last =
+      x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous() &&
+      (!y.has_value() || (y->is_contiguous(at::MemoryFormat::ChannelsLast) && !y->is_contiguous()));
   p.sqrt_eps = sqrt_eps;
   p.l2_eps = l2_eps;
   return p;

@@ -119,7 +119,8 @@ std::tuple<at::Tensor, at::Tensor> finish_backward(const Problem& p, at::Tensor 
   };
   if (p.self) {
     at::Tensor g = g1.defined() && g2.defined() ? g1.add_(g2) : (g1.defined() ? g1 : g2);
-    return {g.defined() ? to_input(g, x1) : at::empty({0}, x1.options()), at::empty({0}, x1.options())};
+    return {g.defined() ? to_input(g, x1) : at::empty({0}, x1.options()),
+            at::empty({0}, x1.options())};
   }
   return {g1.defined() ? to_input(g1, x1) : at::empty({0}, x1.options()),
           g2.defined() ? to_input(g2, *x2) : at::empty({0}, x1.options())};

@@ -14,12 +14,11 @@ Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, int64_t num
   const bool batched = x.dim() == 4;
   const int64_t N = batched ? x.size(0) : 1, C = x.size(-3), H = x.size(-2), W = x.size(-1);
   const int64_t n = num_blocks;
-  TK_CHECK_VALUE(kOp, n >= 1 && n <= H && n <= W,
-                 "num_blocks must be in [1, min(H, W)] = [1, ", std::min(H, W), "] for x of shape ",
-                 x.sizes(), ", got ", n);
-  TK_CHECK_TYPE(kOp, permutation.scalar_type() == at::kLong || permutation.scalar_type() == at::kInt,
-                "permutation must hold block indices (int64 or int32), got ",
-                permutation.scalar_type());
+  TK_CHECK_VALUE(kOp, n >= 1 && n <= H && n <= W, "num_blocks must be in [1, min(H, W)] = [1, ",
+                 std::min(H, W), "] for x of shape ", x.sizes(), ", got ", n);
+  TK_CHECK_TYPE(
+      kOp, permutation.scalar_type() == at::kLong || permutation.scalar_type() == at::kInt,
+      "permutation must hold block indices (int64 or int32), got ", permutation.scalar_type());
   check_same_device(kOp, "x", x, "permutation", permutation);
   const std::vector<int64_t> expected =
       batched ? std::vector<int64_t>{N, n * n} : std::vector<int64_t>{n * n};
@@ -39,8 +38,8 @@ Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, int64_t num
   }
 
   const at::Tensor x4 = batched ? x : x.unsqueeze(0);
-  const bool channels_last = C > 1 && x4.is_contiguous(at::MemoryFormat::ChannelsLast) &&
-                             !x4.is_contiguous();
+  const bool channels_last =
+      C > 1 && x4.is_contiguous(at::MemoryFormat::ChannelsLast) && !x4.is_contiguous();
   p.input = channels_last ? x4 : x4.contiguous();
   p.memory_format = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   const int64_t unit = (channels_last ? C : 1) * x.element_size();

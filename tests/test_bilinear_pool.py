@@ -254,7 +254,11 @@ def test_hypothesis(N, D, E, H, W, sqrt_eps, channels_last):
 
 x4 = make((2, 3, 4, 4))
 BAD = [
-    (lambda: ops.bilinear_pool(make((3, 4, 4))), ValueError, r"x must be a 4-D feature map \(N, D, H, W\), got shape \[3, 4, 4\]"),
+    (
+        lambda: ops.bilinear_pool(make((3, 4, 4))),
+        ValueError,
+        r"x must be a 4-D feature map \(N, D, H, W\), got shape \[3, 4, 4\]",
+    ),
     (lambda: ops.bilinear_pool(x4, make((3, 2, 4, 4))), ValueError, r"y must be \(N, E, H, W\) with x's N, H and W"),
     (lambda: ops.bilinear_pool(x4, make((2, 2, 4, 5))), ValueError, r"y must be \(N, E, H, W\) with x's N, H and W"),
     (lambda: ops.bilinear_pool(x4, make((2, 2, 4, 4), torch.float32)), TypeError, r"x and y must have the same dtype"),

@@ -115,7 +115,7 @@ def test_near_duplicates_far_from_centre(device):
     recomputation must, down to distances of 1e-4 between points at distance ~1e3."""
     g = torch.Generator().manual_seed(4)
     centres = 1000 * torch.randn(4, 64, generator=g, dtype=torch.float64)
-    x = (centres.repeat_interleave(50, 0) + 1e-4 * torch.randn(200, 64, generator=g, dtype=torch.float64))
+    x = centres.repeat_interleave(50, 0) + 1e-4 * torch.randn(200, 64, generator=g, dtype=torch.float64)
     x = x.float().to(device)
     truth = ground_truth(x)
     out = ops.cdist(x)
@@ -159,7 +159,9 @@ def test_duplicates_have_zero_gradient(device, squared):
     d = ops.cdist(x, y, squared=squared)
     assert (d[torch.arange(3), torch.arange(3)] == 0).all()
     gx, gy = torch.autograd.grad(d, (x, y), torch.ones_like(d))
-    tx, ty = torch.autograd.grad(torch.cdist(x, y, compute_mode=EXACT) ** (2 if squared else 1), (x, y), torch.ones_like(d))
+    tx, ty = torch.autograd.grad(
+        torch.cdist(x, y, compute_mode=EXACT) ** (2 if squared else 1), (x, y), torch.ones_like(d)
+    )
     assert torch.isfinite(gx).all() and torch.isfinite(gy).all()
     assert_close(gx, tx)
     assert_close(gy, ty)
@@ -261,9 +263,17 @@ BAD = [
     (lambda: ops.cdist(torch.randn(5), torch.randn(3, 5)), ValueError, "x1 must have at least 2 dimensions"),
     (lambda: ops.cdist(torch.randn(3, 5), torch.randn(5)), ValueError, "x2 must have at least 2 dimensions"),
     (lambda: ops.cdist(torch.randn(3, 5), torch.randn(4, 6)), ValueError, "same number of features M"),
-    (lambda: ops.cdist(torch.randn(2, 3, 5), torch.randn(3, 4, 5)), ValueError, "batch dimensions of x1 and x2 must broadcast"),
+    (
+        lambda: ops.cdist(torch.randn(2, 3, 5), torch.randn(3, 4, 5)),
+        ValueError,
+        "batch dimensions of x1 and x2 must broadcast",
+    ),
     (lambda: ops.cdist(torch.randn(3, 5), torch.randn(4, 5).double()), TypeError, "x1 and x2 must have the same dtype"),
-    (lambda: ops.cdist(torch.ones(3, 5, dtype=torch.int64)), TypeError, "x1 must be float32, float64, float16 or bfloat16, got Long"),
+    (
+        lambda: ops.cdist(torch.ones(3, 5, dtype=torch.int64)),
+        TypeError,
+        "x1 must be float32, float64, float16 or bfloat16, got Long",
+    ),
     (lambda: ops.cdist(torch.ones(3, 5, dtype=torch.bool)), TypeError, "x1 must be float32"),
     (lambda: ops.cdist(torch.randn(3, 5, dtype=torch.complex64)), TypeError, "x1 must be float32"),
 ]

@@ -32,7 +32,9 @@ def oracle(x, perm, n):
     out = batch.clone()
     for s in range(batch.shape[0]):
         blocks = {
-            (i, j): batch[s, :, i * bh : (i + 1) * bh, j * bw : (j + 1) * bw].clone() for i in range(n) for j in range(n)
+            (i, j): batch[s, :, i * bh : (i + 1) * bh, j * bw : (j + 1) * bw].clone()
+            for i in range(n)
+            for j in range(n)
         }
         for b in range(n * n):
             src = int(perm[s, b])
@@ -46,7 +48,9 @@ def seeded(seed=0):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("shape,n", [((2, 3, 28, 28), 7), ((3, 30, 29), 7), ((1, 1, 5, 9), 2), ((2, 4, 8, 8), 1), ((2, 3, 7, 7), 7)])
+@pytest.mark.parametrize(
+    "shape,n", [((2, 3, 28, 28), 7), ((3, 30, 29), 7), ((1, 1, 5, 9), 2), ((2, 4, 8, 8), 1), ((2, 3, 7, 7), 7)]
+)
 def test_output_is_input_moved_by_permutation(device, dtype, shape, n):
     x = make(shape, dtype, device)
     out, perm = ops.region_confusion(x, n, 2, generator=seeded())

@@ -196,9 +196,10 @@ def _(x1, x2, squared):
 
 @torch.library.register_fake("torchkit::_cdist_backward")
 def _(grad, x1, x2, dist, squared, output_mask):
-    g1 = torch.empty_like(x1, memory_format=torch.contiguous_format) if output_mask[0] else x1.new_empty(0)
-    g2 = torch.empty_like(x2, memory_format=torch.contiguous_format) if x2 is not None and output_mask[1] else x1.new_empty(0)
-    return g1, g2
+    def grad_like(x, wanted):
+        return torch.empty_like(x, memory_format=torch.contiguous_format) if wanted else x1.new_empty(0)
+
+    return grad_like(x1, output_mask[0]), grad_like(x2, x2 is not None and output_mask[1])
 
 
 def _cdist_setup_context(ctx, inputs, output):
@@ -284,7 +285,9 @@ def _check_probability(name: str, p: float) -> None:
 
 def _check_rcm_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
     if x.dim() not in (3, 4):
-        raise ValueError(f"region_confusion: x must be an image (C, H, W) or a batch (N, C, H, W), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"region_confusion: x must be an image (C, H, W) or a batch (N, C, H, W), got shape {tuple(x.shape)}"
+        )
     if not 1 <= num_blocks <= min(x.shape[-2:]):
         raise ValueError(
             f"region_confusion: num_blocks must be in [1, min(H, W)] = [1, {min(x.shape[-2:])}] for x of shape "

@@ -94,16 +94,18 @@ def region_confusion(
     for img in batch:
         X = img[:, : n * bh, : n * bw]
         # Shuffle rows: for each block column j, rows are reordered by argsort(i + r).
-        Q = torch.arange(n).unsqueeze(1) * torch.ones(1, n).long() + torch.randint(
-            low=-k, high=k, size=(n, n), generator=generator, device=draw_device
-        ).cpu()
+        Q = (
+            torch.arange(n).unsqueeze(1) * torch.ones(1, n).long()
+            + torch.randint(low=-k, high=k, size=(n, n), generator=generator, device=draw_device).cpu()
+        )
         Q = torch.argsort(Q, dim=0, stable=True)
         X = [torch.chunk(row, chunks=n, dim=2) for row in torch.chunk(X, chunks=n, dim=1)]
         X = [[X[Q[i, j].item()][j] for j in range(n)] for i in range(n)]
         # Shuffle columns: for each block row i, columns are reordered by argsort(j + r).
-        Q2 = torch.ones(n, 1).long() * torch.arange(n).unsqueeze(0) + torch.randint(
-            low=-k, high=k, size=(n, n), generator=generator, device=draw_device
-        ).cpu()
+        Q2 = (
+            torch.ones(n, 1).long() * torch.arange(n).unsqueeze(0)
+            + torch.randint(low=-k, high=k, size=(n, n), generator=generator, device=draw_device).cpu()
+        )
         Q2 = torch.argsort(Q2, dim=1, stable=True)
         X = [[X[i][Q2[i, j].item()] for j in range(n)] for i in range(n)]
         Y = torch.cat([torch.cat(row, dim=2) for row in X], dim=1)

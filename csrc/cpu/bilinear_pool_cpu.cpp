@@ -144,7 +144,8 @@ double dot_chunk(const scalar_t* o, const scalar_t* g, int64_t n) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     using V = Vectorized<acc_t>;
     V acc(0);
-    for (; k + V::size() <= n; k += V::size()) acc = at::vec::fmadd(V::loadu(o + k), V::loadu(g + k), acc);
+    for (; k + V::size() <= n; k += V::size())
+      acc = at::vec::fmadd(V::loadu(o + k), V::loadu(g + k), acc);
     sum = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, acc);
   }
   for (; k < n; ++k) sum += static_cast<double>(o[k]) * static_cast<double>(g[k]);
@@ -196,7 +197,8 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
   at::parallel_for(0, p.N * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / chunks, k0 = n * DE + (task % chunks) * kChunk;
-      if (nrm[n] >= l2_eps) partial[task] = dot_chunk(o + k0, g + k0, std::min(kChunk, (n + 1) * DE - k0));
+      if (nrm[n] >= l2_eps)
+        partial[task] = dot_chunk(o + k0, g + k0, std::min(kChunk, (n + 1) * DE - k0));
     }
   });
   std::vector<acc_t> dot(p.N), coef(p.N);
@@ -213,8 +215,8 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / chunks, k0 = (task % chunks) * kChunk;
         const int64_t off = n * DE + k0;
-        grad_z_row<scalar_t, acc_t>(o + off, g + off, dzp + off, std::min(kChunk, DE - k0),
-                                    dot[n], coef[n]);
+        grad_z_row<scalar_t, acc_t>(o + off, g + off, dzp + off, std::min(kChunk, DE - k0), dot[n],
+                                    coef[n]);
       }
     });
     return dz;
@@ -243,7 +245,8 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
       }
       for (int64_t col = 0; col < dj; ++col) {
         const int64_t k = base + (j0 + col) * D + i0;
-        grad_z_row<scalar_t, acc_t>(o + k, g + k, lower.data() + col * kSquare, di, dot[n], coef[n]);
+        grad_z_row<scalar_t, acc_t>(o + k, g + k, lower.data() + col * kSquare, di, dot[n],
+                                    coef[n]);
       }
       for (int64_t r = 0; r < di; ++r) {
         for (int64_t c = 0; c < dj; ++c) {

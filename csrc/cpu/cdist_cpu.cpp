@@ -202,8 +202,9 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x1,
     const Centred c = centre(p, x1, x2);
     const Tensor grad_c = grad.expand(dist.sizes()).contiguous();
     const Tensor dist_c = dist.contiguous();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_backward_cpu",
-                                    [&] { backward_kernel<scalar_t>(p, c, grad_c, dist_c, g1, g2); });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_backward_cpu",
+        [&] { backward_kernel<scalar_t>(p, c, grad_c, dist_c, g1, g2); });
   }
   return finish_backward(p, g1, g2, x1, x2);
 }

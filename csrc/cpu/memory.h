@@ -18,9 +18,8 @@ namespace torchkit::cpu {
 // asks for transparent huge pages (512 times fewer faults where THP is granted on request,
 // the common `madvise` setting) and has the kernel populate them in one call (Linux ≥ 5.14):
 // 64 MiB then costs 6 ms. Both are advice: where refused, nothing changes.
-inline at::Tensor empty_for_writing(
-    at::IntArrayRef sizes, const at::TensorOptions& options,
-    at::MemoryFormat memory_format = at::MemoryFormat::Contiguous) {
+inline at::Tensor empty_for_writing(at::IntArrayRef sizes, const at::TensorOptions& options,
+                                    at::MemoryFormat memory_format = at::MemoryFormat::Contiguous) {
   at::Tensor t = at::empty(sizes, options, memory_format);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;

@@ -62,7 +62,8 @@ __global__ void normalise_kernel(const acc_t* s, const acc_t* norm, scalar_t* ou
 
 int grid_for(int64_t n) {
   const int64_t max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 32;
-  return static_cast<int>(std::max<int64_t>(1, std::min((n + kThreads - 1) / kThreads, max_blocks)));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min((n + kThreads - 1) / kThreads, max_blocks)));
 }
 
 std::tuple<Tensor, Tensor> forward_cuda(const Tensor& x, const std::optional<Tensor>& y,
@@ -77,23 +78,24 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& x, const std::optional<Ten
   Tensor partial = at::empty({p.N, chunks}, z.options());
   const auto stream = at::cuda::getCurrentCUDAStream();
   Tensor norm;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bilinear_pool_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    if (p.N > 0) {
-      signed_sqrt_kernel<acc_t><<<dim3(chunks, p.N), kThreads, 0, stream>>>(
-          z.data_ptr<acc_t>(), partial.data_ptr<acc_t>(), DE, acc_t(1) / acc_t(p.HW),
-          static_cast<acc_t>(p.sqrt_eps));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    norm = partial.sum(1).sqrt_();
-    const int64_t total = out.numel();
-    if (total > 0) {
-      normalise_kernel<scalar_t, acc_t><<<grid_for(total), kThreads, 0, stream>>>(
-          z.const_data_ptr<acc_t>(), norm.const_data_ptr<acc_t>(), out.data_ptr<scalar_t>(), DE,
-          total, static_cast<acc_t>(p.l2_eps));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "bilinear_pool_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        if (p.N > 0) {
+          signed_sqrt_kernel<acc_t><<<dim3(chunks, p.N), kThreads, 0, stream>>>(
+              z.data_ptr<acc_t>(), partial.data_ptr<acc_t>(), DE, acc_t(1) / acc_t(p.HW),
+              static_cast<acc_t>(p.sqrt_eps));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        norm = partial.sum(1).sqrt_();
+        const int64_t total = out.numel();
+        if (total > 0) {
+          normalise_kernel<scalar_t, acc_t><<<grid_for(total), kThreads, 0, stream>>>(
+              z.const_data_ptr<acc_t>(), norm.const_data_ptr<acc_t>(), out.data_ptr<scalar_t>(), DE,
+              total, static_cast<acc_t>(p.l2_eps));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      });
   return {out, norm};
 }
 
@@ -112,14 +114,14 @@ __global__ void dot_kernel(const scalar_t* o, const scalar_t* g, acc_t* partial,
 // ∂L/∂Z · 1/HW per entry (grad_z() in the header).
 template <typename scalar_t, typename acc_t>
 __global__ void grad_z_kernel(const scalar_t* o, const scalar_t* g, const acc_t* dot,
-                              const acc_t* norm, acc_t* dz, int64_t DE, int64_t total,
-                              acc_t l2_eps, acc_t inv_hw) {
+                              const acc_t* norm, acc_t* dz, int64_t DE, int64_t total, acc_t l2_eps,
+                              acc_t inv_hw) {
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
        k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t n = k / DE;
-    dz[k] = grad_z<acc_t>(static_cast<acc_t>(o[k]), static_cast<acc_t>(g[k]), dot[n], norm[n],
-                          l2_eps) *
-            inv_hw;
+    dz[k] =
+        grad_z<acc_t>(static_cast<acc_t>(o[k]), static_cast<acc_t>(g[k]), dot[n], norm[n], l2_eps) *
+        inv_hw;
   }
 }
 
@@ -136,19 +138,21 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x,
   const int64_t chunks = (DE + kChunk - 1) / kChunk;
   Tensor partial = at::empty({p.N, chunks}, norm.options());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bilinear_pool_backward_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    if (total == 0) return;
-    dot_kernel<scalar_t, acc_t><<<dim3(chunks, p.N), kThreads, 0, stream>>>(
-        o_c.const_data_ptr<scalar_t>(), g_c.const_data_ptr<scalar_t>(), partial.data_ptr<acc_t>(), DE);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const Tensor dot = partial.sum(1);
-    grad_z_kernel<scalar_t, acc_t><<<grid_for(total), kThreads, 0, stream>>>(
-        o_c.const_data_ptr<scalar_t>(), g_c.const_data_ptr<scalar_t>(), dot.const_data_ptr<acc_t>(),
-        norm.const_data_ptr<acc_t>(), dz.data_ptr<acc_t>(), DE, total, static_cast<acc_t>(p.l2_eps),
-        acc_t(1) / acc_t(p.HW));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "bilinear_pool_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        if (total == 0) return;
+        dot_kernel<scalar_t, acc_t><<<dim3(chunks, p.N), kThreads, 0, stream>>>(
+            o_c.const_data_ptr<scalar_t>(), g_c.const_data_ptr<scalar_t>(),
+            partial.data_ptr<acc_t>(), DE);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const Tensor dot = partial.sum(1);
+        grad_z_kernel<scalar_t, acc_t><<<grid_for(total), kThreads, 0, stream>>>(
+            o_c.const_data_ptr<scalar_t>(), g_c.const_data_ptr<scalar_t>(),
+            dot.const_data_ptr<acc_t>(), norm.const_data_ptr<acc_t>(), dz.data_ptr<acc_t>(), DE,
+            total, static_cast<acc_t>(p.l2_eps), acc_t(1) / acc_t(p.HW));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
   if (p.self) dz = dz + dz.transpose(1, 2);  // Z = x·xᵀ: (i, j) and (j, i) are one sum
   return input_grads(p, dz, x, y, output_mask,
                      [](at::IntArrayRef sizes, const at::TensorOptions& options) {

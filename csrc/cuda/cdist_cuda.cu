@@ -22,7 +22,8 @@ constexpr int kThreads = 256;
 
 int blocks_for(int64_t n) {
   const int64_t max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 32;
-  return static_cast<int>(std::max<int64_t>(1, std::min((n + kThreads - 1) / kThreads, max_blocks)));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min((n + kThreads - 1) / kThreads, max_blocks)));
 }
 
 // d² = n_a + n_b − 2g per entry (g the GEMM's a·b), refined where cancellation struck,
@@ -105,17 +106,15 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x1,
     const Tensor dist_c = dist.contiguous();
     Tensor gp = at::empty({p.B, p.P, p.R}, x1.options().dtype(acc));
     const int64_t total = gp.numel();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_backward_cuda",
-                                    [&] {
-                                      using acc_t = at::opmath_type<scalar_t>;
-                                      scaled_grad_kernel<scalar_t, acc_t>
-                                          <<<blocks_for(total), kThreads, 0,
-                                             at::cuda::getCurrentCUDAStream()>>>(
-                                              grad_c.const_data_ptr<scalar_t>(),
-                                              dist_c.const_data_ptr<scalar_t>(),
-                                              gp.data_ptr<acc_t>(), total, p.squared);
-                                      C10_CUDA_KERNEL_LAUNCH_CHECK();
-                                    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_backward_cuda", [&] {
+          using acc_t = at::opmath_type<scalar_t>;
+          scaled_grad_kernel<scalar_t, acc_t>
+              <<<blocks_for(total), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                  grad_c.const_data_ptr<scalar_t>(), dist_c.const_data_ptr<scalar_t>(),
+                  gp.data_ptr<acc_t>(), total, p.squared);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
     // grad_x1 = rowsum(G')·x1 − G'·x2, grad_x2 = colsum(G')·x2 − G'ᵀ·x1 (centred x1, x2).
     if (want1) at::baddbmm_out(g1, c.x1 * gp.sum(2, true), gp, c.x2, 1, -1);
     if (want2) at::baddbmm_out(g2, c.x2 * gp.sum(1).unsqueeze(-1), gp.transpose(1, 2), c.x1, 1, -1);
