@@ -1,8 +1,8 @@
 // Label-smoothing cross-entropy on the CPU.
 //
-// The input is processed as rows of C contiguous logits ((N, C, d...) inputs are transposed
-// to (N·d..., C) rows once: the class dimension is strided there and a row-wise pass over
-// strided memory would be slower than the copy). Each row is cut into parts so that even
+// (N, C) inputs are processed as rows of C contiguous logits. (N, C, d...) inputs with
+// class-index targets are read in place, vectorised across positions (the column kernels);
+// with probability targets they are transposed to (N·d..., C) rows once. Each row is cut into parts so that even
 // a single row (N = 1, C = 10⁶) keeps every core busy; a part is read from memory once,
 // in blocks of kBlock classes that stay in L1 while the block is read a second time.
 #include <ATen/ATen.h>
@@ -13,6 +13,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -273,9 +274,165 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
   });
 }
 
+// N-D inputs with class-index targets: (N, C, S) read in place, vectorised across positions.
+// A task takes `span` consecutive positions of one sample and copies their C class rows
+// (span contiguous values each) into a local buffer first: the rows are S apart in memory,
+// and for power-of-two S (images) reading them in place makes every class collide in the
+// same cache sets. The passes (max; Σexp and Σw·x; the gradient) then run on the buffer.
+// No transposed copy: the gradient is written in the input's (N, C, S) layout.
+template <typename acc_t>
+int64_t column_span(int64_t C) {
+  constexpr int64_t kBufferBytes = 32 << 10, kWidth = Vectorized<acc_t>::size();
+  const int64_t fit = kBufferBytes / static_cast<int64_t>(sizeof(acc_t)) / std::max<int64_t>(C, 1);
+  return std::clamp<int64_t>(fit / kWidth * kWidth, kWidth, 32 * kWidth);
+}
+
+// buf[c · span + j] = x[c · S + j] as acc_t, for j < count (zero beyond, up to span).
+template <typename scalar_t, typename acc_t>
+void load_block(const scalar_t* x, int64_t C, int64_t S, int64_t count, int64_t span, acc_t* buf) {
+  for (int64_t c = 0; c < C; ++c) {
+    const scalar_t* src = x + c * S;
+    acc_t* dst = buf + c * span;
+    for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<acc_t>(src[j]);
+    std::fill(dst + count, dst + span, acc_t(0));
+  }
+}
+
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+void forward_columns(const Problem& pr, const Tensor& input, const Tensor& target,
+                     const Tensor& w_acc, double weight_total, Tensor& lse, Tensor& losses,
+                     Tensor& position_weights) {
+  if constexpr (kProb) {
+    TORCH_INTERNAL_ASSERT(false, "forward_columns: class-index targets only");
+  } else {
+    using acc_t = at::opmath_type<scalar_t>;
+    using V = Vectorized<acc_t>;
+    const int64_t C = pr.C, S = pr.S, span = column_span<acc_t>(C);
+    const int64_t tasks_per_sample = (S + span - 1) / span;
+    const scalar_t* x = input.const_data_ptr<scalar_t>();
+    const index_t* t = target.const_data_ptr<index_t>();
+    const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
+    acc_t* lse_out = lse.mutable_data_ptr<acc_t>();
+    acc_t* loss_out = losses.mutable_data_ptr<acc_t>();
+    acc_t* pw_out = position_weights.mutable_data_ptr<acc_t>();
+    const acc_t a = pr.a, bb = pr.b, W = weight_total;
+    at::parallel_for(0, pr.N * tasks_per_sample, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> buf(C * span);
+      acc_t mx[V::size()], se[V::size()], wx[V::size()];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t n = task / tasks_per_sample, s0 = (task % tasks_per_sample) * span;
+        const int64_t count = std::min(span, S - s0);
+        load_block(x + n * C * S + s0, C, S, count, span, buf.data());
+        for (int64_t j0 = 0; j0 < count; j0 += V::size()) {
+          const acc_t* col = buf.data() + j0;
+          V vmax(-std::numeric_limits<acc_t>::infinity());
+          for (int64_t c = 0; c < C; ++c) vmax = at::vec::maximum(vmax, V::loadu(col + c * span));
+          V vsum(0), vwx(0);
+          for (int64_t c = 0; c < C; ++c) {
+            const V xv = V::loadu(col + c * span);
+            vsum += vexp(xv - vmax);
+            vwx += kWeight ? V(w[c]) * xv : xv;
+          }
+          vmax.store(mx);
+          vsum.store(se);
+          vwx.store(wx);
+          for (int64_t l = 0; l < std::min<int64_t>(V::size(), count - j0); ++l) {
+            const int64_t pos = n * S + s0 + j0 + l;
+            const acc_t lv = mx[l] + std::log(se[l]);
+            lse_out[pos] = lv;
+            const index_t ti = t[pos];
+            if (ti == pr.ignore_index) {
+              loss_out[pos] = 0;
+              pw_out[pos] = 0;
+              continue;
+            }
+            check_target(pr, ti);
+            // ε = 0 skips the smoothing sum, so that −∞ logits (masking) stay finite.
+            const acc_t smooth = bb != 0 ? bb * (W * lv - wx[l]) : acc_t(0);
+            const acc_t wt = kWeight ? w[ti] : acc_t(1);
+            loss_out[pos] = a * wt * (lv - col[ti * span + l]) + smooth;
+            pw_out[pos] = wt;
+          }
+        }
+      }
+    });
+  }
+}
+
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& input,
+                      const Tensor& target, const Tensor& w_acc, double weight_total,
+                      const Tensor& lse, Tensor& grad) {
+  if constexpr (kProb) {
+    TORCH_INTERNAL_ASSERT(false, "backward_columns: class-index targets only");
+  } else {
+    using acc_t = at::opmath_type<scalar_t>;
+    using V = Vectorized<acc_t>;
+    const int64_t C = pr.C, S = pr.S, span = column_span<acc_t>(C);
+    const int64_t tasks_per_sample = (S + span - 1) / span;
+    const scalar_t* x = input.const_data_ptr<scalar_t>();
+    const index_t* t = target.const_data_ptr<index_t>();
+    const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* g = scale.const_data_ptr<acc_t>();
+    const int64_t g_stride = scale.dim() == 0 ? 0 : 1;
+    const acc_t* lse_in = lse.const_data_ptr<acc_t>();
+    scalar_t* out = grad.mutable_data_ptr<scalar_t>();
+    const acc_t a = pr.a, bb = pr.b, W = weight_total;
+    at::parallel_for(0, pr.N * tasks_per_sample, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> buf(C * span), gs(span), ks(span), ls(span);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t n = task / tasks_per_sample, s0 = (task % tasks_per_sample) * span;
+        const int64_t count = std::min(span, S - s0);
+        load_block(x + n * C * S + s0, C, S, count, span, buf.data());
+        // Per position: the upstream scale (0 where ignored), K = Σ_c w_c q_c and lse.
+        std::fill(gs.begin(), gs.end(), acc_t(0));
+        std::fill(ks.begin(), ks.end(), acc_t(0));
+        std::fill(ls.begin(), ls.end(), acc_t(0));
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t pos = n * S + s0 + j;
+          const index_t ti = t[pos];
+          ls[j] = lse_in[pos];
+          if (ti == pr.ignore_index) continue;
+          check_target(pr, ti);
+          gs[j] = g[pos * g_stride];
+          ks[j] = a * (kWeight ? w[ti] : acc_t(1)) + bb * W;
+        }
+        // The gradient in place in the buffer, then each class row out in one piece.
+        const V vb(bb);
+        for (int64_t c = 0; c < C; ++c) {
+          acc_t* row = buf.data() + c * span;
+          const V wq = kWeight ? V(w[c]) * vb : vb;
+          for (int64_t j = 0; j < span; j += V::size()) {
+            const V v = V::loadu(gs.data() + j) *
+                        (vexp(V::loadu(row + j) - V::loadu(ls.data() + j)) * V::loadu(ks.data() + j) - wq);
+            v.store(row + j);
+          }
+        }
+        // The target's own term, in acc_t before rounding (bf16 would lose it otherwise).
+        const scalar_t* xs = x + n * C * S + s0;
+        for (int64_t j = 0; j < count; ++j) {
+          const index_t ti = t[n * S + s0 + j];
+          if (ti == pr.ignore_index) continue;
+          const acc_t wt = kWeight ? w[ti] : acc_t(1);
+          const acc_t xt = static_cast<acc_t>(xs[ti * S + j]);
+          buf[ti * span + j] = gs[j] * (std::exp(xt - ls[j]) * ks[j] - wt * (a + bb));
+        }
+        scalar_t* dst = out + n * C * S + s0;
+        for (int64_t c = 0; c < C; ++c) {
+          const acc_t* row = buf.data() + c * span;
+          for (int64_t j = 0; j < count; ++j) dst[c * S + j] = static_cast<scalar_t>(row[j]);
+        }
+      }
+    });
+  }
+}
+
 #define TK_DISPATCHED(fn)                                                         \
   fn<typename decltype(s)::type, typename decltype(i)::type, decltype(kW)::value, \
      decltype(kP)::value>
+
+// N-D inputs with class-index targets take the column kernels (no transposition).
+bool use_columns(const Problem& p) { return p.S > 1 && !p.prob_target; }
 
 // (N, C, S) → (N·S, C) rows of contiguous classes; a view when S = 1 and input is contiguous.
 Tensor as_rows(const Problem& p, const Tensor& t) {
@@ -290,14 +447,22 @@ std::tuple<Tensor, Tensor, Tensor> forward_cpu(const Tensor& input, const Tensor
       check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
   auto [lse, losses, position_weights] = allocate_positions(p, input);
   if (lse.numel() > 0) {
-    const Tensor x_rows = as_rows(p, input);
-    const Tensor t_rows = p.prob_target ? as_rows(p, target) : target.reshape({-1}).contiguous();
     const Tensor w_sum = weight_sum(p, input, weight);
     const Tensor w_acc = weight ? weight->to(w_sum.scalar_type()).contiguous() : Tensor();
     const double W = w_sum.item<double>();  // a CPU scalar: no device synchronisation
-    dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
-      TK_DISPATCHED(forward_rows)(p, x_rows, t_rows, w_acc, W, lse, losses, position_weights);
-    });
+    const Tensor t_flat = p.prob_target ? Tensor() : target.reshape({-1}).contiguous();
+    if (use_columns(p)) {
+      const Tensor x = input.contiguous();
+      dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
+        TK_DISPATCHED(forward_columns)(p, x, t_flat, w_acc, W, lse, losses, position_weights);
+      });
+    } else {
+      const Tensor x_rows = as_rows(p, input);
+      const Tensor t_rows = p.prob_target ? as_rows(p, target) : t_flat;
+      dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
+        TK_DISPATCHED(forward_rows)(p, x_rows, t_rows, w_acc, W, lse, losses, position_weights);
+      });
+    }
   }
   return reduce(p, input, lse, losses, position_weights);
 }
@@ -309,12 +474,21 @@ Tensor backward_cpu(const Tensor& grad, const Tensor& input, const Tensor& targe
   const Problem p =
       check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
   if (input.numel() == 0) return at::zeros_like(input, at::MemoryFormat::Contiguous);
-  const Tensor x_rows = as_rows(p, input);
-  const Tensor t_rows = p.prob_target ? as_rows(p, target) : target.reshape({-1}).contiguous();
   const Tensor w_sum = weight_sum(p, input, weight);
   const Tensor w_acc = weight ? weight->to(w_sum.scalar_type()).contiguous() : Tensor();
   const double W = w_sum.item<double>();
   const Tensor scale = grad_scale(p, grad, total_weight);
+  const Tensor t_flat = p.prob_target ? Tensor() : target.reshape({-1}).contiguous();
+  if (use_columns(p)) {
+    const Tensor x = input.contiguous();
+    Tensor grad_input = cpu::empty_for_writing(input.sizes(), input.options());
+    dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
+      TK_DISPATCHED(backward_columns)(p, scale, x, t_flat, w_acc, W, lse.contiguous(), grad_input);
+    });
+    return grad_input;
+  }
+  const Tensor x_rows = as_rows(p, input);
+  const Tensor t_rows = p.prob_target ? as_rows(p, target) : t_flat;
   Tensor grad_rows = cpu::empty_for_writing({p.N * p.S, p.C}, input.options());
   dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
     TK_DISPATCHED(backward_rows)(p, scale, x_rows, t_rows, w_acc, W, lse.contiguous(), grad_rows);
