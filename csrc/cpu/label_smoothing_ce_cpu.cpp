@@ -2,9 +2,9 @@
 //
 // (N, C) inputs are processed as rows of C contiguous logits. (N, C, d...) inputs with
 // class-index targets are read in place, vectorised across positions (the column kernels);
-// with probability targets they are transposed to (N·d..., C) rows once. Each row is cut into parts so that even
-// a single row (N = 1, C = 10⁶) keeps every core busy; a part is read from memory once,
-// in blocks of kBlock classes that stay in L1 while the block is read a second time.
+// with probability targets they are transposed to (N·d..., C) rows once. Each row is cut into parts
+// so that even a single row (N = 1, C = 10⁶) keeps every core busy; a part is read from memory
+// once, in blocks of kBlock classes that stay in L1 while the block is read a second time.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -403,8 +403,9 @@ void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& inpu
           acc_t* row = buf.data() + c * span;
           const V wq = kWeight ? V(w[c]) * vb : vb;
           for (int64_t j = 0; j < span; j += V::size()) {
-            const V v = V::loadu(gs.data() + j) *
-                        (vexp(V::loadu(row + j) - V::loadu(ls.data() + j)) * V::loadu(ks.data() + j) - wq);
+            const V v =
+                V::loadu(gs.data() + j) *
+                (vexp(V::loadu(row + j) - V::loadu(ls.data() + j)) * V::loadu(ks.data() + j) - wq);
             v.store(row + j);
           }
         }

@@ -200,6 +200,47 @@ __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* _
   }
 }
 
+// K = a·Σ_c w_c p_c + b·Σ_c w_c per position, for probability targets: (N, C) rows take a
+// block each, (N, C, S) positions a thread each. No N×C×S temporary.
+template <typename scalar_t, bool kWeight>
+__global__ void __launch_bounds__(kRowThreads)
+    prob_k_rows_kernel(const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
+                       const at::opmath_type<scalar_t>* __restrict__ weight_sum, Coefficients k,
+                       at::opmath_type<scalar_t>* K) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t warps[32];
+  const int64_t row = blockIdx.x;
+  acc_t sum = 0;
+  for (int64_t c = threadIdx.x; c < k.C; c += blockDim.x)
+    sum += (kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1)) *
+           static_cast<acc_t>(prob[row * k.C + c]);
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_down_sync(0xffffffff, sum, offset);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    acc_t total = 0;
+    for (int w = 0; w < blockDim.x / 32; ++w) total += warps[w];
+    K[row] = static_cast<acc_t>(k.a) * total + static_cast<acc_t>(k.b) * *weight_sum;
+  }
+}
+
+template <typename scalar_t, bool kWeight>
+__global__ void __launch_bounds__(kPositionThreads)
+    prob_k_positions_kernel(const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
+                            const at::opmath_type<scalar_t>* __restrict__ weight_sum,
+                            Coefficients k, int64_t positions, at::opmath_type<scalar_t>* K) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t pos = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; pos < positions;
+       pos += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t base = (pos / k.S) * k.C * k.S + pos % k.S;
+    acc_t sum = 0;
+    for (int64_t c = 0; c < k.C; ++c)
+      sum += (kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1)) *
+             static_cast<acc_t>(prob[base + c * k.S]);
+    K[pos] = static_cast<acc_t>(k.a) * sum + static_cast<acc_t>(k.b) * *weight_sum;
+  }
+}
+
 int blocks_for(int64_t work, int threads) {
   const int64_t max_blocks = 16LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return static_cast<int>(
@@ -264,12 +305,31 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
   const Tensor w_sum = weight_sum(p, input, weight);
   const Tensor scale = grad_scale(p, grad, total_weight);
   const auto acc = w_sum.scalar_type();
-  // K = Σ_c w_c q_c per position, with device tensor ops (no synchronisation).
+  const Coefficients k{p.a, p.b, p.ignore_index, p.C, p.S};
+  auto stream = at::cuda::getCurrentCUDAStream();
+  // K = Σ_c w_c q_c per position, on the device (no synchronisation).
   Tensor K;
   if (p.prob_target) {
-    const Tensor p3 = t.view({p.N, p.C, p.S}).to(acc);
-    const Tensor wp = weight ? (p3 * w.to(acc).view({1, p.C, 1})).sum(1) : p3.sum(1);
-    K = (wp * p.a + w_sum * p.b).contiguous();
+    const int64_t positions = p.N * p.S;
+    K = at::empty({positions}, input.options().dtype(acc));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kOp, [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      with_bool(weight.has_value(), [&](auto weighted) {
+        constexpr bool kWeight = decltype(weighted)::value;
+        const scalar_t* wp = kWeight ? w.const_data_ptr<scalar_t>() : nullptr;
+        if (p.S == 1) {
+          prob_k_rows_kernel<scalar_t, kWeight><<<positions, kRowThreads, 0, stream>>>(
+              t.const_data_ptr<scalar_t>(), wp, w_sum.const_data_ptr<acc_t>(), k,
+              K.mutable_data_ptr<acc_t>());
+        } else {
+          prob_k_positions_kernel<scalar_t, kWeight>
+              <<<blocks_for(positions, kPositionThreads), kPositionThreads, 0, stream>>>(
+                  t.const_data_ptr<scalar_t>(), wp, w_sum.const_data_ptr<acc_t>(), k, positions,
+                  K.mutable_data_ptr<acc_t>());
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
   } else {
     const Tensor t1 = t.view({-1}).to(at::kLong);
     const Tensor kept = t1 != p.ignore_index;
@@ -277,9 +337,7 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
         weight ? w.to(acc).index_select(0, t1.clamp(0, p.C - 1)) : at::ones_like(t1, acc);
     K = (wt * p.a + w_sum * p.b).masked_fill(~kept, 0).contiguous();
   }
-  const Coefficients k{p.a, p.b, p.ignore_index, p.C, p.S};
   const int64_t numel = input.numel();
-  auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
     using scalar_t = typename decltype(s)::type;
     using index_t = typename decltype(i)::type;
