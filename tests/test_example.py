@@ -1,0 +1,44 @@
+"""examples/bcnn_finegrained.py runs and learns (a few steps on small images)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # trains a model: full suite (make test) only
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "bcnn_finegrained.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("bcnn_finegrained", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+SMALL = ["--image-size", "32", "--train-size", "256", "--val-size", "64", "--batch-size", "16", "--quiet"]
+
+
+def test_loss_decreases():
+    (result,) = load_example().main([*SMALL, "--steps", "40", "--classes", "4"])
+    losses = result["losses"]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["ncm_accuracy"] <= 1.0
+
+
+def test_reference_run_reports_both():
+    results = load_example().main([*SMALL, "--steps", "2", "--reference"])
+    assert [r["name"] for r in results] == ["torchkit", "reference"]
+    assert all(r["images_per_s"] > 0 for r in results)
+
+
+def test_help_documents_every_flag(capsys):
+    example = load_example()
+    with pytest.raises(SystemExit):
+        example.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--data", "--weights", "--reference", "--steps", "--batch-size", "--rcm-blocks", "--compile"):
+        assert flag in text
