@@ -19,7 +19,7 @@ from packaging.version import Version
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parent  # absolute: ninja compiles from the build directory
 LIBRARY = "torchkit"
 # torch supports limited-API (abi3) extensions from 2.6; ours never touches Python objects.
 PY_LIMITED_API = Version(torch.__version__).release >= (2, 6)

@@ -16,14 +16,17 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow  # builds the extension from the sdist: full suite (make test) only
 
 
+def run(cmd, **kwargs) -> str:
+    """subprocess.run that shows the command's output when it fails."""
+    result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run(
-        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out), str(ROOT)],
-        check=True,
-        capture_output=True,
-    )
+    run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out), str(ROOT)])
     (path,) = out.glob("torchkit-*.tar.gz")
     return path
 
@@ -41,22 +44,15 @@ def test_sdist_contains_the_sources(sdist):
 
 def test_sdist_installs_in_a_fresh_venv(sdist, tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    run([sys.executable, "-m", "venv", str(venv)])
     python = venv / "bin" / "python"
     # "A fresh venv that has torch": this one sees the development environment's torch (and
     # setuptools, ninja) through a .pth file instead of downloading 5 GB again.
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    site = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
     Path(site, "development_torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "TORCHKIT_CUDA": "0", "HOME": str(tmp_path)}
-    subprocess.run(
+    run(
         [str(python), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", str(sdist)],
-        check=True,
-        capture_output=True,
         env=env,
         cwd=tmp_path,
     )
@@ -73,4 +69,4 @@ def test_sdist_installs_in_a_fresh_venv(sdist, tmp_path):
     assert report["file"].startswith(str(venv)), report["file"]  # the installed copy, not the checkout
     assert report["version"] == torchkit.__version__
     assert report["info"]["torch"] == torch.__version__  # the torch it was built against
-    assert report["d"] == [[3**0.5], [3**0.5]]
+    assert [v for row in report["d"] for v in row] == pytest.approx([3**0.5] * 2, rel=1e-6)
