@@ -13,6 +13,7 @@ SOURCES     := setup.py pyproject.toml $(shell find csrc torchkit -name '*.cpp' 
 # Benchmarks: QUICK=1 runs the headline case of each op only.
 BENCH_JSON  := benchmarks/results/cpu.json
 BENCH_SEL   := $(if $(QUICK),-m headline,)
+# -v: one line per case as it finishes (op, case, implementation, pass).
 
 .PHONY: build test bench cuda-build gpu-check lint clean
 
@@ -37,7 +38,7 @@ test: build
 	$(PY) -m pytest tests
 
 bench: build
-	$(PY) -m pytest benchmarks -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
+	$(PY) -m pytest benchmarks -v -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
 	$(PY) benchmarks/report.py $(BENCH_JSON)
 
 # CUDA build check, no GPU needed: compile and link every .cu with the nvcc that matches
