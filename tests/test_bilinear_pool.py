@@ -281,3 +281,19 @@ def test_bad_input(call, exc, match):
 def test_device_mismatch():
     with pytest.raises(ValueError, match="x and y must be on the same device"):
         ops.bilinear_pool(x4.cuda(), x4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("E", [None, 5])
+def test_broadcast_upstream_gradient(device, dtype, E):
+    """out.sum() hands backward an expanded gradient (all strides 0), read without a copy."""
+    x, y = (t.detach() if t is not None else None for t in inputs((2, 70, 3, 3), E, dtype, device))
+    out, norm = OP(x, y, 1e-5, 1e-12)
+    g = torch.full((), 0.7, dtype=dtype, device=device).expand_as(out)
+    assert all(s == 0 for s in g.stride())
+    mask = [True, y is not None]
+    got = BACKWARD(g, x, y, out, norm, 1e-5, 1e-12, mask)
+    expected = BACKWARD(g.contiguous(), x, y, out, norm, 1e-5, 1e-12, mask)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -289,3 +289,17 @@ def test_bad_input(call, exc, message):
 def test_device_mismatch():
     with pytest.raises(ValueError, match="x1 and x2 must be on the same device"):
         ops.cdist(torch.randn(3, 5, device="cuda"), torch.randn(4, 5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("squared", [False, True])
+def test_broadcast_upstream_gradient(device, squared):
+    """d.sum() hands backward an expanded gradient (all strides 0), read without a copy."""
+    x1, x2 = make((2, 37, 5), device=device), make((41, 5), device=device)
+    d = OP(x1, x2, squared)
+    g = torch.full((), 0.7, dtype=d.dtype, device=device).expand_as(d)
+    assert all(s == 0 for s in g.stride())
+    for a, b in zip(
+        BACKWARD(g, x1, x2, d, squared, [True, True]), BACKWARD(g.contiguous(), x1, x2, d, squared, [True, True])
+    ):
+        assert_close(a, b)

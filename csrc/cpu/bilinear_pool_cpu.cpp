@@ -137,7 +137,7 @@ std::tuple<Tensor, Tensor> forward_cpu(const Tensor& x, const std::optional<Tens
 
 // Σ o·g over n entries, vectorised in the accumulation type.
 template <typename scalar_t>
-double dot_chunk(const scalar_t* o, const scalar_t* g, int64_t n) {
+double dot_chunk(const scalar_t* o, const scalar_t* g, int64_t gstride, int64_t n) {
   using acc_t = at::opmath_type<scalar_t>;
   int64_t k = 0;
   double sum = 0;
@@ -145,29 +145,30 @@ double dot_chunk(const scalar_t* o, const scalar_t* g, int64_t n) {
     using V = Vectorized<acc_t>;
     V acc(0);
     for (; k + V::size() <= n; k += V::size())
-      acc = at::vec::fmadd(V::loadu(o + k), V::loadu(g + k), acc);
+      acc = at::vec::fmadd(V::loadu(o + k), gstride ? V::loadu(g + k) : V(g[0]), acc);
     sum = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, acc);
   }
-  for (; k < n; ++k) sum += static_cast<double>(o[k]) * static_cast<double>(g[k]);
+  for (; k < n; ++k) sum += static_cast<double>(o[k]) * static_cast<double>(g[k * gstride]);
   return sum;
 }
 
 // ∂L/∂Z · 1/HW for one sample's n entries. Per sample, grad_z() reduces to
 // (g − o·dot') · c / |o| (0 where o = 0) with c = 1 / (2·denom²·HW), dot' = dot or 0.
 template <typename scalar_t, typename acc_t>
-void grad_z_row(const scalar_t* o, const scalar_t* g, acc_t* dz, int64_t n, acc_t dot, acc_t c) {
+void grad_z_row(const scalar_t* o, const scalar_t* g, int64_t gstride, acc_t* dz, int64_t n,
+                acc_t dot, acc_t c) {
   int64_t k = 0;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     using V = Vectorized<acc_t>;
     const V vdot(dot), vc(c), zero(0);
     for (; k + V::size() <= n; k += V::size()) {
-      const V vo = V::loadu(o + k), vg = V::loadu(g + k);
+      const V vo = V::loadu(o + k), vg = gstride ? V::loadu(g + k) : V(g[0]);
       const V v = (vg - vo * vdot) * vc / vo.abs();
       V::blendv(v, zero, vo == zero).store(dz + k);
     }
   }
   for (; k < n; ++k) {
-    const acc_t ok = static_cast<acc_t>(o[k]), gk = static_cast<acc_t>(g[k]);
+    const acc_t ok = static_cast<acc_t>(o[k]), gk = static_cast<acc_t>(g[k * gstride]);
     dz[k] = ok == acc_t(0) ? acc_t(0) : (gk - ok * dot) * c / std::abs(ok);
   }
 }
@@ -180,8 +181,10 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int64_t kSquare = 64;
   const int64_t D = p.D, E = p.E, DE = D * E;
-  const Tensor g_c = grad.contiguous(), o_c = out.contiguous();
-  const scalar_t* g = g_c.const_data_ptr<scalar_t>();
+  const cpu::GradInput g_in = cpu::grad_input(grad);
+  const Tensor o_c = out.contiguous();
+  const scalar_t* g = g_in.tensor.const_data_ptr<scalar_t>();
+  const int64_t gs = g_in.stride;
   const scalar_t* o = o_c.const_data_ptr<scalar_t>();
   const acc_t* nrm = norm.const_data_ptr<acc_t>();
   const acc_t l2_eps = static_cast<acc_t>(p.l2_eps);
@@ -198,7 +201,7 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / chunks, k0 = n * DE + (task % chunks) * kChunk;
       if (nrm[n] >= l2_eps)
-        partial[task] = dot_chunk(o + k0, g + k0, std::min(kChunk, (n + 1) * DE - k0));
+        partial[task] = dot_chunk(o + k0, g + k0 * gs, gs, std::min(kChunk, (n + 1) * DE - k0));
     }
   });
   std::vector<acc_t> dot(p.N), coef(p.N);
@@ -215,8 +218,8 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / chunks, k0 = (task % chunks) * kChunk;
         const int64_t off = n * DE + k0;
-        grad_z_row<scalar_t, acc_t>(o + off, g + off, dzp + off, std::min(kChunk, DE - k0), dot[n],
-                                    coef[n]);
+        grad_z_row<scalar_t, acc_t>(o + off, g + off * gs, gs, dzp + off, std::min(kChunk, DE - k0),
+                                    dot[n], coef[n]);
       }
     });
     return dz;
@@ -241,11 +244,12 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
       // upper[r][c] = dZ[i0 + r][j0 + c], lower[c][r] = dZ[j0 + c][i0 + r]
       for (int64_t r = 0; r < di; ++r) {
         const int64_t k = base + (i0 + r) * D + j0;
-        grad_z_row<scalar_t, acc_t>(o + k, g + k, upper.data() + r * kSquare, dj, dot[n], coef[n]);
+        grad_z_row<scalar_t, acc_t>(o + k, g + k * gs, gs, upper.data() + r * kSquare, dj, dot[n],
+                                    coef[n]);
       }
       for (int64_t col = 0; col < dj; ++col) {
         const int64_t k = base + (j0 + col) * D + i0;
-        grad_z_row<scalar_t, acc_t>(o + k, g + k, lower.data() + col * kSquare, di, dot[n],
+        grad_z_row<scalar_t, acc_t>(o + k, g + k * gs, gs, lower.data() + col * kSquare, di, dot[n],
                                     coef[n]);
       }
       for (int64_t r = 0; r < di; ++r) {

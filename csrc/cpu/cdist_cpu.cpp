@@ -123,8 +123,8 @@ Tensor forward_cpu(const Tensor& x1, const std::optional<Tensor>& x2, bool squar
 // G' for one row: ∂L/∂d² · 2 = grad / dist (0 where dist = 0), or 2·grad for squared.
 // Returns the row's sum.
 template <typename scalar_t, typename acc_t>
-acc_t scaled_grad_row(const scalar_t* grad, const scalar_t* dist, acc_t* gp, int64_t R,
-                      bool squared) {
+acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dist, acc_t* gp,
+                      int64_t R, bool squared) {
   int64_t j = 0;
   acc_t sum = 0;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
@@ -132,7 +132,7 @@ acc_t scaled_grad_row(const scalar_t* grad, const scalar_t* dist, acc_t* gp, int
     const V zero(0), two(2);
     V vsum(0);
     for (; j + V::size() <= R; j += V::size()) {
-      const V g = V::loadu(grad + j), d = V::loadu(dist + j);
+      const V g = gstride ? V::loadu(grad + j) : V(grad[0]), d = V::loadu(dist + j);
       const V v = squared ? two * g : V::blendv(g / d, zero, d == zero);
       v.store(gp + j);
       vsum = vsum + v;
@@ -140,7 +140,7 @@ acc_t scaled_grad_row(const scalar_t* grad, const scalar_t* dist, acc_t* gp, int
     sum = at::vec::vec_reduce_all<acc_t>([](V x, V y) { return x + y; }, vsum);
   }
   for (; j < R; ++j) {
-    const acc_t gr = static_cast<acc_t>(grad[j]);
+    const acc_t gr = static_cast<acc_t>(grad[j * gstride]);
     const acc_t d = static_cast<acc_t>(dist[j]);
     const acc_t v = squared ? 2 * gr : (d == 0 ? acc_t(0) : gr / d);
     gp[j] = v;
@@ -150,15 +150,16 @@ acc_t scaled_grad_row(const scalar_t* grad, const scalar_t* dist, acc_t* gp, int
 }
 
 template <typename scalar_t>
-void backward_kernel(const Problem& p, const Centred& c, const Tensor& grad, const Tensor& dist,
-                     Tensor& g1, Tensor& g2) {
+void backward_kernel(const Problem& p, const Centred& c, const cpu::GradInput& grad,
+                     const Tensor& dist, Tensor& g1, Tensor& g2) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t rows = tile_rows(p.R, sizeof(acc_t));
   Tensor gp = at::empty({std::min(rows, p.P), p.R}, c.x1.options());
   Tensor rowsum = at::empty({std::min(rows, p.P), 1}, c.x1.options());
   Tensor colsum;
   if (g2.defined()) colsum = at::zeros({p.B, p.R, 1}, c.x1.options());
-  const scalar_t* grad_p = grad.const_data_ptr<scalar_t>();
+  const scalar_t* grad_p = grad.tensor.const_data_ptr<scalar_t>();
+  const int64_t gs = grad.stride;
   const scalar_t* dist_p = dist.const_data_ptr<scalar_t>();
   acc_t* gp_p = gp.data_ptr<acc_t>();
   acc_t* rs = rowsum.data_ptr<acc_t>();
@@ -168,8 +169,9 @@ void backward_kernel(const Problem& p, const Centred& c, const Tensor& grad, con
       const int64_t off = (b * p.P + i0) * p.R;
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-          rs[i] = scaled_grad_row<scalar_t, acc_t>(grad_p + off + i * p.R, dist_p + off + i * p.R,
-                                                   gp_p + i * p.R, p.R, p.squared);
+          rs[i] = scaled_grad_row<scalar_t, acc_t>(grad_p + (off + i * p.R) * gs, gs,
+                                                   dist_p + off + i * p.R, gp_p + i * p.R, p.R,
+                                                   p.squared);
         }
       });
       const Tensor G = gp.narrow(0, 0, n);
@@ -200,7 +202,7 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x1,
   if (want2) g2 = at::zeros({p.B, p.R, p.M}, x1.options().dtype(acc));
   if ((want1 || want2) && p.B * p.P * p.R * p.M > 0) {
     const Centred c = centre(p, x1, x2);
-    const Tensor grad_c = grad.expand(dist.sizes()).contiguous();
+    const cpu::GradInput grad_c = cpu::grad_input(grad);
     const Tensor dist_c = dist.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_backward_cpu",
