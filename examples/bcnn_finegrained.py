@@ -251,7 +251,8 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
             sched.step()
             losses.append(loss.item())
             step += 1
-            if step > WARMUP_STEPS:  # first-call allocations and thread start-up are not throughput
+            # First-call allocations and thread start-up are not throughput (unless that is all).
+            if step > WARMUP_STEPS or total <= WARMUP_STEPS:
                 train_time += time.perf_counter() - start
                 seen += images.shape[0] * world
             bar.set_postfix(loss=f"{losses[-1]:.3f}", img_per_s=f"{seen / max(train_time, 1e-9):.0f}")

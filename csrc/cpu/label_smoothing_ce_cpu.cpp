@@ -440,6 +440,36 @@ Tensor as_rows(const Problem& p, const Tensor& t) {
   return t.reshape({p.N, p.C, p.S}).transpose(1, 2).reshape({p.N * p.S, p.C}).contiguous();
 }
 
+// reduce() for the CPU: for up to kSerialReduce positions, the sums are taken here and the
+// two scalars made directly, instead of by four small tensor ops whose fixed cost is a
+// quarter of the whole call at N = 256, C = 1000.
+constexpr int64_t kSerialReduce = 1 << 14;
+
+std::tuple<Tensor, Tensor, Tensor> reduce_cpu(const Problem& p, const Tensor& input,
+                                              const Tensor& lse, const Tensor& losses,
+                                              const Tensor& position_weights) {
+  const int64_t n = losses.numel();
+  if (p.reduction == Reduction::None || n > kSerialReduce) {
+    return reduce(p, input, lse, losses, position_weights);
+  }
+  double loss_sum = 0, weight_total = 0;
+  AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "reduce_cpu", [&] {
+    const scalar_t* l = losses.const_data_ptr<scalar_t>();
+    const scalar_t* w = position_weights.const_data_ptr<scalar_t>();
+    scalar_t ls = 0, ws = 0;  // the accumulation type, as at::sum would
+    for (int64_t k = 0; k < n; ++k) {
+      ls += l[k];
+      ws += w[k];
+    }
+    loss_sum = ls;
+    weight_total = ws;
+  });
+  // 0 / 0 = NaN when every position is ignored, as in PyTorch.
+  const double value = p.reduction == Reduction::Mean ? loss_sum / weight_total : loss_sum;
+  return {at::scalar_tensor(value, input.options()), lse,
+          at::scalar_tensor(weight_total, losses.options())};
+}
+
 std::tuple<Tensor, Tensor, Tensor> forward_cpu(const Tensor& input, const Tensor& target,
                                                const std::optional<Tensor>& weight,
                                                int64_t ignore_index, c10::string_view reduction,
@@ -465,7 +495,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_cpu(const Tensor& input, const Tensor
       });
     }
   }
-  return reduce(p, input, lse, losses, position_weights);
+  return reduce_cpu(p, input, lse, losses, position_weights);
 }
 
 Tensor backward_cpu(const Tensor& grad, const Tensor& input, const Tensor& target,
