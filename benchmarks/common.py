@@ -9,9 +9,12 @@ from pathlib import Path
 
 import torch
 
-# Each case is timed for about this long (at least MIN_ROUNDS rounds, at most MAX_ROUNDS).
+# Each case is timed for about this long (at least MIN_ROUNDS rounds, at most MAX_ROUNDS);
+# a round repeats a fast call until it lasts ROUND_SECONDS, so that sub-millisecond cases
+# are not medians of a few noisy single calls.
 TARGET_SECONDS = 1.0
-MIN_ROUNDS, MAX_ROUNDS = 3, 50
+ROUND_SECONDS = 2e-3
+MIN_ROUNDS, MAX_ROUNDS = 3, 100
 
 
 def _sync(device: torch.device) -> None:
@@ -67,11 +70,12 @@ def run(benchmark, fn, *, op: str, case: str, pass_: str, impl: str, device, **e
     call()  # warm-up: first-call allocations, compilation, lazy initialisation
     start = time.perf_counter()
     call()
-    once = time.perf_counter() - start
-    rounds = int(min(MAX_ROUNDS, max(MIN_ROUNDS, TARGET_SECONDS / max(once, 1e-9))))
+    once = max(time.perf_counter() - start, 1e-9)
+    iterations = max(1, int(ROUND_SECONDS / once))
+    rounds = int(min(MAX_ROUNDS, max(MIN_ROUNDS, TARGET_SECONDS / (once * iterations))))
 
     benchmark.group = f"{op} | {case} | {pass_}"
     benchmark.extra_info.update(
         op=op, case=case, pass_=pass_, impl=impl, device=str(device), peak_bytes=peak_extra_bytes(fn, device), **extra
     )
-    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=0)
+    benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=0)
