@@ -11,7 +11,8 @@ BUILD_STAMP := $(VENV)/.torchkit-built
 SOURCES     := setup.py pyproject.toml $(shell find csrc torchkit -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' 2>/dev/null)
 
 # Benchmarks: QUICK=1 runs the headline case of each op only.
-BENCH_JSON  := benchmarks/results/cpu.json
+# QUICK=1 writes its own report (cpu-quick.*), so that it never replaces the full one.
+BENCH_JSON  := benchmarks/results/$(if $(QUICK),cpu-quick,cpu).json
 BENCH_SEL   := $(if $(QUICK),-m headline,)
 # -v: one line per case as it finishes (op, case, implementation, pass).
 
