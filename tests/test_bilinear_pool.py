@@ -297,3 +297,12 @@ def test_broadcast_upstream_gradient(device, dtype, E):
     expected = BACKWARD(g.contiguous(), x, y, out, norm, 1e-5, 1e-12, mask)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_backward_checks_its_inputs():
+    x = make((2, 3, 2, 2))
+    out, norm = OP(x, None, 1e-5, 1e-12)
+    with pytest.raises(ValueError, match=r"backward: grad and out must have the output's shape \[2, 9\]"):
+        BACKWARD(torch.ones(2, 8, dtype=x.dtype), x, None, out, norm, 1e-5, 1e-12, [True, False])
+    with pytest.raises(ValueError, match=r"backward: norm must be \(N,\) = \(2,\) of Double"):
+        BACKWARD(torch.ones_like(out), x, None, out, norm.float(), 1e-5, 1e-12, [True, False])

@@ -303,3 +303,12 @@ def test_broadcast_upstream_gradient(device, squared):
         BACKWARD(g, x1, x2, d, squared, [True, True]), BACKWARD(g.contiguous(), x1, x2, d, squared, [True, True])
     ):
         assert_close(a, b)
+
+
+def test_backward_checks_its_inputs():
+    x1, x2 = make((3, 4)), make((5, 4))
+    d = OP(x1, x2, False)
+    with pytest.raises(ValueError, match=r"backward: grad and dist must have the output's shape \[3, 5\]"):
+        BACKWARD(torch.ones(3, 4, dtype=d.dtype), x1, x2, d, False, [True, True])
+    with pytest.raises(TypeError, match=r"x1 and grad must have the same dtype"):
+        BACKWARD(torch.ones_like(d).float(), x1, x2, d, False, [True, True])

@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include "bilinear_pool.h"
+#include "cuda/launch.h"
 
 namespace torchkit::bilinear {
 namespace {
@@ -60,12 +61,6 @@ __global__ void normalise_kernel(const acc_t* s, const acc_t* norm, scalar_t* ou
   }
 }
 
-int grid_for(int64_t n) {
-  const int64_t max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 32;
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min((n + kThreads - 1) / kThreads, max_blocks)));
-}
-
 std::tuple<Tensor, Tensor> forward_cuda(const Tensor& x, const std::optional<Tensor>& y,
                                         double sqrt_eps, double l2_eps) {
   const Problem p = check_inputs(x, y, sqrt_eps, l2_eps);
@@ -90,9 +85,10 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& x, const std::optional<Ten
         norm = partial.sum(1).sqrt_();
         const int64_t total = out.numel();
         if (total > 0) {
-          normalise_kernel<scalar_t, acc_t><<<grid_for(total), kThreads, 0, stream>>>(
-              z.const_data_ptr<acc_t>(), norm.const_data_ptr<acc_t>(), out.data_ptr<scalar_t>(), DE,
-              total, static_cast<acc_t>(p.l2_eps));
+          normalise_kernel<scalar_t, acc_t>
+              <<<cuda::grid_size(total, kThreads), kThreads, 0, stream>>>(
+                  z.const_data_ptr<acc_t>(), norm.const_data_ptr<acc_t>(), out.data_ptr<scalar_t>(),
+                  DE, total, static_cast<acc_t>(p.l2_eps));
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
       });
@@ -147,7 +143,7 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x,
             partial.data_ptr<acc_t>(), DE);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const Tensor dot = partial.sum(1);
-        grad_z_kernel<scalar_t, acc_t><<<grid_for(total), kThreads, 0, stream>>>(
+        grad_z_kernel<scalar_t, acc_t><<<cuda::grid_size(total, kThreads), kThreads, 0, stream>>>(
             o_c.const_data_ptr<scalar_t>(), g_c.const_data_ptr<scalar_t>(),
             dot.const_data_ptr<acc_t>(), norm.const_data_ptr<acc_t>(), dz.data_ptr<acc_t>(), DE,
             total, static_cast<acc_t>(p.l2_eps), acc_t(1) / acc_t(p.HW));

@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "cdist.h"
+#include "cuda/launch.h"
 
 namespace torchkit::cdist {
 namespace {
@@ -19,12 +20,6 @@ namespace {
 using at::Tensor;
 
 constexpr int kThreads = 256;
-
-int blocks_for(int64_t n) {
-  const int64_t max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 32;
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min((n + kThreads - 1) / kThreads, max_blocks)));
-}
 
 // d² = n_a + n_b − 2g per entry (g the GEMM's a·b), refined where cancellation struck,
 // clamped, square-rooted unless squared; 0 on the diagonal for self-distances.
@@ -66,7 +61,7 @@ Tensor forward_cuda(const Tensor& x1, const std::optional<Tensor>& x2, bool squa
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       epilogue_kernel<scalar_t, acc_t>
-          <<<blocks_for(total), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          <<<cuda::grid_size(total, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
               g.const_data_ptr<acc_t>(), out.data_ptr<scalar_t>(), c.n1.const_data_ptr<acc_t>(),
               c.n2.const_data_ptr<acc_t>(), c.raw1.const_data_ptr<acc_t>(),
               c.raw2.const_data_ptr<acc_t>(), p.P, p.R, p.M, total, p.squared, p.self);
@@ -110,7 +105,7 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x1,
         at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_backward_cuda", [&] {
           using acc_t = at::opmath_type<scalar_t>;
           scaled_grad_kernel<scalar_t, acc_t>
-              <<<blocks_for(total), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+              <<<cuda::grid_size(total, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   grad_c.const_data_ptr<scalar_t>(), dist_c.const_data_ptr<scalar_t>(),
                   gp.data_ptr<acc_t>(), total, p.squared);
           C10_CUDA_KERNEL_LAUNCH_CHECK();

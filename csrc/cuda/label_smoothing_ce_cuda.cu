@@ -18,6 +18,7 @@
 
 #include <cuda/std/limits>
 
+#include "cuda/launch.h"
 #include "label_smoothing_ce.h"
 
 namespace torchkit::lsce {
@@ -241,12 +242,6 @@ __global__ void __launch_bounds__(kPositionThreads)
   }
 }
 
-int blocks_for(int64_t work, int threads) {
-  const int64_t max_blocks = 16LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min((work + threads - 1) / threads, max_blocks)));
-}
-
 std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& input, const Tensor& target,
                                                 const std::optional<Tensor>& weight,
                                                 int64_t ignore_index, c10::string_view reduction,
@@ -279,7 +274,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& input, const Tenso
                 losses.mutable_data_ptr<acc_t>(), position_weights.mutable_data_ptr<acc_t>());
       } else {
         forward_positions_kernel<scalar_t, index_t, kWeight, kProb>
-            <<<blocks_for(positions, kPositionThreads), kPositionThreads, 0, stream>>>(
+            <<<cuda::grid_size(positions, kPositionThreads, 16), kPositionThreads, 0, stream>>>(
                 xp, tp, pp, wp, w_sum.const_data_ptr<acc_t>(), k, positions,
                 lse.mutable_data_ptr<acc_t>(), losses.mutable_data_ptr<acc_t>(),
                 position_weights.mutable_data_ptr<acc_t>());
@@ -323,7 +318,7 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
               K.mutable_data_ptr<acc_t>());
         } else {
           prob_k_positions_kernel<scalar_t, kWeight>
-              <<<blocks_for(positions, kPositionThreads), kPositionThreads, 0, stream>>>(
+              <<<cuda::grid_size(positions, kPositionThreads, 16), kPositionThreads, 0, stream>>>(
                   t.const_data_ptr<scalar_t>(), wp, w_sum.const_data_ptr<acc_t>(), k, positions,
                   K.mutable_data_ptr<acc_t>());
         }
@@ -343,12 +338,14 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
     using index_t = typename decltype(i)::type;
     using acc_t = at::opmath_type<scalar_t>;
     constexpr bool kWeight = decltype(kW)::value, kProb = decltype(kP)::value;
-    backward_kernel<scalar_t, index_t, kWeight, kProb><<<blocks_for(numel, 256), 256, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), kProb ? nullptr : t.const_data_ptr<index_t>(),
-        kProb ? t.const_data_ptr<scalar_t>() : nullptr,
-        kWeight ? w.const_data_ptr<scalar_t>() : nullptr, lse.contiguous().const_data_ptr<acc_t>(),
-        K.const_data_ptr<acc_t>(), scale.const_data_ptr<acc_t>(), scale.dim() == 0 ? 0 : 1, k,
-        numel, out.mutable_data_ptr<scalar_t>());
+    backward_kernel<scalar_t, index_t, kWeight, kProb>
+        <<<cuda::grid_size(numel, 256, 16), 256, 0, stream>>>(
+            x.const_data_ptr<scalar_t>(), kProb ? nullptr : t.const_data_ptr<index_t>(),
+            kProb ? t.const_data_ptr<scalar_t>() : nullptr,
+            kWeight ? w.const_data_ptr<scalar_t>() : nullptr,
+            lse.contiguous().const_data_ptr<acc_t>(), K.const_data_ptr<acc_t>(),
+            scale.const_data_ptr<acc_t>(), scale.dim() == 0 ? 0 : 1, k, numel,
+            out.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

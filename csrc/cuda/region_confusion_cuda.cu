@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/launch.h"
 #include "region_confusion.h"
 
 namespace torchkit::rcm {
@@ -43,9 +44,7 @@ __global__ void permute_blocks_kernel(const vec_t* __restrict__ src, vec_t* __re
 template <typename vec_t>
 void launch(const Prepared& p, at::Tensor& output, int64_t total_bytes) {
   const int64_t total = total_bytes / sizeof(vec_t);
-  const int64_t max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 32;
-  const int blocks = static_cast<int>(
-      std::max<int64_t>(1, std::min((total + kThreads - 1) / kThreads, max_blocks)));
+  const int blocks = cuda::grid_size(total, kThreads);
   permute_blocks_kernel<vec_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       static_cast<const vec_t*>(p.input.const_data_ptr()), static_cast<vec_t*>(output.data_ptr()),
       p.permutation.const_data_ptr<int64_t>(), p.layout, total);
