@@ -5,14 +5,11 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "common.h"
 
 namespace torchkit::bilinear {
 
 namespace {
-
-at::ScalarType acc_type(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // (N, C, H, W) → (N, C, HW) without a copy where the memory allows it.
 at::Tensor flat(const Problem& p, const at::Tensor& t) {

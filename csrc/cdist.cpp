@@ -5,14 +5,11 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "common.h"
 
 namespace torchkit::cdist {
 
 namespace {
-
-at::ScalarType acc_type(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 std::vector<int64_t> expanded_shape(const Problem& p, int64_t rows) {
   std::vector<int64_t> shape = p.batch;

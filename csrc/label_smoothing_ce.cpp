@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "common.h"
 
 namespace torchkit::lsce {
 
@@ -16,10 +17,6 @@ Reduction parse_reduction(c10::string_view reduction) {
   TK_CHECK_VALUE(kOp, reduction == "none", "reduction must be 'none', 'mean' or 'sum', got '",
                  reduction, "'");
   return Reduction::None;
-}
-
-at::ScalarType acc_type(const at::Tensor& input) {
-  return input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 std::vector<int64_t> position_shape(const at::Tensor& input) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bilinear_pool.h"
+#include "common.h"
 #include "cpu/memory.h"
 
 namespace torchkit::bilinear {
@@ -181,7 +182,7 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int64_t kSquare = 64;
   const int64_t D = p.D, E = p.E, DE = D * E;
-  const cpu::GradInput g_in = cpu::grad_input(grad);
+  const GradInput g_in = grad_input(grad);
   const Tensor o_c = out.contiguous();
   const scalar_t* g = g_in.tensor.const_data_ptr<scalar_t>();
   const int64_t gs = g_in.stride;

@@ -20,6 +20,7 @@
 #include <cmath>
 
 #include "cdist.h"
+#include "common.h"
 #include "cpu/memory.h"
 
 namespace torchkit::cdist {
@@ -150,8 +151,8 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
 }
 
 template <typename scalar_t>
-void backward_kernel(const Problem& p, const Centred& c, const cpu::GradInput& grad,
-                     const Tensor& dist, Tensor& g1, Tensor& g2) {
+void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, const Tensor& dist,
+                     Tensor& g1, Tensor& g2) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t rows = tile_rows(p.R, sizeof(acc_t));
   Tensor gp = at::empty({std::min(rows, p.P), p.R}, c.x1.options());
@@ -196,13 +197,13 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x1,
   check_backward_inputs(p, grad, x1, dist);
   // For x2 = None both halves of the gradient belong to x1.
   const bool want1 = output_mask[0], want2 = p.self ? output_mask[0] : output_mask[1];
-  const auto acc = x1.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_type(x1);
   Tensor g1, g2;
   if (want1) g1 = at::zeros({p.B, p.P, p.M}, x1.options().dtype(acc));
   if (want2) g2 = at::zeros({p.B, p.R, p.M}, x1.options().dtype(acc));
   if ((want1 || want2) && p.B * p.P * p.R * p.M > 0) {
     const Centred c = centre(p, x1, x2);
-    const cpu::GradInput grad_c = cpu::grad_input(grad);
+    const GradInput grad_c = grad_input(grad);
     const Tensor dist_c = dist.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_backward_cpu",

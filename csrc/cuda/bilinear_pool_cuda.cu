@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include "bilinear_pool.h"
+#include "common.h"
 #include "cuda/launch.h"
 
 namespace torchkit::bilinear {
@@ -97,27 +98,28 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& x, const std::optional<Ten
 
 // partial[n, chunk] = Σ out·grad over the block's chunk of sample n.
 template <typename scalar_t, typename acc_t>
-__global__ void dot_kernel(const scalar_t* o, const scalar_t* g, acc_t* partial, int64_t DE) {
+__global__ void dot_kernel(const scalar_t* o, const scalar_t* g, int64_t gstride, acc_t* partial,
+                           int64_t DE) {
   const int64_t n = blockIdx.y, begin = blockIdx.x * kChunk;
   const int64_t end = min(begin + kChunk, DE);
   acc_t sum = 0;
   for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x)
-    sum += static_cast<acc_t>(o[n * DE + k]) * static_cast<acc_t>(g[n * DE + k]);
+    sum += static_cast<acc_t>(o[n * DE + k]) * static_cast<acc_t>(g[(n * DE + k) * gstride]);
   sum = block_sum(sum);
   if (threadIdx.x == 0) partial[n * gridDim.x + blockIdx.x] = sum;
 }
 
 // ∂L/∂Z · 1/HW per entry (grad_z() in the header).
 template <typename scalar_t, typename acc_t>
-__global__ void grad_z_kernel(const scalar_t* o, const scalar_t* g, const acc_t* dot,
-                              const acc_t* norm, acc_t* dz, int64_t DE, int64_t total, acc_t l2_eps,
-                              acc_t inv_hw) {
+__global__ void grad_z_kernel(const scalar_t* o, const scalar_t* g, int64_t gstride,
+                              const acc_t* dot, const acc_t* norm, acc_t* dz, int64_t DE,
+                              int64_t total, acc_t l2_eps, acc_t inv_hw) {
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
        k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t n = k / DE;
-    dz[k] =
-        grad_z<acc_t>(static_cast<acc_t>(o[k]), static_cast<acc_t>(g[k]), dot[n], norm[n], l2_eps) *
-        inv_hw;
+    dz[k] = grad_z<acc_t>(static_cast<acc_t>(o[k]), static_cast<acc_t>(g[k * gstride]), dot[n],
+                          norm[n], l2_eps) *
+            inv_hw;
   }
 }
 
@@ -129,7 +131,8 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x,
   check_backward_inputs(p, grad, x, out, norm);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t DE = p.D * p.E, total = p.N * DE;
-  const Tensor g_c = grad.contiguous(), o_c = out.contiguous();
+  const GradInput g_c = grad_input(grad);  // a broadcast d.sum() gradient is read in place
+  const Tensor o_c = out.contiguous();
   Tensor dz = at::empty({p.N, p.D, p.E}, norm.options());
   const int64_t chunks = (DE + kChunk - 1) / kChunk;
   Tensor partial = at::empty({p.N, chunks}, norm.options());
@@ -139,12 +142,12 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x,
         using acc_t = at::opmath_type<scalar_t>;
         if (total == 0) return;
         dot_kernel<scalar_t, acc_t><<<dim3(chunks, p.N), kThreads, 0, stream>>>(
-            o_c.const_data_ptr<scalar_t>(), g_c.const_data_ptr<scalar_t>(),
+            o_c.const_data_ptr<scalar_t>(), g_c.tensor.const_data_ptr<scalar_t>(), g_c.stride,
             partial.data_ptr<acc_t>(), DE);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const Tensor dot = partial.sum(1);
         grad_z_kernel<scalar_t, acc_t><<<cuda::grid_size(total, kThreads), kThreads, 0, stream>>>(
-            o_c.const_data_ptr<scalar_t>(), g_c.const_data_ptr<scalar_t>(),
+            o_c.const_data_ptr<scalar_t>(), g_c.tensor.const_data_ptr<scalar_t>(), g_c.stride,
             dot.const_data_ptr<acc_t>(), norm.const_data_ptr<acc_t>(), dz.data_ptr<acc_t>(), DE,
             total, static_cast<acc_t>(p.l2_eps), acc_t(1) / acc_t(p.HW));
         C10_CUDA_KERNEL_LAUNCH_CHECK();

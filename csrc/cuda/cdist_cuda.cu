@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "cdist.h"
+#include "common.h"
 #include "cuda/launch.h"
 
 namespace torchkit::cdist {
@@ -73,12 +74,12 @@ Tensor forward_cuda(const Tensor& x1, const std::optional<Tensor>& x2, bool squa
 
 // G' = grad / dist (0 where dist = 0), or 2·grad for squared distances.
 template <typename scalar_t, typename acc_t>
-__global__ void scaled_grad_kernel(const scalar_t* __restrict__ grad,
+__global__ void scaled_grad_kernel(const scalar_t* __restrict__ grad, int64_t gstride,
                                    const scalar_t* __restrict__ dist, acc_t* __restrict__ gp,
                                    int64_t total, bool squared) {
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
-    const acc_t gr = static_cast<acc_t>(grad[idx]);
+    const acc_t gr = static_cast<acc_t>(grad[idx * gstride]);
     const acc_t d = static_cast<acc_t>(dist[idx]);
     gp[idx] = squared ? acc_t(2) * gr : (d == acc_t(0) ? acc_t(0) : gr / d);
   }
@@ -91,13 +92,13 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x1,
   check_backward_inputs(p, grad, x1, dist);
   const c10::cuda::CUDAGuard guard(x1.device());
   const bool want1 = output_mask[0], want2 = p.self ? output_mask[0] : output_mask[1];
-  const auto acc = x1.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_type(x1);
   Tensor g1, g2;
   if (want1) g1 = at::zeros({p.B, p.P, p.M}, x1.options().dtype(acc));
   if (want2) g2 = at::zeros({p.B, p.R, p.M}, x1.options().dtype(acc));
   if ((want1 || want2) && p.B * p.P * p.R * p.M > 0) {
     const Centred c = centre(p, x1, x2);
-    const Tensor grad_c = grad.expand(dist.sizes()).contiguous();
+    const GradInput grad_c = grad_input(grad);
     const Tensor dist_c = dist.contiguous();
     Tensor gp = at::empty({p.B, p.P, p.R}, x1.options().dtype(acc));
     const int64_t total = gp.numel();
@@ -106,8 +107,8 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x1,
           using acc_t = at::opmath_type<scalar_t>;
           scaled_grad_kernel<scalar_t, acc_t>
               <<<cuda::grid_size(total, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-                  grad_c.const_data_ptr<scalar_t>(), dist_c.const_data_ptr<scalar_t>(),
-                  gp.data_ptr<acc_t>(), total, p.squared);
+                  grad_c.tensor.const_data_ptr<scalar_t>(), grad_c.stride,
+                  dist_c.const_data_ptr<scalar_t>(), gp.data_ptr<acc_t>(), total, p.squared);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
     // grad_x1 = rowsum(G')·x1 − G'·x2, grad_x2 = colsum(G')·x2 − G'ᵀ·x1 (centred x1, x2).
