@@ -7,6 +7,8 @@ tests/ is on sys.path because pytest puts a rootdir-less test folder there.
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,3 +94,33 @@ def check_compile(fn, *args, **kwargs) -> None:
     if leaves:
         g = torch.randn_like(eager)
         torch.testing.assert_close(torch.autograd.grad(out, leaves, g), torch.autograd.grad(eager, leaves, g))
+
+
+def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """fn on CUDA copies of `inputs` agrees with fn on the CPU tensors: the output and, for one
+    random upstream gradient, the gradients of the inputs at the positions `differentiable`
+    (default: every floating tensor). The two backends' kernels are separate code, so this is
+    the check that they compute the same function."""
+    if differentiable is None:
+        differentiable = [i for i, x in enumerate(inputs) if torch.is_tensor(x) and x.is_floating_point()]
+
+    def prepare(i, x, device):
+        return x.detach().to(device).requires_grad_(i in differentiable) if torch.is_tensor(x) else x
+
+    cpu = [prepare(i, x, "cpu") for i, x in enumerate(inputs)]
+    gpu = [prepare(i, x, "cuda") for i, x in enumerate(inputs)]
+    out_cpu, out_gpu = fn(*cpu), fn(*gpu)
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=atol, rtol=rtol)
+    g = torch.randn_like(out_cpu)
+    leaves_cpu = [x for x in cpu if torch.is_tensor(x) and x.requires_grad]
+    leaves_gpu = [x for x in gpu if torch.is_tensor(x) and x.requires_grad]
+    grads_cpu = torch.autograd.grad(out_cpu, leaves_cpu, g)
+    grads_gpu = torch.autograd.grad(out_gpu, leaves_gpu, g.cuda())
+    for a, b in zip(grads_gpu, grads_cpu):
+        torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol)
+
+
+def run_in_subprocess(code: str) -> subprocess.CompletedProcess:
+    """Run Python code in a fresh interpreter: a device-side assert poisons the CUDA context
+    of the process it fires in, so tests that trigger one must not share the test process."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

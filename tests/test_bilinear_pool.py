@@ -9,6 +9,7 @@ from conftest import (
     assert_close,
     assert_close_reduced,
     check_compile,
+    check_cuda_matches_cpu,
     check_gradcheck,
     check_opcheck,
     make_noncontiguous,
@@ -306,3 +307,14 @@ def test_backward_checks_its_inputs():
         BACKWARD(torch.ones(2, 8, dtype=x.dtype), x, None, out, norm, 1e-5, 1e-12, [True, False])
     with pytest.raises(ValueError, match=r"backward: norm must be \(N,\) = \(2,\) of Double"):
         BACKWARD(torch.ones_like(out), x, None, out, norm.float(), 1e-5, 1e-12, [True, False])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape,E", [((3, 130, 5, 6), None), ((2, 33, 7, 7), 17), ((2, 64, 9, 9), None)])
+def test_cuda_matches_cpu(dtype, shape, E):
+    x = make(shape, dtype, relu=True)
+    y = None if E is None else make((shape[0], E, *shape[2:]), dtype, seed=1, relu=True)
+    tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=2e-6, rtol=1e-4)
+    check_cuda_matches_cpu(lambda a, b: ops.bilinear_pool(a, b), x, y, **tol)

@@ -9,6 +9,7 @@ from conftest import (
     assert_close,
     assert_close_reduced,
     check_compile,
+    check_cuda_matches_cpu,
     check_gradcheck,
     check_opcheck,
     make_noncontiguous,
@@ -312,3 +313,15 @@ def test_backward_checks_its_inputs():
         BACKWARD(torch.ones(3, 4, dtype=d.dtype), x1, x2, d, False, [True, True])
     with pytest.raises(TypeError, match=r"x1 and grad must have the same dtype"):
         BACKWARD(torch.ones_like(d).float(), x1, x2, d, False, [True, True])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape1,shape2", [((37, 19), (41, 19)), ((2, 3, 130, 7), (3, 65, 7)), ((64, 33), None)])
+def test_cuda_matches_cpu(dtype, shape1, shape2):
+    g = torch.Generator().manual_seed(1)
+    x1 = (100 + torch.randn(shape1, generator=g, dtype=torch.float64)).to(dtype)
+    x2 = None if shape2 is None else (100 + torch.randn(shape2, generator=g, dtype=torch.float64)).to(dtype)
+    tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-4, rtol=1e-5)
+    check_cuda_matches_cpu(lambda a, b: ops.cdist(a, b), x1, x2, **tol)

@@ -10,9 +10,11 @@ from conftest import (
     assert_close,
     assert_close_reduced,
     check_compile,
+    check_cuda_matches_cpu,
     check_gradcheck,
     check_opcheck,
     make_noncontiguous,
+    run_in_subprocess,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -365,12 +367,51 @@ def test_module():
 
 
 @pytest.mark.slow
-def test_64bit_indexing_past_2_31_elements():
+@pytest.mark.parametrize("device", DEVICES)
+def test_64bit_indexing_past_2_31_elements(device):
     # 2¹¹ rows × 2²⁰ + 1 classes: flat offsets pass 2³¹ (PyTorch #111484). bfloat16 keeps it at 4 GiB.
     n, c = 2048, (1 << 20) + 1
-    x = torch.zeros(n, c, dtype=torch.bfloat16)
-    t = torch.arange(n) * 511 % c
-    x[torch.arange(n), t] = 5.0
+    x = torch.zeros(n, c, dtype=torch.bfloat16, device=device)
+    t = torch.arange(n, device=device) * 511 % c
+    x[torch.arange(n, device=device), t] = 5.0
     loss = ops.label_smoothing_cross_entropy(x, t, reduction="none", label_smoothing=0.0)
     lse = torch.log(torch.tensor(c - 1 + torch.e**5, dtype=torch.float64))
-    torch.testing.assert_close(loss[-1].double(), lse - 5, rtol=1e-2, atol=0)
+    torch.testing.assert_close(loss[-1].double().cpu(), lse - 5, rtol=1e-2, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "shape,kind", [((300, 5000), "index"), ((3, 6, 4, 5), "index"), ((64, 100), "prob"), ((2, 9, 33), "prob")]
+)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cuda_matches_cpu(dtype, shape, kind, reduction):
+    x, t, w = make_case(shape, kind, dtype)
+    tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+
+    def loss(x, t, w):
+        return ops.label_smoothing_cross_entropy(x, t, weight=w, reduction=reduction, label_smoothing=0.1)
+
+    check_cuda_matches_cpu(loss, x, t, w, differentiable=(0, 1) if kind == "prob" else (0,), **tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", [(5, 7), (3, 7, 4)])
+def test_cuda_out_of_range_target_is_a_device_side_assert(shape):
+    # On CUDA the range check runs in the kernel (a host-side check would synchronise every call).
+    code = f"""
+import torch, torchkit
+x = torch.randn({shape}, device="cuda")
+t = torch.zeros({(shape[0], *shape[2:])}, dtype=torch.long, device="cuda")
+t.view(-1)[-1] = 7
+try:
+    torchkit.ops.label_smoothing_cross_entropy(x, t, reduction="none")
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("raised:", e)
+"""
+    result = run_in_subprocess(code)
+    assert "device-side assert" in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "target must hold class indices" in result.stdout + result.stderr, result.stdout + result.stderr

@@ -3,7 +3,7 @@ reference and the cookbook's distribution."""
 
 import pytest
 import torch
-from conftest import DEVICES, check_gradcheck, check_opcheck, compiled
+from conftest import DEVICES, check_gradcheck, check_opcheck, compiled, run_in_subprocess
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
@@ -291,3 +291,23 @@ def test_bad_input(call, exc, match):
 def test_permutation_on_another_device():
     with pytest.raises(ValueError, match="x and permutation must be on the same device"):
         ops.permute_blocks(x4.cuda(), perm4, 7)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_out_of_range_permutation_is_a_device_side_assert():
+    # On CUDA the range check runs in the kernel (a host-side check would synchronise every call).
+    code = """
+import torch, torchkit
+x = torch.randn(2, 3, 14, 14, device="cuda")
+perm = torch.arange(49, device="cuda").repeat(2, 1)
+perm[1, 5] = 49
+try:
+    torchkit.ops.permute_blocks(x, perm, 7)
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("raised:", e)
+"""
+    result = run_in_subprocess(code)
+    assert "device-side assert" in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "permutation value out of range" in result.stdout + result.stderr, result.stdout + result.stderr

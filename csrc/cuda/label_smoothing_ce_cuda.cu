@@ -28,6 +28,7 @@ using at::Tensor;
 
 constexpr int kRowThreads = 512;
 constexpr int kPositionThreads = 256;
+constexpr int kUnroll = 8;  // elements each row-kernel thread loads before using them
 
 // Running sums over some of a row's classes (plain old data: it lives in shared memory).
 template <typename acc_t>
@@ -39,9 +40,10 @@ struct State {
   }
 
   // One exp per element: rescale the sum only when the maximum grows. −∞ adds nothing
-  // (and must not meet a −∞ maximum: −∞ − −∞ is NaN); NaN reaches sumexp and propagates.
+  // (and must not meet a −∞ maximum: −∞ − −∞ is NaN). NaN becomes the maximum, so that a
+  // state which saw it can never pass for an empty one (max = −∞) in merge().
   __device__ void add(acc_t x, acc_t w, acc_t p) {
-    if (x > max) {
+    if (x > max || x != x) {
       sumexp = sumexp * ::exp(max - x) + acc_t(1);
       max = x;
     } else if (x != -::cuda::std::numeric_limits<acc_t>::infinity()) {
@@ -53,7 +55,7 @@ struct State {
   }
 
   __device__ void merge(const State& o) {
-    const acc_t m = max > o.max ? max : o.max;
+    const acc_t m = (max > o.max || max != max) ? max : o.max;  // NaN wins, as in add()
     const acc_t ninf = -::cuda::std::numeric_limits<acc_t>::infinity();
     sumexp = (max == ninf ? acc_t(0) : sumexp * ::exp(max - m)) +
              (o.max == ninf ? acc_t(0) : o.sumexp * ::exp(o.max - m));
@@ -128,10 +130,27 @@ __global__ void __launch_bounds__(kRowThreads)
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t row = blockIdx.x;
   const scalar_t* x_row = x + row * k.C;
+  const scalar_t* p_row = kProb ? prob + row * k.C : nullptr;
   State<acc_t> st = State<acc_t>::empty();
-  for (int64_t c = threadIdx.x; c < k.C; c += blockDim.x) {
+  // kUnroll independent loads in flight per thread before the dependent updates: one load at
+  // a time leaves the memory system idle (measured: 0.9 TB/s for bf16 rows on an H100).
+  const int64_t step = int64_t(blockDim.x) * kUnroll;
+  int64_t c = threadIdx.x;
+  for (; c + (kUnroll - 1) * int64_t(blockDim.x) < k.C; c += step) {
+    acc_t xs[kUnroll], ws[kUnroll], ps[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t cj = c + j * int64_t(blockDim.x);
+      xs[j] = static_cast<acc_t>(x_row[cj]);
+      ws[j] = kWeight ? static_cast<acc_t>(weight[cj]) : acc_t(1);
+      ps[j] = kProb ? static_cast<acc_t>(p_row[cj]) : acc_t(0);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) st.add(xs[j], ws[j], ps[j]);
+  }
+  for (; c < k.C; c += blockDim.x) {
     st.add(static_cast<acc_t>(x_row[c]), kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1),
-           kProb ? static_cast<acc_t>(prob[row * k.C + c]) : acc_t(0));
+           kProb ? static_cast<acc_t>(p_row[c]) : acc_t(0));
   }
   st = block_merge(st);
   if (threadIdx.x == 0) {
@@ -198,6 +217,59 @@ __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* _
     const acc_t g = scale[pos * scale_stride];
     grad[i] =
         static_cast<scalar_t>(g * (::exp(static_cast<acc_t>(x[i]) - lse[pos]) * K[pos] - w * q));
+  }
+}
+
+// The same for (N, C) rows, one block per row: the per-row values (lse, K, scale, target) are
+// read once and no element needs an index division (the generic kernel's three 64-bit
+// divisions per element made it compute-bound: 3.2 ms for a 1 GiB bf16 gradient on an H100).
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+__global__ void __launch_bounds__(kRowThreads)
+    backward_rows_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
+                         const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
+                         const at::opmath_type<scalar_t>* __restrict__ lse,
+                         const at::opmath_type<scalar_t>* __restrict__ K,
+                         const at::opmath_type<scalar_t>* __restrict__ scale, int64_t scale_stride,
+                         Coefficients k, scalar_t* __restrict__ grad) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t row = blockIdx.x;
+  const acc_t a = k.a, b = k.b;
+  const scalar_t* x_row = x + row * k.C;
+  const scalar_t* p_row = kProb ? prob + row * k.C : nullptr;
+  scalar_t* g_row = grad + row * k.C;
+  int64_t t = -1;
+  if constexpr (!kProb) {
+    t = target[row];
+    if (t == k.ignore_index) {
+      for (int64_t c = threadIdx.x; c < k.C; c += blockDim.x) g_row[c] = scalar_t(0);
+      return;
+    }
+  }
+  const acc_t l = lse[row], kk = K[row], g = scale[row * scale_stride];
+  const int64_t step = int64_t(blockDim.x) * kUnroll;
+  int64_t c = threadIdx.x;
+  auto value = [&](int64_t cc, acc_t xv, acc_t pv) {
+    const acc_t q = kProb ? b + a * pv : (cc == t ? a + b : b);
+    const acc_t w = kWeight ? static_cast<acc_t>(weight[cc]) : acc_t(1);
+    return static_cast<scalar_t>(g * (::exp(xv - l) * kk - w * q));
+  };
+  for (; c + (kUnroll - 1) * int64_t(blockDim.x) < k.C; c += step) {
+    acc_t xs[kUnroll], ps[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t cj = c + j * int64_t(blockDim.x);
+      xs[j] = static_cast<acc_t>(x_row[cj]);
+      ps[j] = kProb ? static_cast<acc_t>(p_row[cj]) : acc_t(0);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t cj = c + j * int64_t(blockDim.x);
+      g_row[cj] = value(cj, xs[j], ps[j]);
+    }
+  }
+  for (; c < k.C; c += blockDim.x) {
+    g_row[c] =
+        value(c, static_cast<acc_t>(x_row[c]), kProb ? static_cast<acc_t>(p_row[c]) : acc_t(0));
   }
 }
 
@@ -333,19 +405,28 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
     K = (wt * p.a + w_sum * p.b).masked_fill(~kept, 0).contiguous();
   }
   const int64_t numel = input.numel();
+  const Tensor lse_c = lse.contiguous();
   dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
     using scalar_t = typename decltype(s)::type;
     using index_t = typename decltype(i)::type;
     using acc_t = at::opmath_type<scalar_t>;
     constexpr bool kWeight = decltype(kW)::value, kProb = decltype(kP)::value;
-    backward_kernel<scalar_t, index_t, kWeight, kProb>
-        <<<cuda::grid_size(numel, 256, 16), 256, 0, stream>>>(
-            x.const_data_ptr<scalar_t>(), kProb ? nullptr : t.const_data_ptr<index_t>(),
-            kProb ? t.const_data_ptr<scalar_t>() : nullptr,
-            kWeight ? w.const_data_ptr<scalar_t>() : nullptr,
-            lse.contiguous().const_data_ptr<acc_t>(), K.const_data_ptr<acc_t>(),
-            scale.const_data_ptr<acc_t>(), scale.dim() == 0 ? 0 : 1, k, numel,
-            out.mutable_data_ptr<scalar_t>());
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const index_t* tp = kProb ? nullptr : t.const_data_ptr<index_t>();
+    const scalar_t* pp = kProb ? t.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* wp = kWeight ? w.const_data_ptr<scalar_t>() : nullptr;
+    const acc_t* lp = lse_c.const_data_ptr<acc_t>();
+    const int64_t scale_stride = scale.dim() == 0 ? 0 : 1;
+    if (p.S == 1) {
+      backward_rows_kernel<scalar_t, index_t, kWeight, kProb><<<p.N, kRowThreads, 0, stream>>>(
+          xp, tp, pp, wp, lp, K.const_data_ptr<acc_t>(), scale.const_data_ptr<acc_t>(),
+          scale_stride, k, out.mutable_data_ptr<scalar_t>());
+    } else {
+      backward_kernel<scalar_t, index_t, kWeight, kProb>
+          <<<cuda::grid_size(numel, 256, 16), 256, 0, stream>>>(
+              xp, tp, pp, wp, lp, K.const_data_ptr<acc_t>(), scale.const_data_ptr<acc_t>(),
+              scale_stride, k, numel, out.mutable_data_ptr<scalar_t>());
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
