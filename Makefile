@@ -52,16 +52,11 @@ cuda-build: $(DEPS_STAMP)
 	cd build && PYTHONPATH=$(CURDIR)/build/cuda/lib ../$(PY) ../tools/check_cuda_build.py
 	TORCHKIT_EXPECT_CUDA_BUILD=1 PYTHONPATH=$(CURDIR)/build/cuda/lib $(VENV)/bin/pytest tests -m "not slow" -q -p no:cacheprovider
 
-# For the lent GPU machine (no network, its own torch): build for the local GPU, run the
-# whole suite including the CUDA tests, then the GPU benchmarks.
-GPU_PY ?= python3
+# On a machine with a CUDA GPU (no network needed, its own torch): build for the local GPU,
+# the whole suite with CUDA and compute-sanitizer over every kernel, then the GPU benchmarks
+# into benchmarks/results/<gpu>/. See tools/gpu_check.sh.
 gpu-check:
-	TORCHKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" $(GPU_PY) setup.py --quiet build_ext --inplace
-	$(GPU_PY) -c "import torchkit; print(torchkit.build_info())"
-	$(GPU_PY) -m pytest tests -q
-	mkdir -p benchmarks/results/h100
-	$(GPU_PY) -m pytest benchmarks -m cuda --benchmark-json=benchmarks/results/h100/gpu.json
-	$(GPU_PY) benchmarks/report.py benchmarks/results/h100/gpu.json
+	GPU_PY=$(or $(GPU_PY),python3) bash tools/gpu_check.sh
 
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,7 @@
 """The extension itself: it loads, reports how it was built, and fails loudly when it cannot."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,19 @@ def test_missing_extension_is_an_actionable_import_error(tmp_path):
     assert "torchkit's compiled extension torchkit._C could not be loaded" in run.stderr
     assert f"installed: torch {torch.__version__}" in run.stderr
     assert "make build" in run.stderr
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_extension_uses_the_process_cpp_runtime():
+    # A toolchain that links its own static libstdc++ into the extension gives it a second C++
+    # runtime beside the one torch uses: the first exception thrown across the two (any input
+    # check) crashes the process. std::ostream::operator<<(long) must come from outside.
+    import torchkit._C
+
+    symbols = subprocess.run(
+        ["nm", "--defined-only", torchkit._C.__file__], capture_output=True, text=True, check=True
+    ).stdout
+    assert "_ZNSo9_M_insertIlEERSoT_" not in symbols, (
+        f"{torchkit._C.__file__} carries its own copy of libstdc++: rebuild with the compiler that "
+        "matches the system's libstdc++ (e.g. CXX=/usr/bin/g++)"
+    )

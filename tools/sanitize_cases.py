@@ -1,0 +1,95 @@
+"""A few small CUDA calls of one op, forward and backward, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python tools/sanitize_cases.py cdist
+
+The test suite under a sanitizer takes too long (each launch is instrumented), so this runs
+every kernel of the op once or twice, over the layouts and dtypes that pick different code:
+rows and positions (cross-entropy), self and two-stream (bilinear), batched and broadcast
+(cdist), contiguous and channels_last (region confusion), with odd sizes for the tails.
+Exits non-zero if a result disagrees with the op on the CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from torchkit import ops
+
+
+def check(fn, *inputs, grad=True, **options):
+    """fn(*inputs, **options) on CUDA copies of the tensors, forward and (with grad) backward,
+    against the CPU. Gradients are taken for floating `inputs`, never for `options`."""
+
+    def on(device):
+        args = [x.detach().to(device).requires_grad_(grad and x.is_floating_point()) for x in inputs]
+        return args, {k: v.to(device) if torch.is_tensor(v) else v for k, v in options.items()}
+
+    (cpu, cpu_options), (gpu, gpu_options) = on("cpu"), on("cuda")
+    a, b = fn(*cpu, **cpu_options), fn(*gpu, **gpu_options)
+    if grad:
+        g = torch.randn_like(a)
+        ga = torch.autograd.grad(a, [x for x in cpu if x.requires_grad], g)
+        gb = torch.autograd.grad(b, [x for x in gpu if x.requires_grad], g.cuda())
+        for u, v in zip(ga, gb):
+            torch.testing.assert_close(v.cpu(), u, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=1e-3, rtol=1e-3)
+
+
+def cdist():
+    for dtype in (torch.float32, torch.float64):
+        check(ops.cdist, torch.randn(37, 19, dtype=dtype), torch.randn(41, 19, dtype=dtype))
+        check(ops.cdist, torch.randn(2, 3, 65, 7, dtype=dtype), torch.randn(3, 33, 7, dtype=dtype))
+        check(ops.cdist, 1000 + torch.randn(50, 9, dtype=dtype))
+        check(ops.cdist, torch.randn(5, 3, dtype=dtype), torch.randn(6, 3, dtype=dtype), squared=True)
+    check(ops.cdist, torch.randn(33, 8).half(), torch.randn(17, 8).half(), grad=False)
+
+
+def bilinear_pool():
+    for dtype in (torch.float32, torch.float64):
+        check(ops.bilinear_pool, torch.randn(2, 33, 5, 7, dtype=dtype).relu())
+        check(ops.bilinear_pool, torch.randn(2, 33, 5, 7, dtype=dtype), torch.randn(2, 17, 5, 7, dtype=dtype))
+        x = torch.randn(2, 20, 4, 4, dtype=dtype).to(memory_format=torch.channels_last)
+        check(ops.bilinear_pool, x)
+    check(ops.bilinear_pool, torch.randn(2, 16, 3, 3).bfloat16(), grad=False)
+
+
+def label_smoothing_cross_entropy():
+    loss = ops.label_smoothing_cross_entropy
+    for dtype in (torch.float32, torch.float64):
+        for shape in ((13, 1030), (3, 6, 4, 5), (7,)):
+            x = 3 * torch.randn(shape, dtype=dtype)
+            pos = shape[:1] + shape[2:] if len(shape) > 1 else ()
+            t = torch.randint(shape[1 if len(shape) > 1 else 0], pos)
+            if t.numel() > 1:
+                t.view(-1)[0] = -100
+            w = torch.rand(shape[1 if len(shape) > 1 else 0], dtype=dtype) + 0.5
+            for reduction in ("mean", "none"):
+                check(loss, x, t, reduction=reduction, label_smoothing=0.1)
+                check(loss, x, t, weight=w, reduction=reduction)
+            p = torch.randn(shape, dtype=dtype).softmax(1 if len(shape) > 1 else 0)
+            check(loss, x, p, label_smoothing=0.2)
+    check(loss, torch.randn(9, 100).bfloat16(), torch.randint(100, (9,)))
+
+
+def region_confusion():
+    for dtype in (torch.float32, torch.uint8, torch.float16, torch.int64):
+        x = torch.randint(0, 200, (3, 3, 30, 31)).to(dtype)
+        perm = torch.stack([torch.randperm(49) for _ in range(3)])
+        check(ops.permute_blocks, x, perm, num_blocks=7, grad=dtype.is_floating_point)
+        check(ops.permute_blocks, x.to(memory_format=torch.channels_last), perm, num_blocks=7, grad=False)
+    x = torch.randn(2, 3, 28, 28, device="cuda", requires_grad=True)
+    out, _ = ops.region_confusion(x, 7, 2)
+    out.sum().backward()
+
+
+OPS = ("cdist", "bilinear_pool", "label_smoothing_cross_entropy", "region_confusion")
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in OPS:
+        sys.exit(__doc__)
+    torch.manual_seed(0)
+    globals()[sys.argv[1]]()
+    torch.cuda.synchronize()
+    print(f"{sys.argv[1]}: CUDA agrees with the CPU")
