@@ -1,11 +1,13 @@
 """bilinear_pool vs the cookbook composition (torchkit.reference), eager and under
-torch.compile; forward and forward+backward, with the bytes each keeps for backward."""
+torch.compile; forward and forward+backward, with the bytes each keeps for backward, against
+the GEMM roofline: the batched X·Yᵀ of the same shape (forward), plus the backward's products
+(one, (G + Gᵀ)·X, for self-pooling; G·Y and Gᵀ·X for two streams)."""
 
 import functools
 
 import pytest
 import torch
-from common import run  # benchmarks/ is on sys.path (rootdir-less test folder)
+from common import ROOFLINE, run  # benchmarks/ is on sys.path (rootdir-less test folder)
 
 from torchkit import ops, reference
 
@@ -15,10 +17,23 @@ def compiled_reference():
     return torch.compile(reference.bilinear_pool)
 
 
+@torch.no_grad()
+def gemm_roofline(x, y=None, backward=False):
+    a = x.flatten(2)
+    b = a if y is None else y.flatten(2)
+    z = torch.bmm(a, b.mT)
+    if backward:
+        torch.bmm(z, b)
+        if y is not None:
+            torch.bmm(z.mT, a)
+    return z
+
+
 IMPLS = {
     "torchkit": ops.bilinear_pool,
     "reference": reference.bilinear_pool,
     "torch.compile(reference)": lambda x, y=None: compiled_reference()(x, y),
+    ROOFLINE: gemm_roofline,
 }
 
 # (case, N, D, E or None, H·W side, dtype, device)
@@ -52,12 +67,17 @@ def saved_bytes(fn, *args) -> int:
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("case,N,D,E,side,dtype,device", CPU_CASES + GPU_CASES)
 def test_bilinear_pool(benchmark, case, N, D, E, side, dtype, device, impl, pass_):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, D, side, side, generator=g).relu_().to(dtype).to(device)  # post-ReLU features
-    y = None if E is None else torch.randn(N, E, side, side, generator=g).relu_().to(dtype).to(device)
+    g = torch.Generator(device).manual_seed(0)  # drawn where they live: GB-sized inputs in ms on a GPU
+    x = torch.randn(N, D, side, side, generator=g, device=device).relu_().to(dtype)  # post-ReLU features
+    y = None if E is None else torch.randn(N, E, side, side, generator=g, device=device).relu_().to(dtype)
     fn = IMPLS[impl]
-    extra = {}
-    if pass_ == "forward":
+    gemms = 1 if pass_ == "forward" else (2 if y is None else 3)
+    extra = {"flops": 2 * N * D * (E or D) * side * side * gemms}
+    if impl == ROOFLINE:
+
+        def step():
+            fn(x, y, backward=pass_ != "forward")
+    elif pass_ == "forward":
 
         def step():
             with torch.no_grad():

@@ -1,12 +1,13 @@
 """cdist vs torch.cdist (default = matmul mode, exact mode, torch.compile), the cookbook
 reference and faiss's pairwise L2; forward and forward+backward, with each implementation's
-accuracy against float64 on the far-from-origin case."""
+accuracy against float64 on the far-from-origin case, against the GEMM roofline: the
+x1·x2ᵀ product of the same shape (forward), plus the two products of the backward."""
 
 import functools
 
 import pytest
 import torch
-from common import run  # benchmarks/ is on sys.path (rootdir-less test folder)
+from common import ROOFLINE, run  # benchmarks/ is on sys.path (rootdir-less test folder)
 
 from torchkit import ops, reference
 
@@ -25,6 +26,17 @@ def faiss_l2(x1, x2):
     return torch.from_numpy(faiss.pairwise_distances(x1.numpy(), x2.numpy())).sqrt_()
 
 
+@torch.no_grad()
+def gemm_roofline(a, b, backward=False):
+    """The BLAS work no implementation by the GEMM identity avoids: x1·x2ᵀ (P×M by M×R); with
+    backward, also G·x2 and Gᵀ·x1, G of the output's shape."""
+    d = torch.matmul(a, b.mT)
+    if backward:
+        torch.matmul(d, b)
+        torch.matmul(d.mT, a)
+    return d
+
+
 IMPLS = {
     "torchkit": lambda a, b: ops.cdist(a, b),
     "torch.cdist": lambda a, b: torch.cdist(a, b),
@@ -32,6 +44,7 @@ IMPLS = {
     "torch.compile(torch.cdist)": lambda a, b: compiled_cdist()(a, b),
     "reference": lambda a, b: reference.cdist(a, b),
     "faiss": faiss_l2,  # forward only, 2-D float32 on the CPU; squared distances (+ sqrt here)
+    ROOFLINE: gemm_roofline,
 }
 
 # (case, x1 shape, x2 shape or None for self-distances, offset, dtype, device)
@@ -64,21 +77,30 @@ def test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, impl, pas
         pytest.skip("faiss: forward only, two 2-D float32 sets on the CPU")
     if impl == "reference" and batch * shape1[-2] * R * shape1[-1] > REFERENCE_MAX_ELEMENTS:
         pytest.skip("the reference's O(P·R·M) temporary exceeds the benchmark's memory budget")
-    g = torch.Generator().manual_seed(0)
-    a = (offset + torch.randn(shape1, generator=g)).to(dtype).to(device)
-    b = None if shape2 is None else (offset + torch.randn(shape2, generator=g)).to(dtype).to(device)
+    if impl == "torch.cdist exact" and device == "cuda" and dtype not in (torch.float32, torch.float64):
+        pytest.skip("torch.cdist's exact mode has no CUDA kernel for float16 or bfloat16")
+    g = torch.Generator(device).manual_seed(0)  # drawn where they live: GB-sized inputs in ms on a GPU
+    a = (offset + torch.randn(shape1, generator=g, device=device)).to(dtype)
+    b = None if shape2 is None else (offset + torch.randn(shape2, generator=g, device=device)).to(dtype)
     fn = IMPLS[impl]
     if impl == "torchkit":
         call = functools.partial(fn, a, b)
+    elif impl == ROOFLINE:
+        call = functools.partial(fn, a, a if b is None else b)
     elif b is None:  # the peers have no self-distance form: pass the set twice
         call = functools.partial(fn, a, a)
     else:
         call = functools.partial(fn, a, b)
-    extra = {}
-    if offset:
+    M = shape1[-1]
+    extra = {"flops": 2 * batch * shape1[-2] * R * M * (1 if pass_ == "forward" else 3)}
+    if offset and impl != ROOFLINE:
         with torch.no_grad():
             extra["max_rel_error"] = max_rel_error(call(), a, b)
-    if pass_ == "forward":
+    if impl == ROOFLINE:
+
+        def step():
+            call(backward=pass_ != "forward")
+    elif pass_ == "forward":
 
         def step():
             with torch.no_grad():

@@ -4,15 +4,20 @@ tagged so that benchmarks/report.py can line torchkit up against its peers."""
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from pathlib import Path
 
 import torch
 
+# The impl name of the machine's own limit for a case (see run()).
+ROOFLINE = "roofline"
+
 # Each case is timed for about this long (at least MIN_ROUNDS rounds, at most MAX_ROUNDS);
 # a round repeats a fast call until it lasts ROUND_SECONDS, so that sub-millisecond cases
-# are not medians of a few noisy single calls.
-TARGET_SECONDS = 1.0
+# are not medians of a few noisy single calls. TORCHKIT_BENCH_SECONDS shortens a run where
+# time is short (a lent GPU: its timings are steady enough for 0.3 s per case).
+TARGET_SECONDS = float(os.environ.get("TORCHKIT_BENCH_SECONDS", "1.0"))
 ROUND_SECONDS = 2e-3
 MIN_ROUNDS, MAX_ROUNDS = 3, 100
 
@@ -57,9 +62,12 @@ def peak_extra_bytes(fn, device: torch.device) -> int | None:
 def run(benchmark, fn, *, op: str, case: str, pass_: str, impl: str, device, **extra) -> None:
     """Time fn (a closure over prepared inputs) as one pytest-benchmark entry.
 
-    `impl` is "torchkit" or a peer's name; the report divides each peer's median by torchkit's
-    within the same (op, case, pass) group. Extra keyword arguments land in extra_info
-    (e.g. `max_rel_error` for cdist's accuracy column).
+    `impl` is "torchkit", a peer's name, or ROOFLINE: the machine's own primitive doing the
+    work the op cannot avoid (a GEMM of the same shape, the same memory traffic through a
+    copy), timed in the same run. The report divides each peer's median by torchkit's within
+    the same (op, case, pass) group, and torchkit's by the roofline's. Extra keyword arguments
+    land in extra_info: `max_rel_error` (cdist's accuracy column), and `flops` or `bytes`, the
+    work of the case, from which the report gives TFLOP/s or GB/s.
     """
     device = torch.device(device)
 

@@ -12,3 +12,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """The report names the GPU and torch that produced the numbers."""
+    machine_info["torch"] = torch.__version__
+    if torch.cuda.is_available():
+        machine_info["gpu"] = torch.cuda.get_device_name()

@@ -2,11 +2,13 @@
 
     python benchmarks/report.py benchmarks/results/cpu.json
 
-Prints, per op, one Markdown table: each (case, pass) row gives torchkit's median time and
-peak extra memory, and for every peer the ratio peer median / torchkit median (> 1: torchkit
-is faster), with accuracy (cdist) and bytes saved for backward (bilinear_pool) where the
-benchmark recorded them. Writes the same Markdown next to the JSON (<name>.md) and one PNG
-bar chart per op (<name>_<op>.png).
+Prints, per op, one Markdown table: each (case, pass) row gives torchkit's median time, peak
+extra memory and throughput (TFLOP/s or GB/s of the work the case cannot avoid), torchkit's
+time as a multiple of the roofline's (the machine's own primitive doing that work, timed in
+the same run: ≥ 1, and 1 is the limit), and for every peer the ratio peer median / torchkit
+median (> 1: torchkit is faster), with accuracy (cdist) and bytes saved for backward
+(bilinear_pool) where the benchmark recorded them. Writes the same Markdown next to the JSON
+(<name>.md) and one PNG bar chart per op (<name>_<op>.png).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 TORCHKIT = "torchkit"
+ROOFLINE = "roofline"  # benchmarks/common.py
 
 
 def _time(seconds: float) -> str:
@@ -30,6 +33,14 @@ def _time(seconds: float) -> str:
 
 def _bytes(n) -> str:
     return "–" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _rate(seconds: float, extra: dict) -> str:
+    if extra.get("flops"):
+        return f", {extra['flops'] / seconds / 1e12:.3g} TFLOP/s"
+    if extra.get("bytes"):
+        return f", {extra['bytes'] / seconds / 1e9:.3g} GB/s"
+    return ""
 
 
 def _notes(extra: dict) -> str:
@@ -54,15 +65,28 @@ def load(path: Path) -> dict:
 
 
 def table(op: str, rows: dict) -> tuple[str, list[str], dict]:
-    peers = [i for i in dict.fromkeys(i for r in rows.values() for i in r) if i != TORCHKIT]
-    head = ["case", "pass", "torchkit (median, peak extra memory)", *[f"vs {p}" for p in peers]]
+    peers = [i for i in dict.fromkeys(i for r in rows.values() for i in r) if i not in (TORCHKIT, ROOFLINE)]
+    has_roofline = any(ROOFLINE in r for r in rows.values())
+    head = [
+        "case",
+        "pass",
+        "torchkit (median, peak extra memory, throughput)",
+        *(["torchkit ÷ roofline (roofline median, throughput)"] if has_roofline else []),
+        *[f"vs {p}" for p in peers],
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ratios: dict = {p: [] for p in peers}
     for (case, pass_), impls in rows.items():
         if TORCHKIT not in impls:
             continue
         t, extra = impls[TORCHKIT]
-        cells = [case, pass_, f"{_time(t)}, {_bytes(extra.get('peak_bytes'))}{_notes(extra)}"]
+        cells = [case, pass_, f"{_time(t)}, {_bytes(extra.get('peak_bytes'))}{_rate(t, extra)}{_notes(extra)}"]
+        if has_roofline:
+            if ROOFLINE in impls:
+                rt, rextra = impls[ROOFLINE]
+                cells.append(f"**{t / rt:.2f}×** ({_time(rt)}{_rate(rt, rextra)})")
+            else:
+                cells.append("–")
         for peer in peers:
             if peer in impls:
                 pt, pextra = impls[peer]
@@ -99,8 +123,11 @@ def main(path: str) -> None:
     if not ops:
         sys.exit(f"{src}: no benchmarks recorded")
     cpu = machine.get("cpu", {}).get("brand_raw", machine.get("processor", "?"))
+    gpu = f"{machine['gpu']}, " if machine.get("gpu") else ""
+    torch_version = f", torch {machine['torch']}" if machine.get("torch") else ""
     parts = [
-        f"Machine: {cpu}, {machine.get('cpu', {}).get('count', '?')} cores; ratios are peer time / torchkit time.\n"
+        f"Machine: {gpu}{cpu}, {machine.get('cpu', {}).get('count', '?')} cores{torch_version}; "
+        "ratios are peer time / torchkit time.\n"
     ]
     for op, rows in ops.items():
         md, labels, ratios = table(op, rows)
