@@ -16,7 +16,7 @@ BENCH_JSON  := benchmarks/results/$(if $(QUICK),cpu-quick,cpu).json
 BENCH_SEL   := $(if $(QUICK),-m headline,)
 # -v: one line per case as it finishes (op, case, implementation, pass).
 
-.PHONY: build test bench cuda-build gpu-check lint clean
+.PHONY: build test bench cuda-build gpu-check compat lint clean
 
 build: $(BUILD_STAMP)
 
@@ -58,10 +58,25 @@ cuda-build: $(DEPS_STAMP)
 gpu-check:
 	GPU_PY=$(or $(GPU_PY),python3) bash tools/gpu_check.sh
 
+# The CPU suite against another torch (make compat TORCH=2.4): its own venv (.venv-torch<X>)
+# with that torch and its torchvision (0.<minor + 15>), the extension built into
+# build/compat-<X> so that the default .venv's build is left alone.
+COMPAT_VENV := .venv-torch$(TORCH)
+COMPAT_DIR  := build/compat-$(TORCH)
+compat:
+	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.4"; exit 1; }
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip --disable-pip-version-check --quiet install --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip --disable-pip-version-check --quiet install \
+		"torch==$(TORCH).*" "torchvision==0.$$(( $(word 2,$(subst ., ,$(TORCH))) + 15 )).*" -r requirements-dev.txt
+	TORCHKIT_CUDA=0 $(COMPAT_VENV)/bin/python setup.py --quiet build --build-base $(COMPAT_DIR) \
+		--build-lib $(COMPAT_DIR)/lib --build-temp $(COMPAT_DIR)/temp
+	PYTHONPATH=$(CURDIR)/$(COMPAT_DIR)/lib $(COMPAT_VENV)/bin/pytest tests -q -p no:cacheprovider
+
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror $$(find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 
 clean:
-	rm -rf build torchkit/_C*.so $(BUILD_STAMP)
+	rm -rf build torchkit/_C*.so $(BUILD_STAMP) .venv-torch*

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from torchkit import ops
+from torchkit.ops.region_confusion import _check_probability, _check_rcm_args, _rcm_permutations
 
 __all__ = ["BilinearPool2d", "CDist", "LabelSmoothingCrossEntropy", "RegionConfusion"]
 
@@ -80,7 +81,7 @@ class RegionConfusion(nn.Module):
 
     def __init__(self, num_blocks: int = 7, neighbourhood: int = 2, p: float = 1.0) -> None:
         super().__init__()
-        ops._check_probability("RegionConfusion", p)
+        _check_probability("RegionConfusion", p)
         if num_blocks < 1 or neighbourhood < 1:
             raise ValueError(
                 f"RegionConfusion: num_blocks and neighbourhood must be >= 1, got {num_blocks} and {neighbourhood}"
@@ -90,11 +91,11 @@ class RegionConfusion(nn.Module):
         self.p = p
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        ops._check_rcm_args(x, self.num_blocks, self.neighbourhood)
+        _check_rcm_args(x, self.num_blocks, self.neighbourhood)
         samples = x.shape[0] if x.dim() == 4 else 1
         n2 = self.num_blocks**2
         if self.training and self.p > 0:
-            perm = ops._rcm_permutations(samples, self.num_blocks, self.neighbourhood, None, x.device, self.p)
+            perm = _rcm_permutations(samples, self.num_blocks, self.neighbourhood, None, x.device, self.p)
             perm = perm if x.dim() == 4 else perm.squeeze(0)
             return ops.permute_blocks(x, perm, self.num_blocks), perm
         perm = torch.arange(n2, device=x.device).expand(samples, n2)

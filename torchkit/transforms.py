@@ -10,6 +10,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from torchkit import ops
+from torchkit.ops.region_confusion import _check_probability, _check_rcm_args, _rcm_permutations
 
 __all__ = ["RandomRegionConfusion"]
 
@@ -30,7 +31,7 @@ class RandomRegionConfusion(v2.Transform):
 
     def __init__(self, num_blocks: int = 7, neighbourhood: int = 2, p: float = 1.0) -> None:
         super().__init__()
-        ops._check_probability("RandomRegionConfusion", p)
+        _check_probability("RandomRegionConfusion", p)
         if num_blocks < 1 or neighbourhood < 1:
             raise ValueError(
                 "RandomRegionConfusion: num_blocks and neighbourhood must be >= 1, "
@@ -57,8 +58,8 @@ class RandomRegionConfusion(v2.Transform):
         if image.dim() < 3:
             raise ValueError(f"RandomRegionConfusion: an image must be (..., C, H, W), got shape {tuple(image.shape)}")
         samples = math.prod(image.shape[:-3])
-        ops._check_rcm_args(image.reshape(-1, *image.shape[-3:]), self.num_blocks, self.neighbourhood)
-        perm = ops._rcm_permutations(samples, self.num_blocks, self.neighbourhood, None, image.device, self.p)
+        _check_rcm_args(image.reshape(-1, *image.shape[-3:]), self.num_blocks, self.neighbourhood)
+        perm = _rcm_permutations(samples, self.num_blocks, self.neighbourhood, None, image.device, self.p)
         return dict(permutation=perm, samples=samples)
 
     def transform(self, inpt: Any, params: dict[str, Any]) -> Any:

@@ -1,0 +1,12 @@
+"""The fused ops: ``torch.ops.torchkit.*`` behind typed, documented Python functions.
+
+One module per op (the basename of its csrc/ files) holds its function, its fake kernels
+(for ``torch.compile``) and its autograd formula; schemas and kernels live in ``csrc/``.
+"""
+
+from torchkit.ops.bilinear_pool import bilinear_pool
+from torchkit.ops.cdist import cdist
+from torchkit.ops.label_smoothing_ce import label_smoothing_cross_entropy
+from torchkit.ops.region_confusion import permute_blocks, region_confusion
+
+__all__ = ["bilinear_pool", "cdist", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]

@@ -1,0 +1,86 @@
+"""bilinear_pool: the Python function, its fake kernels and its autograd formula."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchkit.ops._common import acc_dtype, no_double_backward
+
+
+def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> Tensor:
+    """Bilinear pooling with signed-sqrt and L2 normalisation (B-CNN), fused.
+
+    ``Z = x·yᵀ / (H·W)`` over the flattened spatial positions, then
+    ``sign(Z)·sqrt(|Z| + sqrt_eps)``, flattened and L2-normalised per sample exactly as
+    ``F.normalize(·, eps=l2_eps)``. For ``y = None`` the symmetric product is computed once
+    per pair of channels. Only ``x``, ``y``, the output and one norm per sample are kept
+    for backward (the unfused composition keeps three N×D² tensors).
+
+    Args:
+        x (Tensor[N, D, H, W]): float32, float64, float16 or bfloat16 (reduced types
+            accumulate in float32), any memory format (``channels_last`` is read in place).
+        y (Tensor[N, E, H, W], optional): the second stream; same N, H, W, dtype, device.
+        sqrt_eps: >= 0, inside the signed square root (bounds its gradient).
+        l2_eps: >= 0, the normalisation's lower bound on the norm.
+
+    Returns:
+        Tensor[N, D·E] of ``x``'s dtype. At ``Z = 0`` exactly, the output and its gradient
+        are 0, as the reference's autograd gives.
+
+    Example::
+
+        >>> features = torch.relu(torch.randn(8, 512, 28, 28, requires_grad=True))
+        >>> pooled = torchkit.ops.bilinear_pool(features)  # (8, 262144)
+    """
+    out, _ = torch.ops.torchkit.bilinear_pool.default(x, y, float(sqrt_eps), float(l2_eps))
+    return out
+
+
+@torch.library.register_fake("torchkit::bilinear_pool")
+def _(x, y, sqrt_eps, l2_eps):
+    E = x.shape[1] if y is None else y.shape[1]
+    return x.new_empty((x.shape[0], x.shape[1] * E)), x.new_empty((x.shape[0],), dtype=acc_dtype(x))
+
+
+def _bilinear_grad_like(t: Tensor, channels_last: bool) -> Tensor:
+    return torch.empty_like(t, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def _bilinear_channels_last(x: Tensor, y: Optional[Tensor]) -> bool:
+    def cl(t):
+        return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+    return cl(x) and (y is None or cl(y))
+
+
+@torch.library.register_fake("torchkit::_bilinear_pool_backward")
+def _(grad, x, y, out, norm, sqrt_eps, l2_eps, output_mask):
+    cl = _bilinear_channels_last(x, y)
+    gx = _bilinear_grad_like(x, cl) if output_mask[0] else x.new_empty(0)
+    gy = _bilinear_grad_like(y, cl) if y is not None and output_mask[1] else x.new_empty(0)
+    return gx, gy
+
+
+def _bilinear_setup_context(ctx, inputs, output):
+    x, y, sqrt_eps, l2_eps = inputs
+    out, norm = output
+    ctx.save_for_backward(x, y, out, norm)  # inputs, output and N norms: nothing N×D² more
+    ctx.eps = (sqrt_eps, l2_eps)
+
+
+def _bilinear_backward(ctx, grad, _grad_norm):
+    x, y, out, norm = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], y is not None and ctx.needs_input_grad[1]]
+    gx, gy = torch.ops.torchkit._bilinear_pool_backward.default(grad, x, y, out, norm, *ctx.eps, mask)
+    return (gx if mask[0] else None), (gy if mask[1] else None), None, None
+
+
+torch.library.register_autograd("torchkit::bilinear_pool", _bilinear_backward, setup_context=_bilinear_setup_context)
+torch.library.register_autograd(
+    "torchkit::_bilinear_pool_backward",
+    no_double_backward("bilinear_pool"),
+    setup_context=lambda ctx, inputs, output: None,
+)

@@ -1,0 +1,78 @@
+"""cdist: the Python function, its fake kernels and its autograd formula."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchkit.ops._common import no_double_backward
+
+
+def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
+    """Pairwise Euclidean distances, exact and fast: a drop-in for ``torch.cdist(x1, x2)``.
+
+    Both sets are centred on their common mean and multiplied by one GEMM; a fused epilogue
+    forms ``|a|² + |b|² − 2·a·b`` and recomputes directly, as ``Σ(a − b)²``, the rare entries
+    where that expansion cancels. Float32 results stay within ~1e-6 relative of float64 even
+    for points far from the origin, where ``torch.cdist``'s default mode returns 0
+    (PyTorch #42479). Reduced types compute in float32. TF32 is used on CUDA only if
+    ``torch.backends.cuda.matmul.allow_tf32`` is set, and then the accuracy is TF32's.
+
+    Args:
+        x1 (Tensor[*B1, P, M]): float32, float64, float16 or bfloat16.
+        x2 (Tensor[*B2, R, M], optional): same dtype and device; batch dimensions broadcast
+            against ``x1``'s. ``None`` means distances within ``x1``: the diagonal is exactly 0.
+        squared: return squared distances (cheaper, and differentiable everywhere).
+
+    Returns:
+        Tensor[*B, P, R] of ``x1``'s dtype. Where a distance is 0 its gradient is 0, as in
+        ``torch.cdist``. Backward needs no O(P·R·M) memory.
+
+    Example::
+
+        >>> x, y = torch.randn(4096, 128), torch.randn(1000, 128)
+        >>> d = torchkit.ops.cdist(x, y)  # (4096, 1000)
+        >>> nearest = d.argmin(1)
+    """
+    return torch.ops.torchkit.cdist.default(x1, x2, squared)
+
+
+def _cdist_shape(x1: Tensor, x2: Optional[Tensor]) -> tuple:
+    if x2 is None:
+        return (*x1.shape[:-1], x1.shape[-2])
+    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    return (*batch, x1.shape[-2], x2.shape[-2])
+
+
+@torch.library.register_fake("torchkit::cdist")
+def _(x1, x2, squared):
+    return x1.new_empty(_cdist_shape(x1, x2))
+
+
+@torch.library.register_fake("torchkit::_cdist_backward")
+def _(grad, x1, x2, dist, squared, output_mask):
+    def grad_like(x, wanted):
+        return torch.empty_like(x, memory_format=torch.contiguous_format) if wanted else x1.new_empty(0)
+
+    return grad_like(x1, output_mask[0]), grad_like(x2, x2 is not None and output_mask[1])
+
+
+def _cdist_setup_context(ctx, inputs, output):
+    x1, x2, squared = inputs
+    ctx.save_for_backward(x1, x2, output)  # inputs and output only: no O(P·R·M) state
+    ctx.squared = squared
+
+
+def _cdist_backward(ctx, grad):
+    x1, x2, dist = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], x2 is not None and ctx.needs_input_grad[1]]
+    g1, g2 = torch.ops.torchkit._cdist_backward.default(grad, x1, x2, dist, ctx.squared, mask)
+    return (g1 if mask[0] else None), (g2 if mask[1] else None), None
+
+
+torch.library.register_autograd("torchkit::cdist", _cdist_backward, setup_context=_cdist_setup_context)
+torch.library.register_autograd(
+    "torchkit::_cdist_backward", no_double_backward("cdist"), setup_context=lambda ctx, inputs, output: None
+)

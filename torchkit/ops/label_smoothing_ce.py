@@ -1,0 +1,128 @@
+"""label_smoothing_cross_entropy: the Python function, its fake kernels and its autograd formula."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchkit.ops._common import acc_dtype, no_double_backward
+
+
+def label_smoothing_cross_entropy(
+    input: Tensor,
+    target: Tensor,
+    weight: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.1,
+    *,
+    exclude_target: bool = False,
+) -> Tensor:
+    """Cross-entropy with label smoothing, fused: one pass forward, one pass backward.
+
+    With ``exclude_target=False`` this is ``F.cross_entropy(input, target, weight=weight,
+    ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)`` for
+    every form PyTorch accepts, gradients included, without materialising ``log_softmax``.
+
+    Args:
+        input (Tensor[C], Tensor[N, C] or Tensor[N, C, d1, ..., dk]): logits, float32,
+            float64, float16 or bfloat16 (reduced types accumulate in float32).
+        target: class indices (int64 or int32) of shape ``()``, ``(N,)`` or
+            ``(N, d1, ..., dk)``, or class probabilities with ``input``'s shape and dtype.
+        weight (Tensor[C], optional): per-class weights, a constant (no gradient).
+        ignore_index: positions whose index target equals it add nothing, to the loss or
+            to the mean's denominator. Not allowed (>= 0) with probability targets.
+        reduction: ``"none"`` (one loss per position), ``"mean"`` (the sum divided by the
+            total weight of the kept positions, or by their number for probability
+            targets) or ``"sum"``.
+        label_smoothing: ε in [0, 1].
+        exclude_target: the smoothing convention. ``False`` (PyTorch's): the target
+            distribution is ``(1 − ε)·y + ε/C``, the target class included in the uniform
+            part. ``True`` (the cookbook's): the target class gets ``1 − ε`` and each of the
+            other ``C − 1`` classes ``ε/(C − 1)``; for a probability target ``p`` the
+            distribution is ``(1 − ε)·p + ε·(1 − p)/(C − 1)``, which is the same for a
+            one-hot ``p``. Weights, ``ignore_index`` and the reductions apply exactly as for
+            ``False``: class ``c``'s term ``−q_c·log softmax_c`` is scaled by ``weight[c]``
+            and ``"mean"`` divides by the summed ``weight[target]`` of kept positions.
+            Needs ``C >= 2`` when ``ε > 0``.
+
+    Returns:
+        The loss: a scalar for ``"mean"`` and ``"sum"``, the positions' shape for
+        ``"none"``; ``input``'s dtype.
+
+    Example::
+
+        >>> logits = torch.randn(8, 1000, requires_grad=True)
+        >>> labels = torch.randint(1000, (8,))
+        >>> loss = torchkit.ops.label_smoothing_cross_entropy(logits, labels, label_smoothing=0.1)
+        >>> loss.backward()
+    """
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "label_smoothing_cross_entropy: weight must not require grad (class weights are "
+            "constants here), got a weight with requires_grad=True; pass weight.detach()"
+        )
+    loss, _, _ = torch.ops.torchkit.label_smoothing_cross_entropy.default(
+        input, target, weight, ignore_index, reduction, float(label_smoothing), exclude_target
+    )
+    return loss
+
+
+def _lsce_positions(input: Tensor) -> tuple:
+    return () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
+
+
+@torch.library.register_fake("torchkit::label_smoothing_cross_entropy")
+def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target):
+    positions = _lsce_positions(input)
+    acc = acc_dtype(input)
+    loss = input.new_empty(positions if reduction == "none" else ())
+    return loss, input.new_empty(positions, dtype=acc), input.new_empty((), dtype=acc)
+
+
+@torch.library.register_fake("torchkit::_label_smoothing_cross_entropy_backward")
+def _(grad, input, target, weight, lse, total_weight, ignore_index, reduction, label_smoothing, exclude_target):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+def _lsce_setup_context(ctx, inputs, output):
+    input, target, weight, ignore_index, reduction, label_smoothing, exclude_target = inputs
+    _, lse, total_weight = output
+    # Only the inputs (no copies), per-position lse and the mean's denominator.
+    ctx.save_for_backward(input, target, weight, lse, total_weight)
+    ctx.args = (ignore_index, reduction, label_smoothing, exclude_target)
+
+
+def _lsce_backward(ctx, grad, _grad_lse, _grad_total_weight):
+    input, target, weight, lse, total_weight = ctx.saved_tensors
+    _, reduction, label_smoothing, exclude_target = ctx.args
+    grad_input = grad_target = None
+    if ctx.needs_input_grad[0]:
+        grad_input = torch.ops.torchkit._label_smoothing_cross_entropy_backward.default(
+            grad, input, target, weight, lse, total_weight, *ctx.args
+        )
+    if ctx.needs_input_grad[1]:
+        # Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse − x_c), a the target coefficient.
+        class_dim = 0 if input.dim() == 1 else 1
+        C = input.shape[class_dim]
+        eps = label_smoothing
+        a = 1 - eps - (eps / (C - 1) if exclude_target and C > 1 else 0.0)
+        scale = grad / total_weight if reduction == "mean" else grad
+        scale = scale.to(lse.dtype).unsqueeze(class_dim) if reduction == "none" else scale.to(lse.dtype)
+        view = [1] * input.dim()
+        view[class_dim] = C
+        w = 1.0 if weight is None else weight.to(lse.dtype).view(view)
+        grad_target = (scale * a * w * (lse.unsqueeze(class_dim) - input.to(lse.dtype))).to(target.dtype)
+    return grad_input, grad_target, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "torchkit::label_smoothing_cross_entropy", _lsce_backward, setup_context=_lsce_setup_context
+)
+torch.library.register_autograd(
+    "torchkit::_label_smoothing_cross_entropy_backward",
+    no_double_backward("label_smoothing_cross_entropy"),
+    setup_context=lambda ctx, inputs, output: None,
+)

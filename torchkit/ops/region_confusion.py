@@ -1,0 +1,142 @@
+"""permute_blocks and region_confusion: the Python functions, the fake kernel, the autograd
+formula, and the permutation draws that nn.RegionConfusion and the v2 transform share."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
+    """Rearrange an image's ``num_blocks × num_blocks`` grid of blocks: output block ``b`` is
+    input block ``permutation[..., b]`` (blocks numbered row-major). One pass, one read per
+    output element; any dtype (uint8 and bool included), contiguous or ``channels_last``
+    (kept in the output). Differentiable: the gradient is the gather by the inverse.
+
+    Args:
+        x (Tensor[C, H, W] or Tensor[N, C, H, W]): blocks are ``⌊H/n⌋ × ⌊W/n⌋``; rows below
+            and columns right of the last full block stay in place.
+        permutation (Tensor[n²] or Tensor[N, n²]): int64 or int32 block indices in
+            ``[0, n²)``, a permutation per sample (values out of range raise on the CPU and
+            fail a device-side assertion on CUDA).
+        num_blocks: ``n``, in ``[1, min(H, W)]``.
+    """
+    return torch.ops.torchkit.permute_blocks.default(x, permutation, num_blocks)
+
+
+def _permute_blocks_format(x: Tensor) -> torch.memory_format:
+    x4 = x if x.dim() == 4 else x.unsqueeze(0)
+    cl = x4.shape[1] > 1 and x4.is_contiguous(memory_format=torch.channels_last) and not x4.is_contiguous()
+    return torch.channels_last if cl else torch.contiguous_format
+
+
+@torch.library.register_fake("torchkit::permute_blocks")
+def _(x, permutation, num_blocks):
+    x4 = x if x.dim() == 4 else x.unsqueeze(0)
+    out = torch.empty_like(x4, memory_format=_permute_blocks_format(x))
+    return out if x.dim() == 4 else out.squeeze(0)
+
+
+def _inverse_permutation(permutation: Tensor) -> Tensor:
+    index = permutation.long()
+    ids = torch.arange(index.shape[-1], device=index.device).expand_as(index)
+    return torch.empty_like(index).scatter_(-1, index, ids)
+
+
+def _permute_blocks_setup_context(ctx, inputs, output):
+    _, permutation, num_blocks = inputs
+    ctx.save_for_backward(permutation)
+    ctx.num_blocks = num_blocks
+
+
+def _permute_blocks_backward(ctx, grad):
+    (permutation,) = ctx.saved_tensors
+    # Linear, so its gradient is itself with the inverse permutation (and differentiable again).
+    return permute_blocks(grad, _inverse_permutation(permutation), ctx.num_blocks), None, None
+
+
+torch.library.register_autograd(
+    "torchkit::permute_blocks", _permute_blocks_backward, setup_context=_permute_blocks_setup_context
+)
+
+
+def _check_probability(name: str, p: float) -> None:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name}: p must be a probability in [0, 1], got {p}")
+
+
+def _check_rcm_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
+    if x.dim() not in (3, 4):
+        raise ValueError(
+            f"region_confusion: x must be an image (C, H, W) or a batch (N, C, H, W), got shape {tuple(x.shape)}"
+        )
+    if not 1 <= num_blocks <= min(x.shape[-2:]):
+        raise ValueError(
+            f"region_confusion: num_blocks must be in [1, min(H, W)] = [1, {min(x.shape[-2:])}] for x of shape "
+            f"{tuple(x.shape)}, got {num_blocks}"
+        )
+    if neighbourhood < 1:
+        raise ValueError(f"region_confusion: neighbourhood must be >= 1, got {neighbourhood}")
+
+
+def _rcm_permutations(
+    samples: int, n: int, k: int, generator: Optional[torch.Generator], device, p: float = 1.0
+) -> Tensor:
+    """The cookbook's draws for `samples` images at once, as (samples, n²) block indices.
+
+    Per sample: offsets r ~ randint(−k, k) of shape (n, n) for the row pass, then another
+    (n, n) for the column pass, drawn in that order so that the sequence equals the
+    reference's sample-by-sample loop. Row pass: σ[:, j] = argsort(i + r[:, j]); column
+    pass: τ[i, :] = argsort(j + r'[i, :]); stable sorts. Output block (i, j) is input block
+    (σ[i, τ[i, j]], τ[i, j]). Drawn on the generator's device (the CPU by default), so a seed
+    gives the same permutations whatever device x is on. With ``p < 1`` each sample is
+    shuffled with probability p (one more draw per sample, after the offsets) and otherwise
+    gets the identity.
+    """
+    draw_device = generator.device if generator is not None else torch.device("cpu")
+    # generator=None is left out rather than passed: the explicit-generator overload of
+    # randint does not take symbolic sizes under torch.compile(dynamic=True).
+    rng = {} if generator is None else {"generator": generator}
+    r = torch.randint(-k, k, (samples, 2, n, n), device=draw_device, **rng).to(device)
+    ar = torch.arange(n, device=device)
+    sigma = torch.argsort(ar.view(n, 1) + r[:, 0], dim=1, stable=True)
+    tau = torch.argsort(ar.view(1, n) + r[:, 1], dim=2, stable=True)
+    perm = (torch.gather(sigma, 2, tau) * n + tau).view(samples, n * n)
+    if p < 1.0:
+        keep = torch.rand(samples, device=draw_device, **rng).to(device) >= p
+        perm = torch.where(keep.unsqueeze(1), torch.arange(n * n, device=device), perm)
+    return perm
+
+
+def region_confusion(
+    x: Tensor, num_blocks: int = 7, neighbourhood: int = 2, *, generator: Optional[torch.Generator] = None
+) -> tuple[Tensor, Tensor]:
+    """DCL's region confusion mechanism (RCM): shuffle each image's ``n × n`` blocks within a
+    neighbourhood, exactly as the cookbook's snippet does, for a whole batch at once.
+
+    Every sample gets its own draws; every block moves fewer than ``2k`` block rows and
+    ``2k`` block columns. Returns the permutation too: it is the exact label of DCL's
+    location loss.
+
+    Args:
+        x (Tensor[C, H, W] or Tensor[N, C, H, W]): any dtype, any device, contiguous or
+            ``channels_last``. If ``H`` or ``W`` is not divisible by ``n``, blocks are
+            ``⌊H/n⌋ × ⌊W/n⌋`` and the remainder rows (bottom) and columns (right) stay put.
+        num_blocks: ``n``, in ``[1, min(H, W)]``.
+        neighbourhood: ``k >= 1``; offsets are drawn from ``randint(−k, k)``, i.e. [−k, k−1].
+        generator: the source of randomness (the global CPU generator by default). Draws
+            happen on the generator's device, so the same seed gives the same result for x
+            on the CPU and on CUDA.
+
+    Returns:
+        ``(shuffled, permutation)``: ``permutation`` is int64 of shape ``(N, n²)`` (``(n²,)``
+        for a 3-D x); output block ``b`` is input block ``permutation[..., b]``.
+    """
+    _check_rcm_args(x, num_blocks, neighbourhood)
+    samples = x.shape[0] if x.dim() == 4 else 1
+    perm = _rcm_permutations(samples, num_blocks, neighbourhood, generator, x.device)
+    if x.dim() == 3:
+        perm = perm.squeeze(0)
+    return permute_blocks(x, perm, num_blocks), perm
