@@ -92,6 +92,26 @@ Problem check_inputs(const at::Tensor& input, const at::Tensor& target,
   return p;
 }
 
+void check_backward_inputs(const Problem& p, const at::Tensor& input, const at::Tensor& grad,
+                           const at::Tensor& lse, const at::Tensor& total_weight) {
+  const auto positions = position_shape(input);
+  const c10::IntArrayRef loss_shape =
+      p.reduction == Reduction::None ? c10::IntArrayRef(positions) : c10::IntArrayRef();
+  check_floating(kOp, "grad", grad);
+  TK_CHECK_VALUE(kOp, grad.sizes() == loss_shape, "backward: grad must have the loss's shape ",
+                 loss_shape, ", got ", grad.sizes());
+  const auto acc = acc_type(input);
+  TK_CHECK_VALUE(kOp, lse.sizes() == c10::IntArrayRef(positions) && lse.scalar_type() == acc,
+                 "backward: lse must be ", c10::IntArrayRef(positions), " of ", acc, ", got ",
+                 lse.sizes(), " of ", lse.scalar_type());
+  TK_CHECK_VALUE(kOp, total_weight.dim() == 0 && total_weight.scalar_type() == acc,
+                 "backward: total_weight must be 0-d of ", acc, ", got ", total_weight.sizes(),
+                 " of ", total_weight.scalar_type());
+  check_same_device(kOp, "input", input, "grad", grad);
+  check_same_device(kOp, "input", input, "lse", lse);
+  check_same_device(kOp, "input", input, "total_weight", total_weight);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_positions(const Problem& p,
                                                                   const at::Tensor& input) {
   const auto opts = input.options().dtype(acc_type(input));

@@ -38,6 +38,13 @@ Problem check_inputs(const at::Tensor& input, const at::Tensor& target,
                      const std::optional<at::Tensor>& weight, int64_t ignore_index,
                      c10::string_view reduction, double label_smoothing, bool exclude_target);
 
+// The backward's own arguments, checked against the forward's problem: grad has the loss's
+// shape (the positions for 'none', 0-d otherwise), lse the positions' shape in the
+// accumulation type, total_weight is 0-d in that type; all on the input's device. The
+// kernels index them by position, so a wrong size would read outside them.
+void check_backward_inputs(const Problem& p, const at::Tensor& input, const at::Tensor& grad,
+                           const at::Tensor& lse, const at::Tensor& total_weight);
+
 // Per-position outputs every forward kernel fills: (lse, loss, weight of the position in a
 // mean: w_t for a kept index target, 0 for an ignored one, 1 for a probability target),
 // all in the accumulation type (float32, or float64 for float64 input), shaped as the

@@ -309,6 +309,38 @@ def test_backward_checks_its_inputs():
         BACKWARD(torch.ones_like(out), x, None, out, norm.float(), 1e-5, 1e-12, [True, False])
 
 
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_backward_reads_norm_by_its_strides(layout):
+    # Three equal samples, so that one norm expanded to all three is the right norm too.
+    x = make((1, 4, 2, 2)).expand(3, -1, -1, -1).contiguous()
+    out, norm = OP(x, None, 1e-5, 1e-12)
+    grad = torch.randn_like(out)
+    odd = {
+        "strided": torch.stack([norm, torch.full_like(norm, 1e6)], 1)[:, 0],  # every other element
+        "expanded": norm[:1].expand(3),
+    }[layout]
+    assert not odd.is_contiguous()
+    expected = BACKWARD(grad, x, None, out, norm, 1e-5, 1e-12, [True, False])
+    actual = BACKWARD(grad, x, None, out, odd, 1e-5, 1e-12, [True, False])
+    torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("device_of", ["y", "grad", "norm"])
+def test_meta_tensor_mixed_in_is_a_device_error(device_of):
+    x = make((2, 3, 2, 2))
+    y = make((2, 3, 2, 2), seed=1)
+    out, norm = OP(x, y, 1e-5, 1e-12)
+    args = dict(y=y, grad=torch.ones_like(out), norm=norm)
+    args[device_of] = args[device_of].to("meta")
+    with pytest.raises(
+        ValueError, match=rf"bilinear_pool: x and {device_of} must be on the same device, got cpu and meta"
+    ):
+        if device_of == "y":
+            OP(x, args["y"], 1e-5, 1e-12)
+        else:
+            BACKWARD(args["grad"], x, args["y"], out, args["norm"], 1e-5, 1e-12, [True, True])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -315,6 +315,15 @@ def test_backward_checks_its_inputs():
         BACKWARD(torch.ones_like(d).float(), x1, x2, d, False, [True, True])
 
 
+def test_meta_tensor_mixed_in_is_a_device_error():
+    with pytest.raises(ValueError, match=r"cdist: x1 and x2 must be on the same device, got cpu and meta"):
+        OP(torch.randn(3, 2), torch.randn(4, 2, device="meta"), False)
+    x1, x2 = torch.randn(3, 2), torch.randn(4, 2)
+    d = OP(x1, x2, False)
+    with pytest.raises(ValueError, match=r"cdist: x1 and grad must be on the same device, got cpu and meta"):
+        BACKWARD(torch.ones_like(d, device="meta"), x1, x2, d, False, [True, True])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -262,6 +262,55 @@ def test_compile(device):
         check_compile(_smoothed_loss, x.requires_grad_(), t, w)
 
 
+def test_backward_checks_its_inputs():
+    x, t = torch.randn(64, 5), torch.randint(5, (64,))
+    _, lse, total = OP(x, t, None, -100, "mean", 0.1, False)
+    args = dict(grad=torch.ones(()), lse=lse, total_weight=total)
+
+    def backward(reduction="mean", **changes):
+        a = {**args, **changes}
+        return BACKWARD(a["grad"], x, t, None, a["lse"], a["total_weight"], -100, reduction, 0.1, False)
+
+    with pytest.raises(ValueError, match=r"backward: lse must be \[64\] of Float, got \[1\] of Float"):
+        backward(lse=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"backward: lse must be \[64\] of Float, got \[64\] of Double"):
+        backward(lse=lse.double())
+    with pytest.raises(ValueError, match=r"backward: total_weight must be 0-d of Float, got \[1\] of Float"):
+        backward(total_weight=total.reshape(1))
+    with pytest.raises(ValueError, match=r"backward: grad must have the loss's shape \[\], got \[64\]"):
+        backward(grad=torch.ones(64))
+    with pytest.raises(ValueError, match=r"backward: grad must have the loss's shape \[64\], got \[\]"):
+        backward(reduction="none")
+    with pytest.raises(TypeError, match=r"grad must be float32, float64, float16 or bfloat16, got Long"):
+        backward(grad=torch.ones((), dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input and lse must be on the same device, got cpu and meta"):
+        backward(lse=lse.to("meta"))
+
+
+def test_raw_op_refuses_a_weight_that_requires_grad():
+    w = torch.ones(5, requires_grad=True)
+    x, t = torch.randn(4, 5), torch.randint(5, (4,))
+    with pytest.raises(ValueError, match=r"weight must not require grad"):
+        OP(x, t, w, -100, "mean", 0.1, False)
+    with torch.no_grad():  # no gradient is asked for: fine, as in the Python function
+        assert_close(OP(x, t, w, -100, "mean", 0.1, False)[0], F.cross_entropy(x, t, weight=w, label_smoothing=0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16])
+def test_narrow_integer_targets_like_f_cross_entropy(dtype):
+    x, t = torch.randn(6, 5, dtype=torch.float64), torch.randint(5, (6,))
+    ours = ops.label_smoothing_cross_entropy(x, t.to(dtype), reduction="none")
+    assert_close(ours, F.cross_entropy(x, t, reduction="none", label_smoothing=0.1))
+
+
+@pytest.mark.parametrize("device_of", ["target", "weight"])
+def test_meta_tensor_mixed_in_is_a_device_error(device_of):
+    args = dict(target=torch.randint(5, (4,)), weight=torch.ones(5))
+    args[device_of] = args[device_of].to("meta")
+    with pytest.raises(ValueError, match=rf"input and {device_of} must be on the same device, got cpu and meta"):
+        OP(torch.randn(4, 5), args["target"], args["weight"], -100, "mean", 0.1, False)
+
+
 def test_double_backward_is_a_clear_error():
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     (g,) = torch.autograd.grad(ops.label_smoothing_cross_entropy(x, torch.tensor([0, 1, 2])), x, create_graph=True)
@@ -316,7 +365,7 @@ BAD = [
     (torch.randint(5, (5, 7)), t5, {}, TypeError, r"input must be float32, float64, float16 or bfloat16, got Long"),
     (torch.randn(5, 7, dtype=torch.complex64), t5, {}, TypeError, r"input must be float32.*got ComplexFloat"),
     (torch.randn(5, 0), t5, {}, ValueError, r"input must have at least one class \(C > 0\)"),
-    (x57, t5.to(torch.int16), {}, TypeError, r"target must hold class indices \(int64 or int32\).*got Short"),
+    (x57, t5.to(torch.bool), {}, TypeError, r"target must hold class indices \(int64 or int32\).*got Bool"),
     (
         x57,
         torch.rand(5, 7),

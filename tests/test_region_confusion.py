@@ -287,6 +287,23 @@ def test_bad_input(call, exc, match):
         call()
 
 
+def test_backward_refuses_a_repeated_block_index():
+    perm = torch.arange(49).repeat(2, 1)
+    perm[1, 3] = 5  # block 5 twice, block 3 never
+    x = x4.clone().requires_grad_()
+    out = OP(x, perm, 7)
+    torch.testing.assert_close(out[1, :, 0:2, 6:8], x4[1, :, 0:2, 10:12])  # the forward copies block 5
+    with pytest.raises(RuntimeError, match=r"permute_blocks: the gradient needs a permutation"):
+        out.sum().backward()
+
+
+def test_meta_permutation_is_a_device_error():
+    with pytest.raises(
+        ValueError, match="permute_blocks: x and permutation must be on the same device, got cpu and meta"
+    ):
+        OP(x4, perm4.to("meta"), 7)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_permutation_on_another_device():
     with pytest.raises(ValueError, match="x and permutation must be on the same device"):

@@ -279,9 +279,9 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x,
   const Problem p = check_inputs(x, y, sqrt_eps, l2_eps);
   check_backward_inputs(p, grad, x, out, norm);
   Tensor dz;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(),
-                                  "bilinear_pool_backward_cpu",
-                                  [&] { dz = grad_z_kernel<scalar_t>(p, grad, out, norm); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "bilinear_pool_backward_cpu",
+      [&] { dz = grad_z_kernel<scalar_t>(p, grad, out, norm.contiguous()); });
   return input_grads(p, dz, x, y, output_mask,
                      [](at::IntArrayRef sizes, const at::TensorOptions& options) {
                        return cpu::empty_for_writing(sizes, options);

@@ -504,6 +504,7 @@ Tensor backward_cpu(const Tensor& grad, const Tensor& input, const Tensor& targe
                     double label_smoothing, bool exclude_target) {
   const Problem p =
       check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
+  check_backward_inputs(p, input, grad, lse, total_weight);
   if (input.numel() == 0) return at::zeros_like(input, at::MemoryFormat::Contiguous);
   const Tensor w_sum = weight_sum(p, input, weight);
   const Tensor w_acc = weight ? weight->to(w_sum.scalar_type()).contiguous() : Tensor();

@@ -133,6 +133,7 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x,
   const int64_t DE = p.D * p.E, total = p.N * DE;
   const GradInput g_c = grad_input(grad);  // a broadcast d.sum() gradient is read in place
   const Tensor o_c = out.contiguous();
+  const Tensor norm_c = norm.contiguous();  // read by sample index
   Tensor dz = at::empty({p.N, p.D, p.E}, norm.options());
   const int64_t chunks = (DE + kChunk - 1) / kChunk;
   Tensor partial = at::empty({p.N, chunks}, norm.options());
@@ -148,7 +149,7 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x,
         const Tensor dot = partial.sum(1);
         grad_z_kernel<scalar_t, acc_t><<<cuda::grid_size(total, kThreads), kThreads, 0, stream>>>(
             o_c.const_data_ptr<scalar_t>(), g_c.tensor.const_data_ptr<scalar_t>(), g_c.stride,
-            dot.const_data_ptr<acc_t>(), norm.const_data_ptr<acc_t>(), dz.data_ptr<acc_t>(), DE,
+            dot.const_data_ptr<acc_t>(), norm_c.const_data_ptr<acc_t>(), dz.data_ptr<acc_t>(), DE,
             total, static_cast<acc_t>(p.l2_eps), acc_t(1) / acc_t(p.HW));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

@@ -363,6 +363,7 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
                      double label_smoothing, bool exclude_target) {
   const Problem p =
       check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
+  check_backward_inputs(p, input, grad, lse, total_weight);
   const c10::cuda::CUDAGuard guard(input.device());
   Tensor out = at::empty(input.sizes(), input.options());
   if (input.numel() == 0) return out;

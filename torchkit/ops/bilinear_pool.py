@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, no_double_backward
+from torchkit.ops._common import acc_dtype, check_same_device, no_double_backward
 
 
 def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> Tensor:
@@ -41,6 +41,7 @@ def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e
 
 @torch.library.register_fake("torchkit::bilinear_pool")
 def _(x, y, sqrt_eps, l2_eps):
+    check_same_device("bilinear_pool", x=x, y=y)
     E = x.shape[1] if y is None else y.shape[1]
     return x.new_empty((x.shape[0], x.shape[1] * E)), x.new_empty((x.shape[0],), dtype=acc_dtype(x))
 
@@ -58,6 +59,7 @@ def _bilinear_channels_last(x: Tensor, y: Optional[Tensor]) -> bool:
 
 @torch.library.register_fake("torchkit::_bilinear_pool_backward")
 def _(grad, x, y, out, norm, sqrt_eps, l2_eps, output_mask):
+    check_same_device("bilinear_pool", x=x, y=y, grad=grad, out=out, norm=norm)
     cl = _bilinear_channels_last(x, y)
     gx = _bilinear_grad_like(x, cl) if output_mask[0] else x.new_empty(0)
     gy = _bilinear_grad_like(y, cl) if y is not None and output_mask[1] else x.new_empty(0)

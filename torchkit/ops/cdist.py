@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import no_double_backward
+from torchkit.ops._common import check_same_device, no_double_backward
 
 
 def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
@@ -48,11 +48,14 @@ def _cdist_shape(x1: Tensor, x2: Optional[Tensor]) -> tuple:
 
 @torch.library.register_fake("torchkit::cdist")
 def _(x1, x2, squared):
+    check_same_device("cdist", x1=x1, x2=x2)
     return x1.new_empty(_cdist_shape(x1, x2))
 
 
 @torch.library.register_fake("torchkit::_cdist_backward")
 def _(grad, x1, x2, dist, squared, output_mask):
+    check_same_device("cdist", x1=x1, x2=x2, grad=grad, dist=dist)
+
     def grad_like(x, wanted):
         return torch.empty_like(x, memory_format=torch.contiguous_format) if wanted else x1.new_empty(0)
 

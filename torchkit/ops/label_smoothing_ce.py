@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, no_double_backward
+from torchkit.ops._common import acc_dtype, check_same_device, no_double_backward
 
 
 def label_smoothing_cross_entropy(
@@ -29,7 +29,8 @@ def label_smoothing_cross_entropy(
     Args:
         input (Tensor[C], Tensor[N, C] or Tensor[N, C, d1, ..., dk]): logits, float32,
             float64, float16 or bfloat16 (reduced types accumulate in float32).
-        target: class indices (int64 or int32) of shape ``()``, ``(N,)`` or
+        target: class indices (int64 or int32; uint8, int8 and int16 are widened to int64,
+            as F.cross_entropy takes them too) of shape ``()``, ``(N,)`` or
             ``(N, d1, ..., dk)``, or class probabilities with ``input``'s shape and dtype.
         weight (Tensor[C], optional): per-class weights, a constant (no gradient).
         ignore_index: positions whose index target equals it add nothing, to the loss or
@@ -59,11 +60,8 @@ def label_smoothing_cross_entropy(
         >>> loss = torchkit.ops.label_smoothing_cross_entropy(logits, labels, label_smoothing=0.1)
         >>> loss.backward()
     """
-    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            "label_smoothing_cross_entropy: weight must not require grad (class weights are "
-            "constants here), got a weight with requires_grad=True; pass weight.detach()"
-        )
+    if target.dtype in (torch.uint8, torch.int8, torch.int16):
+        target = target.long()
     loss, _, _ = torch.ops.torchkit.label_smoothing_cross_entropy.default(
         input, target, weight, ignore_index, reduction, float(label_smoothing), exclude_target
     )
@@ -76,6 +74,7 @@ def _lsce_positions(input: Tensor) -> tuple:
 
 @torch.library.register_fake("torchkit::label_smoothing_cross_entropy")
 def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target):
+    check_same_device("label_smoothing_cross_entropy", input=input, target=target, weight=weight)
     positions = _lsce_positions(input)
     acc = acc_dtype(input)
     loss = input.new_empty(positions if reduction == "none" else ())
@@ -84,11 +83,27 @@ def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_t
 
 @torch.library.register_fake("torchkit::_label_smoothing_cross_entropy_backward")
 def _(grad, input, target, weight, lse, total_weight, ignore_index, reduction, label_smoothing, exclude_target):
+    check_same_device(
+        "label_smoothing_cross_entropy",
+        input=input,
+        target=target,
+        weight=weight,
+        grad=grad,
+        lse=lse,
+        total_weight=total_weight,
+    )
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
 def _lsce_setup_context(ctx, inputs, output):
     input, target, weight, ignore_index, reduction, label_smoothing, exclude_target = inputs
+    # Here, not in the Python function, so that the raw op refuses it too: the backward gives
+    # weight no gradient, and one that asks for it would silently get none.
+    if weight is not None and weight.requires_grad:
+        raise ValueError(
+            "label_smoothing_cross_entropy: weight must not require grad (class weights are "
+            "constants here), got a weight with requires_grad=True; pass weight.detach()"
+        )
     _, lse, total_weight = output
     # Only the inputs (no copies), per-position lse and the mean's denominator.
     ctx.save_for_backward(input, target, weight, lse, total_weight)

@@ -8,12 +8,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torchkit.ops._common import check_same_device
+
 
 def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
     """Rearrange an image's ``num_blocks × num_blocks`` grid of blocks: output block ``b`` is
     input block ``permutation[..., b]`` (blocks numbered row-major). One pass, one read per
     output element; any dtype (uint8 and bool included), contiguous or ``channels_last``
-    (kept in the output). Differentiable: the gradient is the gather by the inverse.
+    (kept in the output). Differentiable: the gradient is the gather by the inverse, so the
+    backward refuses a ``permutation`` that repeats a block index (the forward copies
+    repeated blocks as asked).
 
     Args:
         x (Tensor[C, H, W] or Tensor[N, C, H, W]): blocks are ``⌊H/n⌋ × ⌊W/n⌋``; rows below
@@ -34,6 +38,7 @@ def _permute_blocks_format(x: Tensor) -> torch.memory_format:
 
 @torch.library.register_fake("torchkit::permute_blocks")
 def _(x, permutation, num_blocks):
+    check_same_device("permute_blocks", x=x, permutation=permutation)
     x4 = x if x.dim() == 4 else x.unsqueeze(0)
     out = torch.empty_like(x4, memory_format=_permute_blocks_format(x))
     return out if x.dim() == 4 else out.squeeze(0)
@@ -41,6 +46,14 @@ def _(x, permutation, num_blocks):
 
 def _inverse_permutation(permutation: Tensor) -> Tensor:
     index = permutation.long()
+    # Only a bijection has an inverse; with a repeated index the scatter below would leave
+    # entries unwritten. Checked on the device (no synchronisation): a RuntimeError on the
+    # CPU, a device-side assertion on CUDA, as for out-of-range values.
+    counts = torch.zeros_like(index).scatter_add_(-1, index, torch.ones_like(index))
+    torch._assert_async(
+        (counts == 1).all(),
+        "permute_blocks: the gradient needs a permutation (every block index exactly once per sample)",
+    )
     ids = torch.arange(index.shape[-1], device=index.device).expand_as(index)
     return torch.empty_like(index).scatter_(-1, index, ids)
 
