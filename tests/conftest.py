@@ -120,7 +120,11 @@ def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5,
         torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol)
 
 
-def run_in_subprocess(code: str) -> subprocess.CompletedProcess:
-    """Run Python code in a fresh interpreter: a device-side assert poisons the CUDA context
-    of the process it fires in, so tests that trigger one must not share the test process."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def assert_device_side_assert(code: str, message: str) -> None:
+    """Python `code` run in a fresh interpreter fails a device-side assertion that says
+    `message`. A device-side assert poisons the CUDA context of the process it fires in, so
+    tests that trigger one must not share the test process."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert "device-side assert" in output, output
+    assert message in output, output
