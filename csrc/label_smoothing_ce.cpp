@@ -101,9 +101,9 @@ void check_backward_inputs(const Problem& p, const at::Tensor& input, const at::
   TK_CHECK_VALUE(kOp, grad.sizes() == loss_shape, "backward: grad must have the loss's shape ",
                  loss_shape, ", got ", grad.sizes());
   const auto acc = acc_type(input);
-  TK_CHECK_VALUE(kOp, lse.sizes() == c10::IntArrayRef(positions) && lse.scalar_type() == acc,
-                 "backward: lse must be ", c10::IntArrayRef(positions), " of ", acc, ", got ",
-                 lse.sizes(), " of ", lse.scalar_type());
+  TK_CHECK_VALUE(kOp, lse.sizes() == c10::IntArrayRef(positions) && lse.scalar_type() == at::kDouble,
+                 "backward: lse must be ", c10::IntArrayRef(positions), " of ", at::kDouble,
+                 ", got ", lse.sizes(), " of ", lse.scalar_type());
   TK_CHECK_VALUE(kOp, total_weight.dim() == 0 && total_weight.scalar_type() == acc,
                  "backward: total_weight must be 0-d of ", acc, ", got ", total_weight.sizes(),
                  " of ", total_weight.scalar_type());
@@ -116,7 +116,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_positions(const Problem&
                                                                   const at::Tensor& input) {
   const auto opts = input.options().dtype(acc_type(input));
   const auto shape = position_shape(input);
-  return {at::empty(shape, opts), at::empty(shape, opts), at::empty(shape, opts)};
+  return {at::empty(shape, opts.dtype(at::kDouble)), at::empty(shape, opts),
+          at::empty(shape, opts)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce(const Problem& p, const at::Tensor& input,
@@ -161,8 +162,8 @@ at::Tensor weight_sum(const Problem& p, const at::Tensor& input,
 }
 
 TORCH_LIBRARY_FRAGMENT(torchkit, m) {
-  // Returns (loss, lse, total_weight); lse (per position) and total_weight (the mean's
-  // denominator) are what the backward needs besides the inputs.
+  // Returns (loss, lse, total_weight); lse (per position, float64) and total_weight (the
+  // mean's denominator) are what the backward needs besides the inputs.
   m.def(
       "label_smoothing_cross_entropy(Tensor input, Tensor target, Tensor? weight, int "
       "ignore_index, str reduction, float label_smoothing, bool exclude_target) -> (Tensor, "

@@ -13,6 +13,9 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
+
+#include <cfloat>
 
 #include <tuple>
 #include <type_traits>
@@ -47,8 +50,8 @@ void check_backward_inputs(const Problem& p, const at::Tensor& input, const at::
 
 // Per-position outputs every forward kernel fills: (lse, loss, weight of the position in a
 // mean: w_t for a kept index target, 0 for an ignored one, 1 for a probability target),
-// all in the accumulation type (float32, or float64 for float64 input), shaped as the
-// positions ((), (N,) or (N, d1, …, dk)).
+// shaped as the positions ((), (N,) or (N, d1, …, dk)). lse is float64 (see split_lse); the
+// others are in the accumulation type (float32, or float64 for float64 input).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_positions(const Problem& p,
                                                                   const at::Tensor& input);
 
@@ -67,6 +70,36 @@ at::Tensor grad_scale(const Problem& p, const at::Tensor& grad, const at::Tensor
 // Σ_c w_c as a 0-d accumulation-type tensor on the input's device (C when weight is absent).
 at::Tensor weight_sum(const Problem& p, const at::Tensor& input,
                       const std::optional<at::Tensor>& weight);
+
+// Shift invariance, shared by both backends' kernels. The loss and its gradient depend only on
+// differences of logits, and the kernels keep it so: sums run relative to the maximum, and
+// the backward never subtracts a rounded absolute log-sum-exp.
+
+C10_HOST_DEVICE inline float lowest_finite(float) { return -FLT_MAX; }
+C10_HOST_DEVICE inline double lowest_finite(double) { return -DBL_MAX; }
+
+// The reference sums are kept relative to: the maximum, or the lowest finite value while every
+// logit seen is −∞, so that exp(x − r) is 0 there and no −∞ − (−∞) = NaN arises. NaN stays NaN.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t shift_ref(acc_t max) {
+  const acc_t lowest = lowest_finite(max);
+  return max < lowest ? lowest : max;
+}
+
+// lse = hi + lo, hi in the accumulation type: the backward takes exp((x − hi) − lo), where
+// x − hi is exact near the maximum. exp(x − fl(lse)) would be off by up to ulp(lse)/2 in the
+// exponent: 3 % at logits of 10⁶ in float32. ±∞ and NaN are carried by hi alone.
+template <typename acc_t>
+struct SplitLse {
+  acc_t hi, lo;
+};
+
+template <typename acc_t>
+C10_HOST_DEVICE inline SplitLse<acc_t> split_lse(double lse) {
+  const acc_t hi = static_cast<acc_t>(lse);
+  const double rest = lse - static_cast<double>(hi);
+  return {hi, rest == rest ? static_cast<acc_t>(rest) : acc_t(0)};
+}
 
 // Kernel dispatch shared by both backends.
 

@@ -189,6 +189,64 @@ def test_non_finite_logits_propagate_like_pytorch(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("v", [1e3, 1e6, 1e8, -1e6])
+def test_shift_invariant_like_f_cross_entropy(device, v):
+    # The loss depends only on differences of logits; absolute sums would round at v's scale.
+    x = torch.tensor([[v, v + 1, v - 0.5]], device=device, requires_grad=True)
+    t = torch.tensor([1], device=device)
+    ours = ops.label_smoothing_cross_entropy(x, t, label_smoothing=0.1)
+    theirs = F.cross_entropy(x, t, label_smoothing=0.1)
+    assert_close(ours, theirs)
+    assert_close(torch.autograd.grad(ours, x)[0], torch.autograd.grad(theirs, x)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,kind", [((64, 100), "index"), ((64, 100), "prob"), ((4, 9, 6, 5), "index"), ((2, 40_000), "index")])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_far_from_zero_logits_match_a_float64_oracle(device, shape, kind, weighted):
+    # Logits of 1000 + 2·N(0,1) in float32: the float64 computation on the same values is
+    # the oracle; every per-position loss and every gradient element within float32 tolerance.
+    x, t, w = make_case(shape, kind, torch.float32, device, ignore=False)
+    x = (1000 + (2 / 3) * x).detach().requires_grad_()
+    kw = dict(weight=w if weighted else None, reduction="none", label_smoothing=0.1)
+    ours = ops.label_smoothing_cross_entropy(x, t, **kw)
+    x64 = x.detach().double().requires_grad_()
+    kw64 = dict(kw, weight=w.double() if weighted else None)
+    oracle = F.cross_entropy(x64, t.double() if kind == "prob" else t, **kw64)
+    torch.testing.assert_close(ours.double(), oracle, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(oracle)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, x, g.float())[0].double(), torch.autograd.grad(oracle, x64, g)[0], rtol=1e-4, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_block_of_a_long_row(device):
+    # A long row is cut into parts: a part whose logits are all −∞ must add nothing, not NaN.
+    x = torch.randn(1, 16384, device=device, dtype=torch.float64)
+    x[:, 4096:12288] = float("-inf")
+    t = torch.tensor([5], device=device)
+    x.requires_grad_()
+    ours = ops.label_smoothing_cross_entropy(x, t, label_smoothing=0.0)
+    theirs = F.cross_entropy(x, t)
+    assert_close(ours, theirs)
+    assert_close(torch.autograd.grad(ours, x)[0], torch.autograd.grad(theirs, x)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sum_of_many_positions_is_exact(device):
+    # 16,384 losses summed: one of 20,000 beside many of about log(1000); a sequential float32
+    # sum loses the small ones (relative error 7e-4).
+    x = torch.full((16384, 1000), 8.0, device=device)
+    t = torch.zeros(16384, dtype=torch.long, device=device)
+    x[0, 0] = -20000.0
+    for reduction in ("sum", "mean"):
+        ours = ops.label_smoothing_cross_entropy(x, t, reduction=reduction, label_smoothing=0.1)
+        oracle = F.cross_entropy(x.double(), t, reduction=reduction, label_smoothing=0.1)
+        torch.testing.assert_close(ours.double(), oracle, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_long_rows_and_few_rows(device):
     # N = 1 splits the row across threads; the parts must combine exactly.
     x, t, w = make_case((1, 100_003), "index", torch.float64, device, ignore=False)
@@ -271,10 +329,10 @@ def test_backward_checks_its_inputs():
         a = {**args, **changes}
         return BACKWARD(a["grad"], x, t, None, a["lse"], a["total_weight"], -100, reduction, 0.1, False)
 
-    with pytest.raises(ValueError, match=r"backward: lse must be \[64\] of Float, got \[1\] of Float"):
+    with pytest.raises(ValueError, match=r"backward: lse must be \[64\] of Double, got \[1\] of Float"):
         backward(lse=torch.zeros(1))
-    with pytest.raises(ValueError, match=r"backward: lse must be \[64\] of Float, got \[64\] of Double"):
-        backward(lse=lse.double())
+    with pytest.raises(ValueError, match=r"backward: lse must be \[64\] of Double, got \[64\] of Float"):
+        backward(lse=lse.float())
     with pytest.raises(ValueError, match=r"backward: total_weight must be 0-d of Float, got \[1\] of Float"):
         backward(total_weight=total.reshape(1))
     with pytest.raises(ValueError, match=r"backward: grad must have the loss's shape \[\], got \[64\]"):

@@ -46,22 +46,33 @@ const acc_t* as_acc(const scalar_t* src, int64_t n, acc_t* buf) {
   }
 }
 
-// Running sums over part of a row: max, Σ exp(x − max), Σ w·x, Σ w·p, Σ w·p·x.
+// Running sums over part of a row: the maximum, Σ exp(x − r) and the smoothing sums Σ w,
+// Σ w·(x − r), Σ w·p, Σ w·p·(x − r), all relative to r = ref(max). Sums of the logits
+// themselves would round at the logits' magnitude (ulp(10⁶) = 0.06 in float32) and lose the
+// loss, which depends only on differences: relative to the maximum, the loss is
+// shift-invariant, as PyTorch's log_softmax is.
 template <typename acc_t>
 struct RowState {
   acc_t max = -std::numeric_limits<acc_t>::infinity();
-  acc_t sumexp = 0, wx = 0, wp = 0, wpx = 0;
+  acc_t sumexp = 0, w = 0, wx = 0, wp = 0, wpx = 0;
 
-  // Rescale sumexp to a new maximum; exp(−∞ − m) = 0 also covers an empty state.
-  acc_t rescale(acc_t new_max) const {
-    return max == -std::numeric_limits<acc_t>::infinity() ? acc_t(0)
-                                                          : sumexp * std::exp(max - new_max);
+  acc_t ref() const { return shift_ref(max); }
+
+  // Moves the sums to a maximum m >= max.
+  void shift_to(acc_t m) {
+    const acc_t d = ref() - shift_ref(m);
+    sumexp *= std::exp(d);
+    if (w != 0) wx += w * d;  // w = 0: nothing to move (and 0·∞ would be NaN)
+    if (wp != 0) wpx += wp * d;
+    max = m;
   }
 
-  void merge(const RowState& o) {
+  void merge(RowState o) {
     const acc_t m = std::max(max, o.max);
-    sumexp = rescale(m) + o.rescale(m);
-    max = m;
+    shift_to(m);
+    o.shift_to(m);
+    sumexp += o.sumexp;
+    w += o.w;
     wx += o.wx;
     wp += o.wp;
     wpx += o.wpx;
@@ -74,38 +85,41 @@ void accumulate_block(RowState<acc_t>& st, const acc_t* x, const acc_t* w, const
   using V = Vectorized<acc_t>;
   const acc_t block_max =
       at::vec::reduce_all<acc_t>([](V a, V b) { return at::vec::maximum(a, b); }, x, n);
-  if (block_max > st.max) {
-    st.sumexp = st.rescale(block_max);
-    st.max = block_max;
-  }
-  const V vmax(st.max);
-  V vs(0), vwx(0), vwp(0), vwpx(0);
+  if (block_max > st.max) st.shift_to(block_max);
+  const acc_t r = st.ref();
+  const V vr(r);
+  V vs(0), vw(0), vwx(0), vwp(0), vwpx(0);
   int64_t i = 0;
   for (; i + V::size() <= n; i += V::size()) {
-    const V xv = V::loadu(x + i);
-    vs += vexp(xv - vmax);
+    const V d = V::loadu(x + i) - vr;
+    vs += vexp(d);
     const V wv = kWeight ? V::loadu(w + i) : V(1);
-    vwx += kWeight ? wv * xv : xv;
+    if constexpr (kWeight) vw += wv;
+    vwx += kWeight ? wv * d : d;
     if constexpr (kProb) {
       const V wpv = wv * V::loadu(p + i);
       vwp += wpv;
-      vwpx += wpv * xv;
+      vwpx += wpv * d;
     }
   }
   auto hsum = [](const V& v) {
     return at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, v);
   };
-  acc_t s = hsum(vs), wx = hsum(vwx), wp = hsum(vwp), wpx = hsum(vwpx);
+  acc_t s = hsum(vs), ws = kWeight ? hsum(vw) : acc_t(i), wx = hsum(vwx), wp = hsum(vwp),
+        wpx = hsum(vwpx);
   for (; i < n; ++i) {
-    s += std::exp(x[i] - st.max);
+    const acc_t d = x[i] - r;
+    s += std::exp(d);
     const acc_t wi = kWeight ? w[i] : acc_t(1);
-    wx += wi * x[i];
+    ws += wi;
+    wx += wi * d;
     if constexpr (kProb) {
       wp += wi * p[i];
-      wpx += wi * p[i] * x[i];
+      wpx += wi * p[i] * d;
     }
   }
   st.sumexp += s;
+  st.w += ws;
   st.wx += wx;
   st.wp += wp;
   st.wpx += wpx;
@@ -127,8 +141,7 @@ void check_target(const Problem& p, index_t t) {
 
 template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 void forward_rows(const Problem& pr, const Tensor& x_rows, const Tensor& target_rows,
-                  const Tensor& w_acc, double weight_total, Tensor& lse, Tensor& losses,
-                  Tensor& position_weights) {
+                  const Tensor& w_acc, Tensor& lse, Tensor& losses, Tensor& position_weights) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t rows = x_rows.size(0), C = pr.C;
   const int64_t parts = parts_per_row(rows, C);
@@ -154,20 +167,21 @@ void forward_rows(const Problem& pr, const Tensor& x_rows, const Tensor& target_
     }
   });
 
-  const acc_t a = pr.a, bb = pr.b, W = weight_total;
-  acc_t* lse_out = lse.mutable_data_ptr<acc_t>();
+  const acc_t a = pr.a, bb = pr.b;
+  double* lse_out = lse.mutable_data_ptr<double>();
   acc_t* loss_out = losses.mutable_data_ptr<acc_t>();
   acc_t* pw_out = position_weights.mutable_data_ptr<acc_t>();
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       RowState<acc_t> st = states[r * parts];
       for (int64_t k = 1; k < parts; ++k) st.merge(states[r * parts + k]);
-      const acc_t l = st.max + std::log(st.sumexp);
-      lse_out[r] = l;
+      // lse − x_c = (ref − x_c) + log_s: no term carries the logits' magnitude.
+      const acc_t ref = st.ref(), log_s = std::log(st.sumexp);
+      lse_out[r] = static_cast<double>(ref) + static_cast<double>(log_s);
       // ε = 0 skips the smoothing sum, so that −∞ logits (masking) stay finite as in PyTorch.
-      const acc_t smooth = bb != 0 ? bb * (W * l - st.wx) : acc_t(0);
+      const acc_t smooth = bb != 0 ? bb * (st.w * log_s - st.wx) : acc_t(0);
       if constexpr (kProb) {
-        loss_out[r] = a * (st.wp * l - st.wpx) + smooth;
+        loss_out[r] = a * (st.wp * log_s - st.wpx) + smooth;
         pw_out[r] = 1;
       } else {
         const index_t ti = t[r];
@@ -178,7 +192,7 @@ void forward_rows(const Problem& pr, const Tensor& x_rows, const Tensor& target_
         }
         check_target(pr, ti);
         const acc_t wt = kWeight ? w[ti] : acc_t(1);
-        loss_out[r] = a * wt * (l - static_cast<acc_t>(x[r * C + ti])) + smooth;
+        loss_out[r] = a * wt * ((ref - static_cast<acc_t>(x[r * C + ti])) + log_s) + smooth;
         pw_out[r] = wt;
       }
     }
@@ -200,7 +214,7 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
   const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
   const acc_t* g = scale.const_data_ptr<acc_t>();
   const int64_t g_stride = scale.dim() == 0 ? 0 : 1;
-  const acc_t* lse_in = lse.const_data_ptr<acc_t>();
+  const double* lse_in = lse.const_data_ptr<double>();
   scalar_t* out = grad_rows.mutable_data_ptr<scalar_t>();
   const acc_t a = pr.a, bb = pr.b, W = weight_total;
 
@@ -236,7 +250,8 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
       const int64_t c1 = std::min(C, c0 + part_len);
       const bool ignored = !kProb && t[r] == pr.ignore_index;
       const acc_t gr = g[r * g_stride];
-      const V vg(gr), vK(K[r]), vlse(lse_in[r]), va(a), vb(bb);
+      const auto [hi, lo] = split_lse<acc_t>(lse_in[r]);
+      const V vg(gr), vK(K[r]), vhi(hi), vlo(lo), va(a), vb(bb);
       for (int64_t b = c0; b < c1; b += kBlock) {
         const int64_t n = std::min(kBlock, c1 - b);
         scalar_t* dst = out + r * C + b;
@@ -251,18 +266,18 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
           for (; i + V::size() <= n; i += V::size()) {
             const V wv = kWeight ? V::loadu(wb + i) : V(1);
             const V q = kProb ? va * V::loadu(pa + i) + vb : vb;
-            (vg * (vexp(V::loadu(xa + i) - vlse) * vK - wv * q)).store(gout + i);
+            (vg * (vexp((V::loadu(xa + i) - vhi) - vlo) * vK - wv * q)).store(gout + i);
           }
           for (; i < n; ++i) {
             const acc_t q = kProb ? a * pa[i] + bb : bb;
-            gout[i] = gr * (std::exp(xa[i] - lse_in[r]) * K[r] - (kWeight ? wb[i] : acc_t(1)) * q);
+            gout[i] = gr * (std::exp((xa[i] - hi) - lo) * K[r] - (kWeight ? wb[i] : acc_t(1)) * q);
           }
           if constexpr (!kProb) {
             // The target's own term, in acc_t before rounding (bf16 would lose it otherwise).
             const int64_t ti = t[r];
             if (ti >= b && ti < b + n) {
               const acc_t wt = kWeight ? w[ti] : acc_t(1);
-              gout[ti - b] = gr * (std::exp(xa[ti - b] - lse_in[r]) * K[r] - wt * (a + bb));
+              gout[ti - b] = gr * (std::exp((xa[ti - b] - hi) - lo) * K[r] - wt * (a + bb));
             }
           }
         }
@@ -312,7 +327,7 @@ void forward_columns(const Problem& pr, const Tensor& input, const Tensor& targe
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     const index_t* t = target.const_data_ptr<index_t>();
     const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
-    acc_t* lse_out = lse.mutable_data_ptr<acc_t>();
+    double* lse_out = lse.mutable_data_ptr<double>();
     acc_t* loss_out = losses.mutable_data_ptr<acc_t>();
     acc_t* pw_out = position_weights.mutable_data_ptr<acc_t>();
     const acc_t a = pr.a, bb = pr.b, W = weight_total;
@@ -327,19 +342,20 @@ void forward_columns(const Problem& pr, const Tensor& input, const Tensor& targe
           const acc_t* col = buf.data() + j0;
           V vmax(-std::numeric_limits<acc_t>::infinity());
           for (int64_t c = 0; c < C; ++c) vmax = at::vec::maximum(vmax, V::loadu(col + c * span));
-          V vsum(0), vwx(0);
+          const V vref = at::vec::maximum(vmax, V(lowest_finite(acc_t(0))));  // shift_ref
+          V vsum(0), vwx(0);  // Σ exp(x − ref), Σ w·(x − ref)
           for (int64_t c = 0; c < C; ++c) {
-            const V xv = V::loadu(col + c * span);
-            vsum += vexp(xv - vmax);
-            vwx += kWeight ? V(w[c]) * xv : xv;
+            const V d = V::loadu(col + c * span) - vref;
+            vsum += vexp(d);
+            vwx += kWeight ? V(w[c]) * d : d;
           }
-          vmax.store(mx);
+          vref.store(mx);
           vsum.store(se);
           vwx.store(wx);
           for (int64_t l = 0; l < std::min<int64_t>(V::size(), count - j0); ++l) {
             const int64_t pos = n * S + s0 + j0 + l;
-            const acc_t lv = mx[l] + std::log(se[l]);
-            lse_out[pos] = lv;
+            const acc_t log_s = std::log(se[l]);
+            lse_out[pos] = static_cast<double>(mx[l]) + static_cast<double>(log_s);
             const index_t ti = t[pos];
             if (ti == pr.ignore_index) {
               loss_out[pos] = 0;
@@ -348,9 +364,9 @@ void forward_columns(const Problem& pr, const Tensor& input, const Tensor& targe
             }
             check_target(pr, ti);
             // ε = 0 skips the smoothing sum, so that −∞ logits (masking) stay finite.
-            const acc_t smooth = bb != 0 ? bb * (W * lv - wx[l]) : acc_t(0);
+            const acc_t smooth = bb != 0 ? bb * (W * log_s - wx[l]) : acc_t(0);
             const acc_t wt = kWeight ? w[ti] : acc_t(1);
-            loss_out[pos] = a * wt * (lv - col[ti * span + l]) + smooth;
+            loss_out[pos] = a * wt * ((mx[l] - col[ti * span + l]) + log_s) + smooth;
             pw_out[pos] = wt;
           }
         }
@@ -375,23 +391,26 @@ void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& inpu
     const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
     const acc_t* g = scale.const_data_ptr<acc_t>();
     const int64_t g_stride = scale.dim() == 0 ? 0 : 1;
-    const acc_t* lse_in = lse.const_data_ptr<acc_t>();
+    const double* lse_in = lse.const_data_ptr<double>();
     scalar_t* out = grad.mutable_data_ptr<scalar_t>();
     const acc_t a = pr.a, bb = pr.b, W = weight_total;
     at::parallel_for(0, pr.N * tasks_per_sample, 1, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> buf(C * span), gs(span), ks(span), ls(span);
+      std::vector<acc_t> buf(C * span), gs(span), ks(span), ls(span), lo(span);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / tasks_per_sample, s0 = (task % tasks_per_sample) * span;
         const int64_t count = std::min(span, S - s0);
         load_block(x + n * C * S + s0, C, S, count, span, buf.data());
-        // Per position: the upstream scale (0 where ignored), K = Σ_c w_c q_c and lse.
+        // Per position: the upstream scale (0 where ignored), K = Σ_c w_c q_c and lse as hi + lo.
         std::fill(gs.begin(), gs.end(), acc_t(0));
         std::fill(ks.begin(), ks.end(), acc_t(0));
         std::fill(ls.begin(), ls.end(), acc_t(0));
+        std::fill(lo.begin(), lo.end(), acc_t(0));
         for (int64_t j = 0; j < count; ++j) {
           const int64_t pos = n * S + s0 + j;
           const index_t ti = t[pos];
-          ls[j] = lse_in[pos];
+          const auto split = split_lse<acc_t>(lse_in[pos]);
+          ls[j] = split.hi;
+          lo[j] = split.lo;
           if (ti == pr.ignore_index) continue;
           check_target(pr, ti);
           gs[j] = g[pos * g_stride];
@@ -405,7 +424,9 @@ void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& inpu
           for (int64_t j = 0; j < span; j += V::size()) {
             const V v =
                 V::loadu(gs.data() + j) *
-                (vexp(V::loadu(row + j) - V::loadu(ls.data() + j)) * V::loadu(ks.data() + j) - wq);
+                (vexp((V::loadu(row + j) - V::loadu(ls.data() + j)) - V::loadu(lo.data() + j)) *
+                     V::loadu(ks.data() + j) -
+                 wq);
             v.store(row + j);
           }
         }
@@ -416,7 +437,7 @@ void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& inpu
           if (ti == pr.ignore_index) continue;
           const acc_t wt = kWeight ? w[ti] : acc_t(1);
           const acc_t xt = static_cast<acc_t>(xs[ti * S + j]);
-          buf[ti * span + j] = gs[j] * (std::exp(xt - ls[j]) * ks[j] - wt * (a + bb));
+          buf[ti * span + j] = gs[j] * (std::exp((xt - ls[j]) - lo[j]) * ks[j] - wt * (a + bb));
         }
         scalar_t* dst = out + n * C * S + s0;
         for (int64_t c = 0; c < C; ++c) {
@@ -442,7 +463,8 @@ Tensor as_rows(const Problem& p, const Tensor& t) {
 
 // reduce() for the CPU: for up to kSerialReduce positions, the sums are taken here and the
 // two scalars made directly, instead of by four small tensor ops whose fixed cost is a
-// quarter of the whole call at N = 256, C = 1000.
+// quarter of the whole call at N = 256, C = 1000. The sums run in float64: a sequential
+// float32 sum of 16,384 losses errs by 7e-4 where one loss dwarfs the rest.
 constexpr int64_t kSerialReduce = 1 << 14;
 
 std::tuple<Tensor, Tensor, Tensor> reduce_cpu(const Problem& p, const Tensor& input,
@@ -456,7 +478,7 @@ std::tuple<Tensor, Tensor, Tensor> reduce_cpu(const Problem& p, const Tensor& in
   AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "reduce_cpu", [&] {
     const scalar_t* l = losses.const_data_ptr<scalar_t>();
     const scalar_t* w = position_weights.const_data_ptr<scalar_t>();
-    scalar_t ls = 0, ws = 0;  // the accumulation type, as at::sum would
+    double ls = 0, ws = 0;
     for (int64_t k = 0; k < n; ++k) {
       ls += l[k];
       ws += w[k];
@@ -491,7 +513,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_cpu(const Tensor& input, const Tensor
       const Tensor x_rows = as_rows(p, input);
       const Tensor t_rows = p.prob_target ? as_rows(p, target) : t_flat;
       dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
-        TK_DISPATCHED(forward_rows)(p, x_rows, t_rows, w_acc, W, lse, losses, position_weights);
+        TK_DISPATCHED(forward_rows)(p, x_rows, t_rows, w_acc, lse, losses, position_weights);
       });
     }
   }

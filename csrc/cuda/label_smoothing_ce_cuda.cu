@@ -30,36 +30,50 @@ constexpr int kRowThreads = 512;
 constexpr int kPositionThreads = 256;
 constexpr int kUnroll = 8;  // elements each row-kernel thread loads before using them
 
-// Running sums over some of a row's classes (plain old data: it lives in shared memory).
+// Running sums over some of a row's classes (plain old data: it lives in shared memory):
+// the maximum, Σ exp(x − r), Σ w, Σ w·(x − r), Σ w·p and Σ w·p·(x − r), relative to
+// r = shift_ref(max), so that no sum carries the logits' magnitude (label_smoothing_ce.h).
 template <typename acc_t>
 struct State {
-  acc_t max, sumexp, wx, wp, wpx;
+  acc_t max, sumexp, w, wx, wp, wpx;
 
   __device__ static State empty() {
-    return {-::cuda::std::numeric_limits<acc_t>::infinity(), 0, 0, 0, 0};
+    return {-::cuda::std::numeric_limits<acc_t>::infinity(), 0, 0, 0, 0, 0};
   }
 
-  // One exp per element: rescale the sum only when the maximum grows. −∞ adds nothing
-  // (and must not meet a −∞ maximum: −∞ − −∞ is NaN). NaN becomes the maximum, so that a
+  // Moves the sums to the reference of a new maximum m. NaN becomes the maximum, so that a
   // state which saw it can never pass for an empty one (max = −∞) in merge().
-  __device__ void add(acc_t x, acc_t w, acc_t p) {
-    if (x > max || x != x) {
-      sumexp = sumexp * ::exp(max - x) + acc_t(1);
-      max = x;
-    } else if (x != -::cuda::std::numeric_limits<acc_t>::infinity()) {
-      sumexp += ::exp(x - max);
-    }
-    wx += w * x;
-    wp += w * p;
-    wpx += w * p * x;
+  __device__ void shift_to(acc_t m) {
+    const acc_t d = shift_ref(max) - shift_ref(m);
+    sumexp *= ::exp(d);
+    if (w != 0) wx += w * d;  // w = 0: nothing to move (and 0·∞ would be NaN)
+    if (wp != 0) wpx += wp * d;
+    max = m;
   }
 
-  __device__ void merge(const State& o) {
+  // One exp per element: the sums move only when the maximum grows (x is then the new
+  // reference, d = 0).
+  __device__ void add(acc_t x, acc_t wc, acc_t p) {
+    acc_t d = 0;
+    if (x > max || x != x) {
+      shift_to(x);
+      sumexp += acc_t(1);
+    } else {
+      d = x - shift_ref(max);
+      sumexp += ::exp(d);
+    }
+    w += wc;
+    wx += wc * d;
+    wp += wc * p;
+    wpx += wc * p * d;
+  }
+
+  __device__ void merge(State o) {
     const acc_t m = (max > o.max || max != max) ? max : o.max;  // NaN wins, as in add()
-    const acc_t ninf = -::cuda::std::numeric_limits<acc_t>::infinity();
-    sumexp = (max == ninf ? acc_t(0) : sumexp * ::exp(max - m)) +
-             (o.max == ninf ? acc_t(0) : o.sumexp * ::exp(o.max - m));
-    max = m;
+    shift_to(m);
+    o.shift_to(m);
+    sumexp += o.sumexp;
+    w += o.w;
     wx += o.wx;
     wp += o.wp;
     wpx += o.wpx;
@@ -67,8 +81,8 @@ struct State {
 
   __device__ State shfl_down(int offset) const {
     return {__shfl_down_sync(0xffffffff, max, offset), __shfl_down_sync(0xffffffff, sumexp, offset),
-            __shfl_down_sync(0xffffffff, wx, offset), __shfl_down_sync(0xffffffff, wp, offset),
-            __shfl_down_sync(0xffffffff, wpx, offset)};
+            __shfl_down_sync(0xffffffff, w, offset),   __shfl_down_sync(0xffffffff, wx, offset),
+            __shfl_down_sync(0xffffffff, wp, offset),  __shfl_down_sync(0xffffffff, wpx, offset)};
   }
 };
 
@@ -94,16 +108,16 @@ struct Coefficients {
 // The loss of one position from its merged state; writes lse, loss and the mean's weight.
 template <typename scalar_t, typename index_t, typename acc_t, bool kWeight, bool kProb>
 __device__ void finish_position(const State<acc_t>& st, int64_t pos, const scalar_t* x_row,
-                                const index_t* target, const scalar_t* weight,
-                                const acc_t* weight_sum, Coefficients k, acc_t* lse, acc_t* loss,
-                                acc_t* position_weight) {
-  const acc_t l = st.max + ::log(st.sumexp);
+                                const index_t* target, const scalar_t* weight, Coefficients k,
+                                double* lse, acc_t* loss, acc_t* position_weight) {
+  // lse − x_c = (ref − x_c) + log_s: no term carries the logits' magnitude.
+  const acc_t ref = shift_ref(st.max), log_s = ::log(st.sumexp);
   const acc_t a = k.a, b = k.b;
-  lse[pos] = l;
+  lse[pos] = static_cast<double>(ref) + static_cast<double>(log_s);
   // ε = 0 skips the smoothing sum, so that −∞ logits (masking) stay finite as in PyTorch.
-  const acc_t smooth = b != 0 ? b * (*weight_sum * l - st.wx) : acc_t(0);
+  const acc_t smooth = b != 0 ? b * (st.w * log_s - st.wx) : acc_t(0);
   if constexpr (kProb) {
-    loss[pos] = a * (st.wp * l - st.wpx) + smooth;
+    loss[pos] = a * (st.wp * log_s - st.wpx) + smooth;
     position_weight[pos] = 1;
   } else {
     const int64_t t = target[pos];
@@ -114,7 +128,7 @@ __device__ void finish_position(const State<acc_t>& st, int64_t pos, const scala
     }
     CUDA_KERNEL_ASSERT(t >= 0 && t < k.C && "target must hold class indices in [0, C)");
     const acc_t wt = kWeight ? static_cast<acc_t>(weight[t]) : acc_t(1);
-    loss[pos] = a * wt * (l - static_cast<acc_t>(x_row[t * k.S])) + smooth;
+    loss[pos] = a * wt * ((ref - static_cast<acc_t>(x_row[t * k.S])) + log_s) + smooth;
     position_weight[pos] = wt;
   }
 }
@@ -124,8 +138,7 @@ template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 __global__ void __launch_bounds__(kRowThreads)
     forward_rows_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
                         const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
-                        const at::opmath_type<scalar_t>* __restrict__ weight_sum, Coefficients k,
-                        at::opmath_type<scalar_t>* lse, at::opmath_type<scalar_t>* loss,
+                        Coefficients k, double* lse, at::opmath_type<scalar_t>* loss,
                         at::opmath_type<scalar_t>* position_weight) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t row = blockIdx.x;
@@ -155,7 +168,7 @@ __global__ void __launch_bounds__(kRowThreads)
   st = block_merge(st);
   if (threadIdx.x == 0) {
     finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(
-        st, row, x_row, target, weight, weight_sum, k, lse, loss, position_weight);
+        st, row, x_row, target, weight, k, lse, loss, position_weight);
   }
 }
 
@@ -164,8 +177,7 @@ template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 __global__ void __launch_bounds__(kPositionThreads)
     forward_positions_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
                              const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
-                             const at::opmath_type<scalar_t>* __restrict__ weight_sum,
-                             Coefficients k, int64_t positions, at::opmath_type<scalar_t>* lse,
+                             Coefficients k, int64_t positions, double* lse,
                              at::opmath_type<scalar_t>* loss,
                              at::opmath_type<scalar_t>* position_weight) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -181,7 +193,7 @@ __global__ void __launch_bounds__(kPositionThreads)
              kProb ? static_cast<acc_t>(prob[base + c * k.S]) : acc_t(0));
     }
     finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(
-        st, pos, x + base, target, weight, weight_sum, k, lse, loss, position_weight);
+        st, pos, x + base, target, weight, k, lse, loss, position_weight);
   }
 }
 
@@ -191,7 +203,7 @@ template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
                                 const scalar_t* __restrict__ prob,
                                 const scalar_t* __restrict__ weight,
-                                const at::opmath_type<scalar_t>* __restrict__ lse,
+                                const double* __restrict__ lse,
                                 const at::opmath_type<scalar_t>* __restrict__ K,
                                 const at::opmath_type<scalar_t>* __restrict__ scale,
                                 int64_t scale_stride, Coefficients k, int64_t numel,
@@ -215,8 +227,9 @@ __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* _
     }
     const acc_t w = kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1);
     const acc_t g = scale[pos * scale_stride];
-    grad[i] =
-        static_cast<scalar_t>(g * (::exp(static_cast<acc_t>(x[i]) - lse[pos]) * K[pos] - w * q));
+    const auto [hi, lo] = split_lse<acc_t>(lse[pos]);
+    grad[i] = static_cast<scalar_t>(
+        g * (::exp((static_cast<acc_t>(x[i]) - hi) - lo) * K[pos] - w * q));
   }
 }
 
@@ -227,7 +240,7 @@ template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 __global__ void __launch_bounds__(kRowThreads)
     backward_rows_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
                          const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
-                         const at::opmath_type<scalar_t>* __restrict__ lse,
+                         const double* __restrict__ lse,
                          const at::opmath_type<scalar_t>* __restrict__ K,
                          const at::opmath_type<scalar_t>* __restrict__ scale, int64_t scale_stride,
                          Coefficients k, scalar_t* __restrict__ grad) {
@@ -245,13 +258,14 @@ __global__ void __launch_bounds__(kRowThreads)
       return;
     }
   }
-  const acc_t l = lse[row], kk = K[row], g = scale[row * scale_stride];
+  const auto [hi, lo] = split_lse<acc_t>(lse[row]);
+  const acc_t kk = K[row], g = scale[row * scale_stride];
   const int64_t step = int64_t(blockDim.x) * kUnroll;
   int64_t c = threadIdx.x;
   auto value = [&](int64_t cc, acc_t xv, acc_t pv) {
     const acc_t q = kProb ? b + a * pv : (cc == t ? a + b : b);
     const acc_t w = kWeight ? static_cast<acc_t>(weight[cc]) : acc_t(1);
-    return static_cast<scalar_t>(g * (::exp(xv - l) * kk - w * q));
+    return static_cast<scalar_t>(g * (::exp((xv - hi) - lo) * kk - w * q));
   };
   for (; c + (kUnroll - 1) * int64_t(blockDim.x) < k.C; c += step) {
     acc_t xs[kUnroll], ps[kUnroll];
@@ -327,7 +341,6 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& input, const Tenso
     const Tensor x = input.contiguous();
     const Tensor t = target.contiguous();
     const Tensor w = weight ? weight->contiguous() : Tensor();
-    const Tensor w_sum = weight_sum(p, input, weight);
     const Coefficients k{p.a, p.b, p.ignore_index, p.C, p.S};
     auto stream = at::cuda::getCurrentCUDAStream();
     dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {
@@ -342,13 +355,13 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& input, const Tenso
       if (p.S == 1) {
         forward_rows_kernel<scalar_t, index_t, kWeight, kProb>
             <<<positions, kRowThreads, 0, stream>>>(
-                xp, tp, pp, wp, w_sum.const_data_ptr<acc_t>(), k, lse.mutable_data_ptr<acc_t>(),
-                losses.mutable_data_ptr<acc_t>(), position_weights.mutable_data_ptr<acc_t>());
+                xp, tp, pp, wp, k, lse.mutable_data_ptr<double>(), losses.mutable_data_ptr<acc_t>(),
+                position_weights.mutable_data_ptr<acc_t>());
       } else {
         forward_positions_kernel<scalar_t, index_t, kWeight, kProb>
             <<<cuda::grid_size(positions, kPositionThreads, 16), kPositionThreads, 0, stream>>>(
-                xp, tp, pp, wp, w_sum.const_data_ptr<acc_t>(), k, positions,
-                lse.mutable_data_ptr<acc_t>(), losses.mutable_data_ptr<acc_t>(),
+                xp, tp, pp, wp, k, positions, lse.mutable_data_ptr<double>(),
+                losses.mutable_data_ptr<acc_t>(),
                 position_weights.mutable_data_ptr<acc_t>());
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -416,7 +429,7 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
     const index_t* tp = kProb ? nullptr : t.const_data_ptr<index_t>();
     const scalar_t* pp = kProb ? t.const_data_ptr<scalar_t>() : nullptr;
     const scalar_t* wp = kWeight ? w.const_data_ptr<scalar_t>() : nullptr;
-    const acc_t* lp = lse_c.const_data_ptr<acc_t>();
+    const double* lp = lse_c.const_data_ptr<double>();
     const int64_t scale_stride = scale.dim() == 0 ? 0 : 1;
     if (p.S == 1) {
       backward_rows_kernel<scalar_t, index_t, kWeight, kProb><<<p.N, kRowThreads, 0, stream>>>(

@@ -78,7 +78,10 @@ def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_t
     positions = _lsce_positions(input)
     acc = acc_dtype(input)
     loss = input.new_empty(positions if reduction == "none" else ())
-    return loss, input.new_empty(positions, dtype=acc), input.new_empty((), dtype=acc)
+    # lse is float64 for every input dtype: the backward splits it into hi + lo
+    # (csrc/label_smoothing_ce.h, split_lse) to stay exact at any shift of the logits.
+    lse = input.new_empty(positions, dtype=torch.float64)
+    return loss, lse, input.new_empty((), dtype=acc)
 
 
 @torch.library.register_fake("torchkit::_label_smoothing_cross_entropy_backward")
@@ -124,12 +127,13 @@ def _lsce_backward(ctx, grad, _grad_lse, _grad_total_weight):
         C = input.shape[class_dim]
         eps = label_smoothing
         a = 1 - eps - (eps / (C - 1) if exclude_target and C > 1 else 0.0)
+        # In float64, as lse is: lse − x_c in float32 would round at the logits' magnitude.
         scale = grad / total_weight if reduction == "mean" else grad
-        scale = scale.to(lse.dtype).unsqueeze(class_dim) if reduction == "none" else scale.to(lse.dtype)
+        scale = scale.double().unsqueeze(class_dim) if reduction == "none" else scale.double()
         view = [1] * input.dim()
         view[class_dim] = C
-        w = 1.0 if weight is None else weight.to(lse.dtype).view(view)
-        grad_target = (scale * a * w * (lse.unsqueeze(class_dim) - input.to(lse.dtype))).to(target.dtype)
+        w = 1.0 if weight is None else weight.double().view(view)
+        grad_target = (scale * a * w * (lse.unsqueeze(class_dim) - input.double())).to(target.dtype)
     return grad_input, grad_target, None, None, None, None, None
 
 
