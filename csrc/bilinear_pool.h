@@ -45,10 +45,10 @@ std::tuple<at::Tensor, at::Tensor> input_grads(const Problem& p, const at::Tenso
                                                const std::optional<at::Tensor>& y,
                                                std::array<bool, 2> output_mask, EmptyFn empty);
 
-// Signed square root: 0 at exactly 0 (as the reference's sign() gives).
+// Signed square root: 0 at exactly 0 (as the reference's sign() gives), NaN stays NaN.
 template <typename T>
 C10_HOST_DEVICE inline T signed_sqrt(T z, T eps) {
-  return z > T(0) ? std::sqrt(z + eps) : (z < T(0) ? -std::sqrt(-z + eps) : T(0));
+  return z > T(0) ? std::sqrt(z + eps) : (z < T(0) ? -std::sqrt(-z + eps) : (z == z ? T(0) : z));
 }
 
 // ∂L/∂Z for one entry, from the output o, its gradient g, the per-sample dot(o, g), the

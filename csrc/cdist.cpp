@@ -24,6 +24,16 @@ at::Tensor batched(const Problem& p, const at::Tensor& x) {
   return x.expand(expanded_shape(p, rows)).reshape({p.B, rows, p.M}).to(acc_type(x)).contiguous();
 }
 
+// (B, rows, 1): 1 where the row is finite, else 0, in x's type.
+at::Tensor finite_rows(const at::Tensor& x) {
+  return x.isfinite().all(-1, /*keepdim=*/true).to(x.scalar_type());
+}
+
+// (B, 1, M): the sum of x's finite rows.
+at::Tensor finite_row_sum(const at::Tensor& x) {
+  return x.masked_fill(x.isfinite().all(-1, /*keepdim=*/true).logical_not(), 0).sum(1, true);
+}
+
 }  // namespace
 
 Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, bool squared) {
@@ -72,12 +82,24 @@ Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::T
   c.raw1 = batched(p, x1);
   if (p.self) {
     c.raw2 = c.raw1;
-    c.x1 = c.raw1 - c.raw1.mean(1, /*keepdim=*/true);
+    at::Tensor mean = c.raw1.mean(1, /*keepdim=*/true);
+    if (!mean.is_cpu() || !mean.isfinite().all().item<bool>()) {  // as below
+      mean = finite_row_sum(c.raw1).div_(finite_rows(c.raw1).sum(1, true).clamp_min_(1));
+    }
+    c.x1 = c.raw1 - mean;
     c.x2 = c.x1;
   } else {
     c.raw2 = batched(p, *x2);
     const int64_t count = std::max<int64_t>(p.P + p.R, 1);
-    const at::Tensor mean = (c.raw1.sum(1, true) + c.raw2.sum(1, true)).div_(count);
+    at::Tensor mean = (c.raw1.sum(1, true) + c.raw2.sum(1, true)).div_(count);
+    // One NaN or ∞ row would make the mean, and so every distance of the batch, non-finite:
+    // such rows are left out of it. On the CPU the check is free; on CUDA it would cost a
+    // host synchronisation, so the masked mean is taken unconditionally there.
+    if (!mean.is_cpu() || !mean.isfinite().all().item<bool>()) {
+      mean = (finite_row_sum(c.raw1) + finite_row_sum(c.raw2))
+                 .div_((finite_rows(c.raw1).sum(1, true) + finite_rows(c.raw2).sum(1, true))
+                           .clamp_min_(1));
+    }
     c.x1 = c.raw1 - mean;
     c.x2 = c.raw2 - mean;
   }

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     DEVICES,
+    FLOAT_DTYPES,
     REDUCED_DTYPES,
     assert_close,
     assert_close_reduced,
@@ -115,6 +116,21 @@ def test_all_zero_input(device, E):
     for actual, exp in zip(grads(ops.bilinear_pool, x, y, g), grads(reference.bilinear_pool, x, y, g)):
         assert torch.isfinite(actual).all()
         assert_close(actual, exp)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("D,E", [(3, None), (5, 3), (16, 7), (9, None)])
+def test_nan_stays_nan(device, dtype, D, E):
+    """A NaN feature makes its sample's output NaN, as the reference's does, in the
+    vectorised body and in the scalar tail of the signed sqrt alike; other samples keep theirs."""
+    x = make((2, D, 3, 3), device=device).to(dtype)
+    y = None if E is None else make((2, E, 3, 3), device=device, seed=1).to(dtype)
+    x[0, -1, 1, 1] = float("nan")
+    out = ops.bilinear_pool(x, y)
+    ref = reference.bilinear_pool(x, y)
+    assert out[0].isnan().all() and ref[0].isnan().all()
+    assert not out[1].isnan().any()
 
 
 @pytest.mark.parametrize("device", DEVICES)

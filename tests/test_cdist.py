@@ -125,6 +125,45 @@ def test_near_duplicates_far_from_centre(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1e3, 1e4])
+@pytest.mark.parametrize("self_", [False, True])
+@pytest.mark.parametrize("squared", [False, True])
+def test_gradients_of_near_duplicates_in_far_apart_clusters(device, scale, self_, squared):
+    """The forward recomputes these distances directly; the gradient must be as exact: every
+    element within float32 precision of the float64 gradient of the same float32 inputs."""
+    g = torch.Generator().manual_seed(5)
+    A = torch.cat([scale + torch.randn(40, 16, generator=g), -scale + torch.randn(40, 16, generator=g)])
+    B = A + 1e-2 * torch.randn(A.shape, generator=g)
+    x = (torch.cat([A, B]) if self_ else A).to(device).requires_grad_()
+    y = None if self_ else B.to(device).requires_grad_()
+    out = ops.cdist(x, y, squared=squared)
+    up = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    inputs = (x,) if self_ else (x, y)
+    grads = torch.autograd.grad(out, inputs, up.float().to(device))
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    d64 = reference.cdist(*inputs64, squared=squared)
+    grads64 = torch.autograd.grad(d64, inputs64, up.to(device))
+    for actual, expected in zip(grads, grads64):
+        torch.testing.assert_close(actual.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e30])
+@pytest.mark.parametrize("self_", [False, True])
+def test_non_finite_rows_poison_only_their_distances(device, bad, self_):
+    """A NaN or ∞ row (or one whose norm overflows) changes only its own distances, and to
+    what Σ(a − b)² gives, as torch.cdist's exact mode does; the rest stay exact."""
+    x = make((40, 16), torch.float32, device, offset=100.0)
+    y = None if self_ else make((30, 16), torch.float32, device, seed=3, offset=100.0)
+    x[7, 3] = bad
+    if y is not None:
+        y[11, 0] = bad
+    out = ops.cdist(x, y)
+    exact = torch.cdist(x, x if y is None else y, compute_mode="donot_use_mm_for_euclid_dist")
+    torch.testing.assert_close(out, exact, equal_nan=True, rtol=2e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_self_distance(device, dtype):
     x = make((3, 40, 9), dtype, device).requires_grad_()

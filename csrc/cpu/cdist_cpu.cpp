@@ -49,6 +49,12 @@ acc_t direct_sq(const acc_t* a, const acc_t* b, int64_t M) {
   return sum;
 }
 
+// The epilogue's test: the expansion cancelled (or is NaN), and the entry is recomputed.
+template <typename acc_t>
+bool refines(acc_t d2, acc_t norms) {
+  return d2 * acc_t(kRefineRatio) < norms || d2 != d2;
+}
+
 // One output row from its GEMM row g (−2·a·b is formed here): d² = n_a + n_b − 2g, refined
 // where cancellation struck, clamped at 0, square-rooted unless squared.
 template <typename scalar_t, typename acc_t>
@@ -62,15 +68,16 @@ void epilogue_row(const acc_t* g, scalar_t* out, acc_t na, const acc_t* nb, cons
     const V vnb = V::loadu(nb + j0, n);
     const V sum = vna + vnb;
     V d2 = sum - two * V::loadu(g + j0, n);
-    // The rare lanes whose expansion cancelled are recomputed one by one.
-    const V refine = (d2 * ratio) < sum;
+    // The rare lanes whose expansion cancelled are recomputed one by one, and so are those
+    // it made NaN (∞ or overflowing inputs), so that they get what Σ(a − b)² gives.
+    const V refine = ((d2 * ratio) < sum) | (d2 != d2);
     d2.store(buf, n);
     if (refine.zero_mask() != (1 << V::size()) - 1) {
       for (int64_t l = 0; l < n; ++l)
-        if (buf[l] * acc_t(kRefineRatio) < na + nb[j0 + l])
-          buf[l] = direct_sq(a, xb + (j0 + l) * M, M);
+        if (refines(buf[l], na + nb[j0 + l])) buf[l] = direct_sq(a, xb + (j0 + l) * M, M);
     }
-    if (diag >= j0 && diag < j0 + n) buf[diag - j0] = 0;
+    // Σ(a − a)²: 0, or NaN for a row holding NaN or ∞, as torch.cdist gives.
+    if (diag >= j0 && diag < j0 + n) buf[diag - j0] = std::isfinite(na) ? 0 : direct_sq(a, a, M);
     d2 = at::vec::maximum(V::loadu(buf, n), zero);
     if (!squared) d2 = d2.sqrt();
     if constexpr (std::is_same_v<scalar_t, acc_t>) {
@@ -121,20 +128,53 @@ Tensor forward_cpu(const Tensor& x1, const std::optional<Tensor>& x2, bool squar
   return finish_forward(p, out);
 }
 
-// G' for one row: ∂L/∂d² · 2 = grad / dist (0 where dist = 0), or 2·grad for squared.
-// Returns the row's sum.
+// A distance the forward recomputed directly (its expansion cancelled: near-duplicates far
+// from the mean): its gradient G'·(a − b) is taken directly too, from the uncentred inputs,
+// and left out of the GEMMs, where rowsum·a − G'·b would cancel the same way.
+template <typename acc_t>
+struct Direct {
+  int64_t j, i;
+  acc_t v;
+};
+
+// G' for one row: ∂L/∂d² · 2 = grad / dist (0 where dist = 0), or 2·grad for squared, with
+// the directly recomputed entries moved out: their x1 half is added to d1 (this row's), their
+// x2 half queued in `direct`. Returns the row's sum over the entries the GEMMs take.
 template <typename scalar_t, typename acc_t>
-acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dist, acc_t* gp,
-                      int64_t R, bool squared) {
+acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dist, acc_t na,
+                      const acc_t* nb, const acc_t* a, const acc_t* xb, int64_t i, int64_t R,
+                      int64_t M, bool squared, acc_t* gp, acc_t* d1,
+                      std::vector<Direct<acc_t>>& direct) {
+  auto take_direct = [&](int64_t j, acc_t v) {
+    const acc_t* b = xb + j * M;
+    for (int64_t k = 0; k < M; ++k) d1[k] += v * (a[k] - b[k]);
+    direct.push_back({j, i, v});
+  };
+  auto refined = [&](acc_t d, int64_t j) {
+    const acc_t d2 = squared ? d : d * d;
+    return d2 * acc_t(kRefineRatio) < na + nb[j];
+  };
   int64_t j = 0;
   acc_t sum = 0;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     using V = Vectorized<acc_t>;
-    const V zero(0), two(2);
+    const V zero(0), two(2), vna(na), ratio(static_cast<acc_t>(kRefineRatio));
+    constexpr int kAll = (1 << V::size()) - 1;
     V vsum(0);
     for (; j + V::size() <= R; j += V::size()) {
       const V g = gstride ? V::loadu(grad + j) : V(grad[0]), d = V::loadu(dist + j);
-      const V v = squared ? two * g : V::blendv(g / d, zero, d == zero);
+      V v = squared ? two * g : V::blendv(g / d, zero, d == zero);
+      const V d2 = squared ? d : d * d;
+      if (((d2 * ratio) < (vna + V::loadu(nb + j))).zero_mask() != kAll) {
+        v.store(gp + j);
+        for (int64_t l = 0; l < V::size(); ++l) {
+          if (refined(dist[j + l], j + l)) {
+            take_direct(j + l, gp[j + l]);
+            gp[j + l] = 0;
+          }
+        }
+        v = V::loadu(gp + j);
+      }
       v.store(gp + j);
       vsum = vsum + v;
     }
@@ -143,7 +183,11 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
   for (; j < R; ++j) {
     const acc_t gr = static_cast<acc_t>(grad[j * gstride]);
     const acc_t d = static_cast<acc_t>(dist[j]);
-    const acc_t v = squared ? 2 * gr : (d == 0 ? acc_t(0) : gr / d);
+    acc_t v = squared ? 2 * gr : (d == 0 ? acc_t(0) : gr / d);
+    if (refined(d, j)) {
+      take_direct(j, v);
+      v = 0;
+    }
     gp[j] = v;
     sum += v;
   }
@@ -157,6 +201,7 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
   const int64_t rows = tile_rows(p.R, sizeof(acc_t));
   Tensor gp = at::empty({std::min(rows, p.P), p.R}, c.x1.options());
   Tensor rowsum = at::empty({std::min(rows, p.P), 1}, c.x1.options());
+  Tensor d1 = at::empty({std::min(rows, p.P), p.M}, c.x1.options());
   Tensor colsum;
   if (g2.defined()) colsum = at::zeros({p.B, p.R, 1}, c.x1.options());
   const scalar_t* grad_p = grad.tensor.const_data_ptr<scalar_t>();
@@ -164,28 +209,64 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
   const scalar_t* dist_p = dist.const_data_ptr<scalar_t>();
   acc_t* gp_p = gp.data_ptr<acc_t>();
   acc_t* rs = rowsum.data_ptr<acc_t>();
+  acc_t* d1_p = d1.data_ptr<acc_t>();
+  std::vector<std::vector<Direct<acc_t>>> queued(at::get_num_threads());
   for (int64_t b = 0; b < p.B; ++b) {
+    const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
+    const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
+    const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
+    const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
       const int64_t off = (b * p.P + i0) * p.R;
+      d1.zero_();
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        auto& direct = queued[at::get_thread_num()];
         for (int64_t i = begin; i < end; ++i) {
-          rs[i] = scaled_grad_row<scalar_t, acc_t>(grad_p + (off + i * p.R) * gs, gs,
-                                                   dist_p + off + i * p.R, gp_p + i * p.R, p.R,
-                                                   p.squared);
+          rs[i] = scaled_grad_row<scalar_t, acc_t>(
+              grad_p + (off + i * p.R) * gs, gs, dist_p + off + i * p.R, na[i0 + i], nb,
+              xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared, gp_p + i * p.R,
+              d1_p + i * p.M, direct);
         }
       });
       const Tensor G = gp.narrow(0, 0, n);
-      const Tensor xa = c.x1[b].narrow(0, i0, n);
-      if (g1.defined()) {  // rowsum·x1 − G'·x2
+      const Tensor xc = c.x1[b].narrow(0, i0, n);
+      if (g1.defined()) {  // rowsum·x1 − G'·x2, plus the direct entries
         Tensor g1_rows = g1[b].narrow(0, i0, n);
-        at::addmm_out(g1_rows, xa * rowsum.narrow(0, 0, n), G, c.x2[b], 1, -1);
+        at::addmm_out(g1_rows, xc * rowsum.narrow(0, 0, n), G, c.x2[b], 1, -1);
+        g1_rows.add_(d1.narrow(0, 0, n));
       }
       if (g2.defined()) {  // −G'ᵀ·x1 now, colsum·x2 at the end
-        g2[b].addmm_(G.t(), xa, 1, -1);
+        g2[b].addmm_(G.t(), xc, 1, -1);
         colsum[b].add_(G.sum(0).unsqueeze(-1));
       }
     }
+    // The direct entries' x2 half: −G'·(a − b) into row j of grad_x2, in (j, i) order on
+    // any number of threads (bitwise reproducible), each j on one thread.
+    std::vector<Direct<acc_t>> direct;
+    for (auto& q : queued) {
+      direct.insert(direct.end(), q.begin(), q.end());
+      q.clear();
+    }
+    if (!g2.defined() || direct.empty()) continue;
+    std::sort(direct.begin(), direct.end(), [](const Direct<acc_t>& l, const Direct<acc_t>& r) {
+      return l.j != r.j ? l.j < r.j : l.i < r.i;
+    });
+    acc_t* g2b = g2[b].data_ptr<acc_t>();
+    const int64_t count = static_cast<int64_t>(direct.size());
+    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+      // A task starts at the first entry of a column: a column is never split between tasks.
+      int64_t e = begin;
+      while (e > 0 && e < end && direct[e].j == direct[e - 1].j) ++e;
+      if (e == end) return;  // all of the previous task's column
+      for (; e < count && (e < end || direct[e].j == direct[e - 1].j); ++e) {
+        const Direct<acc_t>& d = direct[e];
+        const acc_t* a = xa + d.i * p.M;
+        const acc_t* bj = xb + d.j * p.M;
+        acc_t* out = g2b + d.j * p.M;
+        for (int64_t k = 0; k < p.M; ++k) out[k] -= d.v * (a[k] - bj[k]);
+      }
+    });
   }
   if (g2.defined()) g2.addcmul_(colsum, c.x2);
 }
