@@ -264,6 +264,14 @@ def test_only_requested_gradients(device):
     assert g1.numel() == 0 and g2.shape == x2.shape
 
 
+def test_autocast_runs_in_float32_like_torch_cdist():
+    x, y = make((8, 16), torch.float32), make((5, 16), torch.float32, seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, theirs = ops.cdist(x, y), torch.cdist(x, y)
+    assert ours.dtype == theirs.dtype == torch.float32
+    torch.testing.assert_close(ours, ops.cdist(x, y))
+
+
 def test_module():
     m = torchkit.nn.CDist(squared=True)
     x1, x2 = make((4, 3)), make((5, 3))

@@ -473,6 +473,30 @@ def test_module():
     assert_close(excl(x57, t5), reference.label_smoothing_cross_entropy(x57, t5, exclude_target=True))
 
 
+def test_module_signature_like_cross_entropy_loss():
+    with pytest.raises(TypeError, match=r"weight \(the first positional argument.*got float 0.1; .*label_smoothing=0.1"):
+        torchkit.nn.LabelSmoothingCrossEntropy(0.1)
+    timm_style = torchkit.nn.LabelSmoothingCrossEntropy(smoothing=0.3)
+    assert timm_style.label_smoothing == 0.3
+    assert_close(timm_style(x57, t5), F.cross_entropy(x57, t5, label_smoothing=0.3))
+    assert torchkit.nn.LabelSmoothingCrossEntropy().label_smoothing == 0.1
+    with pytest.raises(ValueError, match="smoothing is an alias of label_smoothing"):
+        torchkit.nn.LabelSmoothingCrossEntropy(label_smoothing=0.1, smoothing=0.2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_autocast_runs_the_loss_in_float32_like_f_cross_entropy(dtype):
+    x = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    t = torch.randint(1000, (64,), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = ops.label_smoothing_cross_entropy(x, t)
+        theirs = F.cross_entropy(x, t, label_smoothing=0.1)
+    assert ours.dtype == theirs.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs)
+    ours.backward()
+    assert x.grad.dtype == dtype
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_64bit_indexing_past_2_31_elements(device):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 
@@ -34,3 +35,51 @@ def no_double_backward(name: str):
         )
 
     return backward
+
+
+def differentiable(name: str, op, setup_context, backward, jvp=None):
+    """``op`` (a ``torch.ops.torchkit`` overload) as an ``autograd.Function`` with the formula
+    registered for it, for the Python functions to call.
+
+    The raw op's own registration (``torch.library.register_autograd``) serves eager autograd
+    and ``torch.compile``, but not the ``torch.func`` transforms: they need a ``Function``
+    with ``setup_context``. With one, ``torch.func.grad``, ``jacrev`` and ``vmap`` over them
+    (per-sample gradients) work; ``vmap`` of the kernels falls back to a loop over the batch.
+    Forward-mode AD uses ``jvp`` where the op has one (its ``setup_context`` then calls
+    ``ctx.save_for_forward``); without one it is refused with the op's name rather than
+    leaving the tangent silently zero. Backward ops go through one too (with
+    ``no_double_backward``), as the transforms call them with gradient tracking on."""
+
+    def forward(*args):
+        return op(*args)
+
+    def refuse_jvp(ctx, *tangents):
+        raise NotImplementedError(
+            f"torchkit.ops.{name}: forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) "
+            "is not supported; use reverse mode (backward(), torch.func.grad, jacrev)"
+        )
+
+    fn = type(
+        op.name().split("::")[-1],
+        (torch.autograd.Function,),
+        dict(
+            forward=staticmethod(forward),
+            setup_context=staticmethod(setup_context),
+            backward=staticmethod(backward),
+            jvp=staticmethod(jvp or refuse_jvp),
+            generate_vmap_rule=True,
+        ),
+    )
+
+    def apply(*args):
+        # The Function only where a transform or forward AD is active: elsewhere the raw op's
+        # registration does the same, and Function.apply would add ~50 µs of argument binding
+        # to every call. torch.compile always traces the raw op (Dynamo cannot trace a
+        # Function with a custom jvp).
+        if not torch.compiler.is_compiling() and (
+            torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+        ):
+            return fn.apply(*args)
+        return op(*args)
+
+    return apply

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_same_device, no_double_backward
+from torchkit.ops._common import acc_dtype, check_same_device, differentiable, no_double_backward
 
 
 def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> Tensor:
@@ -35,7 +35,7 @@ def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e
         >>> features = torch.relu(torch.randn(8, 512, 28, 28, requires_grad=True))
         >>> pooled = torchkit.ops.bilinear_pool(features)  # (8, 262144)
     """
-    out, _ = torch.ops.torchkit.bilinear_pool.default(x, y, float(sqrt_eps), float(l2_eps))
+    out, _ = _bilinear_pool(x, y, float(sqrt_eps), float(l2_eps))
     return out
 
 
@@ -76,7 +76,7 @@ def _bilinear_setup_context(ctx, inputs, output):
 def _bilinear_backward(ctx, grad, _grad_norm):
     x, y, out, norm = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], y is not None and ctx.needs_input_grad[1]]
-    gx, gy = torch.ops.torchkit._bilinear_pool_backward.default(grad, x, y, out, norm, *ctx.eps, mask)
+    gx, gy = _bilinear_pool_backward(grad, x, y, out, norm, *ctx.eps, mask)
     return (gx if mask[0] else None), (gy if mask[1] else None), None, None
 
 
@@ -86,3 +86,16 @@ torch.library.register_autograd(
     no_double_backward("bilinear_pool"),
     setup_context=lambda ctx, inputs, output: None,
 )
+_bilinear_pool = differentiable(
+    "bilinear_pool", torch.ops.torchkit.bilinear_pool.default, _bilinear_setup_context, _bilinear_backward
+)
+_bilinear_pool_backward = differentiable(
+    "bilinear_pool",
+    torch.ops.torchkit._bilinear_pool_backward.default,
+    lambda ctx, inputs, output: None,
+    no_double_backward("bilinear_pool"),
+)
+
+# Under autocast: a normalisation (signed sqrt, L2), as autocast runs norms: the result in float32. (permute_blocks is a copy and keeps its dtype.)
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("torchkit::bilinear_pool", _device, torch.float32)

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import check_same_device, no_double_backward
+from torchkit.ops._common import check_same_device, differentiable, no_double_backward
 
 
 def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
@@ -36,7 +36,7 @@ def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> 
         >>> d = torchkit.ops.cdist(x, y)  # (4096, 1000)
         >>> nearest = d.argmin(1)
     """
-    return torch.ops.torchkit.cdist.default(x1, x2, squared)
+    return _cdist(x1, x2, squared)
 
 
 def _cdist_shape(x1: Tensor, x2: Optional[Tensor]) -> tuple:
@@ -71,7 +71,7 @@ def _cdist_setup_context(ctx, inputs, output):
 def _cdist_backward(ctx, grad):
     x1, x2, dist = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], x2 is not None and ctx.needs_input_grad[1]]
-    g1, g2 = torch.ops.torchkit._cdist_backward.default(grad, x1, x2, dist, ctx.squared, mask)
+    g1, g2 = _cdist_backward_op(grad, x1, x2, dist, ctx.squared, mask)
     return (g1 if mask[0] else None), (g2 if mask[1] else None), None
 
 
@@ -79,3 +79,11 @@ torch.library.register_autograd("torchkit::cdist", _cdist_backward, setup_contex
 torch.library.register_autograd(
     "torchkit::_cdist_backward", no_double_backward("cdist"), setup_context=lambda ctx, inputs, output: None
 )
+_cdist = differentiable("cdist", torch.ops.torchkit.cdist.default, _cdist_setup_context, _cdist_backward)
+_cdist_backward_op = differentiable(
+    "cdist", torch.ops.torchkit._cdist_backward.default, lambda ctx, inputs, output: None, no_double_backward("cdist")
+)
+
+# Under autocast: as autocast runs torch.cdist: the expansion needs float32's digits.
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("torchkit::cdist", _device, torch.float32)

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_same_device, no_double_backward
+from torchkit.ops._common import acc_dtype, check_same_device, differentiable, no_double_backward
 
 
 def label_smoothing_cross_entropy(
@@ -62,7 +62,7 @@ def label_smoothing_cross_entropy(
     """
     if target.dtype in (torch.uint8, torch.int8, torch.int16):
         target = target.long()
-    loss, _, _ = torch.ops.torchkit.label_smoothing_cross_entropy.default(
+    loss, _, _ = _label_smoothing_cross_entropy(
         input, target, weight, ignore_index, reduction, float(label_smoothing), exclude_target
     )
     return loss
@@ -110,31 +110,54 @@ def _lsce_setup_context(ctx, inputs, output):
     _, lse, total_weight = output
     # Only the inputs (no copies), per-position lse and the mean's denominator.
     ctx.save_for_backward(input, target, weight, lse, total_weight)
+    ctx.save_for_forward(input, target, weight, lse, total_weight)  # for _lsce_jvp
+    ctx.mark_non_differentiable(lse, total_weight)  # what the backward needs, not results
     ctx.args = (ignore_index, reduction, label_smoothing, exclude_target)
+
+
+def _lsce_target_grad(ctx, grad, input, weight, lse, total_weight) -> Tensor:
+    """Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse − x_c), a the target coefficient, times
+    the upstream gradient, in float64 as lse is (lse − x_c in float32 would round at the
+    logits' magnitude)."""
+    _, reduction, label_smoothing, exclude_target = ctx.args
+    class_dim = 0 if input.dim() == 1 else 1
+    C = input.shape[class_dim]
+    eps = label_smoothing
+    a = 1 - eps - (eps / (C - 1) if exclude_target and C > 1 else 0.0)
+    scale = grad / total_weight if reduction == "mean" else grad
+    scale = scale.double().unsqueeze(class_dim) if reduction == "none" else scale.double()
+    view = [1] * input.dim()
+    view[class_dim] = C
+    w = 1.0 if weight is None else weight.double().view(view)
+    return scale * a * w * (lse.unsqueeze(class_dim) - input.double())
 
 
 def _lsce_backward(ctx, grad, _grad_lse, _grad_total_weight):
     input, target, weight, lse, total_weight = ctx.saved_tensors
-    _, reduction, label_smoothing, exclude_target = ctx.args
     grad_input = grad_target = None
     if ctx.needs_input_grad[0]:
-        grad_input = torch.ops.torchkit._label_smoothing_cross_entropy_backward.default(
-            grad, input, target, weight, lse, total_weight, *ctx.args
-        )
+        grad_input = _lsce_backward_op(grad, input, target, weight, lse, total_weight, *ctx.args)
     if ctx.needs_input_grad[1]:
-        # Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse − x_c), a the target coefficient.
-        class_dim = 0 if input.dim() == 1 else 1
-        C = input.shape[class_dim]
-        eps = label_smoothing
-        a = 1 - eps - (eps / (C - 1) if exclude_target and C > 1 else 0.0)
-        # In float64, as lse is: lse − x_c in float32 would round at the logits' magnitude.
-        scale = grad / total_weight if reduction == "mean" else grad
-        scale = scale.double().unsqueeze(class_dim) if reduction == "none" else scale.double()
-        view = [1] * input.dim()
-        view[class_dim] = C
-        w = 1.0 if weight is None else weight.double().view(view)
-        grad_target = (scale * a * w * (lse.unsqueeze(class_dim) - input.double())).to(target.dtype)
+        grad_target = _lsce_target_grad(ctx, grad, input, weight, lse, total_weight).to(target.dtype)
     return grad_input, grad_target, None, None, None, None, None
+
+
+def _lsce_jvp(ctx, input_tangent, target_tangent, *_):
+    """The loss's tangent: its gradient (the backward kernel with a unit upstream gradient)
+    dotted with the tangents, per position for reduction="none"."""
+    input, target, weight, lse, total_weight = ctx.saved_tensors
+    reduction = ctx.args[1]
+    class_dim = 0 if input.dim() == 1 else 1
+    unit = input.new_ones(lse.shape if reduction == "none" else ())
+    dims = (class_dim,) if reduction == "none" else tuple(range(input.dim()))
+    tangent = None
+    if input_tangent is not None:
+        g = _lsce_backward_op(unit, input, target, weight, lse, total_weight, *ctx.args)
+        tangent = (g.to(lse.dtype) * input_tangent.to(lse.dtype)).sum(dims)
+    if target_tangent is not None:
+        t = (_lsce_target_grad(ctx, unit, input, weight, lse, total_weight) * target_tangent.double()).sum(dims)
+        tangent = t if tangent is None else tangent + t
+    return (None if tangent is None else tangent.to(input.dtype)), None, None
 
 
 torch.library.register_autograd(
@@ -145,3 +168,20 @@ torch.library.register_autograd(
     no_double_backward("label_smoothing_cross_entropy"),
     setup_context=lambda ctx, inputs, output: None,
 )
+_label_smoothing_cross_entropy = differentiable(
+    "label_smoothing_cross_entropy",
+    torch.ops.torchkit.label_smoothing_cross_entropy.default,
+    _lsce_setup_context,
+    _lsce_backward,
+    jvp=_lsce_jvp,
+)
+_lsce_backward_op = differentiable(
+    "label_smoothing_cross_entropy",
+    torch.ops.torchkit._label_smoothing_cross_entropy_backward.default,
+    lambda ctx, inputs, output: None,
+    no_double_backward("label_smoothing_cross_entropy"),
+)
+
+# Under autocast: a loss, as autocast runs F.cross_entropy: the logits and the result in float32.
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("torchkit::label_smoothing_cross_entropy", _device, torch.float32)

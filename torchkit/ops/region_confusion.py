@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import check_same_device
+from torchkit.ops._common import check_same_device, differentiable
 
 
 def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
@@ -27,7 +27,7 @@ def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
             fail a device-side assertion on CUDA).
         num_blocks: ``n``, in ``[1, min(H, W)]``.
     """
-    return torch.ops.torchkit.permute_blocks.default(x, permutation, num_blocks)
+    return _permute_blocks(x, permutation, num_blocks)
 
 
 def _permute_blocks_format(x: Tensor) -> torch.memory_format:
@@ -61,6 +61,7 @@ def _inverse_permutation(permutation: Tensor) -> Tensor:
 def _permute_blocks_setup_context(ctx, inputs, output):
     _, permutation, num_blocks = inputs
     ctx.save_for_backward(permutation)
+    ctx.save_for_forward(permutation)
     ctx.num_blocks = num_blocks
 
 
@@ -70,17 +71,56 @@ def _permute_blocks_backward(ctx, grad):
     return permute_blocks(grad, _inverse_permutation(permutation), ctx.num_blocks), None, None
 
 
+def _permute_blocks_jvp(ctx, x_tangent, _permutation_tangent, _num_blocks_tangent):
+    (permutation,) = ctx.saved_tensors
+    return permute_blocks(x_tangent, permutation, ctx.num_blocks)  # linear: the op itself
+
+
 torch.library.register_autograd(
     "torchkit::permute_blocks", _permute_blocks_backward, setup_context=_permute_blocks_setup_context
+)
+_permute_blocks = differentiable(
+    "permute_blocks",
+    torch.ops.torchkit.permute_blocks.default,
+    _permute_blocks_setup_context,
+    _permute_blocks_backward,
+    jvp=_permute_blocks_jvp,
 )
 
 
 def _check_probability(name: str, p: float) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"{name}: p must be a float in [0, 1], got {type(p).__name__} {p!r}")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"{name}: p must be a probability in [0, 1], got {p}")
 
 
+def _check_rcm_settings(name: str, num_blocks: int, neighbourhood: int, image_known: bool = False) -> None:
+    """The settings every RCM entry point takes, checked where they are given (num_blocks'
+    upper bound, min(H, W), once the image is known: _check_rcm_args)."""
+    for arg, value in (("num_blocks", num_blocks), ("neighbourhood", neighbourhood)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: {arg} must be an int, got {type(value).__name__} {value!r}")
+    if num_blocks < 1 and not image_known:
+        raise ValueError(f"{name}: num_blocks must be >= 1, got {num_blocks}")
+    if neighbourhood < 2:
+        # randint(−1, 1) draws offsets in {−1, 0}; a stable argsort of i + r then keeps every
+        # block where it is (a tie keeps the lower index first), so k = 1 would silently
+        # never shuffle.
+        raise ValueError(
+            f"{name}: neighbourhood must be >= 2, got {neighbourhood}: the offsets are drawn from "
+            "randint(-k, k), and with k = 1 no block ever moves (k = 2 lets a block move by up to "
+            "2 rows and 2 columns)"
+        )
+
+
+def _check_generator(name: str, generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{name}: generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}")
+
+
 def _check_rcm_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
+    _check_rcm_settings("region_confusion", num_blocks, neighbourhood, image_known=True)
     if x.dim() not in (3, 4):
         raise ValueError(
             f"region_confusion: x must be an image (C, H, W) or a batch (N, C, H, W), got shape {tuple(x.shape)}"
@@ -90,8 +130,6 @@ def _check_rcm_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
             f"region_confusion: num_blocks must be in [1, min(H, W)] = [1, {min(x.shape[-2:])}] for x of shape "
             f"{tuple(x.shape)}, got {num_blocks}"
         )
-    if neighbourhood < 1:
-        raise ValueError(f"region_confusion: neighbourhood must be >= 1, got {neighbourhood}")
 
 
 def _rcm_permutations(
@@ -138,7 +176,8 @@ def region_confusion(
             ``channels_last``. If ``H`` or ``W`` is not divisible by ``n``, blocks are
             ``⌊H/n⌋ × ⌊W/n⌋`` and the remainder rows (bottom) and columns (right) stay put.
         num_blocks: ``n``, in ``[1, min(H, W)]``.
-        neighbourhood: ``k >= 1``; offsets are drawn from ``randint(−k, k)``, i.e. [−k, k−1].
+        neighbourhood: ``k >= 2``; offsets are drawn from ``randint(−k, k)``, i.e. [−k, k−1]
+            (with ``k = 1`` no block would ever move, so it is refused).
         generator: the source of randomness (the global CPU generator by default). Draws
             happen on the generator's device, so the same seed gives the same result for x
             on the CPU and on CUDA.
@@ -148,6 +187,7 @@ def region_confusion(
         for a 3-D x); output block ``b`` is input block ``permutation[..., b]``.
     """
     _check_rcm_args(x, num_blocks, neighbourhood)
+    _check_generator("region_confusion", generator)
     samples = x.shape[0] if x.dim() == 4 else 1
     perm = _rcm_permutations(samples, num_blocks, neighbourhood, generator, x.device)
     if x.dim() == 3:
