@@ -174,7 +174,7 @@ def parse_args(argv=None):
     p.add_argument("--channels", type=int, default=256, help="channels before bilinear pooling (D; D² features)")
     p.add_argument("--label-smoothing", type=float, default=0.1, help="ε of the loss")
     p.add_argument("--rcm-blocks", type=int, default=4, help="RCM grid size n (n×n blocks)")
-    p.add_argument("--rcm-neighbourhood", type=int, default=1, help="RCM neighbourhood k")
+    p.add_argument("--rcm-neighbourhood", type=int, default=2, help="RCM neighbourhood k (>= 2)")
     p.add_argument("--rcm-p", type=float, default=0.5, help="probability of shuffling an image")
     p.add_argument("--weights", default=None, help="torchvision weights for the trunk, e.g. IMAGENET1K_V1")
     p.add_argument("--reference", action="store_true", help="also train with torchkit.reference and compare")

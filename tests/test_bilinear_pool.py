@@ -233,6 +233,28 @@ def test_module():
     assert "sqrt_eps=0.001" in repr(m)
 
 
+def test_module_output_dim():
+    one = torchkit.nn.BilinearPool2d(in_channels=4)
+    two = torchkit.nn.BilinearPool2d(in_channels=4, y_channels=2)
+    assert one.output_dim == 16 and two.output_dim == 8 and "in_channels=4" in repr(one)
+    x, y = inputs((2, 4, 3, 3), 2)
+    assert one(x).shape == (2, one.output_dim) and two(x, y).shape == (2, two.output_dim)
+    with pytest.raises(AttributeError, match=r"output_dim needs the channel count.*in_channels=D"):
+        torchkit.nn.BilinearPool2d().output_dim
+    with pytest.raises(ValueError, match=r"built for \(x, y\) channels \(4, None\), got \(3, None\)"):
+        one(x[:, :3])
+    with pytest.raises(ValueError, match="in_channels must be a positive int"):
+        torchkit.nn.BilinearPool2d(in_channels=0)
+
+
+def test_autocast_runs_in_float32():
+    x = make((2, 5, 3, 3)).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.bilinear_pool(x.bfloat16())
+    assert out.dtype == torch.float32
+    assert_close(out, ops.bilinear_pool(x.bfloat16().float()))
+
+
 def test_reference_is_the_cookbook():
     x = make((2, 3, 4, 4))
     N, D, H, W = x.shape

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow  # trains a model: full suite (make test) only
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "bcnn_finegrained.py"
@@ -42,3 +43,18 @@ def test_help_documents_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in ("--data", "--weights", "--reference", "--steps", "--batch-size", "--rcm-blocks", "--compile"):
         assert flag in text
+
+
+def test_training_pipeline_shuffles_blocks():
+    """The example's default augmentation really moves blocks (a neighbourhood that never
+    shuffles would train DCL without its augmentation)."""
+    example = load_example()
+    args = example.parse_args([*SMALL, "--rcm-p", "1"])  # the default neighbourhood, always applied
+    train, *_ = example.make_datasets(args)
+    moved = 0
+    for i in range(8):
+        torch.manual_seed(i)
+        augmented, _ = train[i]
+        plain = (train.base[i][0].float() / 255 - 0.5) / 0.25
+        moved += not torch.allclose(augmented, plain)
+    assert moved == 8

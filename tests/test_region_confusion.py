@@ -59,7 +59,7 @@ def test_output_is_input_moved_by_permutation(device, dtype, shape, n):
     assert torch.equal(out, oracle(x, perm, n))
 
 
-@pytest.mark.parametrize("n,k", [(7, 2), (4, 1), (5, 3), (3, 5)])
+@pytest.mark.parametrize("n,k", [(7, 2), (4, 2), (5, 3), (3, 5)])
 def test_permutation_is_a_bijection_within_the_bound(n, k):
     _, perm = ops.region_confusion(torch.zeros(64, 1, n, n), n, k, generator=seeded(n * k))
     assert torch.equal(perm.sort(1).values, torch.arange(n * n).expand(64, -1))
@@ -157,7 +157,8 @@ def test_gradient_is_inverse_gather(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck(device):
     x = make((2, 2, 6, 7), torch.float64, device).requires_grad_()
-    perm = ops.region_confusion(x, 3, 1, generator=seeded())[1]
+    perm = ops.region_confusion(x, 3, 2, generator=seeded())[1]
+    assert (perm != torch.arange(9)).any()
     check_gradcheck(lambda t: ops.permute_blocks(t, perm, 3), (x,))
     assert torch.autograd.gradgradcheck(lambda t: ops.permute_blocks(t, perm, 3), (x,))
 
@@ -168,7 +169,7 @@ def test_opcheck(device, channels_last):
     x = make((2, 3, 8, 8), device=device).requires_grad_()
     if channels_last:
         x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
-    perm = ops.region_confusion(x, 4, 1, generator=seeded())[1]
+    perm = ops.region_confusion(x, 4, 2, generator=seeded())[1]
     check_opcheck(OP, (x, perm, 4))
     check_opcheck(OP, (x.detach()[0], perm[0], 4))
     check_opcheck(OP, (x.detach().to(torch.uint8), perm, 4))
@@ -254,6 +255,50 @@ def test_transform_batched_plain_tensor():
     assert torch.equal(out.flatten().sort().values, x.flatten().sort().values)
 
 
+def test_transform_moves_one_mask_per_image_and_refuses_one_for_a_batch():
+    rcm = torchkit.transforms.RandomRegionConfusion(4, 2)
+    images = tv_tensors.Image(make((3, 2, 8, 8)))
+    masks = tv_tensors.Mask(torch.arange(3 * 64).view(3, 8, 8))
+    torch.manual_seed(0)
+    out, moved = rcm(images, masks)
+    torch.manual_seed(0)
+    _, perm = ops.region_confusion(images.as_subclass(torch.Tensor), 4, 2)
+    assert torch.equal(moved, oracle(masks.as_subclass(torch.Tensor).unsqueeze(1), perm, 4).squeeze(1))
+    with pytest.raises(ValueError, match=r"each image needs its own mask.*3 image\(s\).*got shape \(8, 8\)"):
+        rcm(images, tv_tensors.Mask(torch.zeros(8, 8, dtype=torch.long)))
+
+
+def test_transform_hands_out_the_permutation_in_a_dict_sample():
+    rcm = torchkit.transforms.RandomRegionConfusion(7, 2, permutation_key="permutation")
+    image = tv_tensors.Image(make((3, 28, 28)))
+    mask = tv_tensors.Mask(torch.arange(28 * 28).view(28, 28))
+    torch.manual_seed(3)
+    sample = rcm({"image": image, "mask": mask, "label": 5})
+    assert sample["label"] == 5 and sample["permutation"].shape == (49,)
+    assert torch.equal(sample["image"], oracle(image.as_subclass(torch.Tensor), sample["permutation"], 7))
+    assert torch.equal(sample["mask"], oracle(mask.as_subclass(torch.Tensor)[None], sample["permutation"], 7)[0])
+    torch.manual_seed(3)
+    assert torch.equal(ops.region_confusion(image, 7, 2)[1], sample["permutation"])
+    identity = torchkit.transforms.RandomRegionConfusion(7, 2, p=0.0, permutation_key="permutation")
+    assert torch.equal(identity({"image": image})["permutation"], torch.arange(49))
+    with pytest.raises(TypeError, match="adds the permutation to a dict sample"):
+        rcm(image)
+    with pytest.raises(ValueError, match="already has a key 'permutation'"):
+        rcm({"image": image, "permutation": 1})
+
+
+def test_transform_accepts_pil_images():
+    from PIL import Image
+
+    array = torch.arange(3 * 28 * 28).view(3, 28, 28).remainder(251).to(torch.uint8)
+    pil = Image.fromarray(array.permute(1, 2, 0).numpy(), mode="RGB")
+    rcm = torchkit.transforms.RandomRegionConfusion(7, 2, permutation_key="permutation")
+    sample = rcm({"image": pil})
+    assert isinstance(sample["image"], Image.Image) and sample["image"].mode == "RGB"
+    out = torch.from_numpy(__import__("numpy").asarray(sample["image"])).permute(2, 0, 1)
+    assert torch.equal(out, oracle(array, sample["permutation"], 7))
+
+
 def test_transform_refuses_boxes():
     rcm = torchkit.transforms.RandomRegionConfusion()
     boxes = tv_tensors.BoundingBoxes(torch.tensor([[0, 0, 5, 5]]), format="XYXY", canvas_size=(28, 28))
@@ -268,7 +313,16 @@ BAD = [
     (lambda: ops.region_confusion(make((1, 2, 3, 14, 14))), ValueError, r"x must be an image"),
     (lambda: ops.region_confusion(x4, 0), ValueError, r"num_blocks must be in \[1, min\(H, W\)\] = \[1, 14\].*got 0"),
     (lambda: ops.region_confusion(x4, 15), ValueError, r"num_blocks must be in .* got 15"),
-    (lambda: ops.region_confusion(x4, 7, 0), ValueError, r"neighbourhood must be >= 1, got 0"),
+    (lambda: ops.region_confusion(x4, 7, 0), ValueError, r"neighbourhood must be >= 2, got 0"),
+    (lambda: ops.region_confusion(x4, 7, 1), ValueError, r"neighbourhood must be >= 2, got 1: .* no block ever moves"),
+    (lambda: ops.region_confusion(x4, 7, 2.5), TypeError, r"region_confusion: neighbourhood must be an int, got float 2.5"),
+    (lambda: ops.region_confusion(x4, True), TypeError, r"region_confusion: num_blocks must be an int, got bool True"),
+    (lambda: ops.region_confusion(x4, 7, 2, generator=42), TypeError, r"generator must be a torch.Generator or None, got int 42"),
+    (lambda: torchkit.nn.RegionConfusion(7, 1), ValueError, r"RegionConfusion: neighbourhood must be >= 2, got 1"),
+    (lambda: torchkit.nn.RegionConfusion(7.0), TypeError, r"RegionConfusion: num_blocks must be an int, got float 7.0"),
+    (lambda: torchkit.transforms.RandomRegionConfusion(7, 1), ValueError, r"RandomRegionConfusion: neighbourhood must be >= 2"),
+    (lambda: torchkit.transforms.RandomRegionConfusion(True), TypeError, r"num_blocks must be an int, got bool True"),
+    (lambda: torchkit.transforms.RandomRegionConfusion(p="0.5"), TypeError, r"p must be a float in \[0, 1\], got str '0.5'"),
     (lambda: ops.permute_blocks(make((14, 14)), perm4[0], 7), ValueError, r"x must be an image \(C, H, W\)"),
     (lambda: ops.permute_blocks(x4, perm4[:, :48], 7), ValueError, r"permutation must have shape \[2, 49\]"),
     (lambda: ops.permute_blocks(x4, perm4[0], 7), ValueError, r"permutation must have shape \[2, 49\]"),

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from torchkit import ops
-from torchkit.ops.region_confusion import _check_probability, _check_rcm_args, _rcm_permutations
+from torchkit.ops.region_confusion import _check_probability, _check_rcm_args, _check_rcm_settings, _rcm_permutations
 
 __all__ = ["BilinearPool2d", "CDist", "LabelSmoothingCrossEntropy", "RegionConfusion"]
 
@@ -17,7 +17,11 @@ class LabelSmoothingCrossEntropy(nn.Module):
     """``nn.CrossEntropyLoss(label_smoothing=ε)`` on the fused kernel; see
     :func:`torchkit.ops.label_smoothing_cross_entropy` for shapes and the two conventions.
 
-    ``weight`` is a buffer: it follows ``.to()`` and is saved in the state dict.
+    The arguments are ``nn.CrossEntropyLoss``'s, in its order: the first positional one is
+    ``weight``, so ``LabelSmoothingCrossEntropy(0.1)`` is refused with a pointer to
+    ``label_smoothing=0.1``. ``smoothing=`` (timm's name) is accepted as an alias of
+    ``label_smoothing``. ``weight`` is a buffer: it follows ``.to()`` and is saved in the
+    state dict.
     """
 
     def __init__(
@@ -25,10 +29,24 @@ class LabelSmoothingCrossEntropy(nn.Module):
         weight: Optional[Tensor] = None,
         ignore_index: int = -100,
         reduction: str = "mean",
-        label_smoothing: float = 0.1,
+        label_smoothing: Optional[float] = None,
         exclude_target: bool = False,
+        *,
+        smoothing: Optional[float] = None,
     ) -> None:
         super().__init__()
+        if weight is not None and not isinstance(weight, Tensor):
+            raise TypeError(
+                "LabelSmoothingCrossEntropy: weight (the first positional argument, as in "
+                f"nn.CrossEntropyLoss) must be a Tensor of class weights or None, got "
+                f"{type(weight).__name__} {weight!r}; to set the smoothing, pass label_smoothing={weight!r}"
+            )
+        if smoothing is not None and label_smoothing is not None and smoothing != label_smoothing:
+            raise ValueError(
+                "LabelSmoothingCrossEntropy: smoothing is an alias of label_smoothing; got both, "
+                f"with different values ({smoothing} and {label_smoothing})"
+            )
+        label_smoothing = next((v for v in (label_smoothing, smoothing) if v is not None), 0.1)
         self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
         self.reduction = reduction
@@ -82,10 +100,7 @@ class RegionConfusion(nn.Module):
     def __init__(self, num_blocks: int = 7, neighbourhood: int = 2, p: float = 1.0) -> None:
         super().__init__()
         _check_probability("RegionConfusion", p)
-        if num_blocks < 1 or neighbourhood < 1:
-            raise ValueError(
-                f"RegionConfusion: num_blocks and neighbourhood must be >= 1, got {num_blocks} and {neighbourhood}"
-            )
+        _check_rcm_settings("RegionConfusion", num_blocks, neighbourhood)
         self.num_blocks = num_blocks
         self.neighbourhood = neighbourhood
         self.p = p
@@ -108,15 +123,62 @@ class RegionConfusion(nn.Module):
 class BilinearPool2d(nn.Module):
     """B-CNN pooling of a feature map (or two): bilinear product, signed sqrt, L2
     normalisation; see :func:`torchkit.ops.bilinear_pool`. ``(N, D, H, W)`` → ``(N, D·D)``
-    (``(N, D·E)`` with a second stream ``y``)."""
+    (``(N, D·E)`` with a second stream ``y``).
 
-    def __init__(self, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> None:
+    With ``in_channels=D`` (and ``y_channels=E`` for two streams) the module knows its
+    output size, ``output_dim = D·E``, which model builders (fast-MPN-COV's, for one) read
+    to size the classifier; the inputs are then checked against it.
+    """
+
+    def __init__(
+        self,
+        sqrt_eps: float = 1e-5,
+        l2_eps: float = 1e-12,
+        *,
+        in_channels: Optional[int] = None,
+        y_channels: Optional[int] = None,
+    ) -> None:
         super().__init__()
+        for name, value in (("in_channels", in_channels), ("y_channels", y_channels)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"BilinearPool2d: {name} must be a positive int or None, got {value!r}")
+        if y_channels is not None and in_channels is None:
+            raise ValueError("BilinearPool2d: y_channels needs in_channels too")
         self.sqrt_eps = sqrt_eps
         self.l2_eps = l2_eps
+        self.in_channels = in_channels
+        self.y_channels = y_channels
+
+    @property
+    def output_dim(self) -> int:
+        """``D·E`` (``D²`` for one stream): the length of each output row."""
+        if self.in_channels is None:
+            # An AttributeError (hasattr() is False); nn.Module.__getattr__ would replace its
+            # message, so __getattr__ below words it.
+            raise AttributeError("output_dim")
+        return self.in_channels * (self.y_channels or self.in_channels)
+
+    def __getattr__(self, name: str):
+        if name == "output_dim":
+            raise AttributeError(
+                "BilinearPool2d: output_dim needs the channel count; construct it as "
+                "BilinearPool2d(in_channels=D) (and y_channels=E for two streams)"
+            )
+        return super().__getattr__(name)
 
     def forward(self, x: Tensor, y: Optional[Tensor] = None) -> Tensor:
+        if self.in_channels is not None:
+            expected = (self.in_channels, self.y_channels if y is not None else None)
+            got = (x.shape[1] if x.dim() > 1 else None, y.shape[1] if y is not None and y.dim() > 1 else None)
+            if got != expected:
+                raise ValueError(
+                    f"BilinearPool2d: built for (x, y) channels {expected}, got {got} "
+                    f"(x of shape {tuple(x.shape)}, y {'None' if y is None else tuple(y.shape)})"
+                )
         return ops.bilinear_pool(x, y, sqrt_eps=self.sqrt_eps, l2_eps=self.l2_eps)
 
     def extra_repr(self) -> str:
-        return f"sqrt_eps={self.sqrt_eps}, l2_eps={self.l2_eps}"
+        channels = "" if self.in_channels is None else f", in_channels={self.in_channels}"
+        if self.y_channels is not None:
+            channels += f", y_channels={self.y_channels}"
+        return f"sqrt_eps={self.sqrt_eps}, l2_eps={self.l2_eps}{channels}"
