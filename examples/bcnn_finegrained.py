@@ -160,7 +160,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--data", default=None, help="ImageFolder root with train/ and val/ (default: synthetic data)")
+    p.add_argument("--data", default=None, help="ImageFolder root with train/ and val/; synthetic data if not given")
     p.add_argument("--classes", type=int, default=8, help="synthetic data: number of classes")
     p.add_argument("--train-size", type=int, default=2048, help="synthetic data: training images")
     p.add_argument("--val-size", type=int, default=512, help="synthetic data: validation images")
@@ -258,7 +258,7 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
             bar.set_postfix(loss=f"{losses[-1]:.3f}", img_per_s=f"{seen / max(train_time, 1e-9):.0f}")
             bar.update()
     bar.close()
-    result = dict(name=name, losses=losses, images_per_s=seen / max(train_time, 1e-9), steps=step)
+    result = dict(name=name, losses=losses, images_per_s=seen / max(train_time, 1e-9), steps=step, classes=classes)
     if rank == 0:
         result.update(evaluate(model.module if world > 1 else model, train_eval, val_set, classes, ops, device, args))
     return result
@@ -269,18 +269,20 @@ def evaluate(model, train_eval, val_set, classes, ops: Ops, device, args) -> dic
     """Classifier accuracy, and nearest-class-mean accuracy on the pooled embeddings."""
     model.eval()
 
-    def embed_all(dataset):
+    from tqdm import tqdm
+
+    def embed_all(dataset, what):
         loader = torch.utils.data.DataLoader(dataset, batch_size=128, num_workers=args.workers)
         embeddings, logits, labels = [], [], []
-        for images, y in loader:
+        for images, y in tqdm(loader, desc=f"embed {what}", unit="batch", disable=args.quiet):
             e = model.embed(images.to(device))
             embeddings.append(e)
             logits.append(model.classifier(e))
             labels.append(y.to(device))
         return torch.cat(embeddings), torch.cat(logits), torch.cat(labels)
 
-    train_emb, _, train_y = embed_all(train_eval)
-    val_emb, val_logits, val_y = embed_all(val_set)
+    train_emb, _, train_y = embed_all(train_eval, "train (class means)")
+    val_emb, val_logits, val_y = embed_all(val_set, "val")
     means = torch.stack([train_emb[train_y == c].mean(0) for c in range(classes)])
     ncm = ops.cdist(val_emb, means).argmin(1)
     model.train()
@@ -290,7 +292,7 @@ def evaluate(model, train_eval, val_set, classes, ops: Ops, device, args) -> dic
     )
 
 
-def summary(result: dict, classes: int) -> str:
+def summary(result: dict) -> str:
     first, last = (
         sum(result["losses"][:10]) / min(10, len(result["losses"])),
         sum(result["losses"][-10:]) / min(10, len(result["losses"])),
@@ -299,7 +301,7 @@ def summary(result: dict, classes: int) -> str:
     text += f", {result['images_per_s']:.1f} images/s"
     if "accuracy" in result:
         text += f", val accuracy {result['accuracy']:.1%} (nearest class mean {result['ncm_accuracy']:.1%}"
-        text += f"; chance {1 / classes:.1%})"
+        text += f"; chance {1 / result['classes']:.1%})"
     return text
 
 
@@ -313,9 +315,8 @@ def main(argv=None) -> list[dict]:
     if args.reference:
         results.append(train(args, REFERENCE, "reference", rank, world, device))
     if rank == 0:
-        classes = args.classes if args.data is None else None
         for r in results:
-            print(summary(r, classes or 1))
+            print(summary(r))
         if args.reference:
             print(f"speed-up of a training step: {results[0]['images_per_s'] / results[1]['images_per_s']:.2f}×")
     if world > 1:

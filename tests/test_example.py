@@ -28,6 +28,7 @@ def test_loss_decreases():
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["ncm_accuracy"] <= 1.0
+    assert result["classes"] == 4 and "chance 25.0%" in load_example().summary(result)
 
 
 def test_reference_run_reports_both():
@@ -43,6 +44,8 @@ def test_help_documents_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in ("--data", "--weights", "--reference", "--steps", "--batch-size", "--rcm-blocks", "--compile"):
         assert flag in text
+    options = ("\n" + text).split("\n  -")[1:]
+    assert all(option.count("default") <= 1 for option in options), "an option states its default twice"
 
 
 def test_training_pipeline_shuffles_blocks():

@@ -380,3 +380,18 @@ except RuntimeError as e:
     print("raised:", e)
 """
     assert_device_side_assert(code, "permutation value out of range")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_reproduces_kornia_random_jigsaw_from_its_own_permutation(n):
+    """kornia numbers the output positions column-major: its permutation, transposed to
+    row-major, is permute_blocks' (README's drop-in table)."""
+    kornia = pytest.importorskip("kornia")
+    torch.manual_seed(n)
+    x = torch.randn(5, 3, 4 * n, 6 * n)
+    jigsaw = kornia.augmentation.RandomJigsaw(grid=(n, n), p=1.0)
+    expected = jigsaw(x)
+    kornia_perm = jigsaw._params["permutation"]
+    row_major = kornia_perm.view(-1, n, n).transpose(1, 2).reshape(-1, n * n)
+    assert torch.equal(ops.permute_blocks(x, row_major, n), expected)
+    assert not torch.equal(ops.permute_blocks(x, kornia_perm, n), expected)  # without the transpose

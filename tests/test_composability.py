@@ -1,4 +1,4 @@
-"""torch.func transforms and forward-mode AD over every op: reverse mode (grad, jacrev,
+"""torch.func transforms, forward-mode AD and torch.export over every op: reverse mode (grad, jacrev,
 per-sample gradients with vmap) works; forward mode works where the op has a formula
 (cross-entropy, permute_blocks) and is refused by name where it has none, never a silent zero."""
 
@@ -7,6 +7,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
+import torchkit
 from torchkit import ops, reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -114,3 +115,27 @@ def test_compile_still_traces_the_raw_ops():
     compiled(x).backward()
     expected = torch.func.grad(lambda a: reference.cdist(a).sum())(x.detach())
     torch.testing.assert_close(x.grad, expected)
+
+
+class _PermuteBlocks(torch.nn.Module):
+    def forward(self, x, permutation):
+        return ops.permute_blocks(x, permutation, 2)
+
+
+EXPORTED = {
+    "CDist": (lambda: torchkit.nn.CDist(), (_x(6, 5), _Y)),
+    "BilinearPool2d": (lambda: torchkit.nn.BilinearPool2d(), (_x(2, 3, 4, 4),)),
+    "LabelSmoothingCrossEntropy": (
+        lambda: torchkit.nn.LabelSmoothingCrossEntropy(),
+        (_x(6, 5), torch.tensor([0, 2, 1, 4, 3, 0])),
+    ),
+    "permute_blocks": (_PermuteBlocks, (_x(2, 3, 4, 4), torch.tensor([[3, 1, 0, 2], [0, 2, 3, 1]]))),
+}
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_torch_export(name):
+    make_module, args = EXPORTED[name]
+    module = make_module()
+    exported = torch.export.export(module, args)
+    torch.testing.assert_close(exported.module()(*args), module(*args))
