@@ -16,7 +16,7 @@ BENCH_JSON  := benchmarks/results/$(if $(QUICK),cpu-quick,cpu).json
 BENCH_SEL   := $(if $(QUICK),-m headline,)
 # -v: one line per case as it finishes (op, case, implementation, pass).
 
-.PHONY: build test bench cuda-build gpu-check compat lint clean
+.PHONY: build test bench cuda-build asan gpu-check compat lint clean
 
 build: $(BUILD_STAMP)
 
@@ -51,6 +51,18 @@ cuda-build: $(DEPS_STAMP)
 		$(PY) setup.py --quiet build --build-base build/cuda --build-lib build/cuda/lib --build-temp build/cuda/temp
 	cd build && PYTHONPATH=$(CURDIR)/build/cuda/lib ../$(PY) ../tools/check_cuda_build.py
 	TORCHKIT_EXPECT_CUDA_BUILD=1 PYTHONPATH=$(CURDIR)/build/cuda/lib $(VENV)/bin/pytest tests -m "not slow" -q -p no:cacheprovider
+
+# AddressSanitizer over the CPU kernels' input checks: a CPU build with -fsanitize=address in
+# build/asan, then the bad-input tests (every test that hands an op arguments it must refuse,
+# and the raw backward ops' checks) with libasan preloaded into the interpreter. Leak
+# checking is off: CPython and torch keep allocations alive until exit by design.
+# libstdc++ is preloaded too: ASan must find the real __cxa_throw when it intercepts it.
+ASAN_CXX   := $(or $(CXX),g++)
+ASAN_TESTS := bad_input or checks_its_inputs or refuse or meta_tensor or mismatch or non_finite or nan
+asan: $(DEPS_STAMP)
+	SANITIZE=address TORCHKIT_CUDA=0 $(PY) setup.py --quiet build --build-base build/asan --build-lib build/asan/lib --build-temp build/asan/temp
+	LD_PRELOAD="$$($(ASAN_CXX) -print-file-name=libasan.so) $$($(ASAN_CXX) -print-file-name=libstdc++.so)" ASAN_OPTIONS=detect_leaks=0 \
+		PYTHONPATH=$(CURDIR)/build/asan/lib $(PY) -m pytest tests -q -p no:cacheprovider -m "not slow" -k "$(ASAN_TESTS)"
 
 # On a machine with a CUDA GPU (no network needed, its own torch): build for the local GPU,
 # the whole suite with CUDA and compute-sanitizer over every kernel, then the GPU benchmarks

@@ -6,6 +6,8 @@ Environment:
   (unset)                CUDA when torch.cuda.is_available() and a toolkit is found
   TORCH_CUDA_ARCH_LIST   GPU architectures; a forced build defaults to "8.0;9.0"
   DEBUG=1                -O0 -g
+  SANITIZE=address       AddressSanitizer in the C++ code (run with libasan preloaded:
+                         make asan)
 """
 
 import os
@@ -104,7 +106,9 @@ def make_extension():
         f"-DTORCHKIT_BUILD_ARCHS={_c_string(archs)}",
     ]
     isa_flags, isa = _cpu_isa_flags()
-    cxx = [*opt, "-fdiagnostics-color=always", *isa_flags, *info]
+    sanitize = os.environ.get("SANITIZE", "")
+    sanitizer_flags = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"] if sanitize else []
+    cxx = [*opt, "-fdiagnostics-color=always", *isa_flags, *info, *sanitizer_flags]
     extra_compile_args = {"cxx": cxx}
     if use_cuda:
         extra_compile_args["nvcc"] = [*opt, "--expt-relaxed-constexpr", "-lineinfo"]
@@ -119,6 +123,7 @@ def make_extension():
         f"  C++ compiler   {compiler}\n"
         f"  CPU ISA        {isa}\n"
         f"  debug          {debug}\n"
+        f"  sanitizer      {sanitize or '-'}\n"
         f"  limited API    {PY_LIMITED_API}\n"
         f"  sources        {len(sources)}",
         flush=True,
@@ -129,7 +134,7 @@ def make_extension():
         sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args=extra_compile_args,
-        extra_link_args=[] if debug else ["-Wl,-O1"],
+        extra_link_args=([] if debug else ["-Wl,-O1"]) + sanitizer_flags,
         py_limited_api=PY_LIMITED_API,
     )
 

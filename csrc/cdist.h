@@ -33,8 +33,16 @@ struct Problem {
   bool squared = false;
 };
 
+// How messages name the op and its two point sets: cdist's x1 and x2, knn's query and gallery.
+struct Names {
+  const char* op = kOp;
+  const char* x1 = "x1";
+  const char* x2 = "x2";
+};
+
 // Validates x1 (*B1, P, M) and x2 (*B2, R, M) (or None) and broadcasts the batch shapes.
-Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, bool squared);
+Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, bool squared,
+                     const Names& names = Names{});
 
 // x1, x2 as contiguous (B, P, M) and (B, R, M) in the accumulation type, centred on their
 // common per-batch mean, with their squared row norms (B, P), (B, R), and uncentred (raw1,

@@ -266,7 +266,8 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
 
 @torch.no_grad()
 def evaluate(model, train_eval, val_set, classes, ops: Ops, device, args) -> dict:
-    """Classifier accuracy, and nearest-class-mean accuracy on the pooled embeddings."""
+    """Classifier accuracy, nearest-class-mean accuracy and recall@1/2/4/8 of the pooled
+    embeddings."""
     model.eval()
 
     from tqdm import tqdm
@@ -289,6 +290,8 @@ def evaluate(model, train_eval, val_set, classes, ops: Ops, device, args) -> dic
     return dict(
         accuracy=(val_logits.argmax(1) == val_y).float().mean().item(),
         ncm_accuracy=(ncm == val_y).float().mean().item(),
+        # Retrieval quality of the embeddings, leave-one-out over the validation set.
+        recall=torchkit.metrics.recall_at_k(val_emb, val_y, (1, 2, 4, 8)),
     )
 
 
@@ -302,6 +305,7 @@ def summary(result: dict) -> str:
     if "accuracy" in result:
         text += f", val accuracy {result['accuracy']:.1%} (nearest class mean {result['ncm_accuracy']:.1%}"
         text += f"; chance {1 / result['classes']:.1%})"
+        text += ", recall@1/2/4/8 " + "/".join(f"{100 * r:.1f}" for r in result["recall"].values()) + " %"
     return text
 
 

@@ -29,6 +29,7 @@ def test_loss_decreases():
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["ncm_accuracy"] <= 1.0
     assert result["classes"] == 4 and "chance 25.0%" in load_example().summary(result)
+    assert list(result["recall"]) == [1, 2, 4, 8] and 0.0 <= result["recall"][1] <= result["recall"][8] <= 1.0
 
 
 def test_reference_run_reports_both():

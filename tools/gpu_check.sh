@@ -45,7 +45,7 @@ export -f sanitize; export PY LOGS
 SECONDS=0
 if [[ $STEPS == *sanitize* ]]; then
   {
-    for op in cdist bilinear_pool label_smoothing_cross_entropy region_confusion; do
+    for op in cdist bilinear_pool knn label_smoothing_cross_entropy region_confusion; do
       echo "memcheck $op"; echo "initcheck $op"
     done
     for op in bilinear_pool label_smoothing_cross_entropy; do echo "racecheck $op"; echo "synccheck $op"; done

@@ -84,7 +84,20 @@ def region_confusion():
     out.sum().backward()
 
 
-OPS = ("cdist", "bilinear_pool", "label_smoothing_cross_entropy", "region_confusion")
+def knn():
+    def distances(query, gallery=None, k=1):
+        return ops.knn(query, gallery, k)[0]
+
+    for dtype in (torch.float32, torch.float64):
+        check(distances, torch.randn(37, 19, dtype=dtype), torch.randn(8300, 19, dtype=dtype), k=7)  # two chunks
+        check(distances, torch.randn(2, 3, 65, 7, dtype=dtype), torch.randn(3, 33, 7, dtype=dtype), k=33)
+        check(distances, 1000 + torch.randn(50, 9, dtype=dtype), k=5)  # leave-one-out
+    query = torch.randn(9, 4)
+    query[2, 1] = float("nan")
+    check(distances, query, torch.randn(12, 4), k=12, grad=False)
+
+
+OPS = ("cdist", "bilinear_pool", "knn", "label_smoothing_cross_entropy", "region_confusion")
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in OPS:

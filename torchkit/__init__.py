@@ -70,6 +70,6 @@ def build_info() -> dict:
     }
 
 
-from torchkit import nn, ops, reference, transforms  # noqa: E402
+from torchkit import metrics, nn, ops, reference, transforms  # noqa: E402
 
-__all__ = ["__version__", "build_info", "has_ops", "nn", "ops", "reference", "transforms"]
+__all__ = ["__version__", "build_info", "has_ops", "metrics", "nn", "ops", "reference", "transforms"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["bilinear_pool", "cdist", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
+__all__ = ["bilinear_pool", "cdist", "knn", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
 
 
 def label_smoothing_cross_entropy(
@@ -62,6 +62,19 @@ def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> 
     # sqrt'(0) is infinite; route zeros around it so that their gradient is 0, not NaN.
     zero = d2 == 0
     return torch.where(zero, 0.0, torch.where(zero, 1.0, d2).sqrt())
+
+
+def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared: bool = False) -> tuple[Tensor, Tensor]:
+    """The whole distance matrix (``cdist`` above), then a stable sort: ascending, NaN last,
+    ties to the lower index; without a gallery each row's own column sorts after all others."""
+    d = cdist(query, gallery, squared=squared)
+    order = d.sort(dim=-1, stable=True).indices
+    if gallery is None:
+        rows = torch.arange(d.shape[-2], device=d.device).unsqueeze(-1)
+        own = order == rows  # the diagonal, wherever the sort put it
+        order = order.gather(-1, own.to(torch.uint8).sort(dim=-1, stable=True).indices)
+    indices = order[..., :k]
+    return d.gather(-1, indices), indices
 
 
 def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:

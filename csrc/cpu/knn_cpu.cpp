@@ -1,0 +1,314 @@
+// Exact k-nearest neighbours on the CPU.
+//
+// For each tile of query rows and each chunk of gallery rows, BLAS (multi-threaded) writes
+// the centred product into a cache-sized buffer; then the threads, one query row each, turn
+// it into expanded d² and keep the row's k best (d², j) in a max-heap whose top is the bar a
+// new candidate must beat. Most entries fail the bar in a vectorised compare and cost
+// nothing more; the few that may pass are recomputed directly, Σ(a − b)², and compared
+// exactly, so the heap (and the output) holds exact values, ordered exactly. The heaps live in the outputs' workspace (P × k per batch), the buffer is
+// kTileBytes: never P × R. Each row is processed by one thread in gallery order, so the
+// result is the same on any number of threads.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cdist.h"
+#include "knn.h"
+
+namespace torchkit::knn {
+namespace {
+
+using at::Tensor;
+using at::vec::Vectorized;
+
+constexpr int64_t kTileBytes = 8 << 20;  // the GEMM's output tile: stays in the L3 cache
+constexpr int64_t kChunk = 4096;         // gallery rows per tile
+constexpr int64_t kSymmetricBlock = 1024;  // leave-one-out: square tiles of 4 MiB
+
+template <typename acc_t>
+struct Candidate {
+  acc_t d2;
+  int64_t j;
+};
+
+// The total order of candidates: d² ascending, NaN after every number, then the index.
+template <typename acc_t>
+bool before(const Candidate<acc_t>& a, const Candidate<acc_t>& b) {
+  const bool an = std::isnan(a.d2), bn = std::isnan(b.d2);
+  if (an != bn) return bn;
+  if (!an && a.d2 != b.d2) return a.d2 < b.d2;
+  return a.j < b.j;
+}
+
+template <typename acc_t>
+acc_t direct_sq(const acc_t* a, const acc_t* b, int64_t M) {
+  using V = Vectorized<acc_t>;
+  V s(0);
+  int64_t k = 0;
+  for (; k + V::size() <= M; k += V::size()) {
+    const V d = V::loadu(a + k) - V::loadu(b + k);
+    s = at::vec::fmadd(d, d, s);
+  }
+  acc_t sum = at::vec::vec_reduce_all<acc_t>([](V x, V y) { return x + y; }, s);
+  for (; k < M; ++k) sum += (a[k] - b[k]) * (a[k] - b[k]);
+  return sum;
+}
+
+// The k best candidates of one query row so far, a max-heap by `before` (the worst on top).
+template <typename acc_t>
+struct RowHeap {
+  Candidate<acc_t>* items;
+  int64_t size, k;
+
+  static bool worse(const Candidate<acc_t>& a, const Candidate<acc_t>& b) { return before(a, b); }
+
+  void offer(const Candidate<acc_t>& c) {
+    if (size < k) {
+      items[size++] = c;
+      std::push_heap(items, items + size, worse);
+    } else if (before(c, items[0])) {
+      std::pop_heap(items, items + size, worse);
+      items[size - 1] = c;
+      std::push_heap(items, items + size, worse);
+    }
+  }
+
+  // Whether every candidate must be offered: the heap is not full, or its worst is NaN
+  // (then any number beats it). Otherwise a candidate needs d² below the top's to enter
+  // (later columns lose ties).
+  bool open() const { return size < k || std::isnan(items[0].d2); }
+};
+
+// Offers row i's candidates from one GEMM row g (columns j0 … j0 + n of the gallery). The
+// heap holds directly computed d² only; the expansion is a filter: an entry is a candidate
+// if its expanded d² = na + nb − 2g is below the heap's worst within the margin, or below
+// (na + nb) / kRefineRatio (cancelled: not to be trusted), or NaN. With t = nb − 2g that is
+// t < max(bar − na, (na + nb) / kRefineRatio − na), two fused multiply-adds, a max and a
+// compare per 8 entries, the bar being re-read only after an entry got in.
+template <typename acc_t>
+void scan_row(RowHeap<acc_t>& heap, const acc_t* g, acc_t na, const acc_t* nb, const acc_t* a,
+              const acc_t* xb, int64_t j0, int64_t n, int64_t M, int64_t self, acc_t margin) {
+  using V = Vectorized<acc_t>;
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  const acc_t inv_ratio = acc_t(1) / acc_t(cdist::kRefineRatio);
+  const V vinv(inv_ratio), vc(na * inv_ratio - na), minus_two(-2);
+  auto offer = [&](int64_t l) {
+    const int64_t j = j0 + l;
+    if (j != self) heap.offer({direct_sq(a, xb + j * M, M), j});
+  };
+  // t must be below this (or NaN) for the entry to be looked at.
+  auto bar = [&]() { return heap.open() ? kInf : heap.items[0].d2 * margin - na; };
+  acc_t limit = bar();
+  V vlimit(limit);
+  auto candidate = [&](acc_t t, acc_t nbj) {
+    return heap.open() || t < std::max(limit, nbj * inv_ratio + (na * inv_ratio - na)) || t != t;
+  };
+  int64_t l = 0;
+  acc_t lanes[V::size()];
+  for (; l + V::size() <= n; l += V::size()) {
+    const V vnb = V::loadu(nb + j0 + l);
+    const V t = at::vec::fmadd(minus_two, V::loadu(g + l), vnb);
+    const V threshold = at::vec::maximum(vlimit, at::vec::fmadd(vnb, vinv, vc));
+    if (limit != kInf && ((t < threshold) | (t != t)).zero_mask() == (1 << V::size()) - 1) continue;
+    t.store(lanes);
+    for (int64_t q = 0; q < V::size(); ++q) {
+      if (!candidate(lanes[q], nb[j0 + l + q])) continue;
+      offer(l + q);
+      limit = bar();
+      vlimit = V(limit);
+    }
+  }
+  for (; l < n; ++l) {
+    if (!candidate(nb[j0 + l] - acc_t(2) * g[l], nb[j0 + l])) continue;
+    offer(l);
+    limit = bar();
+  }
+}
+
+// The transposed scan for leave-one-out: the GEMM tile of rows I × columns J also holds
+// the candidates of query rows J among gallery rows I (d is symmetric), so each pair of
+// blocks is multiplied once. Columns c0 … c1 of the tile (query rows j0 + c, each with its
+// own heap) are scanned 8 at a time down the tile's n rows (gallery rows i0 + r), the
+// vector holding one bar per column.
+template <typename acc_t>
+void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_t* g, int64_t gs,
+                  const acc_t* na, const acc_t* nb, const acc_t* xa, const acc_t* xb, int64_t i0,
+                  int64_t n, int64_t j0, int64_t c0, int64_t c1, int64_t M, acc_t margin) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  const acc_t inv_ratio = acc_t(1) / acc_t(cdist::kRefineRatio);
+  const V vinv(inv_ratio), minus_two(-2);
+  for (int64_t c = c0; c < c1; c += W) {
+    const int64_t lanes = std::min<int64_t>(W, c1 - c);
+    RowHeap<acc_t> heap[W];
+    acc_t limit[W], own_norm[W], t[W];
+    auto bar = [&](int64_t q) {  // as scan_row's, in terms of t = na − 2g for column q
+      return heap[q].open() ? kInf : heap[q].items[0].d2 * margin - nb[j0 + c + q];
+    };
+    for (int64_t q = 0; q < W; ++q) {
+      const bool live = q < lanes;
+      heap[q] = {heaps + (live ? (c + q) * k : 0), live ? sizes[c + q] : k, k};
+      own_norm[q] = live ? nb[j0 + c + q] : acc_t(0);
+      limit[q] = live ? bar(q) : -kInf;  // a dead lane never takes anything
+    }
+    const V vown = V::loadu(own_norm), voffset = vown * vinv - vown;
+    V vlimit = V::loadu(limit);
+    for (int64_t r = 0; r < n; ++r) {
+      const acc_t nr = na[i0 + r];
+      const V vt = at::vec::fmadd(minus_two, V::loadu(g + r * gs + c, lanes), V(nr));
+      const V threshold = at::vec::maximum(vlimit, at::vec::fmadd(V(nr), vinv, voffset));
+      if (((vt < threshold) | (vt != vt)).zero_mask() == (1 << W) - 1) continue;
+      vt.store(t);
+      for (int64_t q = 0; q < lanes; ++q) {
+        const bool take = heap[q].open() || t[q] < std::max(limit[q], nr * inv_ratio + own_norm[q] * inv_ratio - own_norm[q]) ||
+                          t[q] != t[q];
+        if (!take) continue;
+        heap[q].offer({direct_sq(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M), i0 + r});
+        limit[q] = bar(q);
+        vlimit = V::loadu(limit);
+      }
+    }
+    for (int64_t q = 0; q < lanes; ++q) sizes[c + q] = heap[q].size;
+  }
+}
+
+// The survivors of rows [begin, end), in order, into the outputs at row offset `out_row`.
+template <typename scalar_t, typename acc_t>
+void write_rows(Candidate<acc_t>* heaps, int64_t begin, int64_t end, int64_t k, int64_t out_row,
+                bool squared, scalar_t* out_d, int64_t* out_j) {
+  for (int64_t r = begin; r < end; ++r) {
+    Candidate<acc_t>* best = heaps + r * k;
+    std::sort(best, best + k, before<acc_t>);
+    const int64_t o = (out_row + r) * k;
+    for (int64_t q = 0; q < k; ++q) {
+      const acc_t d2 = best[q].d2;
+      out_d[o + q] = static_cast<scalar_t>(squared ? d2 : std::sqrt(d2));
+      out_j[o + q] = best[q].j;
+    }
+  }
+}
+
+// Leave-one-out: blocks of kSymmetricBlock rows; each pair of blocks (I <= J) is multiplied
+// once and scanned both ways (half the GEMM of the two-set path). Every row keeps a heap
+// for the whole call (P × k candidates): the k smallest under a total order do not depend
+// on the order they were offered in, so the result equals the two-set path's.
+template <typename scalar_t>
+void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Tensor& dist,
+                     Tensor& index) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t S = kSymmetricBlock, W = Vectorized<acc_t>::size();
+  const int64_t blocks = (p.P + S - 1) / S;
+  Tensor tile = at::empty({std::min(S, p.P), std::min(S, p.P)}, c.x1.options());
+  std::vector<Candidate<acc_t>> heaps(p.P * k);
+  std::vector<int64_t> sizes(p.P);
+  const acc_t margin = static_cast<acc_t>(expansion_margin<acc_t>(p.M));
+  for (int64_t b = 0; b < p.B; ++b) {
+    const acc_t* x = c.raw1[b].const_data_ptr<acc_t>();
+    const acc_t* norms = c.n1[b].const_data_ptr<acc_t>();
+    std::fill(sizes.begin(), sizes.end(), 0);
+    for (int64_t bi = 0; bi < blocks; ++bi) {
+      const int64_t i0 = bi * S, n = std::min(S, p.P - i0);
+      for (int64_t bj = bi; bj < blocks; ++bj) {
+        const int64_t j0 = bj * S, w = std::min(S, p.P - j0);
+        Tensor t = tile.narrow(0, 0, n).narrow(1, 0, w);
+        at::mm_out(t, c.x1[b].narrow(0, i0, n), c.x1[b].narrow(0, j0, w).t());
+        const acc_t* g = t.const_data_ptr<acc_t>();
+        const int64_t gs = t.stride(0);
+        at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t i = i0 + r;
+            RowHeap<acc_t> heap{heaps.data() + i * k, sizes[i], k};
+            scan_row<acc_t>(heap, g + r * gs, norms[i], norms, x + i * p.M, x, j0, w, p.M, i,
+                            margin);
+            sizes[i] = heap.size;
+          }
+        });
+        if (bj == bi) continue;  // the diagonal block's rows scanned it whole
+        at::parallel_for(0, (w + W - 1) / W, 1, [&](int64_t begin, int64_t end) {
+          scan_columns<acc_t>(heaps.data() + j0 * k, sizes.data() + j0, k, g, gs, norms, norms, x,
+                              x, i0, n, j0, begin * W, std::min(w, end * W), p.M, margin);
+        });
+      }
+    }
+    at::parallel_for(0, p.P, 64, [&](int64_t begin, int64_t end) {
+      write_rows<scalar_t, acc_t>(heaps.data(), begin, end, k, b * p.P, p.squared,
+                                  dist.data_ptr<scalar_t>(), index.data_ptr<int64_t>());
+    });
+  }
+}
+
+template <typename scalar_t>
+void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Tensor& dist,
+                Tensor& index) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if (p.self) return knn_self_kernel<scalar_t>(p, c, k, dist, index);
+  const int64_t chunk = std::min<int64_t>(kChunk, std::max<int64_t>(p.R, 1));
+  const int64_t rows = std::clamp<int64_t>(kTileBytes / (chunk * int64_t(sizeof(acc_t))), 16, 4096);
+  Tensor tile = at::empty({std::min(rows, p.P), chunk}, c.x1.options());
+  std::vector<Candidate<acc_t>> heaps(std::min(rows, p.P) * k);
+  std::vector<int64_t> sizes(std::min(rows, p.P));
+  const acc_t margin = static_cast<acc_t>(expansion_margin<acc_t>(p.M));
+  scalar_t* out_d = dist.data_ptr<scalar_t>();
+  int64_t* out_j = index.data_ptr<int64_t>();
+  for (int64_t b = 0; b < p.B; ++b) {
+    const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
+    const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
+    const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
+    const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
+    for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
+      const int64_t n = std::min(rows, p.P - i0);
+      std::fill(sizes.begin(), sizes.end(), 0);
+      for (int64_t j0 = 0; j0 < p.R; j0 += chunk) {
+        const int64_t w = std::min(chunk, p.R - j0);
+        Tensor t = tile.narrow(0, 0, n).narrow(1, 0, w);
+        at::mm_out(t, c.x1[b].narrow(0, i0, n), c.x2[b].narrow(0, j0, w).t());
+        const acc_t* g = t.const_data_ptr<acc_t>();
+        const int64_t gs = t.stride(0);
+        at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t i = i0 + r;
+            RowHeap<acc_t> heap{heaps.data() + r * k, sizes[r], k};
+            scan_row<acc_t>(heap, g + r * gs, na[i], nb, xa + i * p.M, xb, j0, w, p.M,
+                            p.self ? i : -1, margin);
+            sizes[r] = heap.size;
+          }
+        });
+      }
+      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        write_rows<scalar_t, acc_t>(heaps.data(), begin, end, k, b * p.P + i0, p.squared, out_d,
+                                    out_j);
+      });
+    }
+  }
+}
+
+std::tuple<Tensor, Tensor> knn_cpu(const Tensor& query, const std::optional<Tensor>& gallery,
+                                   int64_t k, bool squared) {
+  const cdist::Problem p = check_inputs(query, gallery, k, squared);
+  Tensor dist = at::empty({p.B, p.P, k}, query.options());
+  Tensor index = at::empty({p.B, p.P, k}, query.options().dtype(at::kLong));
+  if (p.B * p.P > 0) {
+    const cdist::Centred c = cdist::centre(p, query, gallery);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "knn_cpu",
+                                    [&] { knn_kernel<scalar_t>(p, c, k, dist, index); });
+  }
+  std::vector<int64_t> shape = p.batch;
+  shape.push_back(p.P);
+  shape.push_back(k);
+  return {dist.view(shape), index.view(shape)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchkit, CPU, m) { m.impl("knn", &knn_cpu); }
+
+}  // namespace torchkit::knn

@@ -1,0 +1,276 @@
+"""torchkit.ops.knn against the reference (cdist + stable sort), a float64 oracle and
+torch.cdist + topk."""
+
+import pytest
+import torch
+from conftest import (
+    DEVICES,
+    REDUCED_DTYPES,
+    check_compile,
+    check_cuda_matches_cpu,
+    check_gradcheck,
+    check_opcheck,
+    make_noncontiguous,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchkit import ops, reference
+
+OP = torch.ops.torchkit.knn.default
+
+
+def make(shape, dtype=torch.float64, device="cpu", seed=0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (offset + torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).to(device)
+
+
+def assert_same(actual, expected, **tol):
+    (d, i), (rd, ri) = actual, expected
+    assert i.dtype == torch.int64 and d.dtype == rd.dtype
+    torch.testing.assert_close(d, rd, **tol)
+    assert torch.equal(i, ri)
+
+
+# (query shape, gallery shape or None, k): plain, leave-one-out, batched, broadcast, k = 1, R, R − 1.
+CASES = [
+    ((5, 3), (7, 3), 1),
+    ((5, 3), (7, 3), 7),
+    ((9, 4), None, 8),
+    ((9, 4), None, 1),
+    ((40, 17), (70, 17), 5),
+    ((2, 9, 4), (2, 11, 4), 3),
+    ((3, 1, 6, 5), (4, 8, 5), 4),  # batch (3, 1) with (4,) → (3, 4)
+    ((1, 6, 5), (2, 3, 4, 5), 2),
+    ((2, 12, 6), None, 11),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("query,gallery,k", CASES)
+@pytest.mark.parametrize("squared", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_matches_reference(device, query, gallery, k, squared, contiguous):
+    q = make(query, device=device)
+    g = None if gallery is None else make(gallery, device=device, seed=1)
+    if not contiguous:
+        q = make_noncontiguous(q)
+        g = None if g is None else make_noncontiguous(g)
+    assert_same(ops.knn(q, g, k, squared=squared), reference.knn(q, g, k, squared=squared))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("self_", [False, True])
+def test_float32_against_a_float64_oracle_across_tiles(device, self_):
+    # 4,500 gallery rows: two gallery chunks of the CPU kernel, and a tail.
+    q = make((300, 32), torch.float32, device)
+    g = None if self_ else make((4500, 32), torch.float32, device, seed=1)
+    d, i = ops.knn(q, g, 10)
+    rd, ri = reference.knn(q.double(), None if g is None else g.double(), 10)
+    torch.testing.assert_close(d.double(), rd, rtol=2e-6, atol=0)
+    assert torch.equal(i, ri)
+
+
+def oracle(q, g, k):
+    """float64, by torch.cdist's exact mode and a stable sort (the reference's order), in
+    O(P·R) memory: for sizes the reference's O(P·R·M) temporary cannot hold."""
+    d = torch.cdist(q.double(), (q if g is None else g).double(), compute_mode="donot_use_mm_for_euclid_dist")
+    if g is None:
+        d.fill_diagonal_(float("nan"))
+    order = d.sort(dim=-1, stable=True).indices
+    if g is None:  # the row itself after the NaNs of others
+        own = order == torch.arange(len(d)).unsqueeze(1)
+        order = order.gather(-1, own.to(torch.uint8).sort(dim=-1, stable=True).indices)
+    return d.gather(-1, order[:, :k]), order[:, :k]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ties", [False, True])
+def test_leave_one_out_across_blocks(device, ties):
+    """P = 2,500: several square blocks of the leave-one-out kernel and a tail, each pair of
+    blocks scanned both ways; with ties (coordinates on a coarse grid), across blocks too."""
+    x = make((2500, 6), torch.float32, seed=3)
+    x = x.round() if ties else x
+    x[1234, 2] = float("nan")
+    d, i = ops.knn(x.to(device), k=9)
+    rd, ri = oracle(x, None, 9)
+    torch.testing.assert_close(d.double().cpu(), rd, rtol=2e-6, atol=1e-7, equal_nan=True)
+    assert torch.equal(i.cpu(), ri)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_far_from_origin_where_cdist_and_topk_err(device):
+    """1000 + N(0, 1) in float32: torch.cdist's default mode returns distances near 0 with
+    relative errors near 1, so its ranking is noise; knn ranks as float64 does."""
+    q = make((200, 64), torch.float32, device, offset=1000.0)
+    g = make((2500, 64), torch.float32, device, seed=1, offset=1000.0)
+    d, i = ops.knn(q, g, 5)
+    rd, ri = reference.knn(q.double(), g.double(), 5)
+    torch.testing.assert_close(d.double(), rd, rtol=2e-5, atol=0)
+    assert torch.equal(i, ri)
+    _, cdist_topk = torch.cdist(q, g).topk(5, largest=False)
+    assert not torch.equal(cdist_topk, ri)  # the failure knn exists to avoid
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_near_duplicates_in_far_apart_clusters(device):
+    g = torch.Generator().manual_seed(4)
+    centres = 1000 * torch.randn(4, 32, generator=g, dtype=torch.float64)
+    x = centres.repeat_interleave(50, 0) + 1e-3 * torch.randn(200, 32, generator=g, dtype=torch.float64)
+    x32 = x.float()
+    d, i = ops.knn(x32.to(device), k=4)
+    rd, ri = reference.knn(x32.double(), k=4)
+    torch.testing.assert_close(d.double().cpu(), rd, rtol=2e-5, atol=0)
+    assert torch.equal(i.cpu(), ri)
+    assert (i.cpu() // 50 == torch.arange(200).unsqueeze(1) // 50).all()  # within the cluster
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ties_go_to_the_lower_index(device):
+    g = torch.tensor([[1.0, 0], [0, 1], [-1, 0], [0, -1], [1, 0], [2, 0]], device=device)
+    d, i = ops.knn(torch.zeros(1, 2, device=device), g, 5)
+    assert i.tolist() == [[0, 1, 2, 3, 4]] and (d == 1).all()
+    x = torch.zeros(5, 3, device=device)  # all rows equal: every distance 0
+    _, i = ops.knn(x, k=4)
+    expected = [[j for j in range(5) if j != r] for r in range(5)]
+    assert i.tolist() == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_rows_rank_last_with_nan_distances(device):
+    g = make((6, 4), torch.float32, device, seed=1)
+    g[2, 1] = float("nan")
+    q = make((3, 4), torch.float32, device)
+    q[1, 0] = float("nan")
+    d, i = ops.knn(q, g, 6)
+    assert (i[[0, 2], -1] == 2).all() and d[[0, 2], -1].isnan().all() and not d[[0, 2], :-1].isnan().any()
+    assert d[1].isnan().all() and i[1].tolist() == list(range(6))  # all NaN: index order
+    assert_same((d, i), reference.knn(q, g, 6), equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_infinite_coordinates(device):
+    g = make((5, 3), torch.float32, device, seed=1)
+    g[3, 0] = float("inf")
+    d, i = ops.knn(make((2, 3), torch.float32, device), g, 5)
+    assert (i[:, -1] == 3).all() and (d[:, -1] == float("inf")).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty(device):
+    d, i = ops.knn(torch.zeros(0, 3, device=device), torch.zeros(4, 3, device=device), 2)
+    assert d.shape == i.shape == (0, 2)
+    d, i = ops.knn(torch.zeros(3, 0, device=device), torch.zeros(4, 0, device=device), 2)
+    assert (d == 0).all() and i.tolist() == [[0, 1]] * 3
+    d, i = ops.knn(torch.zeros(2, 0, 5, device=device), torch.zeros(2, 4, 5, device=device), 1)
+    assert d.shape == (2, 0, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", REDUCED_DTYPES)
+def test_reduced_precision_is_computed_in_float32(device, dtype):
+    q, g = make((30, 16), dtype, device), make((50, 16), dtype, device, seed=1)
+    d, i = ops.knn(q, g, 4)
+    rd, ri = reference.knn(q.double(), g.double(), 4)
+    assert d.dtype == dtype and torch.equal(i, ri)
+    torch.testing.assert_close(d, rd.to(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("self_", [False, True])
+@pytest.mark.parametrize("squared", [False, True])
+def test_gradcheck(device, self_, squared):
+    q = make((7, 3), device=device).requires_grad_()
+    g = None if self_ else make((2, 9, 3), device=device, seed=1).requires_grad_()
+    inputs = (q,) if self_ else (q, g)
+    check_gradcheck(lambda *t: ops.knn(*t, k=3, squared=squared)[0] if not self_ else ops.knn(t[0], k=3, squared=squared)[0], inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_is_that_of_cdist_gathered(device):
+    q = make((20, 8), torch.float32, device, offset=1000.0).requires_grad_()
+    g = make((30, 8), torch.float32, device, seed=1, offset=1000.0).requires_grad_()
+    d, i = ops.knn(q, g, 4)
+    up = torch.randn_like(d)
+    ours = torch.autograd.grad(d, (q, g), up)
+    q64, g64 = q.detach().double().requires_grad_(), g.detach().double().requires_grad_()
+    theirs = torch.autograd.grad(reference.cdist(q64, g64).gather(-1, i), (q64, g64), up.double())
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    q = make((6, 4), device=device).requires_grad_()
+    g = make((8, 4), device=device, seed=1).requires_grad_()
+    check_opcheck(OP, (q, g, 3, False))
+    check_opcheck(OP, (q, None, 2, True))
+    check_opcheck(OP, (make((2, 6, 4), torch.float32, device), make((5, 4), torch.float32, device), 5, False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_dynamic(device):
+    for P, R in ((6, 9), (11, 13), (7, 20)):
+        q = make((P, 4), device=device).requires_grad_()
+        g = make((R, 4), device=device, seed=1).requires_grad_()
+        check_compile(lambda a, b: ops.knn(a, b, 3)[0], q, g)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.sampled_from([(), (2,), (1, 3)]),
+    P=st.integers(1, 12),
+    R=st.integers(2, 40),
+    M=st.integers(0, 9),
+    k=st.integers(1, 40),
+    self_=st.booleans(),
+    squared=st.booleans(),
+    duplicates=st.booleans(),
+)
+def test_hypothesis(batch, P, R, M, k, self_, squared, duplicates):
+    q = make((*batch, P, M), seed=P)
+    g = None if self_ else make((R, M), seed=R)
+    if duplicates:  # exact ties
+        q = q.round()
+        g = None if g is None else g.round()
+    limit = P - 1 if self_ else R
+    if k > limit:
+        with pytest.raises(ValueError, match="knn: k must be <="):
+            ops.knn(q, g, k)
+        return
+    assert_same(ops.knn(q, g, k, squared=squared), reference.knn(q, g, k, squared=squared))
+
+
+q4, g4 = make((4, 3), torch.float32), make((6, 3), torch.float32)
+BAD = [
+    (lambda: ops.knn(q4, g4, 0), ValueError, r"knn: k must be >= 1, got 0"),
+    (lambda: ops.knn(q4, g4, 7), ValueError, r"knn: k must be <= the gallery's size R = 6, got 7"),
+    (lambda: ops.knn(q4, None, 4), ValueError, r"knn: k must be <= P - 1 = 3 without a gallery"),
+    (lambda: ops.knn(q4, g4, 2.0), TypeError, r"knn: k must be an int, got float 2.0"),
+    (lambda: ops.knn(q4[0], g4, 1), ValueError, r"knn: query must have at least 2 dimensions"),
+    (lambda: ops.knn(q4, g4[:, :2], 1), ValueError, r"knn: query and gallery must have the same number of features"),
+    (lambda: ops.knn(q4, g4.double(), 1), TypeError, r"knn: query and gallery must have the same dtype"),
+    (lambda: ops.knn(q4.int(), g4.int(), 1), TypeError, r"knn: query must be float32, float64"),
+    (lambda: ops.knn(q4.expand(2, 4, 3), g4.expand(3, 6, 3), 1), ValueError, r"knn: the batch dimensions of query and gallery must broadcast"),
+    (lambda: ops.knn(q4, g4.to("meta"), 1), ValueError, r"knn: query and gallery must be on the same device, got cpu and meta"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape1,shape2,k", [((37, 19), (4100, 19), 7), ((2, 3, 130, 7), (3, 65, 7), 65), ((64, 33), None, 5)])
+def test_cuda_matches_cpu(dtype, shape1, shape2, k):
+    q = make(shape1, dtype)
+    g = None if shape2 is None else make(shape2, dtype, seed=1)
+    q[0, ..., 1] = float("nan") if q.dim() == 2 else q[0, ..., 1]
+    check_cuda_matches_cpu(lambda a, b=None: ops.knn(a, b, k)[0], *((q,) if g is None else (q, g)))
+    d_cpu, i_cpu = ops.knn(q, g, k)
+    d_gpu, i_gpu = ops.knn(q.cuda(), None if g is None else g.cuda(), k)
+    assert torch.equal(i_gpu.cpu(), i_cpu)

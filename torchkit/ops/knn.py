@@ -1,0 +1,112 @@
+"""knn: the Python function, its fake kernel, its autograd formula and autocast rule."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchkit.ops._common import acc_dtype, check_same_device, differentiable
+
+
+def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared: bool = False) -> tuple[Tensor, Tensor]:
+    """Exact k-nearest neighbours by Euclidean distance, without the distance matrix.
+
+    The distances are ``torchkit.ops.cdist``'s (exact far from the origin and for
+    near-duplicates inside far-apart clusters), computed tile by tile and reduced to each
+    row's ``k`` best while the tile is in cache: beyond the outputs, the memory is a bounded
+    workspace (a 16 MiB tile on the CPU), never ``P × R``. The ``k`` results are recomputed
+    directly from the inputs.
+
+    Args:
+        query (Tensor[*B1, P, M]): float32, float64, float16 or bfloat16 (reduced types
+            compute in float32).
+        gallery (Tensor[*B2, R, M], optional): same dtype and device; batch dimensions
+            broadcast as in ``cdist``. ``None`` ranks each row of ``query`` against the
+            other rows, never itself (leave-one-out, the protocol of CUB-200, Cars-196 and
+            SOP).
+        k: the number of neighbours, ``1 <= k <= R`` (``R − 1`` without a gallery).
+        squared: return squared distances.
+
+    Returns:
+        ``(distances, indices)``, each ``(*B, P, k)``: distances ascending (``query``'s
+        dtype), indices int64 into the gallery. Ties go to the lower index, so results are
+        deterministic and the same on the CPU and CUDA. A row holding NaN has NaN distances
+        and ranks after every number. ``distances`` is differentiable with respect to
+        ``query`` and ``gallery`` (the gradient of ``cdist(...).gather(-1, indices)``);
+        ``indices`` carry no gradient.
+
+    Example::
+
+        >>> embeddings = torch.nn.functional.normalize(torch.randn(10000, 128), dim=1)
+        >>> distances, neighbours = torchkit.ops.knn(embeddings, k=8)  # leave-one-out
+    """
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"knn: k must be an int, got {type(k).__name__} {k!r}")
+    return _knn(query, gallery, k, squared)
+
+
+def _knn_shape(query: Tensor, gallery: Optional[Tensor], k: int) -> tuple:
+    batch = query.shape[:-2] if gallery is None else torch.broadcast_shapes(query.shape[:-2], gallery.shape[:-2])
+    return (*batch, query.shape[-2], k)
+
+
+@torch.library.register_fake("torchkit::knn")
+def _(query, gallery, k, squared):
+    check_same_device("knn", query=query, gallery=gallery)
+    R = query.shape[-2] - 1 if gallery is None else gallery.shape[-2]
+    torch._check(k >= 1, lambda: f"knn: k must be >= 1, got {k}")
+    torch._check(k <= R, lambda: f"knn: k must be <= {'P - 1' if gallery is None else 'R'} = {R}, got {k}")
+    shape = _knn_shape(query, gallery, k)
+    return query.new_empty(shape), query.new_empty(shape, dtype=torch.long)
+
+
+def _knn_setup_context(ctx, inputs, output):
+    query, gallery, k, squared = inputs
+    distances, indices = output
+    ctx.mark_non_differentiable(indices)
+    ctx.save_for_backward(query, gallery, distances, indices)
+    ctx.squared = squared
+
+
+def _knn_backward(ctx, grad, _grad_indices):
+    """∂d/∂q_i = (q_i − g_j)/d (2·(q_i − g_j) squared), ∂d/∂g_j = −that, for the k pairs
+    kept: a (*B, P, k, M) composition of PyTorch ops, differences taken directly from the
+    inputs (exact far from the origin), 0 where d = 0 as in cdist."""
+    query, gallery, distances, indices = ctx.saved_tensors
+    need_query = ctx.needs_input_grad[0]
+    need_gallery = gallery is not None and ctx.needs_input_grad[1]
+    if not (need_query or need_gallery):
+        return None, None, None, None
+    acc = acc_dtype(query)
+    g = query if gallery is None else gallery
+    batch, (P, k), M = distances.shape[:-2], distances.shape[-2:], query.shape[-1]
+    q = query.to(acc).expand(*batch, P, M)
+    gal = g.to(acc).expand(*batch, g.shape[-2], M)
+    flat = indices.reshape(*batch, P * k, 1).expand(*batch, P * k, M)
+    neighbours = gal.gather(-2, flat).view(*batch, P, k, M)
+    d, up = distances.to(acc), grad.to(acc)
+    scale = 2 * up if ctx.squared else torch.where(d == 0, 0.0, up / torch.where(d == 0, 1.0, d))
+    contrib = scale.unsqueeze(-1) * (q.unsqueeze(-2) - neighbours)  # (*B, P, k, M)
+    grad_query = grad_gallery = None
+    if need_query or gallery is None:
+        grad_q = contrib.sum(-2)
+    if gallery is None or need_gallery:
+        grad_g = torch.zeros_like(gal).scatter_add(-2, flat, -contrib.reshape(*batch, P * k, M))
+    if gallery is None:
+        grad_query = (grad_q + grad_g).sum_to_size(query.shape).to(query.dtype)
+    else:
+        if need_query:
+            grad_query = grad_q.sum_to_size(query.shape).to(query.dtype)
+        if need_gallery:
+            grad_gallery = grad_g.sum_to_size(gallery.shape).to(gallery.dtype)
+    return grad_query, grad_gallery, None, None
+
+
+torch.library.register_autograd("torchkit::knn", _knn_backward, setup_context=_knn_setup_context)
+_knn = differentiable("knn", torch.ops.torchkit.knn.default, _knn_setup_context, _knn_backward)
+
+# Under autocast: in float32, as cdist.
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("torchkit::knn", _device, torch.float32)
