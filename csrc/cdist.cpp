@@ -34,6 +34,19 @@ at::Tensor finite_row_sum(const at::Tensor& x) {
   return x.masked_fill(x.isfinite().all(-1, /*keepdim=*/true).logical_not(), 0).sum(1, true);
 }
 
+// (B, rows, M) → (B, rows): Σ x² over M, a slice of rows at a time, so that the squares are
+// never a temporary as large as x (205 MB for knn's 100,000 × 512 gallery).
+at::Tensor squared_norms(const at::Tensor& x) {
+  constexpr int64_t kRows = 4096;
+  at::Tensor n = at::empty({x.size(0), x.size(1)}, x.options());
+  for (int64_t r = 0; r < x.size(1); r += kRows) {
+    const int64_t len = std::min(kRows, x.size(1) - r);
+    at::Tensor slice = n.narrow(1, r, len);
+    at::sum_out(slice, x.narrow(1, r, len).square(), -1);
+  }
+  return n;
+}
+
 }  // namespace
 
 Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, bool squared,
@@ -104,8 +117,8 @@ Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::T
     c.x1 = c.raw1 - mean;
     c.x2 = c.raw2 - mean;
   }
-  c.n1 = c.x1.square().sum(-1);
-  c.n2 = p.self ? c.n1 : c.x2.square().sum(-1);
+  c.n1 = squared_norms(c.x1);
+  c.n2 = p.self ? c.n1 : squared_norms(c.x2);
   return c;
 }
 
