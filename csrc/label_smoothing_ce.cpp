@@ -124,21 +124,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce(const Problem& p, const at
                                                       const at::Tensor& lse,
                                                       const at::Tensor& losses,
                                                       const at::Tensor& position_weights) {
-  at::Tensor total_weight = position_weights.sum();
+  // Sums in float64: one large loss beside many small ones must not swallow them.
+  const at::Tensor weight_sum = position_weights.sum(at::kDouble);
   at::Tensor loss;
   switch (p.reduction) {
     case Reduction::None:
       loss = losses.to(input.scalar_type());
       break;
     case Reduction::Sum:
-      loss = losses.sum().to(input.scalar_type());
+      loss = losses.sum(at::kDouble).to(input.scalar_type());
       break;
     case Reduction::Mean:
       // 0 / 0 = NaN when every position is ignored, as in PyTorch.
-      loss = losses.sum().div(total_weight).to(input.scalar_type());
+      loss = losses.sum(at::kDouble).div(weight_sum).to(input.scalar_type());
       break;
   }
-  return {loss, lse, total_weight};
+  return {loss, lse, weight_sum.to(position_weights.scalar_type())};
 }
 
 at::Tensor grad_scale(const Problem& p, const at::Tensor& grad, const at::Tensor& total_weight) {

@@ -478,7 +478,7 @@ std::tuple<Tensor, Tensor, Tensor> reduce_cpu(const Problem& p, const Tensor& in
   AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "reduce_cpu", [&] {
     const scalar_t* l = losses.const_data_ptr<scalar_t>();
     const scalar_t* w = position_weights.const_data_ptr<scalar_t>();
-    double ls = 0, ws = 0;
+    double ls = 0, ws = 0;  // float64, as reduce() sums
     for (int64_t k = 0; k < n; ++k) {
       ls += l[k];
       ws += w[k];
