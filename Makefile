@@ -10,10 +10,13 @@ DEPS_STAMP  := $(VENV)/.deps-installed
 BUILD_STAMP := $(VENV)/.torchkit-built
 SOURCES     := setup.py pyproject.toml $(shell find csrc torchkit -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' 2>/dev/null)
 
-# Benchmarks: QUICK=1 runs the headline case of each op only.
-# QUICK=1 writes its own report (cpu-quick.*), so that it never replaces the full one.
-BENCH_JSON  := benchmarks/results/$(if $(QUICK),cpu-quick,cpu).json
-BENCH_SEL   := $(if $(QUICK),-m headline,)
+# Benchmarks: QUICK=1 runs the headline case of each op only. CONTENDED=1 runs the headline
+# cases with one more CPU-bound process alive the whole time, as a DataLoader worker is
+# beside training. Each writes its own report (cpu-quick.*, cpu-contended.*), so that it
+# never replaces the full one.
+BENCH_NAME  := $(if $(CONTENDED),cpu-contended,$(if $(QUICK),cpu-quick,cpu))
+BENCH_JSON  := benchmarks/results/$(BENCH_NAME).json
+BENCH_SEL   := $(if $(QUICK)$(CONTENDED),-m headline,)
 # -v: one line per case as it finishes (op, case, implementation, pass).
 
 .PHONY: build test bench cuda-build asan gpu-check compat lint clean
@@ -39,7 +42,7 @@ test: build
 	$(PY) -m pytest tests
 
 bench: build
-	$(PY) -m pytest benchmarks -v -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
+	TORCHKIT_BENCH_CONTENDED=$(if $(CONTENDED),1,0) $(PY) -m pytest benchmarks -v -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
 	$(PY) benchmarks/report.py $(BENCH_JSON)
 
 # CUDA build check, no GPU needed: compile and link every .cu with the nvcc that matches

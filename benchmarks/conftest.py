@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -19,3 +23,23 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["torch"] = torch.__version__
     if torch.cuda.is_available():
         machine_info["gpu"] = torch.cuda.get_device_name()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def contention():
+    """TORCHKIT_BENCH_CONTENDED=1 (make bench CONTENDED=1): one CPU-bound process runs beside
+    every case, as a DataLoader worker decoding images runs beside training. Thread pools
+    that spin, or that wait at a barrier for a thread the OS has descheduled, show here."""
+    if os.environ.get("TORCHKIT_BENCH_CONTENDED") != "1":
+        yield
+        return
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    output_json["machine_info"]["contended"] = os.environ.get("TORCHKIT_BENCH_CONTENDED") == "1"

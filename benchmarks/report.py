@@ -125,8 +125,9 @@ def main(path: str) -> None:
     cpu = machine.get("cpu", {}).get("brand_raw", machine.get("processor", "?"))
     gpu = f"{machine['gpu']}, " if machine.get("gpu") else ""
     torch_version = f", torch {machine['torch']}" if machine.get("torch") else ""
+    contended = "; one other CPU-bound process running throughout" if machine.get("contended") else ""
     parts = [
-        f"Machine: {gpu}{cpu}, {machine.get('cpu', {}).get('count', '?')} cores{torch_version}; "
+        f"Machine: {gpu}{cpu}, {machine.get('cpu', {}).get('count', '?')} cores{torch_version}{contended}; "
         "ratios are peer time / torchkit time.\n"
     ]
     for op, rows in ops.items():
