@@ -21,6 +21,7 @@ _Y = _x(4, 5, seed=1)
 CASES = {
     "cdist": (lambda a: ops.cdist(a, _Y), lambda a: reference.cdist(a, _Y), (6, 5)),
     "bilinear_pool": (ops.bilinear_pool, reference.bilinear_pool, (2, 3, 4, 4)),
+    "knn": (lambda a: ops.knn(a, _Y, 3)[0], lambda a: reference.knn(a, _Y, 3)[0], (6, 5)),
     "label_smoothing_cross_entropy": (
         lambda a: ops.label_smoothing_cross_entropy(a, torch.tensor([0, 2, 1, 4, 3, 0])),
         lambda a: F.cross_entropy(a, torch.tensor([0, 2, 1, 4, 3, 0]), label_smoothing=0.1),
@@ -42,7 +43,7 @@ def test_func_grad_and_jacrev(name):
     torch.testing.assert_close(torch.func.jacrev(op)(x), torch.func.jacrev(ref)(x))
 
 
-@pytest.mark.parametrize("name", ["cdist", "bilinear_pool"])
+@pytest.mark.parametrize("name", ["cdist", "bilinear_pool", "knn"])
 def test_per_sample_gradients(name):
     op, ref, shape = CASES[name]
     x = _x(*shape)
@@ -99,7 +100,7 @@ def test_cross_entropy_jvp_matches_f_cross_entropy(reduction, kind):
     torch.testing.assert_close(torch.func.jvp(ours, primals, tangents)[1], torch.func.jvp(theirs, primals, tangents)[1])
 
 
-@pytest.mark.parametrize("name", ["cdist", "bilinear_pool"])
+@pytest.mark.parametrize("name", ["cdist", "bilinear_pool", "knn"])
 def test_forward_mode_without_a_formula_is_refused_by_name(name):
     op, _, shape = CASES[name]
     x = _x(*shape)
