@@ -333,7 +333,7 @@ void forward_columns(const Problem& pr, const Tensor& input, const Tensor& targe
     const acc_t a = pr.a, bb = pr.b, W = weight_total;
     at::parallel_for(0, pr.N * tasks_per_sample, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> buf(C * span);
-      acc_t mx[V::size()], se[V::size()], wx[V::size()];
+      acc_t mx[V::size()], log_sum[V::size()], wx[V::size()];
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / tasks_per_sample, s0 = (task % tasks_per_sample) * span;
         const int64_t count = std::min(span, S - s0);
@@ -350,11 +350,11 @@ void forward_columns(const Problem& pr, const Tensor& input, const Tensor& targe
             vwx += kWeight ? V(w[c]) * d : d;
           }
           vref.store(mx);
-          vsum.store(se);
+          vsum.log().store(log_sum);  // one vector log, not a scalar log per position
           vwx.store(wx);
           for (int64_t l = 0; l < std::min<int64_t>(V::size(), count - j0); ++l) {
             const int64_t pos = n * S + s0 + j0 + l;
-            const acc_t log_s = std::log(se[l]);
+            const acc_t log_s = log_sum[l];
             lse_out[pos] = static_cast<double>(mx[l]) + static_cast<double>(log_s);
             const index_t ti = t[pos];
             if (ti == pr.ignore_index) {
