@@ -108,7 +108,10 @@ def make_extension():
     isa_flags, isa = _cpu_isa_flags()
     sanitize = os.environ.get("SANITIZE", "")
     sanitizer_flags = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"] if sanitize else []
-    cxx = [*opt, "-fdiagnostics-color=always", *isa_flags, *info, *sanitizer_flags]
+    # at::parallel_for is a header template: without OpenMP in this build it runs every loop
+    # on the calling thread. torch's own libgomp.so.1, already loaded, serves the pragmas.
+    openmp = ["-fopenmp"] if platform.system() == "Linux" else []
+    cxx = [*opt, "-fdiagnostics-color=always", *isa_flags, *info, *sanitizer_flags, *openmp]
     extra_compile_args = {"cxx": cxx}
     if use_cuda:
         extra_compile_args["nvcc"] = [*opt, "--expt-relaxed-constexpr", "-lineinfo"]
@@ -134,7 +137,7 @@ def make_extension():
         sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args=extra_compile_args,
-        extra_link_args=([] if debug else ["-Wl,-O1"]) + sanitizer_flags,
+        extra_link_args=([] if debug else ["-Wl,-O1"]) + sanitizer_flags + openmp,
         py_limited_api=PY_LIMITED_API,
     )
 
