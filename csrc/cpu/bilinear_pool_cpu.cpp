@@ -10,6 +10,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -75,7 +76,11 @@ std::tuple<Tensor, Tensor> forward_kernel(const Problem& p, const Tensor& x,
   const acc_t inv_hw = acc_t(1) / static_cast<acc_t>(p.HW);
   const acc_t eps = static_cast<acc_t>(p.sqrt_eps);
   acc_t* s = s_buf.data_ptr<acc_t>();
+  // The tasks call ATen (the tile's GEMM): OpenMP's worker threads must see this thread's
+  // dispatcher state (below autograd), or mm_out would refuse inputs that require grad.
+  const at::ThreadLocalState state;
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
     Tensor scratch = at::empty({kTile, kTile}, a.options());
     for (int64_t t = begin; t < end; ++t) {
       const Tile& T = tiles[t];
