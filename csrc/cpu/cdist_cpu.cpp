@@ -21,6 +21,7 @@
 
 #include "cdist.h"
 #include "common.h"
+#include "cpu/distance.h"
 #include "cpu/memory.h"
 
 namespace torchkit::cdist {
@@ -28,25 +29,12 @@ namespace {
 
 using at::Tensor;
 using at::vec::Vectorized;
+using cpu::direct_sq;
 
 constexpr int64_t kTileBytes = 16 << 20;  // an output tile that stays in the L3 cache
 
 int64_t tile_rows(int64_t R, int64_t elem_size) {
   return std::clamp<int64_t>(kTileBytes / std::max<int64_t>(R * elem_size, 1), 16, 1024);
-}
-
-template <typename acc_t>
-acc_t direct_sq(const acc_t* a, const acc_t* b, int64_t M) {
-  using V = Vectorized<acc_t>;
-  V s(0);
-  int64_t k = 0;
-  for (; k + V::size() <= M; k += V::size()) {
-    const V d = V::loadu(a + k) - V::loadu(b + k);
-    s = at::vec::fmadd(d, d, s);
-  }
-  acc_t sum = at::vec::vec_reduce_all<acc_t>([](V x, V y) { return x + y; }, s);
-  for (; k < M; ++k) sum += (a[k] - b[k]) * (a[k] - b[k]);
-  return sum;
 }
 
 // The epilogue's test: the expansion cancelled (or is NaN), and the entry is recomputed.

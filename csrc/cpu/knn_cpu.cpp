@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cdist.h"
+#include "cpu/distance.h"
 #include "knn.h"
 
 namespace torchkit::knn {
@@ -28,6 +29,7 @@ namespace {
 
 using at::Tensor;
 using at::vec::Vectorized;
+using cpu::direct_sq;
 
 constexpr int64_t kTileBytes = 8 << 20;  // the GEMM's output tile: stays in the L3 cache
 constexpr int64_t kChunk = 4096;         // gallery rows per tile
@@ -48,36 +50,20 @@ bool before(const Candidate<acc_t>& a, const Candidate<acc_t>& b) {
   return a.j < b.j;
 }
 
-template <typename acc_t>
-acc_t direct_sq(const acc_t* a, const acc_t* b, int64_t M) {
-  using V = Vectorized<acc_t>;
-  V s(0);
-  int64_t k = 0;
-  for (; k + V::size() <= M; k += V::size()) {
-    const V d = V::loadu(a + k) - V::loadu(b + k);
-    s = at::vec::fmadd(d, d, s);
-  }
-  acc_t sum = at::vec::vec_reduce_all<acc_t>([](V x, V y) { return x + y; }, s);
-  for (; k < M; ++k) sum += (a[k] - b[k]) * (a[k] - b[k]);
-  return sum;
-}
-
 // The k best candidates of one query row so far, a max-heap by `before` (the worst on top).
 template <typename acc_t>
 struct RowHeap {
   Candidate<acc_t>* items;
   int64_t size, k;
 
-  static bool worse(const Candidate<acc_t>& a, const Candidate<acc_t>& b) { return before(a, b); }
-
   void offer(const Candidate<acc_t>& c) {
     if (size < k) {
       items[size++] = c;
-      std::push_heap(items, items + size, worse);
+      std::push_heap(items, items + size, before<acc_t>);
     } else if (before(c, items[0])) {
-      std::pop_heap(items, items + size, worse);
+      std::pop_heap(items, items + size, before<acc_t>);
       items[size - 1] = c;
-      std::push_heap(items, items + size, worse);
+      std::push_heap(items, items + size, before<acc_t>);
     }
   }
 
