@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["bilinear_pool", "cdist", "knn", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
+__all__ = ["bilinear_pool", "cdist", "covariance_pool", "knn", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
 
 
 def label_smoothing_cross_entropy(
@@ -142,3 +142,31 @@ def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e
     Z = Z.reshape(N, -1)
     Z = torch.sign(Z) * torch.sqrt(torch.abs(Z) + sqrt_eps)
     return F.normalize(Z, eps=l2_eps)
+
+
+def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: bool = True) -> Tensor:
+    """fast-MPN-COV's ``Covpool`` → ``Sqrtm`` → ``Triuvec`` as plain tensor ops, autograd
+    through every Newton–Schulz step. Reduced types compute in float32. A zero-trace sample
+    (constant features) gives 0, with a finite gradient."""
+    X = x.flatten(2)
+    X = X.float() if X.dtype in (torch.float16, torch.bfloat16) else X
+    Xc = X - X.mean(2, keepdim=True)
+    out = Xc @ Xc.mT / X.shape[2]
+    if sqrt:
+        tr = out.diagonal(dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1)
+        tr = torch.where(tr == 0, 1.0, tr)  # Σ = 0: A = 0 and F(A) = 0, whatever tr stands for
+        A = out / tr
+        I3 = 3 * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+        T = 0.5 * (I3 - A)
+        Y = A @ T
+        if iterations >= 2:
+            Z = T
+            for _ in range(iterations - 2):
+                T = 0.5 * (I3 - Z @ Y)
+                Y, Z = Y @ T, T @ Z
+            Y = 0.5 * Y @ (I3 - Z @ Y)
+        out = Y * tr.sqrt()
+    if triu:
+        rows, cols = torch.triu_indices(out.shape[-1], out.shape[-1], device=out.device)
+        out = out[:, rows, cols]
+    return out.to(x.dtype)

@@ -6,8 +6,9 @@ One module per op (the basename of its csrc/ files) holds its function, its fake
 
 from torchkit.ops.bilinear_pool import bilinear_pool
 from torchkit.ops.cdist import cdist
+from torchkit.ops.covariance_pool import covariance_pool
 from torchkit.ops.knn import knn
 from torchkit.ops.label_smoothing_ce import label_smoothing_cross_entropy
 from torchkit.ops.region_confusion import permute_blocks, region_confusion
 
-__all__ = ["bilinear_pool", "cdist", "knn", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
+__all__ = ["bilinear_pool", "cdist", "covariance_pool", "knn", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]

@@ -1,0 +1,303 @@
+// Covariance pooling on the CPU.
+//
+// Forward: every product of the Newton–Schulz chain (and the covariance itself) is symmetric,
+// so above kTile channels only the tiles on and above the diagonal are multiplied (one BLAS
+// call per tile, with the ½(3I − ·) update as its alpha/beta epilogue) and mirrored: 10 of
+// 16 tiles' flops at D = 512.
+// Backward: the gradient of the polynomial F(A) in A's eigenbasis, A = U·diag(λ)·Uᵀ:
+// ∂/∂A <Gf, F(A)> = U·((UᵀGfU) ∘ L)·Uᵀ, L the divided differences of F's scalar polynomial
+// at pairs of eigenvalues (Daleckii–Krein; exact for repeated eigenvalues, where L is F′).
+// L comes from the iteration's own recursion through the product rule of divided
+// differences, [fg](a, b) = [f](a, b)·g(b) + f(a)·[g](a, b), so no difference of close
+// eigenvalues is ever divided. One eigendecomposition and four GEMMs replace the adjoint
+// chain's 6 GEMMs per iteration; for small D or few iterations the chain is cheaper.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "covariance_pool.h"
+#include "common.h"
+
+namespace torchkit::covariance {
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kTile = 128;
+
+// s from a sample's max|Xc|: see Centre in covariance_pool.h.
+template <typename acc_t>
+acc_t power_of_two(acc_t max_abs, bool finite) {
+  if (!finite || !(max_abs > 0) || !std::isfinite(max_abs)) return acc_t(1);
+  int e = 0;
+  std::frexp(max_abs, &e);
+  return std::ldexp(acc_t(1), e - 1);
+}
+
+// One pass for the means (summed in float64) and the largest deviation, one to write
+// X̃c = (X − mean) / s: (N, D, M) rows, or (N, M, D) for channels_last (sD = 1).
+template <typename scalar_t>
+std::tuple<Tensor, Tensor> centre_kernel(const Problem& p, const Tensor& a,
+                                         const std::optional<Tensor>& scale) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = p.N, D = p.D, M = p.M;
+  const bool by_rows = a.stride(1) != 1 || a.stride(2) == 1;
+  const Tensor in = by_rows && a.stride(2) != 1 ? a.contiguous() : a;
+  const scalar_t* x = in.data_ptr<scalar_t>();
+  const int64_t sN = in.stride(0), sD = in.stride(1), sM = in.stride(2);
+  const auto acc_opts = a.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  Tensor out = by_rows ? at::empty({N, D, M}, acc_opts) : at::empty({N, M, D}, acc_opts);
+  Tensor s = scale.has_value() ? *scale : at::empty({N}, acc_opts);
+  acc_t* o = out.data_ptr<acc_t>();
+  acc_t* sp = s.data_ptr<acc_t>();
+  std::vector<acc_t> mean(N * D), dev(N * D);
+  std::vector<char> finite(N * D);
+  if (by_rows) {
+    at::parallel_for(0, N * D, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = x + (r / D) * sN + (r % D) * sD;
+        double sum = 0;
+        for (int64_t m = 0; m < M; ++m) sum += static_cast<double>(row[m]);
+        const acc_t mu = static_cast<acc_t>(sum / static_cast<double>(M));
+        acc_t big = 0;
+        if (!scale.has_value())
+          for (int64_t m = 0; m < M; ++m) big = std::max(big, std::abs(acc_t(row[m]) - mu));
+        mean[r] = mu, dev[r] = big, finite[r] = std::isfinite(sum);
+      }
+    });
+  } else {
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      std::vector<double> sum(D);
+      for (int64_t n = begin; n < end; ++n) {
+        std::fill(sum.begin(), sum.end(), 0.0);
+        for (int64_t m = 0; m < M; ++m) {
+          const scalar_t* col = x + n * sN + m * sM;
+          for (int64_t d = 0; d < D; ++d) sum[d] += static_cast<double>(col[d]);
+        }
+        acc_t* mu = mean.data() + n * D;
+        acc_t* big = dev.data() + n * D;
+        for (int64_t d = 0; d < D; ++d) {
+          mu[d] = static_cast<acc_t>(sum[d] / static_cast<double>(M));
+          big[d] = 0, finite[n * D + d] = std::isfinite(sum[d]);
+        }
+        if (!scale.has_value())
+          for (int64_t m = 0; m < M; ++m) {
+            const scalar_t* col = x + n * sN + m * sM;
+            for (int64_t d = 0; d < D; ++d) big[d] = std::max(big[d], std::abs(acc_t(col[d]) - mu[d]));
+          }
+      }
+    });
+  }
+  if (!scale.has_value()) {
+    for (int64_t n = 0; n < N; ++n) {
+      acc_t big = 0;
+      bool ok = true;
+      for (int64_t d = 0; d < D; ++d) big = std::max(big, dev[n * D + d]), ok = ok && finite[n * D + d];
+      sp[n] = power_of_two(big, ok);
+    }
+  }
+  // Division by a power of two is exact (its reciprocal may not be representable).
+  if (by_rows) {
+    at::parallel_for(0, N * D, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = x + (r / D) * sN + (r % D) * sD;
+        const acc_t mu = mean[r], sn = sp[r / D];
+        acc_t* dst = o + r * M;
+        for (int64_t m = 0; m < M; ++m) dst[m] = (acc_t(row[m]) - mu) / sn;
+      }
+    });
+    return {out, s};
+  }
+  at::parallel_for(0, N * M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = r / M;
+      const scalar_t* col = x + n * sN + (r % M) * sM;
+      const acc_t* mu = mean.data() + n * D;
+      const acc_t sn = sp[n];
+      acc_t* dst = o + r * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = (acc_t(col[d]) - mu[d]) / sn;
+    }
+  });
+  return {out.transpose(1, 2), s};
+}
+
+std::tuple<Tensor, Tensor> centre_cpu(const Problem& p, const Tensor& x,
+                                      const std::optional<Tensor>& scale) {
+  // x as (N, D, M) without a copy: (N, M, D) memory for channels_last.
+  const Tensor a = x.dim() == 3 ? x
+                   : p.channels_last
+                       ? x.permute({0, 2, 3, 1}).reshape({p.N, p.M, p.D}).transpose(1, 2)
+                       : x.reshape({p.N, p.D, p.M});
+  std::tuple<Tensor, Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "covariance_pool", [&] {
+    result = centre_kernel<scalar_t>(p, a, scale);
+  });
+  return result;
+}
+
+Tensor symmetric_product_tiles(const Tensor& A, const Tensor& B, double alpha, const Tensor& S,
+                               double beta, double gamma) {
+  const int64_t N = A.size(0), D = A.size(1);
+  if (D <= kTile) return symmetric_product_bmm(A, B, alpha, S, beta, gamma);
+  struct Tile {
+    int64_t n, i0, j0;
+  };
+  std::vector<Tile> tiles;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i0 = 0; i0 < D; i0 += kTile)
+      for (int64_t j0 = i0; j0 < D; j0 += kTile) tiles.push_back({n, i0, j0});
+  Tensor C = at::empty({N, D, D}, A.options());
+  // The tasks call ATen: OpenMP's workers must see this thread's dispatcher state.
+  const at::ThreadLocalState state;
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
+    for (int64_t t = begin; t < end; ++t) {
+      const Tile& T = tiles[t];
+      const int64_t di = std::min(kTile, D - T.i0), dj = std::min(kTile, D - T.j0);
+      Tensor c = C[T.n].narrow(0, T.i0, di).narrow(1, T.j0, dj);
+      const Tensor a = A[T.n].narrow(0, T.i0, di), b = B[T.n].narrow(1, T.j0, dj);
+      if (S.defined()) {
+        at::addmm_out(c, S[T.n].narrow(0, T.i0, di).narrow(1, T.j0, dj), a, b, beta, alpha);
+      } else {
+        at::addmm_out(c, c, a, b, 0.0, alpha);  // beta = 0: c's contents are not read
+      }
+      if (T.i0 == T.j0) {
+        if (gamma != 0.0) c.diagonal().add_(gamma);
+      } else {
+        C[T.n].narrow(0, T.j0, dj).narrow(1, T.i0, di).copy_(c.t());
+      }
+    }
+  });
+  return C;
+}
+
+// Ḡ ← L ∘ Ḡ for the eigenvalues lambda (N, D), and dot = <Gf, F(A)> per sample; diag is
+// Ḡ's diagonal before.
+template <typename acc_t>
+void divided_differences(Tensor& gbar, const Tensor& lambda, int64_t n, const acc_t* diag,
+                         acc_t* dot) {
+  const int64_t N = gbar.size(0), D = gbar.size(1);
+  // Per sample and step, the scalar iteration's values at every eigenvalue: y, z, t (t₀ at
+  // step 0), then w and f. Rows of D.
+  const int64_t steps = std::max<int64_t>(n - 1, 1);
+  const int64_t rows = 3 * steps + 2;
+  std::vector<acc_t> table(N * rows * D);
+  const acc_t* lam = lambda.data_ptr<acc_t>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      acc_t* v = table.data() + s * rows * D;
+      for (int64_t b = 0; b < D; ++b) {
+        const acc_t l = lam[s * D + b];
+        acc_t t = acc_t(1.5) - acc_t(0.5) * l, y = l * t, z = t;
+        v[0 * D + b] = y, v[1 * D + b] = z, v[2 * D + b] = t;
+        for (int64_t i = 1; i < steps; ++i) {
+          t = acc_t(1.5) - acc_t(0.5) * (z * y);
+          y = y * t, z = t * z;
+          v[(3 * i) * D + b] = y, v[(3 * i + 1) * D + b] = z, v[(3 * i + 2) * D + b] = t;
+        }
+        const acc_t w = z * y;
+        v[(3 * steps) * D + b] = w;
+        v[(3 * steps + 1) * D + b] = n == 1 ? y : acc_t(1.5) * y - acc_t(0.5) * y * w;
+      }
+    }
+  });
+  acc_t* g = gbar.data_ptr<acc_t>();
+  at::parallel_for(0, N * D, 16, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> dy(D), dz(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / D, a = task % D;
+      const acc_t* v = table.data() + s * rows * D;
+      auto at_a = [&](int64_t row) { return v[row * D + a]; };
+      const acc_t la = lam[s * D + a];
+      // Step 0: [T₀] = −½, [Y₀] = [λ]·t₀(b) + λ(a)·[T₀], [Z₀] = [T₀].
+      const acc_t* t0 = v + 2 * D;
+      for (int64_t b = 0; b < D; ++b) dy[b] = t0[b] - acc_t(0.5) * la, dz[b] = acc_t(-0.5);
+      for (int64_t i = 1; i < steps; ++i) {
+        // Tᵢ = 1.5 − ½·Zᵢ₋₁Yᵢ₋₁, Yᵢ = Yᵢ₋₁Tᵢ, Zᵢ = TᵢZᵢ₋₁.
+        const acc_t *yb = v + (3 * (i - 1)) * D, *zb = v + (3 * (i - 1) + 1) * D;
+        const acc_t* tb = v + (3 * i + 2) * D;
+        const acc_t ya = at_a(3 * (i - 1)), za = at_a(3 * (i - 1) + 1), ta = at_a(3 * i + 2);
+        for (int64_t b = 0; b < D; ++b) {
+          const acc_t dt = acc_t(-0.5) * (dz[b] * yb[b] + za * dy[b]);
+          const acc_t y_next = dy[b] * tb[b] + ya * dt;
+          dz[b] = dt * zb[b] + ta * dz[b];
+          dy[b] = y_next;
+        }
+      }
+      acc_t* row = g + (s * D + a) * D;
+      if (n == 1) {
+        for (int64_t b = 0; b < D; ++b) row[b] *= dy[b];
+      } else {
+        // W = Z·Y, F = 1.5·Y − ½·Y·W.
+        const acc_t *yb = v + (3 * (steps - 1)) * D, *wb = v + (3 * steps) * D;
+        const acc_t ya = at_a(3 * (steps - 1)), za = at_a(3 * (steps - 1) + 1);
+        for (int64_t b = 0; b < D; ++b) {
+          const acc_t dw = dz[b] * yb[b] + za * dy[b];
+          row[b] *= acc_t(1.5) * dy[b] - acc_t(0.5) * (dy[b] * wb[b] + ya * dw);
+        }
+      }
+    }
+  });
+  // <Gf, F(A)> = Σₐ Ḡₐₐ·f(λₐ), from the diagonal as it was before L scaled it.
+  for (int64_t s = 0; s < N; ++s) {
+    const acc_t* f = table.data() + (s * rows + 3 * steps + 1) * D;
+    double sum = 0;
+    for (int64_t a = 0; a < D; ++a) sum += static_cast<double>(diag[s * D + a]) * f[a];
+    dot[s] = static_cast<acc_t>(sum);
+  }
+}
+
+std::tuple<Tensor, Tensor> sqrtm_backward_spectral(const Tensor& A, const Tensor& Gf, int64_t n) {
+  // A sample with a NaN or inf has a NaN gradient; it is decomposed as 0, since the
+  // eigensolver may refuse it.
+  const Tensor finite = at::isfinite(A).flatten(1).all(1).view({A.size(0), 1, 1});
+  const auto [lambda, U] = at::linalg_eigh(at::where(finite, A, at::zeros_like(A)));
+  Tensor gbar = at::bmm(at::bmm(U.transpose(1, 2), Gf), U);
+  const Tensor diag = gbar.diagonal(0, 1, 2).contiguous();
+  Tensor dot = at::empty({A.size(0)}, A.options());
+  AT_DISPATCH_FLOATING_TYPES(A.scalar_type(), "covariance_pool_backward", [&] {
+    divided_differences<scalar_t>(gbar, lambda.contiguous(), n, diag.data_ptr<scalar_t>(),
+                                  dot.data_ptr<scalar_t>());
+  });
+  const Tensor gA = at::bmm(at::bmm(U, gbar), U.transpose(1, 2));
+  return {at::where(finite, gA, at::full({}, NAN, A.options())), dot};
+}
+
+// The adjoint chain costs 6 GEMMs per iteration; the spectral form one eigendecomposition
+// (about ten GEMMs' time here at D ≥ 128) and four. Measured crossover: see CONTRIBUTING.
+std::tuple<Tensor, Tensor> sqrtm_backward_cpu(const Tensor& A, const Tensor& Gf, int64_t n) {
+  if (A.size(1) >= 64 && n >= 3) return sqrtm_backward_spectral(A, Gf, n);
+  return sqrtm_backward_chain(A, Gf, n);
+}
+
+const Backend kBackend{centre_cpu, symmetric_product_tiles, sqrtm_backward_cpu};
+
+std::tuple<Tensor, Tensor, Tensor> covariance_pool_cpu(const Tensor& x, int64_t iterations,
+                                                       bool sqrt, bool triu) {
+  const Problem p = check_inputs(x, iterations, sqrt, triu);
+  return forward(p, x, kBackend);
+}
+
+Tensor covariance_pool_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& sigma,
+                                    const Tensor& scale, int64_t iterations, bool sqrt,
+                                    bool triu) {
+  const Problem p = check_inputs(x, iterations, sqrt, triu);
+  check_backward_inputs(p, grad, x, sigma, scale);
+  return backward(p, grad, x, sigma, scale, kBackend);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
+  m.impl("covariance_pool", &covariance_pool_cpu);
+  m.impl("_covariance_pool_backward", &covariance_pool_backward_cpu);
+}
+
+}  // namespace torchkit::covariance

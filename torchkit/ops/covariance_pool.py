@@ -1,0 +1,113 @@
+"""covariance_pool: the Python function, its fake kernels, its autograd formula and autocast rule."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchkit.ops._common import acc_dtype, check_same_device, differentiable, no_double_backward
+
+
+def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: bool = True) -> Tensor:
+    """Global covariance pooling with iterative matrix square-root normalisation
+    (iSQRT-COV, Li et al., CVPR 2018), fused.
+
+    The covariance of the channels over the spatial positions,
+    ``Σ = (1/M)·(X − X̄)(X − X̄)ᵀ`` (fast-MPN-COV's ``Covpool``, without its M×M centring
+    matrix), then with ``sqrt=True`` its square root by ``iterations`` coupled Newton–Schulz
+    steps on ``Σ / tr Σ``, compensated by ``√tr Σ`` (fast-MPN-COV's ``Sqrtm``, the same
+    values and gradients), then with ``triu=True`` the upper triangle (``Triuvec``).
+
+    Only ``x``, one D×D matrix and one scale per sample are kept for backward (fast-MPN-COV
+    keeps an M×M matrix and every iterate). Inputs of any magnitude are exact: each sample is
+    scaled by a power of two before its covariance is formed, so float32 features past
+    ~1e19 (whose covariance overflows) or below ~1e-19 (whose covariance underflows) give the
+    same result as moderate ones, scaled.
+
+    Args:
+        x (Tensor[N, D, H, W] or Tensor[N, D, M]): float32, float64, float16 or bfloat16
+            (reduced types compute in float32), any memory format (``channels_last`` is read
+            in place). At least one position.
+        iterations: >= 1, the Newton–Schulz steps (fast-MPN-COV's ``iterN``; 3 to 5 in its
+            models). ``1`` is ``A·½(3I − A)·√tr Σ``.
+        sqrt: take the matrix square root (``False``: the covariance itself).
+        triu: return the upper triangle with the diagonal, row by row, ``(N, D(D+1)/2)``;
+            ``False`` returns ``(N, D, D)``.
+
+    Returns:
+        Tensor of ``x``'s dtype. A sample whose features are all constant over the
+        positions has ``Σ = 0``: its output is 0 (the square root of the zero matrix) and its
+        gradient is 0. NaN or inf in a sample makes that sample's output NaN.
+
+    Example::
+
+        >>> features = torch.relu(torch.randn(8, 256, 28, 28, requires_grad=True))
+        >>> pooled = torchkit.ops.covariance_pool(features)  # (8, 32896)
+    """
+    for name, value in (("iterations", iterations),):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"covariance_pool: {name} must be an int, got {type(value).__name__} {value!r}")
+    for name, value in (("sqrt", sqrt), ("triu", triu)):
+        if not isinstance(value, bool):
+            raise TypeError(f"covariance_pool: {name} must be a bool, got {type(value).__name__} {value!r}")
+    out, _, _ = _covariance_pool(x, iterations, sqrt, triu)
+    return out
+
+
+def _output_shape(x: Tensor, triu: bool) -> tuple:
+    N, D = x.shape[0], x.shape[1]
+    return (N, D * (D + 1) // 2) if triu else (N, D, D)
+
+
+def _channels_last(x: Tensor) -> bool:
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+@torch.library.register_fake("torchkit::covariance_pool")
+def _(x, iterations, sqrt, triu):
+    torch._check(x.dim() in (3, 4), lambda: f"covariance_pool: x must be (N, D, H, W) or (N, D, M), got {tuple(x.shape)}")
+    torch._check(iterations >= 1, lambda: f"covariance_pool: iterations must be >= 1, got {iterations}")
+    N, D = x.shape[0], x.shape[1]
+    acc = acc_dtype(x)
+    return x.new_empty(_output_shape(x, triu)), x.new_empty((N, D, D), dtype=acc), x.new_empty((N,), dtype=acc)
+
+
+@torch.library.register_fake("torchkit::_covariance_pool_backward")
+def _(grad, x, sigma, scale, iterations, sqrt, triu):
+    check_same_device("covariance_pool", x=x, grad=grad, sigma=sigma, scale=scale)
+    if _channels_last(x):
+        return torch.empty_like(x, memory_format=torch.channels_last)
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, iterations, sqrt, triu = inputs
+    _, sigma, scale = output
+    ctx.save_for_backward(x, sigma, scale)  # x, one D×D matrix and one scale per sample
+    ctx.options = (iterations, sqrt, triu)
+
+
+def _backward(ctx, grad, _grad_sigma, _grad_scale):
+    x, sigma, scale = ctx.saved_tensors
+    return _covariance_pool_backward(grad, x, sigma, scale, *ctx.options), None, None, None
+
+
+torch.library.register_autograd("torchkit::covariance_pool", _backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "torchkit::_covariance_pool_backward",
+    no_double_backward("covariance_pool"),
+    setup_context=lambda ctx, inputs, output: None,
+)
+_covariance_pool = differentiable(
+    "covariance_pool", torch.ops.torchkit.covariance_pool.default, _setup_context, _backward
+)
+_covariance_pool_backward = differentiable(
+    "covariance_pool",
+    torch.ops.torchkit._covariance_pool_backward.default,
+    lambda ctx, inputs, output: None,
+    no_double_backward("covariance_pool"),
+)
+
+# Under autocast: a matrix function (a square root), as autocast runs linalg: in float32.
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("torchkit::covariance_pool", _device, torch.float32)
