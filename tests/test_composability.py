@@ -21,6 +21,7 @@ _Y = _x(4, 5, seed=1)
 CASES = {
     "cdist": (lambda a: ops.cdist(a, _Y), lambda a: reference.cdist(a, _Y), (6, 5)),
     "bilinear_pool": (ops.bilinear_pool, reference.bilinear_pool, (2, 3, 4, 4)),
+    "covariance_pool": (ops.covariance_pool, reference.covariance_pool, (2, 3, 4, 4)),
     "knn": (lambda a: ops.knn(a, _Y, 3)[0], lambda a: reference.knn(a, _Y, 3)[0], (6, 5)),
     "label_smoothing_cross_entropy": (
         lambda a: ops.label_smoothing_cross_entropy(a, torch.tensor([0, 2, 1, 4, 3, 0])),
@@ -43,7 +44,7 @@ def test_func_grad_and_jacrev(name):
     torch.testing.assert_close(torch.func.jacrev(op)(x), torch.func.jacrev(ref)(x))
 
 
-@pytest.mark.parametrize("name", ["cdist", "bilinear_pool", "knn"])
+@pytest.mark.parametrize("name", ["cdist", "bilinear_pool", "covariance_pool", "knn"])
 def test_per_sample_gradients(name):
     op, ref, shape = CASES[name]
     x = _x(*shape)
@@ -100,7 +101,7 @@ def test_cross_entropy_jvp_matches_f_cross_entropy(reduction, kind):
     torch.testing.assert_close(torch.func.jvp(ours, primals, tangents)[1], torch.func.jvp(theirs, primals, tangents)[1])
 
 
-@pytest.mark.parametrize("name", ["cdist", "bilinear_pool", "knn"])
+@pytest.mark.parametrize("name", ["cdist", "bilinear_pool", "covariance_pool", "knn"])
 def test_forward_mode_without_a_formula_is_refused_by_name(name):
     op, _, shape = CASES[name]
     x = _x(*shape)
@@ -126,6 +127,7 @@ class _PermuteBlocks(torch.nn.Module):
 EXPORTED = {
     "CDist": (lambda: torchkit.nn.CDist(), (_x(6, 5), _Y)),
     "BilinearPool2d": (lambda: torchkit.nn.BilinearPool2d(), (_x(2, 3, 4, 4),)),
+    "CovariancePool2d": (lambda: torchkit.nn.CovariancePool2d(), (_x(2, 3, 4, 4),)),
     "LabelSmoothingCrossEntropy": (
         lambda: torchkit.nn.LabelSmoothingCrossEntropy(),
         (_x(6, 5), torch.tensor([0, 2, 1, 4, 3, 0])),

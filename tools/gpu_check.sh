@@ -45,7 +45,7 @@ export -f sanitize; export PY LOGS
 SECONDS=0
 if [[ $STEPS == *sanitize* ]]; then
   {
-    for op in cdist bilinear_pool knn label_smoothing_cross_entropy region_confusion; do
+    for op in cdist bilinear_pool covariance_pool knn label_smoothing_cross_entropy region_confusion; do
       echo "memcheck $op"; echo "initcheck $op"
     done
     for op in bilinear_pool label_smoothing_cross_entropy; do echo "racecheck $op"; echo "synccheck $op"; done
@@ -70,7 +70,7 @@ SECONDS=0
 # SIGINT at the limit: pytest still finishes the session and writes the JSON of what ran.
 TORCHKIT_BENCH_SECONDS=${TORCHKIT_BENCH_SECONDS:-0.3} timeout -s INT "${BENCH_LIMIT:-1200}" $PY -m pytest -m cuda -q -p no:cacheprovider \
   benchmarks/bench_label_smoothing_ce.py benchmarks/bench_region_confusion.py benchmarks/bench_cdist.py \
-  benchmarks/bench_bilinear_pool.py \
+  benchmarks/bench_bilinear_pool.py benchmarks/bench_covariance_pool.py benchmarks/bench_knn.py \
   --benchmark-json="$RESULTS/gpu.json" --benchmark-columns=median,rounds > "$LOGS/bench.log" 2>&1
 echo "benchmarks ($SECONDS s): $(tail -1 "$LOGS/bench.log")"
 grep -E "^(FAILED|ERROR)" "$LOGS/bench.log" | head -20

@@ -4,7 +4,7 @@
 
 The test suite under a sanitizer takes too long (each launch is instrumented), so this runs
 every kernel of the op once or twice, over the layouts and dtypes that pick different code:
-rows and positions (cross-entropy), self and two-stream (bilinear), batched and broadcast
+rows and positions (cross-entropy), self and two-stream (bilinear), options and layouts (covariance), batched and broadcast
 (cdist), contiguous and channels_last (region confusion), with odd sizes for the tails.
 Exits non-zero if a result disagrees with the op on the CPU.
 """
@@ -97,7 +97,15 @@ def knn():
     check(distances, query, torch.randn(12, 4), k=12, grad=False)
 
 
-OPS = ("cdist", "bilinear_pool", "knn", "label_smoothing_cross_entropy", "region_confusion")
+def covariance_pool():
+    for dtype in (torch.float32, torch.float64):
+        check(ops.covariance_pool, torch.randn(2, 33, 5, 7, dtype=dtype).relu())
+        check(ops.covariance_pool, torch.randn(3, 9, 11, dtype=dtype), iterations=1, triu=False)
+        check(ops.covariance_pool, torch.randn(2, 20, 3, 3, dtype=dtype).to(memory_format=torch.channels_last), sqrt=False)
+    check(ops.covariance_pool, torch.randn(2, 16, 3, 3).bfloat16(), grad=False)
+
+
+OPS = ("cdist", "bilinear_pool", "covariance_pool", "knn", "label_smoothing_cross_entropy", "region_confusion")
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in OPS:

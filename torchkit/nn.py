@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torchkit import ops
 from torchkit.ops.region_confusion import _check_probability, _check_rcm_args, _check_rcm_settings, _rcm_permutations
 
-__all__ = ["BilinearPool2d", "CDist", "LabelSmoothingCrossEntropy", "RegionConfusion"]
+__all__ = ["BilinearPool2d", "CDist", "CovariancePool2d", "LabelSmoothingCrossEntropy", "RegionConfusion"]
 
 
 class LabelSmoothingCrossEntropy(nn.Module):
@@ -182,3 +182,56 @@ class BilinearPool2d(nn.Module):
         if self.y_channels is not None:
             channels += f", y_channels={self.y_channels}"
         return f"sqrt_eps={self.sqrt_eps}, l2_eps={self.l2_eps}{channels}"
+
+
+class CovariancePool2d(nn.Module):
+    """iSQRT-COV pooling of a feature map: covariance, Newton–Schulz matrix square root,
+    upper triangle; see :func:`torchkit.ops.covariance_pool`. ``(N, D, H, W)`` →
+    ``(N, D(D+1)/2)`` (``(N, D, D)`` with ``triu=False``). A drop-in for fast-MPN-COV's
+    ``MPNCOV`` layer without its ``dimension_reduction`` block (put a 1×1 convolution before
+    it).
+
+    With ``in_channels=D`` the module knows its output size, ``output_dim`` (``D(D+1)/2``,
+    or ``D²`` with ``triu=False``, as ``MPNCOV.output_dim``), which model builders read to
+    size the classifier; the input is then checked against it.
+    """
+
+    def __init__(
+        self, iterations: int = 5, sqrt: bool = True, triu: bool = True, *, in_channels: Optional[int] = None
+    ) -> None:
+        super().__init__()
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"CovariancePool2d: iterations must be an int >= 1, got {iterations!r}")
+        if in_channels is not None and (isinstance(in_channels, bool) or not isinstance(in_channels, int) or in_channels < 1):
+            raise ValueError(f"CovariancePool2d: in_channels must be a positive int or None, got {in_channels!r}")
+        self.iterations = iterations
+        self.sqrt = sqrt
+        self.triu = triu
+        self.in_channels = in_channels
+
+    @property
+    def output_dim(self) -> int:
+        """``D(D+1)/2`` (``D²`` with ``triu=False``): the length of each flattened output."""
+        if self.in_channels is None:
+            raise AttributeError("output_dim")  # worded by __getattr__, as BilinearPool2d's
+        D = self.in_channels
+        return D * (D + 1) // 2 if self.triu else D * D
+
+    def __getattr__(self, name: str):
+        if name == "output_dim":
+            raise AttributeError(
+                "CovariancePool2d: output_dim needs the channel count; construct it as "
+                "CovariancePool2d(in_channels=D)"
+            )
+        return super().__getattr__(name)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.in_channels is not None and (x.dim() < 2 or x.shape[1] != self.in_channels):
+            raise ValueError(
+                f"CovariancePool2d: built for {self.in_channels} channels, got x of shape {tuple(x.shape)}"
+            )
+        return ops.covariance_pool(x, iterations=self.iterations, sqrt=self.sqrt, triu=self.triu)
+
+    def extra_repr(self) -> str:
+        channels = "" if self.in_channels is None else f", in_channels={self.in_channels}"
+        return f"iterations={self.iterations}, sqrt={self.sqrt}, triu={self.triu}{channels}"

@@ -1,0 +1,302 @@
+"""torchkit.ops.covariance_pool against its reference (torchkit.reference), a layer with
+fast-MPN-COV's structure (tests/mpncov_peer.py), and the true matrix square root."""
+
+import pytest
+import torch
+from conftest import (
+    DEVICES,
+    REDUCED_DTYPES,
+    assert_close,
+    assert_close_reduced,
+    check_compile,
+    check_cuda_matches_cpu,
+    check_gradcheck,
+    check_opcheck,
+    make_noncontiguous,
+)
+from mpncov_peer import mpncov
+
+import torchkit
+from torchkit import ops, reference
+
+OP = torch.ops.torchkit.covariance_pool.default
+BACKWARD = torch.ops.torchkit._covariance_pool_backward.default
+
+
+def make(shape, dtype=torch.float64, device="cpu", seed=0, relu=True):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=torch.float64)
+    return (t.relu() if relu else t).to(dtype).to(device)
+
+
+def value_and_grad(fn, x, g=None, **kw):
+    x = x.detach().requires_grad_()
+    out = fn(x, **kw)
+    g = torch.randn_like(out) if g is None else g
+    return out, torch.autograd.grad(out, x, g)[0], g
+
+
+def assert_matches(fn, expected_fn, x, rtol=1e-10, **kw):
+    """Output and gradient of fn agree with expected_fn's, relative to their largest entries."""
+    out, grad, g = value_and_grad(fn, x, **kw)
+    exp_out, exp_grad, _ = value_and_grad(expected_fn, x, g, **kw)
+    assert out.shape == exp_out.shape and out.dtype == exp_out.dtype
+    for a, b in ((out, exp_out), (grad, exp_grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=rtol * max(b.abs().max().item(), 1e-300))
+
+
+# (shape, iterations): D from 1 to 130 (crossing the CPU kernel's 128-wide tiles and the
+# spectral backward's threshold of 64 channels), 3-D and 4-D inputs.
+SHAPES = [(2, 1, 3, 3), (3, 2, 2, 2), (2, 5, 3, 4), (2, 17, 5), (2, 70, 4, 4), (2, 130, 3, 5)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "iterations,sqrt,triu",
+    [(n, True, triu) for n in (1, 2, 3, 5, 7) for triu in (True, False)] + [(1, False, True), (1, False, False)],
+)
+def test_matches_reference(device, shape, iterations, sqrt, triu):
+    x = make(shape, device=device)
+    assert_matches(ops.covariance_pool, reference.covariance_pool, x, iterations=iterations, sqrt=sqrt, triu=triu)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3, 4), (2, 70, 4, 4), (2, 130, 3, 5)])
+@pytest.mark.parametrize("iterations", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("triu", [True, False])
+def test_matches_fast_mpn_cov_structure(shape, iterations, triu):
+    assert_matches(ops.covariance_pool, mpncov, make(shape), iterations=iterations, triu=triu)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(2, 512, 4, 4), (2, 256, 7, 7)])
+def test_large_d_matches_reference(shape):
+    assert_matches(ops.covariance_pool, reference.covariance_pool, make(shape), rtol=1e-9)
+
+
+@pytest.mark.parametrize("iterations", [3, 5])
+def test_channels_last_and_non_contiguous(iterations):
+    x = make((2, 70, 5, 6))
+    cl = x.to(memory_format=torch.channels_last)
+    out, grad, g = value_and_grad(ops.covariance_pool, cl, iterations=iterations)
+    assert grad.is_contiguous(memory_format=torch.channels_last)
+    exp_out, exp_grad, _ = value_and_grad(reference.covariance_pool, x, g, iterations=iterations)
+    assert_close(out, exp_out)
+    assert_close(grad, exp_grad)
+    nc = make_noncontiguous(x)
+    assert_matches(ops.covariance_pool, reference.covariance_pool, nc, iterations=iterations)
+    three_d = x.flatten(2).transpose(1, 2).contiguous().transpose(1, 2)  # (N, D, M) view of (N, M, D)
+    assert_matches(ops.covariance_pool, reference.covariance_pool, three_d, iterations=iterations)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_within_1e_5_of_float64(device):
+    for shape in [(4, 256, 14, 14), (2, 64, 28, 28)]:
+        x = make(shape, torch.float32, device)
+        out, grad, g = value_and_grad(ops.covariance_pool, x)
+        exp_out, exp_grad, _ = value_and_grad(reference.covariance_pool, x.double(), g.double())
+        assert ((out.double() - exp_out).norm() / exp_out.norm()).item() < 1e-5
+        assert ((out.double() - exp_out).abs().max() / exp_out.abs().max()).item() < 1e-5
+        assert ((grad.double() - exp_grad).norm() / exp_grad.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", REDUCED_DTYPES)
+def test_reduced_precision(device, dtype):
+    x = make((2, 40, 6, 6), dtype, device)
+    out = ops.covariance_pool(x)
+    assert out.dtype == dtype
+    baseline = reference.covariance_pool(x.float()).to(dtype)  # the float32 composition, rounded
+    assert_close_reduced(out, baseline, reference.covariance_pool(x.double()))
+    x.requires_grad_()
+    ops.covariance_pool(x).sum().backward()
+    assert x.grad.dtype == dtype and x.grad.isfinite().all()
+
+
+def test_approaches_the_true_square_root():
+    """On a well-conditioned Σ, more iterations converge to eigh's square root."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 12, 400, generator=g, dtype=torch.float64)  # Σ ≈ I: condition ~1.5
+    xc = x - x.mean(2, keepdim=True)
+    sigma = xc @ xc.mT / x.shape[2]
+    w, v = torch.linalg.eigh(sigma)
+    root = v @ torch.diag_embed(w.sqrt()) @ v.mT
+    errors = [(ops.covariance_pool(x, iterations=n, triu=False) - root).norm().item() / root.norm().item() for n in (1, 3, 5, 7, 9)]
+    assert errors == sorted(errors, reverse=True), errors
+    assert errors[-1] < 1e-12, errors
+
+
+def test_zero_trace_is_zero_with_a_finite_gradient():
+    x = torch.ones(3, 4, 3, 3, dtype=torch.float64)
+    x[1] = make((4, 3, 3))  # one ordinary sample between two constant ones
+    for sqrt in (True, False):
+        out, grad, _ = value_and_grad(ops.covariance_pool, x, sqrt=sqrt)
+        assert (out[0] == 0).all() and (out[2] == 0).all() and out[1].abs().max() > 0
+        assert grad.isfinite().all() and (grad[0] == 0).all() and (grad[2] == 0).all()
+    assert_matches(ops.covariance_pool, reference.covariance_pool, x)
+    single_position = make((2, 5, 1, 1))  # M = 1: every Σ is 0
+    assert (ops.covariance_pool(single_position) == 0).all()
+
+
+@pytest.mark.parametrize("iterations", [1, 3, 5])
+def test_rank_deficient(iterations):
+    """M < D, and repeated channels: Σ has many zero and repeated eigenvalues."""
+    x = make((2, 80, 2, 3))  # rank ≤ 5 of 80
+    x[:, 40:] = x[:, :40]
+    assert_matches(ops.covariance_pool, reference.covariance_pool, x, iterations=iterations, rtol=1e-9)
+    assert_matches(ops.covariance_pool, mpncov, x, iterations=iterations, rtol=1e-9)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e20, 1e30])
+def test_exact_for_any_magnitude(scale):
+    """float32 Σ over- or underflows past ~1e±19; each sample is scaled by a power of two."""
+    x = make((2, 6, 4, 4), relu=False) * scale + 3 * scale
+    x32 = x.float()
+    out, grad, g = value_and_grad(ops.covariance_pool, x32)
+    exp_out, exp_grad, _ = value_and_grad(reference.covariance_pool, x32.double(), g.double())
+    assert ((out.double() - exp_out).abs().max() / exp_out.abs().max()).item() < 1e-5
+    assert ((grad.double() - exp_grad).abs().max() / exp_grad.abs().max()).item() < 1e-4
+
+
+def test_far_from_origin():
+    """1e4 + N(0, 1) features: centring before the product keeps Σ exact."""
+    x = (1e4 + make((2, 30, 5, 5), relu=False)).float()
+    out = ops.covariance_pool(x)
+    exp = reference.covariance_pool(x.double())
+    assert ((out.double() - exp).abs().max() / exp.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_poisons_its_sample_only(value):
+    x = make((3, 70, 3, 3))
+    x[1, 5, 1, 1] = value
+    x.requires_grad_()
+    out = ops.covariance_pool(x)
+    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+    out[[0, 2]].sum().backward()
+    assert x.grad[[0, 2]].isfinite().all()
+
+
+def test_empty():
+    for shape, out_shape in [((0, 4, 3, 3), (0, 10)), ((2, 0, 3, 3), (2, 0))]:
+        x = torch.zeros(shape, requires_grad=True)
+        out = ops.covariance_pool(x)
+        assert out.shape == out_shape
+        out.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("sqrt,triu", [(True, True), (False, False)])
+def test_gradcheck(sqrt, triu):
+    for shape, iterations in [((2, 3, 2, 3), 1), ((2, 4, 3, 3), 3), ((1, 66, 2, 2), 4)]:
+        x = make(shape).requires_grad_()
+        check_gradcheck(lambda a: ops.covariance_pool(a, iterations=iterations, sqrt=sqrt, triu=triu), (x,))
+
+
+@pytest.mark.parametrize("sqrt,triu", [(True, True), (True, False), (False, True)])
+def test_opcheck(sqrt, triu):
+    for x in (make((2, 4, 3, 3)), make((2, 70, 2, 2)).to(memory_format=torch.channels_last), make((2, 5, 6))):
+        check_opcheck(OP, (x.requires_grad_(), 3, sqrt, triu))
+        out, sigma, scale = OP(x.detach(), 3, sqrt, triu)
+        check_opcheck(BACKWARD, (torch.randn_like(out), x.detach(), sigma, scale, 3, sqrt, triu))
+
+
+def test_compile():
+    for shape in [(2, 5, 3, 4), (3, 7, 2, 2)]:  # two shapes: dynamic, no recompile per shape
+        check_compile(lambda a: ops.covariance_pool(a, iterations=3), make(shape).requires_grad_())
+
+
+def test_saved_tensors_are_x_one_matrix_and_one_scale_per_sample():
+    x = make((2, 6, 5, 5), torch.float32).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ops.covariance_pool(x)
+    assert sorted(tuple(t.shape) for t in saved) == [(2,), (2, 6, 5, 5), (2, 6, 6)]
+
+
+def test_autocast():
+    x = make((2, 5, 3, 3), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.covariance_pool(x.bfloat16())
+    assert out.dtype == torch.float32
+
+
+def test_module():
+    m = torchkit.nn.CovariancePool2d(iterations=3, in_channels=5)
+    assert m.output_dim == 15
+    assert torchkit.nn.CovariancePool2d(triu=False, in_channels=5).output_dim == 25
+    x = make((2, 5, 3, 3))
+    torch.testing.assert_close(m(x), ops.covariance_pool(x, iterations=3))
+    assert "iterations=3, sqrt=True, triu=True, in_channels=5" in repr(m)
+    with pytest.raises(ValueError, match=r"CovariancePool2d: built for 5 channels, got x of shape \(2, 4, 3, 3\)"):
+        m(make((2, 4, 3, 3)))
+    with pytest.raises(AttributeError, match=r"output_dim needs the channel count"):
+        torchkit.nn.CovariancePool2d().output_dim
+    with pytest.raises(ValueError, match=r"iterations must be an int >= 1, got 0"):
+        torchkit.nn.CovariancePool2d(iterations=0)
+
+
+x4 = make((2, 3, 4, 4))
+BAD = [
+    (lambda: ops.covariance_pool(make((3, 4))), ValueError, r"x must be a feature map \(N, D, H, W\) or \(N, D, M\), got shape \[3, 4\]"),
+    (lambda: ops.covariance_pool(make((1, 2, 3, 4, 5))), ValueError, r"x must be a feature map .* got shape \[1, 2, 3, 4, 5\]"),
+    (lambda: ops.covariance_pool(x4.long()), TypeError, r"x must be float32, float64, float16 or bfloat16, got Long"),
+    (lambda: ops.covariance_pool(x4.to(torch.complex64)), TypeError, r"x must be float32"),
+    (lambda: ops.covariance_pool(x4, iterations=0), ValueError, r"iterations must be >= 1, got 0"),
+    (lambda: OP(x4, -3, True, True), ValueError, r"iterations must be >= 1, got -3"),
+    (lambda: ops.covariance_pool(x4, iterations=2.0), TypeError, r"iterations must be an int, got float 2.0"),
+    (lambda: ops.covariance_pool(x4, sqrt=1), TypeError, r"sqrt must be a bool, got int 1"),
+    (lambda: ops.covariance_pool(make((2, 3, 0, 4))), ValueError, r"at least one spatial position \(H·W > 0\)"),
+    (
+        lambda: ops.covariance_pool(torch.zeros(1, 1, 1).expand(1, 2**32, 1)),
+        ValueError,
+        r"N·D·D \(the covariances' size\) must fit int64 indexing, got N = 1, D = 4294967296",
+    ),
+    (
+        lambda: ops.covariance_pool(torch.zeros(1, 1, 1).expand(2**31, 2**16, 1)),
+        ValueError,
+        r"must fit int64 indexing, got N = 2147483648, D = 65536",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_backward_checks_its_inputs():
+    x = make((2, 3, 2, 2))
+    out, sigma, scale = OP(x, 3, True, True)
+    g = torch.ones_like(out)
+    with pytest.raises(ValueError, match=r"backward: grad must have the output's shape \[2, 6\], got \[2, 5\]"):
+        BACKWARD(torch.ones(2, 5, dtype=x.dtype), x, sigma, scale, 3, True, True)
+    with pytest.raises(ValueError, match=r"backward: sigma must be \(N, D, D\) = \(2, 3, 3\) of Double"):
+        BACKWARD(g, x, sigma.float(), scale, 3, True, True)
+    with pytest.raises(ValueError, match=r"backward: sigma must be"):
+        BACKWARD(g, x, sigma[:, :2], scale, 3, True, True)
+    with pytest.raises(ValueError, match=r"backward: scale must be \(N,\) = \(2,\) of Double"):
+        BACKWARD(g, x, sigma, scale[:1], 3, True, True)
+    with pytest.raises(TypeError, match=r"x and grad must have the same dtype"):
+        BACKWARD(g.float(), x, sigma, scale, 3, True, True)
+
+
+@pytest.mark.parametrize("device_of", ["grad", "sigma", "scale"])
+def test_meta_tensor_mixed_in_is_a_device_error(device_of):
+    x = make((2, 3, 2, 2))
+    out, sigma, scale = OP(x, 3, True, True)
+    args = dict(grad=torch.ones_like(out), sigma=sigma, scale=scale)
+    args[device_of] = args[device_of].to("meta")
+    with pytest.raises(ValueError, match=rf"covariance_pool: x and {device_of} must be on the same device, got cpu and meta"):
+        BACKWARD(args["grad"], x, args["sigma"], args["scale"], 3, True, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape,iterations", [((3, 130, 5, 6), 5), ((2, 33, 7, 7), 1), ((2, 64, 9, 9), 3)])
+def test_cuda_matches_cpu(dtype, shape, iterations):
+    x = make(shape, dtype)
+    tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
+    check_cuda_matches_cpu(lambda a: ops.covariance_pool(a, iterations=iterations), x, **tol)
