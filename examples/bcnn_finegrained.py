@@ -2,12 +2,13 @@
 
     python examples/bcnn_finegrained.py                    # synthetic data, about a minute on 2 CPU cores
     python examples/bcnn_finegrained.py --reference        # also train with torchkit.reference
+    python examples/bcnn_finegrained.py --pool covariance  # iSQRT-COV instead of B-CNN pooling
     python examples/bcnn_finegrained.py --data DIR         # an ImageFolder dataset (DIR/train, DIR/val)
     torchrun --nproc_per_node=2 examples/bcnn_finegrained.py   # DistributedDataParallel (gloo / NCCL)
 
 The model is a torchvision ResNet-18 trunk (``weights=None``: nothing is downloaded unless
-``--weights`` names torchvision weights), ``torchkit.nn.BilinearPool2d`` and a linear
-classifier, trained with ``torchkit.nn.LabelSmoothingCrossEntropy`` on images shuffled by
+``--weights`` names torchvision weights), ``torchkit.ops.bilinear_pool`` (or, with
+``--pool covariance``, ``torchkit.ops.covariance_pool``: iSQRT-COV) and a linear classifier, trained with ``torchkit.nn.LabelSmoothingCrossEntropy`` on images shuffled by
 ``torchkit.transforms.RandomRegionConfusion``; evaluation reports the classifier's accuracy
 and a nearest-class-mean accuracy on the pooled embeddings through ``torchkit.ops.cdist``.
 
@@ -108,21 +109,32 @@ def make_datasets(args):
 
 @dataclass
 class Ops:
-    """The three functions the model and the loop call: torchkit's fused ops or the references."""
+    """The functions the model and the loop call: torchkit's fused ops or the references."""
 
     bilinear_pool: object
+    covariance_pool: object
     cross_entropy: object
     cdist: object
 
 
-FUSED = Ops(torchkit.ops.bilinear_pool, torchkit.ops.label_smoothing_cross_entropy, torchkit.ops.cdist)
-REFERENCE = Ops(reference.bilinear_pool, reference.label_smoothing_cross_entropy, reference.cdist)
+FUSED = Ops(
+    torchkit.ops.bilinear_pool,
+    torchkit.ops.covariance_pool,
+    torchkit.ops.label_smoothing_cross_entropy,
+    torchkit.ops.cdist,
+)
+REFERENCE = Ops(
+    reference.bilinear_pool, reference.covariance_pool, reference.label_smoothing_cross_entropy, reference.cdist
+)
 
 
 class BCNN(nn.Module):
-    """ResNet-18 up to `stage` (1–4), a 1×1 reduction to `channels`, bilinear pooling, linear."""
+    """ResNet-18 up to `stage` (1–4), a 1×1 reduction to `channels`, second-order pooling
+    (`pool`: "bilinear", B-CNN's D² features, or "covariance", iSQRT-COV's D(D+1)/2), linear."""
 
-    def __init__(self, classes: int, ops: Ops, stage: int, channels: int, weights: str | None) -> None:
+    def __init__(
+        self, classes: int, ops: Ops, stage: int, channels: int, weights: str | None, pool: str = "bilinear"
+    ) -> None:
         super().__init__()
         from torchvision.models import resnet18
 
@@ -140,8 +152,11 @@ class BCNN(nn.Module):
         self.features = nn.Sequential(*layers[: 4 + stage])
         width = 64 * 2 ** (stage - 1)
         self.reduce = nn.Sequential(nn.Conv2d(width, channels, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
-        self.pool = ops.bilinear_pool
-        self.classifier = nn.Linear(channels * channels, classes)
+        if pool == "bilinear":
+            self.pool, features = ops.bilinear_pool, channels * channels
+        else:
+            self.pool, features = ops.covariance_pool, channels * (channels + 1) // 2
+        self.classifier = nn.Linear(features, classes)
 
     def embed(self, x: Tensor) -> Tensor:
         return self.pool(self.reduce(self.features(x)))
@@ -171,7 +186,13 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (cosine schedule)")
     p.add_argument("--head-lr-scale", type=float, default=20.0, help="classifier learning rate / --lr")
     p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3, 4], help="last ResNet-18 stage used")
-    p.add_argument("--channels", type=int, default=256, help="channels before bilinear pooling (D; D² features)")
+    p.add_argument(
+        "--pool",
+        default="bilinear",
+        choices=["bilinear", "covariance"],
+        help="second-order pooling: B-CNN's (D² features) or iSQRT-COV's (D(D+1)/2)",
+    )
+    p.add_argument("--channels", type=int, default=256, help="channels before the pooling (D)")
     p.add_argument("--label-smoothing", type=float, default=0.1, help="ε of the loss")
     p.add_argument("--rcm-blocks", type=int, default=4, help="RCM grid size n (n×n blocks)")
     p.add_argument("--rcm-neighbourhood", type=int, default=2, help="RCM neighbourhood k (>= 2)")
@@ -216,7 +237,7 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
         num_workers=args.workers,
         drop_last=True,
     )
-    model = BCNN(classes, ops, args.stage, args.channels, args.weights).to(device)
+    model = BCNN(classes, ops, args.stage, args.channels, args.weights, args.pool).to(device)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     net = torch.compile(model) if args.compile else model

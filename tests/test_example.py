@@ -32,6 +32,15 @@ def test_loss_decreases():
     assert list(result["recall"]) == [1, 2, 4, 8] and 0.0 <= result["recall"][1] <= result["recall"][8] <= 1.0
 
 
+def test_covariance_pooling_trains():
+    (result,) = load_example().main([*SMALL, "--steps", "30", "--classes", "4", "--pool", "covariance", "--channels", "32"])
+    losses = result["losses"]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+    example = load_example()
+    assert example.BCNN(4, example.FUSED, 1, 8, None, "covariance").classifier.in_features == 8 * 9 // 2
+
+
 def test_reference_run_reports_both():
     results = load_example().main([*SMALL, "--steps", "2", "--reference"])
     assert [r["name"] for r in results] == ["torchkit", "reference"]
@@ -43,7 +52,7 @@ def test_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         example.parse_args(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--data", "--weights", "--reference", "--steps", "--batch-size", "--rcm-blocks", "--compile"):
+    for flag in ("--data", "--weights", "--reference", "--steps", "--batch-size", "--rcm-blocks", "--compile", "--pool"):
         assert flag in text
     options = ("\n" + text).split("\n  -")[1:]
     assert all(option.count("default") <= 1 for option in options), "an option states its default twice"
