@@ -10,7 +10,7 @@
 // L comes from the iteration's own recursion through the product rule of divided
 // differences, [fg](a, b) = [f](a, b)·g(b) + f(a)·[g](a, b), so no difference of close
 // eigenvalues is ever divided. One eigendecomposition and four GEMMs replace the adjoint
-// chain's 6 GEMMs per iteration; for small D or few iterations the chain is cheaper.
+// chain's 6 GEMMs per iteration; below 128 channels or 3 iterations the chain is cheaper.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -24,6 +24,7 @@
 
 #include "covariance_pool.h"
 #include "common.h"
+#include "cpu/memory.h"
 
 namespace torchkit::covariance {
 namespace {
@@ -53,7 +54,7 @@ std::tuple<Tensor, Tensor> centre_kernel(const Problem& p, const Tensor& a,
   const scalar_t* x = in.data_ptr<scalar_t>();
   const int64_t sN = in.stride(0), sD = in.stride(1), sM = in.stride(2);
   const auto acc_opts = a.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-  Tensor out = by_rows ? at::empty({N, D, M}, acc_opts) : at::empty({N, M, D}, acc_opts);
+  Tensor out = cpu::empty_for_writing(by_rows ? std::vector<int64_t>{N, D, M} : std::vector<int64_t>{N, M, D}, acc_opts);
   Tensor s = scale.has_value() ? *scale : at::empty({N}, acc_opts);
   acc_t* o = out.data_ptr<acc_t>();
   acc_t* sp = s.data_ptr<acc_t>();
@@ -153,7 +154,7 @@ Tensor symmetric_product_tiles(const Tensor& A, const Tensor& B, double alpha, c
   for (int64_t n = 0; n < N; ++n)
     for (int64_t i0 = 0; i0 < D; i0 += kTile)
       for (int64_t j0 = i0; j0 < D; j0 += kTile) tiles.push_back({n, i0, j0});
-  Tensor C = at::empty({N, D, D}, A.options());
+  Tensor C = cpu::empty_for_writing({N, D, D}, A.options());
   // The tasks call ATen: OpenMP's workers must see this thread's dispatcher state.
   const at::ThreadLocalState state;
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
@@ -281,10 +282,12 @@ std::tuple<Tensor, Tensor> sqrtm_backward_spectral(const Tensor& A, const Tensor
   return {at::where(finite, gA, at::full({}, NAN, A.options())), dot};
 }
 
-// The adjoint chain costs 6 GEMMs per iteration; the spectral form one eigendecomposition
-// (about ten GEMMs' time here at D ≥ 128) and four. Measured crossover: see CONTRIBUTING.
+// The adjoint chain costs 6 GEMMs per iteration, the spectral form one eigendecomposition
+// and four GEMMs. Measured on 2 cores (backward, ms, spectral / chain): D = 64, N = 32:
+// 5.5 / 3.6 at 3 iterations, 7.0 / 5.8 at 5; D = 128, N = 32: 25.9 / 28.3 at 3, 22.5 / 38.8
+// at 5; D = 256, N = 8: 31.2 / 35.6 at 3, 31.7 / 69.5 at 5; 1–2 iterations favour the chain.
 std::tuple<Tensor, Tensor> sqrtm_backward_cpu(const Tensor& A, const Tensor& Gf, int64_t n) {
-  if (A.size(1) >= 64 && n >= 3) return sqrtm_backward_spectral(A, Gf, n);
+  if (A.size(1) >= 128 && n >= 3) return sqrtm_backward_spectral(A, Gf, n);
   return sqrtm_backward_chain(A, Gf, n);
 }
 
