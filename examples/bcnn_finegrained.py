@@ -1,4 +1,4 @@
-"""A small but real B-CNN fine-grained training run on torchkit's four ops.
+"""A small but real B-CNN (or iSQRT-COV) fine-grained training run on torchkit's ops.
 
     python examples/bcnn_finegrained.py                    # synthetic data, about a minute on 2 CPU cores
     python examples/bcnn_finegrained.py --reference        # also train with torchkit.reference
