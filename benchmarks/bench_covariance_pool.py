@@ -18,7 +18,7 @@ from common import ROOFLINE, run  # benchmarks/ is on sys.path (rootdir-less tes
 from torchkit import ops, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from mpncov_peer import mpncov  # noqa: E402
+from mpncov_peer import mpncov
 
 ITERATIONS = 5
 

@@ -89,7 +89,9 @@ CASES = [
 
 GPU_CASES = [
     pytest.param("leave-one-out P=R=20000 M=128 k=8 fp32", (20000, 128), None, 8, 0.0, marks=pytest.mark.cuda),
-    pytest.param("query→gallery P=1000 R=100000 M=512 k=100 fp32", (1000, 512), (100000, 512), 100, 0.0, marks=pytest.mark.cuda),
+    pytest.param(
+        "query→gallery P=1000 R=100000 M=512 k=100 fp32", (1000, 512), (100000, 512), 100, 0.0, marks=pytest.mark.cuda
+    ),
 ]
 GPU_IMPLS = ("torchkit", "torch.cdist + topk", ROOFLINE)
 

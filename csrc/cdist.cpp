@@ -56,8 +56,8 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
   p.squared = squared;
   p.self = !x2.has_value();
   check_floating(op, names.x1, x1);
-  TK_CHECK_VALUE(op, x1.dim() >= 2, names.x1, " must have at least 2 dimensions (*, P, M), got shape ",
-                 x1.sizes());
+  TK_CHECK_VALUE(op, x1.dim() >= 2, names.x1,
+                 " must have at least 2 dimensions (*, P, M), got shape ", x1.sizes());
   p.P = x1.size(-2);
   p.M = x1.size(-1);
   p.R = p.P;
@@ -67,11 +67,11 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
     const auto& y = *x2;
     check_same_device(op, names.x1, x1, names.x2, y);
     check_same_dtype(op, names.x1, x1, names.x2, y);
-    TK_CHECK_VALUE(op, y.dim() >= 2, names.x2, " must have at least 2 dimensions (*, R, M), got shape ",
-                   y.sizes());
+    TK_CHECK_VALUE(op, y.dim() >= 2, names.x2,
+                   " must have at least 2 dimensions (*, R, M), got shape ", y.sizes());
     TK_CHECK_VALUE(op, y.size(-1) == p.M, names.x1, " and ", names.x2,
-                   " must have the same number of features M (their last dimension), got ", names.x1,
-                   " of shape ", x1.sizes(), " and ", names.x2, " of shape ", y.sizes());
+                   " must have the same number of features M (their last dimension), got ",
+                   names.x1, " of shape ", x1.sizes(), " and ", names.x2, " of shape ", y.sizes());
     p.R = y.size(-2);
     std::vector<int64_t> b2(y.sizes().begin(), y.sizes().end() - 2);
     // Broadcast as torch.cdist does: align from the right, sizes equal or one of them 1.
@@ -80,9 +80,9 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
     for (size_t k = 0; k < n; ++k) {
       const int64_t s1 = k < b1.size() ? b1[b1.size() - 1 - k] : 1;
       const int64_t s2 = k < b2.size() ? b2[b2.size() - 1 - k] : 1;
-      TK_CHECK_VALUE(op, s1 == s2 || s1 == 1 || s2 == 1, "the batch dimensions of ", names.x1, " and ",
-                     names.x2, " must broadcast, got ", names.x1, " of shape ", x1.sizes(), " and ",
-                     names.x2, " of shape ", y.sizes());
+      TK_CHECK_VALUE(op, s1 == s2 || s1 == 1 || s2 == 1, "the batch dimensions of ", names.x1,
+                     " and ", names.x2, " must broadcast, got ", names.x1, " of shape ", x1.sizes(),
+                     " and ", names.x2, " of shape ", y.sizes());
       p.batch[n - 1 - k] = s1 == 1 ? s2 : s1;
     }
   }

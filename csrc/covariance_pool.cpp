@@ -35,7 +35,9 @@ Tensor per_sample(const Tensor& v) { return v.view({v.size(0), 1, 1}); }
 Tensor batch_trace(const Tensor& m) { return m.diagonal(0, 1, 2).sum(-1); }
 
 // 1 / tr, and 0 for a zero trace (all features constant: Σ = 0, whose square root is 0).
-Tensor inverse_trace(const Tensor& tr) { return at::where(tr == 0, at::zeros_like(tr), tr.reciprocal()); }
+Tensor inverse_trace(const Tensor& tr) {
+  return at::where(tr == 0, at::zeros_like(tr), tr.reciprocal());
+}
 
 // alpha·m + beta·I.
 Tensor shifted(const Tensor& m, double alpha, double beta) {
@@ -51,8 +53,7 @@ struct Iterates {
   Tensor W;
 };
 
-Tensor newton_schulz(const Tensor& A, int64_t n, const SymmetricProduct& product,
-                     Iterates* keep) {
+Tensor newton_schulz(const Tensor& A, int64_t n, const SymmetricProduct& product, Iterates* keep) {
   // T₀ = ½(3I − A), Y₀ = A·T₀ = 1.5·A − 0.5·A·A.
   Tensor Y = product(A, A, -0.5, A, 1.5, 0.0);
   if (n == 1) return Y;
@@ -109,8 +110,8 @@ Problem check_inputs(const at::Tensor& x, int64_t iterations, bool sqrt, bool tr
   p.iterations = iterations;
   p.sqrt = sqrt;
   p.triu = triu;
-  p.channels_last = x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) &&
-                    !x.is_contiguous();
+  p.channels_last =
+      x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous();
   return p;
 }
 
@@ -191,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> sqrtm_backward_chain(const at::Tensor& A, con
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const Problem& p, const at::Tensor& x,
-                                                      const Backend& backend) {
+                                                       const Backend& backend) {
   const SymmetricProduct& product = backend.product;
   const auto acc = acc_type(x);
   const auto opts = x.options().dtype(acc);
@@ -202,8 +203,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const Problem& p, const a
             at::ones({p.N}, opts)};
   }
   auto [xc, s] = backend.centre(p, x, std::nullopt);
-  const Tensor sigma = product(xc, xc.transpose(1, 2), 1.0 / static_cast<double>(p.M), Tensor(),
-                               0.0, 0.0);
+  const Tensor sigma =
+      product(xc, xc.transpose(1, 2), 1.0 / static_cast<double>(p.M), Tensor(), 0.0, 0.0);
   xc = Tensor();  // the largest temporary: gone before the iteration's buffers
   Tensor out;
   if (!p.sqrt) {
@@ -252,7 +253,9 @@ at::Tensor backward(const Problem& p, const at::Tensor& grad, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   // Returns (out, sigma, scale): the pooled feature in x's dtype, then what the backward
   // needs besides x, in the accumulation type: Σ̃ = Σ / s² (N, D, D) and s (N,).
-  m.def("covariance_pool(Tensor x, int iterations, bool sqrt, bool triu) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "covariance_pool(Tensor x, int iterations, bool sqrt, bool triu) -> (Tensor, Tensor, "
+      "Tensor)");
   m.def(
       "_covariance_pool_backward(Tensor grad, Tensor x, Tensor sigma, Tensor scale, int "
       "iterations, bool sqrt, bool triu) -> Tensor");

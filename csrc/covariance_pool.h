@@ -41,9 +41,9 @@ void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::T
 // C = alpha·A·B + beta·S + gamma·I over the batch, for A·B known to be symmetric (A and B are
 // polynomials in the same symmetric matrix): a backend may compute half of it and mirror.
 // S may be undefined (then beta is ignored).
-using SymmetricProduct = std::function<at::Tensor(const at::Tensor& A, const at::Tensor& B,
-                                                  double alpha, const at::Tensor& S, double beta,
-                                                  double gamma)>;
+using SymmetricProduct =
+    std::function<at::Tensor(const at::Tensor& A, const at::Tensor& B, double alpha,
+                             const at::Tensor& S, double beta, double gamma)>;
 
 // For the Newton–Schulz polynomial F of n iterations (A symmetric, Gf any N × D × D): the
 // gradient of <Gf, F(A)> with respect to A, and <Gf, F(A)> per sample (N,).
@@ -65,7 +65,7 @@ struct Backend {
 
 // Returns (out, Σ̃, s): out of x's dtype, Σ̃ (N, D, D) and s (N,) of the accumulation type.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const Problem& p, const at::Tensor& x,
-                                                      const Backend& backend);
+                                                       const Backend& backend);
 
 // The gradient of x, in x's shape, dtype and memory format.
 at::Tensor backward(const Problem& p, const at::Tensor& grad, const at::Tensor& x,

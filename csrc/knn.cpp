@@ -13,8 +13,7 @@ cdist::Problem check_inputs(const at::Tensor& query, const std::optional<at::Ten
       cdist::check_inputs(query, gallery, squared, cdist::Names{kOp, "query", "gallery"});
   TK_CHECK_VALUE(kOp, k >= 1, "k must be >= 1, got ", k);
   if (p.self) {
-    TK_CHECK_VALUE(kOp, k <= p.P - 1,
-                   "k must be <= P - 1 = ", p.P - 1,
+    TK_CHECK_VALUE(kOp, k <= p.P - 1, "k must be <= P - 1 = ", p.P - 1,
                    " without a gallery (each row's neighbours are the other rows of query), got ",
                    k);
   } else {

@@ -101,7 +101,8 @@ void check_backward_inputs(const Problem& p, const at::Tensor& input, const at::
   TK_CHECK_VALUE(kOp, grad.sizes() == loss_shape, "backward: grad must have the loss's shape ",
                  loss_shape, ", got ", grad.sizes());
   const auto acc = acc_type(input);
-  TK_CHECK_VALUE(kOp, lse.sizes() == c10::IntArrayRef(positions) && lse.scalar_type() == at::kDouble,
+  TK_CHECK_VALUE(kOp,
+                 lse.sizes() == c10::IntArrayRef(positions) && lse.scalar_type() == at::kDouble,
                  "backward: lse must be ", c10::IntArrayRef(positions), " of ", at::kDouble,
                  ", got ", lse.sizes(), " of ", lse.scalar_type());
   TK_CHECK_VALUE(kOp, total_weight.dim() == 0 && total_weight.scalar_type() == acc,

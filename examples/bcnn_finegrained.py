@@ -8,7 +8,8 @@
 
 The model is a torchvision ResNet-18 trunk (``weights=None``: nothing is downloaded unless
 ``--weights`` names torchvision weights), ``torchkit.ops.bilinear_pool`` (or, with
-``--pool covariance``, ``torchkit.ops.covariance_pool``: iSQRT-COV) and a linear classifier, trained with ``torchkit.nn.LabelSmoothingCrossEntropy`` on images shuffled by
+``--pool covariance``, ``torchkit.ops.covariance_pool``: iSQRT-COV) and a linear classifier,
+trained with ``torchkit.nn.LabelSmoothingCrossEntropy`` on images shuffled by
 ``torchkit.transforms.RandomRegionConfusion``; evaluation reports the classifier's accuracy
 and a nearest-class-mean accuracy on the pooled embeddings through ``torchkit.ops.cdist``.
 

@@ -240,7 +240,7 @@ def test_module_output_dim():
     x, y = inputs((2, 4, 3, 3), 2)
     assert one(x).shape == (2, one.output_dim) and two(x, y).shape == (2, two.output_dim)
     with pytest.raises(AttributeError, match=r"output_dim needs the channel count.*in_channels=D"):
-        torchkit.nn.BilinearPool2d().output_dim
+        _ = torchkit.nn.BilinearPool2d().output_dim
     with pytest.raises(ValueError, match=r"built for \(x, y\) channels \(4, None\), got \(3, None\)"):
         one(x[:, :3])
     with pytest.raises(ValueError, match="in_channels must be a positive int"):

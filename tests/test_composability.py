@@ -62,7 +62,8 @@ def test_per_sample_gradients_of_the_loss():
         return torch.func.vmap(torch.func.grad(lambda row, label: loss(row[None], label[None])))(x, t)
 
     torch.testing.assert_close(
-        per_sample(ops.label_smoothing_cross_entropy), per_sample(lambda a, b: F.cross_entropy(a, b, label_smoothing=0.1))
+        per_sample(ops.label_smoothing_cross_entropy),
+        per_sample(lambda a, b: F.cross_entropy(a, b, label_smoothing=0.1)),
     )
 
 

@@ -1,6 +1,8 @@
 """torchkit.ops.covariance_pool against its reference (torchkit.reference), a layer with
 fast-MPN-COV's structure (tests/mpncov_peer.py), and the true matrix square root."""
 
+import functools
+
 import pytest
 import torch
 from conftest import (
@@ -78,7 +80,9 @@ def test_hypothesis(N, D, spatial, iterations, sqrt, triu, channels_last, seed):
     x = make((N, D, *spatial), seed=seed, relu=seed % 2 == 0)
     if channels_last and x.dim() == 4:
         x = x.to(memory_format=torch.channels_last)
-    assert_matches(ops.covariance_pool, reference.covariance_pool, x, rtol=1e-9, iterations=iterations, sqrt=sqrt, triu=triu)
+    assert_matches(
+        ops.covariance_pool, reference.covariance_pool, x, rtol=1e-9, iterations=iterations, sqrt=sqrt, triu=triu
+    )
 
 
 @pytest.mark.parametrize("shape", [(2, 5, 3, 4), (2, 70, 4, 4), (2, 130, 3, 5)])
@@ -143,7 +147,10 @@ def test_approaches_the_true_square_root():
     sigma = xc @ xc.mT / x.shape[2]
     w, v = torch.linalg.eigh(sigma)
     root = v @ torch.diag_embed(w.sqrt()) @ v.mT
-    errors = [(ops.covariance_pool(x, iterations=n, triu=False) - root).norm().item() / root.norm().item() for n in (1, 3, 5, 7, 9)]
+    errors = [
+        (ops.covariance_pool(x, iterations=n, triu=False) - root).norm().item() / root.norm().item()
+        for n in (1, 3, 5, 7, 9)
+    ]
     assert errors == sorted(errors, reverse=True), errors
     assert errors[-1] < 1e-12, errors
 
@@ -216,8 +223,9 @@ def test_gradcheck(sqrt, triu):
     # The D = 129 case (the CPU's spectral backward) in fast mode: its Jacobian has 8,385 rows.
     for shape, iterations, fast in [((2, 3, 2, 3), 1, False), ((2, 4, 3, 3), 3, False), ((1, 129, 2, 1), 3, True)]:
         x = make(shape).requires_grad_()
-        fn = lambda a: ops.covariance_pool(a, iterations=iterations, sqrt=sqrt, triu=triu)  # noqa: E731
-        check_gradcheck(fn, (x,), fast_mode=fast)
+        check_gradcheck(
+            functools.partial(ops.covariance_pool, iterations=iterations, sqrt=sqrt, triu=triu), (x,), fast_mode=fast
+        )
 
 
 @pytest.mark.parametrize("sqrt,triu", [(True, True), (True, False), (False, True)])
@@ -258,15 +266,23 @@ def test_module():
     with pytest.raises(ValueError, match=r"CovariancePool2d: built for 5 channels, got x of shape \(2, 4, 3, 3\)"):
         m(make((2, 4, 3, 3)))
     with pytest.raises(AttributeError, match=r"output_dim needs the channel count"):
-        torchkit.nn.CovariancePool2d().output_dim
+        _ = torchkit.nn.CovariancePool2d().output_dim
     with pytest.raises(ValueError, match=r"iterations must be an int >= 1, got 0"):
         torchkit.nn.CovariancePool2d(iterations=0)
 
 
 x4 = make((2, 3, 4, 4))
 BAD = [
-    (lambda: ops.covariance_pool(make((3, 4))), ValueError, r"x must be a feature map \(N, D, H, W\) or \(N, D, M\), got shape \[3, 4\]"),
-    (lambda: ops.covariance_pool(make((1, 2, 3, 4, 5))), ValueError, r"x must be a feature map .* got shape \[1, 2, 3, 4, 5\]"),
+    (
+        lambda: ops.covariance_pool(make((3, 4))),
+        ValueError,
+        r"x must be a feature map \(N, D, H, W\) or \(N, D, M\), got shape \[3, 4\]",
+    ),
+    (
+        lambda: ops.covariance_pool(make((1, 2, 3, 4, 5))),
+        ValueError,
+        r"x must be a feature map .* got shape \[1, 2, 3, 4, 5\]",
+    ),
     (lambda: ops.covariance_pool(x4.long()), TypeError, r"x must be float32, float64, float16 or bfloat16, got Long"),
     (lambda: ops.covariance_pool(x4.to(torch.complex64)), TypeError, r"x must be float32"),
     (lambda: ops.covariance_pool(x4, iterations=0), ValueError, r"iterations must be >= 1, got 0"),
@@ -315,7 +331,9 @@ def test_meta_tensor_mixed_in_is_a_device_error(device_of):
     out, sigma, scale = OP(x, 3, True, True)
     args = dict(grad=torch.ones_like(out), sigma=sigma, scale=scale)
     args[device_of] = args[device_of].to("meta")
-    with pytest.raises(ValueError, match=rf"covariance_pool: x and {device_of} must be on the same device, got cpu and meta"):
+    with pytest.raises(
+        ValueError, match=rf"covariance_pool: x and {device_of} must be on the same device, got cpu and meta"
+    ):
         BACKWARD(args["grad"], x, args["sigma"], args["scale"], 3, True, True)
 
 

@@ -33,7 +33,9 @@ def test_loss_decreases():
 
 
 def test_covariance_pooling_trains():
-    (result,) = load_example().main([*SMALL, "--steps", "30", "--classes", "4", "--pool", "covariance", "--channels", "32"])
+    (result,) = load_example().main(
+        [*SMALL, "--steps", "30", "--classes", "4", "--pool", "covariance", "--channels", "32"]
+    )
     losses = result["losses"]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
@@ -52,7 +54,16 @@ def test_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         example.parse_args(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--data", "--weights", "--reference", "--steps", "--batch-size", "--rcm-blocks", "--compile", "--pool"):
+    for flag in (
+        "--data",
+        "--weights",
+        "--reference",
+        "--steps",
+        "--batch-size",
+        "--rcm-blocks",
+        "--compile",
+        "--pool",
+    ):
         assert flag in text
     options = ("\n" + text).split("\n  -")[1:]
     assert all(option.count("default") <= 1 for option in options), "an option states its default twice"

@@ -183,7 +183,9 @@ def test_gradcheck(device, self_, squared):
     q = make((7, 3), device=device).requires_grad_()
     g = None if self_ else make((2, 9, 3), device=device, seed=1).requires_grad_()
     inputs = (q,) if self_ else (q, g)
-    check_gradcheck(lambda *t: ops.knn(*t, k=3, squared=squared)[0] if not self_ else ops.knn(t[0], k=3, squared=squared)[0], inputs)
+    check_gradcheck(
+        lambda *t: ops.knn(*t, k=3, squared=squared)[0] if not self_ else ops.knn(t[0], k=3, squared=squared)[0], inputs
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -251,8 +253,16 @@ BAD = [
     (lambda: ops.knn(q4, g4[:, :2], 1), ValueError, r"knn: query and gallery must have the same number of features"),
     (lambda: ops.knn(q4, g4.double(), 1), TypeError, r"knn: query and gallery must have the same dtype"),
     (lambda: ops.knn(q4.int(), g4.int(), 1), TypeError, r"knn: query must be float32, float64"),
-    (lambda: ops.knn(q4.expand(2, 4, 3), g4.expand(3, 6, 3), 1), ValueError, r"knn: the batch dimensions of query and gallery must broadcast"),
-    (lambda: ops.knn(q4, g4.to("meta"), 1), ValueError, r"knn: query and gallery must be on the same device, got cpu and meta"),
+    (
+        lambda: ops.knn(q4.expand(2, 4, 3), g4.expand(3, 6, 3), 1),
+        ValueError,
+        r"knn: the batch dimensions of query and gallery must broadcast",
+    ),
+    (
+        lambda: ops.knn(q4, g4.to("meta"), 1),
+        ValueError,
+        r"knn: query and gallery must be on the same device, got cpu and meta",
+    ),
 ]
 
 
@@ -265,12 +275,14 @@ def test_bad_input(call, exc, match):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape1,shape2,k", [((37, 19), (4100, 19), 7), ((2, 3, 130, 7), (3, 65, 7), 65), ((64, 33), None, 5)])
+@pytest.mark.parametrize(
+    "shape1,shape2,k", [((37, 19), (4100, 19), 7), ((2, 3, 130, 7), (3, 65, 7), 65), ((64, 33), None, 5)]
+)
 def test_cuda_matches_cpu(dtype, shape1, shape2, k):
     q = make(shape1, dtype)
     g = None if shape2 is None else make(shape2, dtype, seed=1)
     q[0, ..., 1] = float("nan") if q.dim() == 2 else q[0, ..., 1]
     check_cuda_matches_cpu(lambda a, b=None: ops.knn(a, b, k)[0], *((q,) if g is None else (q, g)))
-    d_cpu, i_cpu = ops.knn(q, g, k)
-    d_gpu, i_gpu = ops.knn(q.cuda(), None if g is None else g.cuda(), k)
+    _, i_cpu = ops.knn(q, g, k)
+    _, i_gpu = ops.knn(q.cuda(), None if g is None else g.cuda(), k)
     assert torch.equal(i_gpu.cpu(), i_cpu)

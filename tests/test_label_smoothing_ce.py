@@ -201,7 +201,9 @@ def test_shift_invariant_like_f_cross_entropy(device, v):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape,kind", [((64, 100), "index"), ((64, 100), "prob"), ((4, 9, 6, 5), "index"), ((2, 40_000), "index")])
+@pytest.mark.parametrize(
+    "shape,kind", [((64, 100), "index"), ((64, 100), "prob"), ((4, 9, 6, 5), "index"), ((2, 40_000), "index")]
+)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_far_from_zero_logits_match_a_float64_oracle(device, shape, kind, weighted):
     # Logits of 1000 + 2·N(0,1) in float32: the float64 computation on the same values is
@@ -216,7 +218,10 @@ def test_far_from_zero_logits_match_a_float64_oracle(device, shape, kind, weight
     torch.testing.assert_close(ours.double(), oracle, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(oracle)
     torch.testing.assert_close(
-        torch.autograd.grad(ours, x, g.float())[0].double(), torch.autograd.grad(oracle, x64, g)[0], rtol=1e-4, atol=1e-6
+        torch.autograd.grad(ours, x, g.float())[0].double(),
+        torch.autograd.grad(oracle, x64, g)[0],
+        rtol=1e-4,
+        atol=1e-6,
     )
 
 
@@ -475,7 +480,9 @@ def test_module():
 
 
 def test_module_signature_like_cross_entropy_loss():
-    with pytest.raises(TypeError, match=r"weight \(the first positional argument.*got float 0.1; .*label_smoothing=0.1"):
+    with pytest.raises(
+        TypeError, match=r"weight \(the first positional argument.*got float 0.1; .*label_smoothing=0.1"
+    ):
         torchkit.nn.LabelSmoothingCrossEntropy(0.1)
     timm_style = torchkit.nn.LabelSmoothingCrossEntropy(smoothing=0.3)
     assert timm_style.label_smoothing == 0.3

@@ -27,7 +27,9 @@ def map_at_r_direct(x, y, gallery=None, gallery_labels=None):
         relevant = int((ref_labels == y[q]).sum()) - (1 if gallery is None else 0)
         if relevant == 0:
             continue
-        _, idx = reference.knn(x[q : q + 1].double(), (x if gallery is None else gallery).double(), relevant + (gallery is None))
+        _, idx = reference.knn(
+            x[q : q + 1].double(), (x if gallery is None else gallery).double(), relevant + (gallery is None)
+        )
         idx = [j for j in idx[0].tolist() if gallery is not None or j != q][:relevant]
         hits, ap = 0, 0.0
         for rank, j in enumerate(idx, 1):
@@ -73,7 +75,9 @@ def test_agrees_with_pytorch_metric_learning():
     assert metrics.map_at_r(x, y) == pytest.approx(theirs["mean_average_precision_at_r"], abs=1e-6)
     gx, gy = clustered(n_classes=20, per_class=15, spread=1.0, seed=1)
     theirs = calc.get_accuracy(x, y, gx, gy, ref_includes_query=False)
-    assert metrics.recall_at_k(x, y, (1,), gallery=gx, gallery_labels=gy)[1] == pytest.approx(theirs["precision_at_1"], abs=1e-6)
+    assert metrics.recall_at_k(x, y, (1,), gallery=gx, gallery_labels=gy)[1] == pytest.approx(
+        theirs["precision_at_1"], abs=1e-6
+    )
     assert metrics.map_at_r(x, y, gallery=gx, gallery_labels=gy) == pytest.approx(
         theirs["mean_average_precision_at_r"], abs=1e-6
     )

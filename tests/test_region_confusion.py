@@ -260,7 +260,7 @@ def test_transform_moves_one_mask_per_image_and_refuses_one_for_a_batch():
     images = tv_tensors.Image(make((3, 2, 8, 8)))
     masks = tv_tensors.Mask(torch.arange(3 * 64).view(3, 8, 8))
     torch.manual_seed(0)
-    out, moved = rcm(images, masks)
+    _, moved = rcm(images, masks)
     torch.manual_seed(0)
     _, perm = ops.region_confusion(images.as_subclass(torch.Tensor), 4, 2)
     assert torch.equal(moved, oracle(masks.as_subclass(torch.Tensor).unsqueeze(1), perm, 4).squeeze(1))
@@ -315,14 +315,30 @@ BAD = [
     (lambda: ops.region_confusion(x4, 15), ValueError, r"num_blocks must be in .* got 15"),
     (lambda: ops.region_confusion(x4, 7, 0), ValueError, r"neighbourhood must be >= 2, got 0"),
     (lambda: ops.region_confusion(x4, 7, 1), ValueError, r"neighbourhood must be >= 2, got 1: .* no block ever moves"),
-    (lambda: ops.region_confusion(x4, 7, 2.5), TypeError, r"region_confusion: neighbourhood must be an int, got float 2.5"),
+    (
+        lambda: ops.region_confusion(x4, 7, 2.5),
+        TypeError,
+        r"region_confusion: neighbourhood must be an int, got float 2.5",
+    ),
     (lambda: ops.region_confusion(x4, True), TypeError, r"region_confusion: num_blocks must be an int, got bool True"),
-    (lambda: ops.region_confusion(x4, 7, 2, generator=42), TypeError, r"generator must be a torch.Generator or None, got int 42"),
+    (
+        lambda: ops.region_confusion(x4, 7, 2, generator=42),
+        TypeError,
+        r"generator must be a torch.Generator or None, got int 42",
+    ),
     (lambda: torchkit.nn.RegionConfusion(7, 1), ValueError, r"RegionConfusion: neighbourhood must be >= 2, got 1"),
     (lambda: torchkit.nn.RegionConfusion(7.0), TypeError, r"RegionConfusion: num_blocks must be an int, got float 7.0"),
-    (lambda: torchkit.transforms.RandomRegionConfusion(7, 1), ValueError, r"RandomRegionConfusion: neighbourhood must be >= 2"),
+    (
+        lambda: torchkit.transforms.RandomRegionConfusion(7, 1),
+        ValueError,
+        r"RandomRegionConfusion: neighbourhood must be >= 2",
+    ),
     (lambda: torchkit.transforms.RandomRegionConfusion(True), TypeError, r"num_blocks must be an int, got bool True"),
-    (lambda: torchkit.transforms.RandomRegionConfusion(p="0.5"), TypeError, r"p must be a float in \[0, 1\], got str '0.5'"),
+    (
+        lambda: torchkit.transforms.RandomRegionConfusion(p="0.5"),
+        TypeError,
+        r"p must be a float in \[0, 1\], got str '0.5'",
+    ),
     (lambda: ops.permute_blocks(make((14, 14)), perm4[0], 7), ValueError, r"x must be an image \(C, H, W\)"),
     (lambda: ops.permute_blocks(x4, perm4[:, :48], 7), ValueError, r"permutation must have shape \[2, 49\]"),
     (lambda: ops.permute_blocks(x4, perm4[0], 7), ValueError, r"permutation must have shape \[2, 49\]"),

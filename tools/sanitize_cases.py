@@ -4,8 +4,9 @@
 
 The test suite under a sanitizer takes too long (each launch is instrumented), so this runs
 every kernel of the op once or twice, over the layouts and dtypes that pick different code:
-rows and positions (cross-entropy), self and two-stream (bilinear), options and layouts (covariance), batched and broadcast
-(cdist), contiguous and channels_last (region confusion), with odd sizes for the tails.
+rows and positions (cross-entropy), self and two-stream (bilinear), options and layouts
+(covariance), batched and broadcast (cdist), contiguous and channels_last (region confusion),
+with odd sizes for the tails.
 Exits non-zero if a result disagrees with the op on the CPU.
 """
 
@@ -101,7 +102,9 @@ def covariance_pool():
     for dtype in (torch.float32, torch.float64):
         check(ops.covariance_pool, torch.randn(2, 33, 5, 7, dtype=dtype).relu())
         check(ops.covariance_pool, torch.randn(3, 9, 11, dtype=dtype), iterations=1, triu=False)
-        check(ops.covariance_pool, torch.randn(2, 20, 3, 3, dtype=dtype).to(memory_format=torch.channels_last), sqrt=False)
+        check(
+            ops.covariance_pool, torch.randn(2, 20, 3, 3, dtype=dtype).to(memory_format=torch.channels_last), sqrt=False
+        )
     check(ops.covariance_pool, torch.randn(2, 16, 3, 3).bfloat16(), grad=False)
 
 

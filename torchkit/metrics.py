@@ -7,7 +7,8 @@ row; the CUB-200, Cars-196 and SOP protocol); with one they rank queries against
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -22,7 +23,8 @@ def _check(name: str, embeddings: Tensor, labels: Tensor, gallery: Optional[Tens
         raise ValueError(f"{name}: embeddings must be (N, M), got shape {tuple(embeddings.shape)}")
     if labels.shape != embeddings.shape[:1]:
         raise ValueError(
-            f"{name}: labels must be (N,) = ({embeddings.shape[0]},), one per embedding, got shape {tuple(labels.shape)}"
+            f"{name}: labels must be (N,) = ({embeddings.shape[0]},), one per embedding, "
+            f"got shape {tuple(labels.shape)}"
         )
     if (gallery is None) != (gallery_labels is None):
         raise ValueError(f"{name}: gallery and gallery_labels go together; got only one of them")
@@ -99,10 +101,8 @@ def map_at_r(
     if not keep.any():
         raise ValueError("map_at_r: no query has a relevant item (every label is unique to its query)")
     r_max = int(relevant.max())
-    if gallery is None:  # every row is the gallery of the others
-        neighbours = knn(embeddings, None, r_max)[1][keep]
-    else:
-        neighbours = knn(embeddings[keep], gallery, r_max)[1]
+    # Without a gallery every row is the gallery of the others.
+    neighbours = knn(embeddings, None, r_max)[1][keep] if gallery is None else knn(embeddings[keep], gallery, r_max)[1]
     R = relevant[keep].unsqueeze(1)
     ranks = torch.arange(1, r_max + 1, device=embeddings.device)
     hits = (reference_labels[neighbours] == labels[keep].unsqueeze(1)) & (ranks <= R)

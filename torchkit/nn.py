@@ -202,7 +202,9 @@ class CovariancePool2d(nn.Module):
         super().__init__()
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"CovariancePool2d: iterations must be an int >= 1, got {iterations!r}")
-        if in_channels is not None and (isinstance(in_channels, bool) or not isinstance(in_channels, int) or in_channels < 1):
+        if in_channels is not None and (
+            isinstance(in_channels, bool) or not isinstance(in_channels, int) or in_channels < 1
+        ):
             raise ValueError(f"CovariancePool2d: in_channels must be a positive int or None, got {in_channels!r}")
         self.iterations = iterations
         self.sqrt = sqrt
@@ -220,8 +222,7 @@ class CovariancePool2d(nn.Module):
     def __getattr__(self, name: str):
         if name == "output_dim":
             raise AttributeError(
-                "CovariancePool2d: output_dim needs the channel count; construct it as "
-                "CovariancePool2d(in_channels=D)"
+                "CovariancePool2d: output_dim needs the channel count; construct it as CovariancePool2d(in_channels=D)"
             )
         return super().__getattr__(name)
 

@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["bilinear_pool", "cdist", "covariance_pool", "knn", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
+__all__ = [
+    "bilinear_pool",
+    "cdist",
+    "covariance_pool",
+    "knn",
+    "label_smoothing_cross_entropy",
+    "permute_blocks",
+    "region_confusion",
+]
 
 
 def label_smoothing_cross_entropy(

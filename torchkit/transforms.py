@@ -82,7 +82,9 @@ class RandomRegionConfusion(v2.Transform):
     def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
         image = next((i for i in flat_inputs if self._is_image(i)), None)
         if image is None:
-            raise TypeError("RandomRegionConfusion: no image (tv_tensors.Image, plain tensor or PIL image) in the input")
+            raise TypeError(
+                "RandomRegionConfusion: no image (tv_tensors.Image, plain tensor or PIL image) in the input"
+            )
         if isinstance(image, PIL.Image.Image):
             image = F.pil_to_tensor(image)
         if image.dim() < 3:

@@ -213,8 +213,8 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
         for (int64_t i = begin; i < end; ++i) {
           rs[i] = scaled_grad_row<scalar_t, acc_t>(
               grad_p + (off + i * p.R) * gs, gs, dist_p + off + i * p.R, na[i0 + i], nb,
-              xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared, gp_p + i * p.R,
-              d1_p + i * p.M, direct);
+              xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared, gp_p + i * p.R, d1_p + i * p.M,
+              direct);
         }
       });
       const Tensor G = gp.narrow(0, 0, n);

@@ -22,8 +22,8 @@
 #include <cmath>
 #include <vector>
 
-#include "covariance_pool.h"
 #include "common.h"
+#include "covariance_pool.h"
 #include "cpu/memory.h"
 
 namespace torchkit::covariance {
@@ -54,7 +54,8 @@ std::tuple<Tensor, Tensor> centre_kernel(const Problem& p, const Tensor& a,
   const scalar_t* x = in.data_ptr<scalar_t>();
   const int64_t sN = in.stride(0), sD = in.stride(1), sM = in.stride(2);
   const auto acc_opts = a.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-  Tensor out = cpu::empty_for_writing(by_rows ? std::vector<int64_t>{N, D, M} : std::vector<int64_t>{N, M, D}, acc_opts);
+  Tensor out = cpu::empty_for_writing(
+      by_rows ? std::vector<int64_t>{N, D, M} : std::vector<int64_t>{N, M, D}, acc_opts);
   Tensor s = scale.has_value() ? *scale : at::empty({N}, acc_opts);
   acc_t* o = out.data_ptr<acc_t>();
   acc_t* sp = s.data_ptr<acc_t>();
@@ -91,7 +92,8 @@ std::tuple<Tensor, Tensor> centre_kernel(const Problem& p, const Tensor& a,
         if (!scale.has_value())
           for (int64_t m = 0; m < M; ++m) {
             const scalar_t* col = x + n * sN + m * sM;
-            for (int64_t d = 0; d < D; ++d) big[d] = std::max(big[d], std::abs(acc_t(col[d]) - mu[d]));
+            for (int64_t d = 0; d < D; ++d)
+              big[d] = std::max(big[d], std::abs(acc_t(col[d]) - mu[d]));
           }
       }
     });
@@ -100,7 +102,8 @@ std::tuple<Tensor, Tensor> centre_kernel(const Problem& p, const Tensor& a,
     for (int64_t n = 0; n < N; ++n) {
       acc_t big = 0;
       bool ok = true;
-      for (int64_t d = 0; d < D; ++d) big = std::max(big, dev[n * D + d]), ok = ok && finite[n * D + d];
+      for (int64_t d = 0; d < D; ++d)
+        big = std::max(big, dev[n * D + d]), ok = ok && finite[n * D + d];
       sp[n] = power_of_two(big, ok);
     }
   }
@@ -137,9 +140,8 @@ std::tuple<Tensor, Tensor> centre_cpu(const Problem& p, const Tensor& x,
                        ? x.permute({0, 2, 3, 1}).reshape({p.N, p.M, p.D}).transpose(1, 2)
                        : x.reshape({p.N, p.D, p.M});
   std::tuple<Tensor, Tensor> result;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "covariance_pool", [&] {
-    result = centre_kernel<scalar_t>(p, a, scale);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "covariance_pool",
+                                  [&] { result = centre_kernel<scalar_t>(p, a, scale); });
   return result;
 }
 
@@ -300,8 +302,7 @@ std::tuple<Tensor, Tensor, Tensor> covariance_pool_cpu(const Tensor& x, int64_t 
 }
 
 Tensor covariance_pool_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& sigma,
-                                    const Tensor& scale, int64_t iterations, bool sqrt,
-                                    bool triu) {
+                                    const Tensor& scale, int64_t iterations, bool sqrt, bool triu) {
   const Problem p = check_inputs(x, iterations, sqrt, triu);
   check_backward_inputs(p, grad, x, sigma, scale);
   return backward(p, grad, x, sigma, scale, kBackend);

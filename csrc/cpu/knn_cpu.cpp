@@ -5,9 +5,9 @@
 // it into expanded d² and keep the row's k best (d², j) in a max-heap whose top is the bar a
 // new candidate must beat. Most entries fail the bar in a vectorised compare and cost
 // nothing more; the few that may pass are recomputed directly, Σ(a − b)², and compared
-// exactly, so the heap (and the output) holds exact values, ordered exactly. The heaps live in the outputs' workspace (P × k per batch), the buffer is
-// kTileBytes: never P × R. Each row is processed by one thread in gallery order, so the
-// result is the same on any number of threads.
+// exactly, so the heap (and the output) holds exact values, ordered exactly. The heaps live in the
+// outputs' workspace (P × k per batch), the buffer is kTileBytes: never P × R. Each row is
+// processed by one thread in gallery order, so the result is the same on any number of threads.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -31,8 +31,8 @@ using at::Tensor;
 using at::vec::Vectorized;
 using cpu::direct_sq;
 
-constexpr int64_t kTileBytes = 8 << 20;  // the GEMM's output tile: stays in the L3 cache
-constexpr int64_t kChunk = 4096;         // gallery rows per tile
+constexpr int64_t kTileBytes = 8 << 20;    // the GEMM's output tile: stays in the L3 cache
+constexpr int64_t kChunk = 4096;           // gallery rows per tile
 constexpr int64_t kSymmetricBlock = 1024;  // leave-one-out: square tiles of 4 MiB
 
 template <typename acc_t>
@@ -155,8 +155,10 @@ void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_
       if (((vt < threshold) | (vt != vt)).zero_mask() == (1 << W) - 1) continue;
       vt.store(t);
       for (int64_t q = 0; q < lanes; ++q) {
-        const bool take = heap[q].open() || t[q] < std::max(limit[q], nr * inv_ratio + own_norm[q] * inv_ratio - own_norm[q]) ||
-                          t[q] != t[q];
+        const bool take =
+            heap[q].open() ||
+            t[q] < std::max(limit[q], nr * inv_ratio + own_norm[q] * inv_ratio - own_norm[q]) ||
+            t[q] != t[q];
         if (!take) continue;
         heap[q].offer({direct_sq(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M), i0 + r});
         limit[q] = bar(q);

@@ -98,14 +98,11 @@ __device__ bool refined(const scalar_t* dist, int64_t idx, acc_t na, acc_t nb, b
 // warp owns it: the entries are added in order of j, reproducibly), and their columns are
 // flagged for direct_columns_kernel. Reads of the row are coalesced.
 template <typename scalar_t, typename acc_t>
-__global__ void scaled_grad_rows_kernel(const scalar_t* __restrict__ grad, int64_t gstride,
-                                        const scalar_t* __restrict__ dist,
-                                        const acc_t* __restrict__ n1, const acc_t* __restrict__ n2,
-                                        const acc_t* __restrict__ raw1,
-                                        const acc_t* __restrict__ raw2, int64_t P, int64_t R,
-                                        int64_t M, int64_t rows, bool squared,
-                                        acc_t* __restrict__ gp, acc_t* __restrict__ d1,
-                                        uint8_t* __restrict__ column_flags) {
+__global__ void scaled_grad_rows_kernel(
+    const scalar_t* __restrict__ grad, int64_t gstride, const scalar_t* __restrict__ dist,
+    const acc_t* __restrict__ n1, const acc_t* __restrict__ n2, const acc_t* __restrict__ raw1,
+    const acc_t* __restrict__ raw2, int64_t P, int64_t R, int64_t M, int64_t rows, bool squared,
+    acc_t* __restrict__ gp, acc_t* __restrict__ d1, uint8_t* __restrict__ column_flags) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; row < rows;
@@ -137,14 +134,11 @@ __global__ void scaled_grad_rows_kernel(const scalar_t* __restrict__ grad, int64
 // d2's row j, in order of i. Columns without a direct entry return at once; the strided
 // reads of a flagged column are the price of exactness there.
 template <typename scalar_t, typename acc_t>
-__global__ void direct_columns_kernel(const scalar_t* __restrict__ grad, int64_t gstride,
-                                      const scalar_t* __restrict__ dist,
-                                      const acc_t* __restrict__ n1, const acc_t* __restrict__ n2,
-                                      const acc_t* __restrict__ raw1,
-                                      const acc_t* __restrict__ raw2, int64_t P, int64_t R,
-                                      int64_t M, int64_t columns, bool squared,
-                                      const uint8_t* __restrict__ column_flags,
-                                      acc_t* __restrict__ d2) {
+__global__ void direct_columns_kernel(
+    const scalar_t* __restrict__ grad, int64_t gstride, const scalar_t* __restrict__ dist,
+    const acc_t* __restrict__ n1, const acc_t* __restrict__ n2, const acc_t* __restrict__ raw1,
+    const acc_t* __restrict__ raw2, int64_t P, int64_t R, int64_t M, int64_t columns, bool squared,
+    const uint8_t* __restrict__ column_flags, acc_t* __restrict__ d2) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t col = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; col < columns;
@@ -219,8 +213,7 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x1,
     // plus the direct entries.
     if (want1) at::baddbmm_out(g1, c.x1 * gp.sum(2, true), gp, c.x2, 1, -1).add_(d1);
     if (want2) {
-      at::baddbmm_out(g2, c.x2 * gp.sum(1).unsqueeze(-1), gp.transpose(1, 2), c.x1, 1, -1)
-          .add_(d2);
+      at::baddbmm_out(g2, c.x2 * gp.sum(1).unsqueeze(-1), gp.transpose(1, 2), c.x1, 1, -1).add_(d2);
     }
   }
   return finish_backward(p, g1, g2, x1, x2);

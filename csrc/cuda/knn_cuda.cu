@@ -28,7 +28,7 @@ using at::Tensor;
 
 constexpr int kThreads = 256;
 constexpr int64_t kTileElements = int64_t(1) << 21;  // candidates per tile (24 MiB with indices)
-constexpr int64_t kChunk = 8192;                      // gallery rows per tile
+constexpr int64_t kChunk = 8192;                     // gallery rows per tile
 
 // cand[r, held + l] for l < w: the candidate of query row i0 + r and gallery row j0 + l. The
 // first `held` columns are the row's best so far, sorted; its k-th, cand[r, k − 1], is the
@@ -65,8 +65,8 @@ __global__ void candidates_kernel(const acc_t* __restrict__ g, int64_t gstride,
 }
 
 template <typename scalar_t>
-void knn_batch(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int64_t k,
-               Tensor& dist, Tensor& index) {
+void knn_batch(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int64_t k, Tensor& dist,
+               Tensor& index) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t kept = p.self ? k + 1 : k;  // leave-one-out: the row itself is dropped at the end
   // The first chunk must hold `kept` candidates: a k beyond kChunk widens the chunks (and
@@ -99,8 +99,7 @@ void knn_batch(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int6
       candidates_kernel<acc_t><<<cuda::grid_size(n * w, kThreads), kThreads, 0, stream>>>(
           t.const_data_ptr<acc_t>(), t.stride(0), n1.const_data_ptr<acc_t>(),
           n2.const_data_ptr<acc_t>(), raw1.const_data_ptr<acc_t>(), raw2.const_data_ptr<acc_t>(),
-          i0, j0, n, w, p.M, held, k, p.self, margin, cd.data_ptr<acc_t>(),
-          cj.data_ptr<int64_t>());
+          i0, j0, n, w, p.M, held, k, p.self, margin, cd.data_ptr<acc_t>(), cj.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // Stable: ties keep their order, which is by index (the best so far come from earlier
       // chunks, and are sorted); NaN sorts last. The row itself (leave-one-out) is NaN.
@@ -110,7 +109,8 @@ void knn_batch(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int6
     }
     if (p.self) {  // drop the row itself (NaN, wherever it sorted), keep the order of the rest
       const Tensor own = best_j == at::arange(i0, i0 + n, best_j.options()).unsqueeze(1);
-      const Tensor keep = std::get<1>(own.to(at::kByte).sort(/*stable=*/true, /*dim=*/1)).narrow(1, 0, k);
+      const Tensor keep =
+          std::get<1>(own.to(at::kByte).sort(/*stable=*/true, /*dim=*/1)).narrow(1, 0, k);
       best = best.gather(1, keep);
       best_j = best_j.gather(1, keep);
     }

@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(kRowThreads)
   }
   st = block_merge(st);
   if (threadIdx.x == 0) {
-    finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(
-        st, row, x_row, target, weight, k, lse, loss, position_weight);
+    finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(st, row, x_row, target, weight, k,
+                                                              lse, loss, position_weight);
   }
 }
 
@@ -192,8 +192,8 @@ __global__ void __launch_bounds__(kPositionThreads)
              kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1),
              kProb ? static_cast<acc_t>(prob[base + c * k.S]) : acc_t(0));
     }
-    finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(
-        st, pos, x + base, target, weight, k, lse, loss, position_weight);
+    finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(st, pos, x + base, target, weight, k,
+                                                              lse, loss, position_weight);
   }
 }
 
@@ -202,8 +202,7 @@ __global__ void __launch_bounds__(kPositionThreads)
 template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
                                 const scalar_t* __restrict__ prob,
-                                const scalar_t* __restrict__ weight,
-                                const double* __restrict__ lse,
+                                const scalar_t* __restrict__ weight, const double* __restrict__ lse,
                                 const at::opmath_type<scalar_t>* __restrict__ K,
                                 const at::opmath_type<scalar_t>* __restrict__ scale,
                                 int64_t scale_stride, Coefficients k, int64_t numel,
@@ -228,8 +227,8 @@ __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* _
     const acc_t w = kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1);
     const acc_t g = scale[pos * scale_stride];
     const auto [hi, lo] = split_lse<acc_t>(lse[pos]);
-    grad[i] = static_cast<scalar_t>(
-        g * (::exp((static_cast<acc_t>(x[i]) - hi) - lo) * K[pos] - w * q));
+    grad[i] =
+        static_cast<scalar_t>(g * (::exp((static_cast<acc_t>(x[i]) - hi) - lo) * K[pos] - w * q));
   }
 }
 
@@ -361,8 +360,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& input, const Tenso
         forward_positions_kernel<scalar_t, index_t, kWeight, kProb>
             <<<cuda::grid_size(positions, kPositionThreads, 16), kPositionThreads, 0, stream>>>(
                 xp, tp, pp, wp, k, positions, lse.mutable_data_ptr<double>(),
-                losses.mutable_data_ptr<acc_t>(),
-                position_weights.mutable_data_ptr<acc_t>());
+                losses.mutable_data_ptr<acc_t>(), position_weights.mutable_data_ptr<acc_t>());
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });

@@ -11,4 +11,12 @@ from torchkit.ops.knn import knn
 from torchkit.ops.label_smoothing_ce import label_smoothing_cross_entropy
 from torchkit.ops.region_confusion import permute_blocks, region_confusion
 
-__all__ = ["bilinear_pool", "cdist", "covariance_pool", "knn", "label_smoothing_cross_entropy", "permute_blocks", "region_confusion"]
+__all__ = [
+    "bilinear_pool",
+    "cdist",
+    "covariance_pool",
+    "knn",
+    "label_smoothing_cross_entropy",
+    "permute_blocks",
+    "region_confusion",
+]

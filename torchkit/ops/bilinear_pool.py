@@ -96,6 +96,7 @@ _bilinear_pool_backward = differentiable(
     no_double_backward("bilinear_pool"),
 )
 
-# Under autocast: a normalisation (signed sqrt, L2), as autocast runs norms: the result in float32. (permute_blocks is a copy and keeps its dtype.)
+# Under autocast: a normalisation (signed sqrt, L2), as autocast runs norms: the result in
+# float32. (permute_blocks is a copy and keeps its dtype.)
 for _device in ("cpu", "cuda"):
     torch.library.register_autocast("torchkit::bilinear_pool", _device, torch.float32)

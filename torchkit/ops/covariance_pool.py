@@ -65,7 +65,9 @@ def _channels_last(x: Tensor) -> bool:
 
 @torch.library.register_fake("torchkit::covariance_pool")
 def _(x, iterations, sqrt, triu):
-    torch._check(x.dim() in (3, 4), lambda: f"covariance_pool: x must be (N, D, H, W) or (N, D, M), got {tuple(x.shape)}")
+    torch._check(
+        x.dim() in (3, 4), lambda: f"covariance_pool: x must be (N, D, H, W) or (N, D, M), got {tuple(x.shape)}"
+    )
     torch._check(iterations >= 1, lambda: f"covariance_pool: iterations must be >= 1, got {iterations}")
     N, D = x.shape[0], x.shape[1]
     acc = acc_dtype(x)

@@ -63,7 +63,7 @@ def _(query, gallery, k, squared):
 
 
 def _knn_setup_context(ctx, inputs, output):
-    query, gallery, k, squared = inputs
+    query, gallery, _k, squared = inputs
     distances, indices = output
     ctx.mark_non_differentiable(indices)
     ctx.save_for_backward(query, gallery, distances, indices)

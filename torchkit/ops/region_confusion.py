@@ -116,7 +116,9 @@ def _check_rcm_settings(name: str, num_blocks: int, neighbourhood: int, image_kn
 
 def _check_generator(name: str, generator) -> None:
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"{name}: generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}")
+        raise TypeError(
+            f"{name}: generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}"
+        )
 
 
 def _check_rcm_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
