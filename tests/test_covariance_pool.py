@@ -325,6 +325,21 @@ def test_backward_checks_its_inputs():
         BACKWARD(g.float(), x, sigma, scale, 3, True, True)
 
 
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_backward_reads_sigma_and_scale_by_their_strides(layout):
+    # Three equal samples, so that one sample's sigma and scale expanded to all three are right too.
+    x = make((1, 130, 3, 3)).expand(3, -1, -1, -1).contiguous()
+    out, sigma, scale = OP(x, 3, True, True)
+    grad = torch.randn_like(out)
+    expected = BACKWARD(grad, x, sigma, scale, 3, True, True)
+    odd = {
+        "strided": (torch.stack([sigma, sigma + 1], 1)[:, 0], torch.stack([scale, scale * 64], 1)[:, 0]),
+        "expanded": (sigma[:1].expand(3, -1, -1), scale[:1].expand(3)),
+    }[layout]
+    assert not odd[0].is_contiguous() and not odd[1].is_contiguous()
+    torch.testing.assert_close(BACKWARD(grad, x, *odd, 3, True, True), expected)
+
+
 @pytest.mark.parametrize("device_of", ["grad", "sigma", "scale"])
 def test_meta_tensor_mixed_in_is_a_device_error(device_of):
     x = make((2, 3, 2, 2))

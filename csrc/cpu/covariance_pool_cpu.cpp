@@ -56,7 +56,8 @@ std::tuple<Tensor, Tensor> centre_kernel(const Problem& p, const Tensor& a,
   const auto acc_opts = a.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
   Tensor out = cpu::empty_for_writing(
       by_rows ? std::vector<int64_t>{N, D, M} : std::vector<int64_t>{N, M, D}, acc_opts);
-  Tensor s = scale.has_value() ? *scale : at::empty({N}, acc_opts);
+  // A given scale is read by its first N elements: make it contiguous (it may be a view).
+  Tensor s = scale.has_value() ? scale->contiguous() : at::empty({N}, acc_opts);
   acc_t* o = out.data_ptr<acc_t>();
   acc_t* sp = s.data_ptr<acc_t>();
   std::vector<acc_t> mean(N * D), dev(N * D);
