@@ -46,8 +46,8 @@ Tensor shifted(const Tensor& m, double alpha, double beta) {
   return t;
 }
 
-// The Newton–Schulz polynomial F(A). With `iterates`, also Y₀, Z₀, …, Y_{n−2}, Z_{n−2}
-// interleaved, then T₁ … T_{n−2}, then W = Z·Y (the final product's factor).
+// The Newton–Schulz polynomial F(A). With `keep`, also what the adjoint chain reads:
+// Y₀ … Y_{n−2}, Z₀ … Z_{n−2}, T₁ … T_{n−2} and W = Z·Y (the final product's factor).
 struct Iterates {
   std::vector<Tensor> Y, Z, T;
   Tensor W;
