@@ -17,19 +17,6 @@ namespace {
 
 using at::Tensor;
 
-// x as (N, D, M) in the accumulation type, a view where the memory allows it.
-Tensor flat(const Problem& p, const Tensor& x) {
-  Tensor a;
-  if (x.dim() == 3) {
-    a = x;
-  } else if (p.channels_last) {
-    a = x.permute({0, 2, 3, 1}).reshape({p.N, p.M, p.D}).transpose(1, 2);
-  } else {
-    a = x.reshape({p.N, p.D, p.M});
-  }
-  return a.scalar_type() == acc_type(x) ? a : a.to(acc_type(x));
-}
-
 Tensor per_sample(const Tensor& v) { return v.view({v.size(0), 1, 1}); }
 
 Tensor batch_trace(const Tensor& m) { return m.diagonal(0, 1, 2).sum(-1); }
@@ -137,9 +124,15 @@ void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::T
   check_same_device(kOp, "x", x, "scale", scale);
 }
 
+at::Tensor positions(const Problem& p, const at::Tensor& x) {
+  if (x.dim() == 3) return x;
+  if (p.channels_last) return x.permute({0, 2, 3, 1}).reshape({p.N, p.M, p.D}).transpose(1, 2);
+  return x.reshape({p.N, p.D, p.M});
+}
+
 std::tuple<at::Tensor, at::Tensor> centre_aten(const Problem& p, const at::Tensor& x,
                                                const std::optional<at::Tensor>& scale) {
-  const Tensor a = flat(p, x);
+  const Tensor a = positions(p, x).to(acc_type(x));
   // The mean summed in float64: M·max|x| may overflow float32.
   Tensor xc = a - a.mean({2}, /*keepdim=*/true, at::kDouble).to(a.scalar_type());
   Tensor s;

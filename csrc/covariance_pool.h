@@ -71,6 +71,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const Problem& p, const a
 at::Tensor backward(const Problem& p, const at::Tensor& grad, const at::Tensor& x,
                     const at::Tensor& sigma, const at::Tensor& scale, const Backend& backend);
 
+// x as (N, D, M), without a copy where the memory allows it ((N, M, D) memory for
+// channels_last inputs).
+at::Tensor positions(const Problem& p, const at::Tensor& x);
+
 // The portable pieces, in ATen ops.
 std::tuple<at::Tensor, at::Tensor> centre_aten(const Problem& p, const at::Tensor& x,
                                                const std::optional<at::Tensor>& scale);

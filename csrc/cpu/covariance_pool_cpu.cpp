@@ -135,11 +135,7 @@ std::tuple<Tensor, Tensor> centre_kernel(const Problem& p, const Tensor& a,
 
 std::tuple<Tensor, Tensor> centre_cpu(const Problem& p, const Tensor& x,
                                       const std::optional<Tensor>& scale) {
-  // x as (N, D, M) without a copy: (N, M, D) memory for channels_last.
-  const Tensor a = x.dim() == 3 ? x
-                   : p.channels_last
-                       ? x.permute({0, 2, 3, 1}).reshape({p.N, p.M, p.D}).transpose(1, 2)
-                       : x.reshape({p.N, p.D, p.M});
+  const Tensor a = positions(p, x);
   std::tuple<Tensor, Tensor> result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "covariance_pool",
                                   [&] { result = centre_kernel<scalar_t>(p, a, scale); });

@@ -44,9 +44,8 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
         >>> features = torch.relu(torch.randn(8, 256, 28, 28, requires_grad=True))
         >>> pooled = torchkit.ops.covariance_pool(features)  # (8, 32896)
     """
-    for name, value in (("iterations", iterations),):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"covariance_pool: {name} must be an int, got {type(value).__name__} {value!r}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int):
+        raise TypeError(f"covariance_pool: iterations must be an int, got {type(iterations).__name__} {iterations!r}")
     for name, value in (("sqrt", sqrt), ("triu", triu)):
         if not isinstance(value, bool):
             raise TypeError(f"covariance_pool: {name} must be a bool, got {type(value).__name__} {value!r}")
