@@ -2,7 +2,11 @@
 #include "cdist.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "checks.h"
 #include "common.h"
@@ -34,17 +38,18 @@ at::Tensor finite_row_sum(const at::Tensor& x) {
   return x.masked_fill(x.isfinite().all(-1, /*keepdim=*/true).logical_not(), 0).sum(1, true);
 }
 
-// (B, rows, M) → (B, rows): Σ x² over M, a slice of rows at a time, so that the squares are
-// never a temporary as large as x (205 MB for knn's 100,000 × 512 gallery).
-at::Tensor squared_norms(const at::Tensor& x) {
-  constexpr int64_t kRows = 4096;
-  at::Tensor n = at::empty({x.size(0), x.size(1)}, x.options());
-  for (int64_t r = 0; r < x.size(1); r += kRows) {
-    const int64_t len = std::min(kRows, x.size(1) - r);
-    at::Tensor slice = n.narrow(1, r, len);
-    at::sum_out(slice, x.narrow(1, r, len).square(), -1);
-  }
-  return n;
+// Whether the (B, 1, M) mean is finite, which the CPU reads directly (the ATen form, three
+// ops and a .item(), costs more than a small problem's whole product). On CUDA the answer
+// would cost a host synchronisation, so there it is taken as no.
+bool finite_cpu_mean(const at::Tensor& mean) {
+  if (!mean.is_cpu()) return false;
+  const at::Tensor m = mean.contiguous();
+  bool finite = true;
+  AT_DISPATCH_FLOATING_TYPES(m.scalar_type(), "cdist_finite_mean", [&] {
+    const scalar_t* v = m.const_data_ptr<scalar_t>();
+    finite = std::all_of(v, v + m.numel(), [](scalar_t x) { return std::isfinite(x); });
+  });
+  return finite;
 }
 
 }  // namespace
@@ -91,34 +96,47 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
   return p;
 }
 
-Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2) {
+std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const at::Tensor& mean) {
+  at::Tensor x = raw - mean;
+  // Σ x² over M, a slice of rows at a time, so that the squares are never a temporary as
+  // large as x (205 MB for knn's 100,000 × 512 gallery).
+  constexpr int64_t kRows = 4096;
+  at::Tensor n = at::empty({x.size(0), x.size(1)}, x.options());
+  for (int64_t r = 0; r < x.size(1); r += kRows) {
+    const int64_t len = std::min(kRows, x.size(1) - r);
+    at::Tensor slice = n.narrow(1, r, len);
+    at::sum_out(slice, x.narrow(1, r, len).square(), -1);
+  }
+  return {x, n};
+}
+
+Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2,
+               CentreRows centre_rows) {
   Centred c;
   c.raw1 = batched(p, x1);
   if (p.self) {
     c.raw2 = c.raw1;
     at::Tensor mean = c.raw1.mean(1, /*keepdim=*/true);
-    if (!mean.is_cpu() || !mean.isfinite().all().item<bool>()) {  // as below
+    if (!finite_cpu_mean(mean)) {  // as below
       mean = finite_row_sum(c.raw1).div_(finite_rows(c.raw1).sum(1, true).clamp_min_(1));
     }
-    c.x1 = c.raw1 - mean;
+    std::tie(c.x1, c.n1) = centre_rows(c.raw1, mean);
     c.x2 = c.x1;
+    c.n2 = c.n1;
   } else {
     c.raw2 = batched(p, *x2);
     const int64_t count = std::max<int64_t>(p.P + p.R, 1);
     at::Tensor mean = (c.raw1.sum(1, true) + c.raw2.sum(1, true)).div_(count);
     // One NaN or ∞ row would make the mean, and so every distance of the batch, non-finite:
-    // such rows are left out of it. On the CPU the check is free; on CUDA it would cost a
-    // host synchronisation, so the masked mean is taken unconditionally there.
-    if (!mean.is_cpu() || !mean.isfinite().all().item<bool>()) {
+    // such rows are left out of it (on CUDA unconditionally, see finite_cpu_mean).
+    if (!finite_cpu_mean(mean)) {
       mean = (finite_row_sum(c.raw1) + finite_row_sum(c.raw2))
                  .div_((finite_rows(c.raw1).sum(1, true) + finite_rows(c.raw2).sum(1, true))
                            .clamp_min_(1));
     }
-    c.x1 = c.raw1 - mean;
-    c.x2 = c.raw2 - mean;
+    std::tie(c.x1, c.n1) = centre_rows(c.raw1, mean);
+    std::tie(c.x2, c.n2) = centre_rows(c.raw2, mean);
   }
-  c.n1 = squared_norms(c.x1);
-  c.n2 = p.self ? c.n1 : squared_norms(c.x2);
   return c;
 }
 

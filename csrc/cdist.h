@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace torchkit::cdist {
@@ -53,7 +54,16 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
 struct Centred {
   at::Tensor x1, x2, n1, n2, raw1, raw2;
 };
-Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2);
+
+// The centring's pass over the rows: raw (B, rows, M) − mean (B, 1, M), and the result's
+// squared row norms (B, rows). Each backend passes its own: centre_rows_aten is the portable
+// form in ATen ops; the CPU's (cpu/distance.h) is one fused pass.
+using CentreRows = std::pair<at::Tensor, at::Tensor> (*)(const at::Tensor& raw,
+                                                         const at::Tensor& mean);
+std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const at::Tensor& mean);
+
+Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2,
+               CentreRows centre_rows);
 
 // grad and dist must be (*batch, P, R) of x1's dtype: what the forward returned.
 void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& x1,

@@ -7,8 +7,9 @@
 // (Calling BLAS single-threaded from inside parallel tasks measured 1.6× slower here: the
 // library's own threading blocks the GEMM better.)
 // Backward: the same tiling; G' = grad / dist is formed for a tile of rows in a scratch
-// buffer, then grad_x1's rows are rowsum(G')·x1 − G'·x2 and −G'ᵀ·x1 (and G''s column sums)
-// are added to grad_x2. G' is never materialised whole.
+// buffer; BLAS writes G'·x2 into grad_x1's rows, which one pass turns into rowsum(G')·x1 −
+// G'·x2, and accumulates G'ᵀ·x1 (and G''s column sums) for grad_x2 = colsum·x2 − G'ᵀ·x1.
+// G' is never materialised whole, and no output is zero-filled first.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -24,7 +25,60 @@
 #include "cpu/distance.h"
 #include "cpu/memory.h"
 
-namespace torchkit::cdist {
+namespace torchkit {
+
+namespace {
+
+// One row of cpu::centre_rows: x = r − m, returning Σ x². Four accumulators, so that the sum
+// of squares waits on no single chain of additions.
+template <typename scalar_t>
+scalar_t centre_row(const scalar_t* r, const scalar_t* m, scalar_t* x, int64_t M) {
+  using V = at::vec::Vectorized<scalar_t>;
+  V s[4] = {V(0), V(0), V(0), V(0)};
+  int64_t k = 0;
+  for (; k + 4 * V::size() <= M; k += 4 * V::size()) {
+    for (int u = 0; u < 4; ++u) {
+      const int64_t o = k + u * V::size();
+      const V d = V::loadu(r + o) - V::loadu(m + o);
+      d.store(x + o);
+      s[u] = at::vec::fmadd(d, d, s[u]);
+    }
+  }
+  for (; k + V::size() <= M; k += V::size()) {
+    const V d = V::loadu(r + k) - V::loadu(m + k);
+    d.store(x + k);
+    s[0] = at::vec::fmadd(d, d, s[0]);
+  }
+  scalar_t n = at::vec::vec_reduce_all<scalar_t>([](V a, V b) { return a + b; },
+                                                 (s[0] + s[1]) + (s[2] + s[3]));
+  for (; k < M; ++k) {
+    x[k] = r[k] - m[k];
+    n += x[k] * x[k];
+  }
+  return n;
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> cpu::centre_rows(const at::Tensor& raw, const at::Tensor& mean) {
+  at::Tensor x = at::empty_like(raw, at::MemoryFormat::Contiguous);
+  at::Tensor norms = at::empty({raw.size(0), raw.size(1)}, raw.options());
+  const at::Tensor mu = mean.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(raw.scalar_type(), "cdist_centre_rows", [&] {
+    const int64_t rows = raw.size(1), M = raw.size(2);
+    const scalar_t* r = raw.const_data_ptr<scalar_t>();
+    const scalar_t* m = mu.const_data_ptr<scalar_t>();
+    scalar_t* xo = x.data_ptr<scalar_t>();
+    scalar_t* no = norms.data_ptr<scalar_t>();
+    at::parallel_for(0, raw.size(0) * rows, cpu::rows_per_task(M), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        no[i] = centre_row(r + i * M, m + (i / rows) * M, xo + i * M, M);
+    });
+  });
+  return {x, norms};
+}
+
+namespace cdist {
 namespace {
 
 using at::Tensor;
@@ -49,6 +103,7 @@ template <typename scalar_t, typename acc_t>
 void epilogue_row(const acc_t* g, scalar_t* out, acc_t na, const acc_t* nb, const acc_t* a,
                   const acc_t* xb, int64_t R, int64_t M, bool squared, int64_t diag) {
   using V = Vectorized<acc_t>;
+  constexpr bool kDirect = std::is_same_v<scalar_t, acc_t>;
   const V vna(na), two(2), zero(0), ratio(static_cast<acc_t>(kRefineRatio));
   acc_t buf[V::size()];
   for (int64_t j0 = 0; j0 < R; j0 += V::size()) {
@@ -59,16 +114,22 @@ void epilogue_row(const acc_t* g, scalar_t* out, acc_t na, const acc_t* nb, cons
     // The rare lanes whose expansion cancelled are recomputed one by one, and so are those
     // it made NaN (∞ or overflowing inputs), so that they get what Σ(a − b)² gives.
     const V refine = ((d2 * ratio) < sum) | (d2 != d2);
+    const bool has_diag = diag >= j0 && diag < j0 + n;
+    if (refine.zero_mask() == (1 << V::size()) - 1 && !has_diag && kDirect && n == V::size()) {
+      d2 = at::vec::maximum(d2, zero);  // the common case: nothing to recompute
+      (squared ? d2 : d2.sqrt()).store(out + j0);
+      continue;
+    }
     d2.store(buf, n);
     if (refine.zero_mask() != (1 << V::size()) - 1) {
       for (int64_t l = 0; l < n; ++l)
         if (refines(buf[l], na + nb[j0 + l])) buf[l] = direct_sq(a, xb + (j0 + l) * M, M);
     }
     // Σ(a − a)²: 0, or NaN for a row holding NaN or ∞, as torch.cdist gives.
-    if (diag >= j0 && diag < j0 + n) buf[diag - j0] = std::isfinite(na) ? 0 : direct_sq(a, a, M);
+    if (has_diag) buf[diag - j0] = std::isfinite(na) ? 0 : direct_sq(a, a, M);
     d2 = at::vec::maximum(V::loadu(buf, n), zero);
     if (!squared) d2 = d2.sqrt();
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    if constexpr (kDirect) {
       d2.store(out + j0, n);
     } else {
       d2.store(buf, n);
@@ -95,7 +156,7 @@ void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
       Tensor tile = kDirect ? out[b].narrow(0, i0, n) : scratch.narrow(0, 0, n);
       at::mm_out(tile, c.x1[b].narrow(0, i0, n), c.x2[b].t());
       const acc_t* g = tile.const_data_ptr<acc_t>();
-      at::parallel_for(i0, i0 + n, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(i0, i0 + n, cpu::rows_per_task(p.R), [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           epilogue_row<scalar_t, acc_t>(g + (i - i0) * p.R, o + i * p.R, na[i], nb, xa + i * p.M,
                                         xb, p.R, p.M, p.squared, p.self ? i : -1);
@@ -109,7 +170,7 @@ Tensor forward_cpu(const Tensor& x1, const std::optional<Tensor>& x2, bool squar
   const Problem p = check_inputs(x1, x2, squared);
   Tensor out = cpu::empty_for_writing({p.B, p.P, p.R}, x1.options());
   if (out.numel() > 0) {
-    const Centred c = centre(p, x1, x2);
+    const Centred c = centre(p, x1, x2, cpu::centre_rows);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_cpu",
                                     [&] { forward_kernel<scalar_t>(p, c, out); });
   }
@@ -126,14 +187,18 @@ struct Direct {
 };
 
 // G' for one row: ∂L/∂d² · 2 = grad / dist (0 where dist = 0), or 2·grad for squared, with
-// the directly recomputed entries moved out: their x1 half is added to d1 (this row's), their
-// x2 half queued in `direct`. Returns the row's sum over the entries the GEMMs take.
+// the directly recomputed entries moved out: their x1 half is added to d1 (this row's, zeroed
+// here at the first such entry; `has_d1` says whether there was one), their x2 half queued in
+// `direct`. Returns the row's sum over the entries the GEMMs take.
 template <typename scalar_t, typename acc_t>
 acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dist, acc_t na,
                       const acc_t* nb, const acc_t* a, const acc_t* xb, int64_t i, int64_t R,
-                      int64_t M, bool squared, acc_t* gp, acc_t* d1,
+                      int64_t M, bool squared, acc_t* gp, acc_t* d1, bool& has_d1,
                       std::vector<Direct<acc_t>>& direct) {
+  has_d1 = false;
   auto take_direct = [&](int64_t j, acc_t v) {
+    if (!has_d1) std::fill(d1, d1 + M, acc_t(0));
+    has_d1 = true;
     const acc_t* b = xb + j * M;
     for (int64_t k = 0; k < M; ++k) d1[k] += v * (a[k] - b[k]);
     direct.push_back({j, i, v});
@@ -188,47 +253,72 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t rows = tile_rows(p.R, sizeof(acc_t));
   Tensor gp = at::empty({std::min(rows, p.P), p.R}, c.x1.options());
-  Tensor rowsum = at::empty({std::min(rows, p.P), 1}, c.x1.options());
   Tensor d1 = at::empty({std::min(rows, p.P), p.M}, c.x1.options());
+  std::vector<acc_t> rowsum(std::min(rows, p.P));
+  std::vector<char> has_d1(std::min(rows, p.P));  // char: threads write neighbouring rows
   Tensor colsum;
-  if (g2.defined()) colsum = at::zeros({p.B, p.R, 1}, c.x1.options());
+  if (g2.defined()) colsum = at::empty({p.R, 1}, c.x1.options());
   const scalar_t* grad_p = grad.tensor.const_data_ptr<scalar_t>();
   const int64_t gs = grad.stride;
   const scalar_t* dist_p = dist.const_data_ptr<scalar_t>();
   acc_t* gp_p = gp.data_ptr<acc_t>();
-  acc_t* rs = rowsum.data_ptr<acc_t>();
   acc_t* d1_p = d1.data_ptr<acc_t>();
   std::vector<std::vector<Direct<acc_t>>> queued(at::get_num_threads());
   for (int64_t b = 0; b < p.B; ++b) {
     const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
     const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
+    const acc_t* xc1 = c.x1[b].const_data_ptr<acc_t>();
     const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
     const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
       const int64_t off = (b * p.P + i0) * p.R;
-      d1.zero_();
-      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, n, cpu::rows_per_task(p.R), [&](int64_t begin, int64_t end) {
         auto& direct = queued[at::get_thread_num()];
         for (int64_t i = begin; i < end; ++i) {
-          rs[i] = scaled_grad_row<scalar_t, acc_t>(
+          bool touched;
+          rowsum[i] = scaled_grad_row<scalar_t, acc_t>(
               grad_p + (off + i * p.R) * gs, gs, dist_p + off + i * p.R, na[i0 + i], nb,
               xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared, gp_p + i * p.R, d1_p + i * p.M,
-              direct);
+              touched, direct);
+          has_d1[i] = touched;
         }
       });
       const Tensor G = gp.narrow(0, 0, n);
       const Tensor xc = c.x1[b].narrow(0, i0, n);
-      if (g1.defined()) {  // rowsum·x1 − G'·x2, plus the direct entries
+      if (g1.defined()) {  // G'·x2 by BLAS, then rowsum·x1 − G'·x2 (+ the direct entries)
         Tensor g1_rows = g1[b].narrow(0, i0, n);
-        at::addmm_out(g1_rows, xc * rowsum.narrow(0, 0, n), G, c.x2[b], 1, -1);
-        g1_rows.add_(d1.narrow(0, 0, n));
+        at::mm_out(g1_rows, G, c.x2[b]);
+        acc_t* out = g1_rows.data_ptr<acc_t>();
+        at::parallel_for(0, n, cpu::rows_per_task(p.M), [&](int64_t begin, int64_t end) {
+          using V = Vectorized<acc_t>;
+          for (int64_t i = begin; i < end; ++i) {
+            const V rs(rowsum[i]);
+            const acc_t* x = xc1 + (i0 + i) * p.M;
+            const acc_t* d = d1_p + i * p.M;
+            acc_t* o = out + i * p.M;
+            int64_t k = 0;
+            for (; k + V::size() <= p.M; k += V::size()) {
+              V v = at::vec::fmsub(rs, V::loadu(x + k), V::loadu(o + k));
+              if (has_d1[i]) v = v + V::loadu(d + k);
+              v.store(o + k);
+            }
+            for (; k < p.M; ++k) o[k] = rowsum[i] * x[k] - o[k] + (has_d1[i] ? d[k] : acc_t(0));
+          }
+        });
       }
-      if (g2.defined()) {  // −G'ᵀ·x1 now, colsum·x2 at the end
-        g2[b].addmm_(G.t(), xc, 1, -1);
-        colsum[b].add_(G.sum(0).unsqueeze(-1));
+      if (g2.defined()) {  // G'ᵀ·x1 and G''s column sums, over the tiles
+        Tensor g2b = g2[b];
+        if (i0 == 0) {
+          at::mm_out(g2b, G.t(), xc);
+          at::sum_out(colsum, G.t(), 1, /*keepdim=*/true);
+        } else {
+          g2b.addmm_(G.t(), xc);
+          colsum.add_(G.sum(0).unsqueeze(-1));
+        }
       }
     }
+    if (g2.defined()) g2[b].neg_().addcmul_(colsum, c.x2[b]);  // colsum·x2 − G'ᵀ·x1
     // The direct entries' x2 half: −G'·(a − b) into row j of grad_x2, in (j, i) order on
     // any number of threads (bitwise reproducible), each j on one thread.
     std::vector<Direct<acc_t>> direct;
@@ -256,7 +346,6 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
       }
     });
   }
-  if (g2.defined()) g2.addcmul_(colsum, c.x2);
 }
 
 std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x1,
@@ -268,10 +357,13 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x1,
   const bool want1 = output_mask[0], want2 = p.self ? output_mask[0] : output_mask[1];
   const auto acc = acc_type(x1);
   Tensor g1, g2;
-  if (want1) g1 = at::zeros({p.B, p.P, p.M}, x1.options().dtype(acc));
-  if (want2) g2 = at::zeros({p.B, p.R, p.M}, x1.options().dtype(acc));
-  if ((want1 || want2) && p.B * p.P * p.R * p.M > 0) {
-    const Centred c = centre(p, x1, x2);
+  // The kernel writes every element; without work (an empty dimension) they are zeros.
+  const bool work = p.B * p.P * p.R * p.M > 0;
+  const auto options = x1.options().dtype(acc);
+  if (want1) g1 = work ? at::empty({p.B, p.P, p.M}, options) : at::zeros({p.B, p.P, p.M}, options);
+  if (want2) g2 = work ? at::empty({p.B, p.R, p.M}, options) : at::zeros({p.B, p.R, p.M}, options);
+  if ((want1 || want2) && work) {
+    const Centred c = centre(p, x1, x2, cpu::centre_rows);
     const GradInput grad_c = grad_input(grad);
     const Tensor dist_c = dist.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -288,4 +380,5 @@ TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
   m.impl("_cdist_backward", &backward_cpu);
 }
 
-}  // namespace torchkit::cdist
+}  // namespace cdist
+}  // namespace torchkit

@@ -1,11 +1,22 @@
 // Distance helpers the CPU kernels of cdist and knn share.
 #pragma once
 
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 
 namespace torchkit::cpu {
+
+// The grain of a parallel_for over rows of `row_elements` each: ATen's GRAIN_SIZE elements
+// per task, so that small problems run on the calling thread instead of paying an OpenMP
+// fork and join (tens of µs, more than their work) for a few rows.
+inline int64_t rows_per_task(int64_t row_elements) {
+  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(row_elements, 1));
+}
 
 // Σ(a − b)² over M values, directly (no expansion): what cdist recomputes where
 // |a|² + |b|² − 2a·b cancels, and what knn compares exactly.
@@ -22,5 +33,9 @@ acc_t direct_sq(const acc_t* a, const acc_t* b, int64_t M) {
   for (; k < M; ++k) sum += (a[k] - b[k]) * (a[k] - b[k]);
   return sum;
 }
+
+// cdist::CentreRows on the CPU: raw − mean and its squared row norms in one pass over raw,
+// where ATen's form takes three (subtract, square, sum) and two temporaries.
+std::pair<at::Tensor, at::Tensor> centre_rows(const at::Tensor& raw, const at::Tensor& mean);
 
 }  // namespace torchkit::cpu

@@ -211,7 +211,7 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
         at::mm_out(t, c.x1[b].narrow(0, i0, n), c.x1[b].narrow(0, j0, w).t());
         const acc_t* g = t.const_data_ptr<acc_t>();
         const int64_t gs = t.stride(0);
-        at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, n, cpu::rows_per_task(w), [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             const int64_t i = i0 + r;
             RowHeap<acc_t> heap{heaps.data() + i * k, sizes[i], k};
@@ -261,7 +261,7 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
         at::mm_out(t, c.x1[b].narrow(0, i0, n), c.x2[b].narrow(0, j0, w).t());
         const acc_t* g = t.const_data_ptr<acc_t>();
         const int64_t gs = t.stride(0);
-        at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, n, cpu::rows_per_task(w), [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             const int64_t i = i0 + r;
             RowHeap<acc_t> heap{heaps.data() + r * k, sizes[r], k};
@@ -285,7 +285,7 @@ std::tuple<Tensor, Tensor> knn_cpu(const Tensor& query, const std::optional<Tens
   Tensor dist = at::empty({p.B, p.P, k}, query.options());
   Tensor index = at::empty({p.B, p.P, k}, query.options().dtype(at::kLong));
   if (p.B * p.P > 0) {
-    const cdist::Centred c = cdist::centre(p, query, gallery);
+    const cdist::Centred c = cdist::centre(p, query, gallery, cpu::centre_rows);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "knn_cpu",
                                     [&] { knn_kernel<scalar_t>(p, c, k, dist, index); });
   }
