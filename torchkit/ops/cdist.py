@@ -62,6 +62,8 @@ def _(grad, x1, x2, dist, squared, output_mask):
     return grad_like(x1, output_mask[0]), grad_like(x2, x2 is not None and output_mask[1])
 
 
+# The autograd formula. Eager autograd and torch.compile use its C++ form (csrc/cdist.cpp,
+# the op's Autograd kernel: no Python per call); this one serves the torch.func transforms.
 def _cdist_setup_context(ctx, inputs, output):
     x1, x2, squared = inputs
     ctx.save_for_backward(x1, x2, output)  # inputs and output only: no O(P·R·M) state
@@ -75,7 +77,6 @@ def _cdist_backward(ctx, grad):
     return (g1 if mask[0] else None), (g2 if mask[1] else None), None
 
 
-torch.library.register_autograd("torchkit::cdist", _cdist_backward, setup_context=_cdist_setup_context)
 torch.library.register_autograd(
     "torchkit::_cdist_backward", no_double_backward("cdist"), setup_context=lambda ctx, inputs, output: None
 )
