@@ -98,6 +98,9 @@ def _(grad, input, target, weight, lse, total_weight, ignore_index, reduction, l
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
+# The autograd formula. Eager autograd and torch.compile use its C++ form
+# (csrc/label_smoothing_ce.cpp, the op's Autograd kernel: no Python per call); this one serves
+# the torch.func transforms and forward-mode AD.
 def _lsce_setup_context(ctx, inputs, output):
     input, target, weight, ignore_index, reduction, label_smoothing, exclude_target = inputs
     # Here, not in the Python function, so that the raw op refuses it too: the backward gives
@@ -160,9 +163,6 @@ def _lsce_jvp(ctx, input_tangent, target_tangent, *_):
     return (None if tangent is None else tangent.to(input.dtype)), None, None
 
 
-torch.library.register_autograd(
-    "torchkit::label_smoothing_cross_entropy", _lsce_backward, setup_context=_lsce_setup_context
-)
 torch.library.register_autograd(
     "torchkit::_label_smoothing_cross_entropy_backward",
     no_double_backward("label_smoothing_cross_entropy"),
