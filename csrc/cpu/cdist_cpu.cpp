@@ -61,7 +61,7 @@ scalar_t centre_row(const scalar_t* r, const scalar_t* m, scalar_t* x, int64_t M
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> cpu::centre_rows(const at::Tensor& raw, const at::Tensor& mean) {
-  at::Tensor x = at::empty_like(raw, at::MemoryFormat::Contiguous);
+  at::Tensor x = cpu::empty_for_writing(raw.sizes(), raw.options());
   at::Tensor norms = at::empty({raw.size(0), raw.size(1)}, raw.options());
   const at::Tensor mu = mean.contiguous();
   AT_DISPATCH_FLOATING_TYPES(raw.scalar_type(), "cdist_centre_rows", [&] {
