@@ -53,6 +53,8 @@ CPU_CASES = [
     pytest.param("P=R=1024 M=512", (1024, 512), (1024, 512), 0.0, torch.float32, "cpu"),
     pytest.param("B=16 P=R=512 M=64", (16, 512, 64), (16, 512, 64), 0.0, torch.float32, "cpu"),
     pytest.param("self P=4096 M=128", (4096, 128), None, 0.0, torch.float32, "cpu"),
+    # A metric-learning loss's call: one batch's embeddings, where per-call overhead counts.
+    pytest.param("batch P=R=256 M=128", (256, 128), (256, 128), 0.0, torch.float32, "cpu"),
     pytest.param("far from origin P=R=2048 M=128", (2048, 128), (2048, 128), 1000.0, torch.float32, "cpu"),
 ]
 GPU_CASES = [
