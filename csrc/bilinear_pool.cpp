@@ -2,6 +2,7 @@
 #include "bilinear_pool.h"
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -105,6 +106,66 @@ std::tuple<at::Tensor, at::Tensor> input_grads(const Problem& p, const at::Tenso
           output_mask[1] ? grad_of(dz.transpose(1, 2), a, *y) : none};
 }
 
+namespace {
+
+// Autograd in C++: the formula that torchkit/ops/bilinear_pool.py gives the torch.func
+// transforms, without the Python a register_autograd formula runs on every call.
+class BilinearPoolFunction : public torch::autograd::Function<BilinearPoolFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x,
+                                                const std::optional<at::Tensor>& y, double sqrt_eps,
+                                                double l2_eps) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torchkit::bilinear_pool", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(
+                const at::Tensor&, const std::optional<at::Tensor>&, double, double)>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, norm] = op.call(x, y, sqrt_eps, l2_eps);
+    // Inputs, output and N norms: nothing N×D² more.
+    ctx->save_for_backward({x, y.value_or(at::Tensor()), out, norm});
+    ctx->mark_non_differentiable({norm});  // what the backward needs, not a result
+    ctx->saved_data["sqrt_eps"] = sqrt_eps;
+    ctx->saved_data["l2_eps"] = l2_eps;
+    ctx->saved_data["two_stream"] = y.has_value();
+    return {out, norm};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torchkit::_bilinear_pool_backward", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(
+                const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                const at::Tensor&, const at::Tensor&, double, double, std::array<bool, 2>)>();
+    const auto saved = ctx->get_saved_variables();
+    const bool two_stream = ctx->saved_data["two_stream"].toBool();
+    const std::optional<at::Tensor> y =
+        two_stream ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
+    const std::array<bool, 2> mask{ctx->needs_input_grad(0),
+                                   two_stream && ctx->needs_input_grad(1)};
+    // Below autograd unless a graph of the gradient is asked for: then the backward op's own
+    // formula is recorded, which refuses a double backward by name.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    if (!at::GradMode::is_enabled()) below.emplace();
+    auto [gx, gy] =
+        op.call(grads[0], saved[0], y, saved[2], saved[3], ctx->saved_data["sqrt_eps"].toDouble(),
+                ctx->saved_data["l2_eps"].toDouble(), mask);
+    return {mask[0] ? gx : at::Tensor(), mask[1] ? gy : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> bilinear_pool_autograd(const at::Tensor& x,
+                                                          const std::optional<at::Tensor>& y,
+                                                          double sqrt_eps, double l2_eps) {
+  auto out = BilinearPoolFunction::apply(x, y, sqrt_eps, l2_eps);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   // Returns (out, norm): norm is the per-sample ‖s‖ before clamping (acc type), what the
   // backward needs besides the inputs and the output.
@@ -114,5 +175,7 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
       "_bilinear_pool_backward(Tensor grad, Tensor x, Tensor? y, Tensor out, Tensor norm, float "
       "sqrt_eps, float l2_eps, bool[2] output_mask) -> (Tensor, Tensor)");
 }
+
+TORCH_LIBRARY_IMPL(torchkit, Autograd, m) { m.impl("bilinear_pool", &bilinear_pool_autograd); }
 
 }  // namespace torchkit::bilinear

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/safe_numerics.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -243,6 +244,57 @@ at::Tensor backward(const Problem& p, const at::Tensor& grad, const at::Tensor& 
   return at::bmm(gsym, xc).view(x.sizes()).to(x.scalar_type());
 }
 
+namespace {
+
+// Autograd in C++: the formula that torchkit/ops/covariance_pool.py gives the torch.func
+// transforms, without the Python a register_autograd formula runs on every call.
+class CovariancePoolFunction : public torch::autograd::Function<CovariancePoolFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, int64_t iterations, bool sqrt,
+                                                bool triu) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("torchkit::covariance_pool", "")
+                               .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                   const at::Tensor&, int64_t, bool, bool)>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, sigma, scale] = op.call(x, iterations, sqrt, triu);
+    ctx->save_for_backward({x, sigma, scale});     // x, one D×D matrix and one scale per sample
+    ctx->mark_non_differentiable({sigma, scale});  // what the backward needs, not results
+    ctx->saved_data["iterations"] = iterations;
+    ctx->saved_data["sqrt"] = sqrt;
+    ctx->saved_data["triu"] = triu;
+    return {out, sigma, scale};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torchkit::_covariance_pool_backward", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, int64_t, bool, bool)>();
+    const auto saved = ctx->get_saved_variables();
+    // Below autograd unless a graph of the gradient is asked for: then the backward op's own
+    // formula is recorded, which refuses a double backward by name.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    if (!at::GradMode::is_enabled()) below.emplace();
+    at::Tensor gx =
+        op.call(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["iterations"].toInt(),
+                ctx->saved_data["sqrt"].toBool(), ctx->saved_data["triu"].toBool());
+    return {gx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> covariance_pool_autograd(const at::Tensor& x,
+                                                                        int64_t iterations,
+                                                                        bool sqrt, bool triu) {
+  auto out = CovariancePoolFunction::apply(x, iterations, sqrt, triu);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   // Returns (out, sigma, scale): the pooled feature in x's dtype, then what the backward
   // needs besides x, in the accumulation type: Σ̃ = Σ / s² (N, D, D) and s (N,).
@@ -253,5 +305,7 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
       "_covariance_pool_backward(Tensor grad, Tensor x, Tensor sigma, Tensor scale, int "
       "iterations, bool sqrt, bool triu) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(torchkit, Autograd, m) { m.impl("covariance_pool", &covariance_pool_autograd); }
 
 }  // namespace torchkit::covariance

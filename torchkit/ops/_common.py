@@ -38,11 +38,11 @@ def no_double_backward(name: str):
 
 
 def differentiable(name: str, op, setup_context, backward, jvp=None):
-    """``op`` (a ``torch.ops.torchkit`` overload) as an ``autograd.Function`` with the formula
-    registered for it, for the Python functions to call.
+    """``op`` (a ``torch.ops.torchkit`` overload) as an ``autograd.Function`` with the op's
+    autograd formula, for the Python functions to call.
 
-    The raw op's own registration (``torch.library.register_autograd``) serves eager autograd
-    and ``torch.compile``, but not the ``torch.func`` transforms: they need a ``Function``
+    The raw op's own Autograd kernel (in C++, or ``torch.library.register_autograd``) serves
+    eager autograd and ``torch.compile``, but not the ``torch.func`` transforms: they need a ``Function``
     with ``setup_context``. With one, ``torch.func.grad``, ``jacrev`` and ``vmap`` over them
     (per-sample gradients) work; ``vmap`` of the kernels falls back to a loop over the batch.
     Forward-mode AD uses ``jvp`` where the op has one (its ``setup_context`` then calls

@@ -66,6 +66,8 @@ def _(grad, x, y, out, norm, sqrt_eps, l2_eps, output_mask):
     return gx, gy
 
 
+# The autograd formula. Eager autograd and torch.compile use its C++ form (csrc/bilinear_pool.cpp,
+# the op's Autograd kernel: no Python per call); this one serves the torch.func transforms.
 def _bilinear_setup_context(ctx, inputs, output):
     x, y, sqrt_eps, l2_eps = inputs
     out, norm = output
@@ -80,7 +82,6 @@ def _bilinear_backward(ctx, grad, _grad_norm):
     return (gx if mask[0] else None), (gy if mask[1] else None), None, None
 
 
-torch.library.register_autograd("torchkit::bilinear_pool", _bilinear_backward, setup_context=_bilinear_setup_context)
 torch.library.register_autograd(
     "torchkit::_bilinear_pool_backward",
     no_double_backward("bilinear_pool"),

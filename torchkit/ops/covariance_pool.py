@@ -81,6 +81,9 @@ def _(grad, x, sigma, scale, iterations, sqrt, triu):
     return x.new_empty(x.shape)
 
 
+# The autograd formula. Eager autograd and torch.compile use its C++ form
+# (csrc/covariance_pool.cpp, the op's Autograd kernel: no Python per call); this one serves the
+# torch.func transforms.
 def _setup_context(ctx, inputs, output):
     x, iterations, sqrt, triu = inputs
     _, sigma, scale = output
@@ -93,7 +96,6 @@ def _backward(ctx, grad, _grad_sigma, _grad_scale):
     return _covariance_pool_backward(grad, x, sigma, scale, *ctx.options), None, None, None
 
 
-torch.library.register_autograd("torchkit::covariance_pool", _backward, setup_context=_setup_context)
 torch.library.register_autograd(
     "torchkit::_covariance_pool_backward",
     no_double_backward("covariance_pool"),
