@@ -86,6 +86,7 @@ using at::vec::Vectorized;
 using cpu::direct_sq;
 
 constexpr int64_t kTileBytes = 16 << 20;  // an output tile that stays in the L3 cache
+constexpr int64_t kColumnBlock = 64;      // backward: rows per partial column sum
 
 int64_t tile_rows(int64_t R, int64_t elem_size) {
   return std::clamp<int64_t>(kTileBytes / std::max<int64_t>(R * elem_size, 1), 16, 1024);
@@ -189,11 +190,12 @@ struct Direct {
 // G' for one row: ∂L/∂d² · 2 = grad / dist (0 where dist = 0), or 2·grad for squared, with
 // the directly recomputed entries moved out: their x1 half is added to d1 (this row's, zeroed
 // here at the first such entry; `has_d1` says whether there was one), their x2 half queued in
-// `direct`. Returns the row's sum over the entries the GEMMs take.
+// `direct`. Returns the row's sum over the entries the GEMMs take, and adds the row to
+// `colsum` (column sums, for grad_x2) unless that is null.
 template <typename scalar_t, typename acc_t>
 acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dist, acc_t na,
                       const acc_t* nb, const acc_t* a, const acc_t* xb, int64_t i, int64_t R,
-                      int64_t M, bool squared, acc_t* gp, acc_t* d1, bool& has_d1,
+                      int64_t M, bool squared, acc_t* gp, acc_t* colsum, acc_t* d1, bool& has_d1,
                       std::vector<Direct<acc_t>>& direct) {
   has_d1 = false;
   auto take_direct = [&](int64_t j, acc_t v) {
@@ -230,6 +232,7 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
       }
       v.store(gp + j);
       vsum = vsum + v;
+      if (colsum) (V::loadu(colsum + j) + v).store(colsum + j);
     }
     sum = at::vec::vec_reduce_all<acc_t>([](V x, V y) { return x + y; }, vsum);
   }
@@ -243,6 +246,7 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
     }
     gp[j] = v;
     sum += v;
+    if (colsum) colsum[j] += v;
   }
   return sum;
 }
@@ -256,8 +260,16 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
   Tensor d1 = at::empty({std::min(rows, p.P), p.M}, c.x1.options());
   std::vector<acc_t> rowsum(std::min(rows, p.P));
   std::vector<char> has_d1(std::min(rows, p.P));  // char: threads write neighbouring rows
-  Tensor colsum;
-  if (g2.defined()) colsum = at::empty({p.R, 1}, c.x1.options());
+  // G''s column sums: one partial sum per block of kColumnBlock rows, added in block order,
+  // so that the sums do not depend on the number of threads.
+  const int64_t blocks = (std::min(rows, p.P) + kColumnBlock - 1) / kColumnBlock;
+  Tensor colsum, partial;
+  if (g2.defined()) {
+    colsum = at::empty({p.R, 1}, c.x1.options());
+    partial = at::empty({blocks, p.R}, c.x1.options());
+  }
+  acc_t* cs = g2.defined() ? colsum.data_ptr<acc_t>() : nullptr;
+  acc_t* part = g2.defined() ? partial.data_ptr<acc_t>() : nullptr;
   const scalar_t* grad_p = grad.tensor.const_data_ptr<scalar_t>();
   const int64_t gs = grad.stride;
   const scalar_t* dist_p = dist.const_data_ptr<scalar_t>();
@@ -270,20 +282,36 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
     const acc_t* xc1 = c.x1[b].const_data_ptr<acc_t>();
     const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
     const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
+    if (cs) std::fill(cs, cs + p.R, acc_t(0));
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
       const int64_t off = (b * p.P + i0) * p.R;
-      at::parallel_for(0, n, cpu::rows_per_task(p.R), [&](int64_t begin, int64_t end) {
-        auto& direct = queued[at::get_thread_num()];
-        for (int64_t i = begin; i < end; ++i) {
-          bool touched;
-          rowsum[i] = scaled_grad_row<scalar_t, acc_t>(
-              grad_p + (off + i * p.R) * gs, gs, dist_p + off + i * p.R, na[i0 + i], nb,
-              xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared, gp_p + i * p.R, d1_p + i * p.M,
-              touched, direct);
-          has_d1[i] = touched;
-        }
-      });
+      const int64_t tile_blocks = (n + kColumnBlock - 1) / kColumnBlock;
+      at::parallel_for(
+          0, tile_blocks, cpu::rows_per_task(kColumnBlock * p.R), [&](int64_t bb, int64_t be) {
+            auto& direct = queued[at::get_thread_num()];
+            for (int64_t blk = bb; blk < be; ++blk) {
+              acc_t* block_sum = part ? part + blk * p.R : nullptr;
+              if (block_sum) std::fill(block_sum, block_sum + p.R, acc_t(0));
+              for (int64_t i = blk * kColumnBlock; i < std::min(n, (blk + 1) * kColumnBlock); ++i) {
+                bool touched;
+                rowsum[i] = scaled_grad_row<scalar_t, acc_t>(
+                    grad_p + (off + i * p.R) * gs, gs, dist_p + off + i * p.R, na[i0 + i], nb,
+                    xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared, gp_p + i * p.R, block_sum,
+                    d1_p + i * p.M, touched, direct);
+                has_d1[i] = touched;
+              }
+            }
+          });
+      if (cs) {
+        at::parallel_for(0, p.R, at::internal::GRAIN_SIZE / std::max<int64_t>(tile_blocks, 1),
+                         [&](int64_t begin, int64_t end) {
+                           for (int64_t blk = 0; blk < tile_blocks; ++blk) {
+                             const acc_t* src = part + blk * p.R;
+                             for (int64_t j = begin; j < end; ++j) cs[j] += src[j];
+                           }
+                         });
+      }
       const Tensor G = gp.narrow(0, 0, n);
       const Tensor xc = c.x1[b].narrow(0, i0, n);
       if (g1.defined()) {  // G'·x2 by BLAS, then rowsum·x1 − G'·x2 (+ the direct entries)
@@ -307,14 +335,12 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
           }
         });
       }
-      if (g2.defined()) {  // G'ᵀ·x1 and G''s column sums, over the tiles
+      if (g2.defined()) {  // G'ᵀ·x1, over the tiles
         Tensor g2b = g2[b];
         if (i0 == 0) {
           at::mm_out(g2b, G.t(), xc);
-          at::sum_out(colsum, G.t(), 1, /*keepdim=*/true);
         } else {
           g2b.addmm_(G.t(), xc);
-          colsum.add_(G.sum(0).unsqueeze(-1));
         }
       }
     }
