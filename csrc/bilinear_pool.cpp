@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "autograd.h"
 #include "checks.h"
 #include "common.h"
 
@@ -116,11 +117,9 @@ class BilinearPoolFunction : public torch::autograd::Function<BilinearPoolFuncti
                                                 const at::Tensor& x,
                                                 const std::optional<at::Tensor>& y, double sqrt_eps,
                                                 double l2_eps) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torchkit::bilinear_pool", "")
-            .typed<std::tuple<at::Tensor, at::Tensor>(
-                const at::Tensor&, const std::optional<at::Tensor>&, double, double)>();
+    static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const std::optional<at::Tensor>&, double, double)>(
+        "torchkit::bilinear_pool");
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, norm] = op.call(x, y, sqrt_eps, l2_eps);
     // Inputs, output and N norms: nothing N×D² more.
@@ -134,22 +133,17 @@ class BilinearPoolFunction : public torch::autograd::Function<BilinearPoolFuncti
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torchkit::_bilinear_pool_backward", "")
-            .typed<std::tuple<at::Tensor, at::Tensor>(
-                const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                const at::Tensor&, const at::Tensor&, double, double, std::array<bool, 2>)>();
+    static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+        const at::Tensor&, double, double, std::array<bool, 2>)>(
+        "torchkit::_bilinear_pool_backward");
     const auto saved = ctx->get_saved_variables();
     const bool two_stream = ctx->saved_data["two_stream"].toBool();
     const std::optional<at::Tensor> y =
         two_stream ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
     const std::array<bool, 2> mask{ctx->needs_input_grad(0),
                                    two_stream && ctx->needs_input_grad(1)};
-    // Below autograd unless a graph of the gradient is asked for: then the backward op's own
-    // formula is recorded, which refuses a double backward by name.
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
-    if (!at::GradMode::is_enabled()) below.emplace();
+    const BackwardOpGuard guard;
     auto [gx, gy] =
         op.call(grads[0], saved[0], y, saved[2], saved[3], ctx->saved_data["sqrt_eps"].toDouble(),
                 ctx->saved_data["l2_eps"].toDouble(), mask);

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "autograd.h"
 #include "checks.h"
 #include "common.h"
 
@@ -188,9 +189,8 @@ class CdistFunction : public torch::autograd::Function<CdistFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x1,
                             const std::optional<at::Tensor>& x2, bool squared) {
     static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torchkit::cdist", "")
-            .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, bool)>();
+        op_handle<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, bool)>(
+            "torchkit::cdist");
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor dist = op.call(x1, x2, squared);
     ctx->save_for_backward({x1, x2.value_or(at::Tensor()), dist});  // no O(P·R·M) state
@@ -201,20 +201,14 @@ class CdistFunction : public torch::autograd::Function<CdistFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torchkit::_cdist_backward", "")
-            .typed<std::tuple<at::Tensor, at::Tensor>(
-                const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                const at::Tensor&, bool, std::array<bool, 2>)>();
+    static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+        bool, std::array<bool, 2>)>("torchkit::_cdist_backward");
     const auto saved = ctx->get_saved_variables();
     const bool self = ctx->saved_data["self"].toBool();
     const std::optional<at::Tensor> x2 = self ? std::nullopt : std::optional<at::Tensor>(saved[1]);
     const std::array<bool, 2> mask{ctx->needs_input_grad(0), !self && ctx->needs_input_grad(1)};
-    // Below autograd unless a graph of the gradient is asked for: then the backward op's own
-    // formula is recorded, which refuses a double backward by name.
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
-    if (!at::GradMode::is_enabled()) below.emplace();
+    const BackwardOpGuard guard;
     auto [g1, g2] =
         op.call(grads[0], saved[0], x2, saved[2], ctx->saved_data["squared"].toBool(), mask);
     return {mask[0] ? g1 : at::Tensor(), mask[1] ? g2 : at::Tensor(), at::Tensor()};

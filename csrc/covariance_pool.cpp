@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "autograd.h"
 #include "checks.h"
 #include "common.h"
 
@@ -253,10 +254,8 @@ class CovariancePoolFunction : public torch::autograd::Function<CovariancePoolFu
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& x, int64_t iterations, bool sqrt,
                                                 bool triu) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("torchkit::covariance_pool", "")
-                               .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                                   const at::Tensor&, int64_t, bool, bool)>();
+    static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, int64_t, bool, bool)>("torchkit::covariance_pool");
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, sigma, scale] = op.call(x, iterations, sqrt, triu);
     ctx->save_for_backward({x, sigma, scale});     // x, one D×D matrix and one scale per sample
@@ -270,15 +269,11 @@ class CovariancePoolFunction : public torch::autograd::Function<CovariancePoolFu
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torchkit::_covariance_pool_backward", "")
-            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, int64_t, bool, bool)>();
+        op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, int64_t, bool, bool)>(
+            "torchkit::_covariance_pool_backward");
     const auto saved = ctx->get_saved_variables();
-    // Below autograd unless a graph of the gradient is asked for: then the backward op's own
-    // formula is recorded, which refuses a double backward by name.
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
-    if (!at::GradMode::is_enabled()) below.emplace();
+    const BackwardOpGuard guard;
     at::Tensor gx =
         op.call(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["iterations"].toInt(),
                 ctx->saved_data["sqrt"].toBool(), ctx->saved_data["triu"].toBool());

@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "autograd.h"
 #include "checks.h"
 #include "common.h"
 
@@ -176,16 +177,9 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
                                                 const std::optional<at::Tensor>& weight,
                                                 int64_t ignore_index, c10::string_view reduction,
                                                 double label_smoothing, bool exclude_target) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torchkit::label_smoothing_cross_entropy", "")
-            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-                c10::string_view, double, bool)>();
-    // The backward gives weight no gradient; one that asks for it would silently get none.
-    TK_CHECK_VALUE(kOp, !(weight.has_value() && weight->requires_grad()),
-                   "weight must not require grad (class weights are constants here), got a "
-                   "weight with requires_grad=True; pass weight.detach()");
+    static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+        c10::string_view, double, bool)>("torchkit::label_smoothing_cross_entropy");
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [loss, lse, total_weight] =
         op.call(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
@@ -201,12 +195,10 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torchkit::_label_smoothing_cross_entropy_backward", "")
-            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const std::optional<at::Tensor>&, const at::Tensor&,
-                              const at::Tensor&, int64_t, c10::string_view, double, bool)>();
+    static const auto op = op_handle<at::Tensor(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+        const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, double, bool)>(
+        "torchkit::_label_smoothing_cross_entropy_backward");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &input = saved[0], &target = saved[1], &lse = saved[3], &tw = saved[4];
     const std::optional<at::Tensor> weight =
@@ -217,10 +209,7 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
     const at::Tensor& grad = grads[0];  // materialised: zeros where the loss got none
     at::Tensor grad_input, grad_target;
     if (ctx->needs_input_grad(0)) {
-      // Below autograd unless a graph of the gradient is asked for: then the backward op's
-      // own formula is recorded, which refuses a double backward by name.
-      std::optional<at::AutoDispatchBelowADInplaceOrView> below;
-      if (!at::GradMode::is_enabled()) below.emplace();
+      const BackwardOpGuard guard;
       grad_input = op.call(grad, input, target, weight, lse, tw,
                            ctx->saved_data["ignore_index"].toInt(), reduction, eps, exclude_target);
     }
@@ -249,18 +238,12 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lsce_autograd(
     const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
     int64_t ignore_index, c10::string_view reduction, double label_smoothing, bool exclude_target) {
-  // Without a gradient to record, no Function: as register_autograd, which checks weight
-  // only where it records one.
-  if (!at::GradMode::is_enabled()) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torchkit::label_smoothing_cross_entropy", "")
-            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-                c10::string_view, double, bool)>();
-    return op.call(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
-  }
+  // The backward gives weight no gradient; one that asks for it would silently get none.
+  // Checked where a gradient is recorded (under no_grad nothing is asked).
+  TK_CHECK_VALUE(kOp,
+                 !(at::GradMode::is_enabled() && weight.has_value() && weight->requires_grad()),
+                 "weight must not require grad (class weights are constants here), got a "
+                 "weight with requires_grad=True; pass weight.detach()");
   auto out = LsceFunction::apply(input, target, weight, ignore_index, reduction, label_smoothing,
                                  exclude_target);
   return {out[0], out[1], out[2]};
