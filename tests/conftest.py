@@ -100,7 +100,7 @@ def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5,
     """fn on CUDA copies of `inputs` agrees with fn on the CPU tensors: the output and, for one
     random upstream gradient, the gradients of the inputs at the positions `differentiable`
     (default: every floating tensor). The two backends' kernels are separate code, so this is
-    the check that they compute the same function."""
+    the check that they compute the same function; a NaN must be NaN on both."""
     if differentiable is None:
         differentiable = [i for i, x in enumerate(inputs) if torch.is_tensor(x) and x.is_floating_point()]
 
@@ -110,14 +110,14 @@ def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5,
     cpu = [prepare(i, x, "cpu") for i, x in enumerate(inputs)]
     gpu = [prepare(i, x, "cuda") for i, x in enumerate(inputs)]
     out_cpu, out_gpu = fn(*cpu), fn(*gpu)
-    torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=atol, rtol=rtol, equal_nan=True)
     g = torch.randn_like(out_cpu)
     leaves_cpu = [x for x in cpu if torch.is_tensor(x) and x.requires_grad]
     leaves_gpu = [x for x in gpu if torch.is_tensor(x) and x.requires_grad]
     grads_cpu = torch.autograd.grad(out_cpu, leaves_cpu, g)
     grads_gpu = torch.autograd.grad(out_gpu, leaves_gpu, g.cuda())
     for a, b in zip(grads_gpu, grads_cpu):
-        torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol)
+        torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True)
 
 
 def assert_device_side_assert(code: str, message: str) -> None:

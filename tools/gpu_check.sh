@@ -8,7 +8,8 @@
 #   3. the GPU benchmarks against the peers and the rooflines, and their report.
 # Results go to benchmarks/results/<gpu>/ (gpu.json, gpu.md, charts), logs to build/gpu-check/.
 # Exits non-zero if the build, a test or a sanitizer run fails. STEPS="test bench" (say) runs
-# only some of steps 2 and 3 ("test", "sanitize", "bench").
+# only some of steps 2 and 3 ("test", "sanitize", "bench"); TESTS (test files) and
+# SANITIZE_OPS (op names) narrow steps 2 to a re-check of some ops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PY:-python3}
@@ -16,6 +17,8 @@ LOGS=build/gpu-check
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-test sanitize bench}
+TESTS=${TESTS:-tests}
+SANITIZE_OPS=${SANITIZE_OPS:-cdist bilinear_pool covariance_pool knn label_smoothing_cross_entropy region_confusion}
 status=0
 
 # The distribution's g++ links the libstdc++ that torch loads. Some images put a toolchain
@@ -45,15 +48,15 @@ export -f sanitize; export PY LOGS
 SECONDS=0
 if [[ $STEPS == *sanitize* ]]; then
   {
-    for op in cdist bilinear_pool covariance_pool knn label_smoothing_cross_entropy region_confusion; do
-      echo "memcheck $op"; echo "initcheck $op"
+    for op in $SANITIZE_OPS; do echo "memcheck $op"; echo "initcheck $op"; done
+    for op in $SANITIZE_OPS; do  # the kernels with shared memory and warp reductions
+      case $op in bilinear_pool | label_smoothing_cross_entropy) echo "racecheck $op"; echo "synccheck $op" ;; esac
     done
-    for op in bilinear_pool label_smoothing_cross_entropy; do echo "racecheck $op"; echo "synccheck $op"; done
   } | xargs -P 12 -L 1 bash -c 'sanitize $0 $1' > "$LOGS/sanitizers.txt" 2>&1 &
   sanitizers=$!
 fi
 if [[ $STEPS == *test* ]]; then
-  $PY -m pytest tests -q -p no:cacheprovider -n "${TEST_WORKERS:-10}" --ignore tests/test_packaging.py \
+  $PY -m pytest $TESTS -q -p no:cacheprovider -n "${TEST_WORKERS:-10}" --ignore tests/test_packaging.py \
     > "$LOGS/tests.log" 2>&1 || status=1
   echo "tests ($SECONDS s): $(tail -1 "$LOGS/tests.log")"
   grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -40

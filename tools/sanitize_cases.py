@@ -34,8 +34,8 @@ def check(fn, *inputs, grad=True, **options):
         ga = torch.autograd.grad(a, [x for x in cpu if x.requires_grad], g)
         gb = torch.autograd.grad(b, [x for x in gpu if x.requires_grad], g.cuda())
         for u, v in zip(ga, gb):
-            torch.testing.assert_close(v.cpu(), u, atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(v.cpu(), u, atol=1e-3, rtol=1e-3, equal_nan=True)
+    torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=1e-3, rtol=1e-3, equal_nan=True)
 
 
 def cdist():

@@ -58,7 +58,8 @@ __global__ void normalise_kernel(const acc_t* s, const acc_t* norm, scalar_t* ou
                                  int64_t total, acc_t l2_eps) {
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
        k += int64_t(gridDim.x) * blockDim.x) {
-    out[k] = static_cast<scalar_t>(s[k] / max(norm[k / DE], l2_eps));
+    const acc_t n = norm[k / DE];
+    out[k] = static_cast<scalar_t>(s[k] / (n < l2_eps ? l2_eps : n));  // not max(): NaN stays NaN
   }
 }
 

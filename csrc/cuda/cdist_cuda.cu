@@ -49,7 +49,7 @@ __global__ void epilogue_kernel(const acc_t* g, scalar_t* out,  // may alias
     } else if (diag) {
       d2 = 0;
     }
-    d2 = d2 > acc_t(0) ? d2 : acc_t(0);
+    d2 = d2 < acc_t(0) ? acc_t(0) : d2;  // NaN stays NaN
     out[idx] = static_cast<scalar_t>(squared ? d2 : sqrt(d2));
   }
 }

@@ -33,22 +33,23 @@ constexpr int64_t kChunk = 8192;                     // gallery rows per tile
 // cand[r, held + l] for l < w: the candidate of query row i0 + r and gallery row j0 + l. The
 // first `held` columns are the row's best so far, sorted; its k-th, cand[r, k − 1], is the
 // bar (exact; NaN while fewer than k numbers are held: then every entry is a candidate).
+// cand and cand_j are views of the whole workspace: rows `cstride` apart, not held + w.
 template <typename acc_t>
 __global__ void candidates_kernel(const acc_t* __restrict__ g, int64_t gstride,
                                   const acc_t* __restrict__ n1, const acc_t* __restrict__ n2,
                                   const acc_t* __restrict__ raw1, const acc_t* __restrict__ raw2,
                                   int64_t i0, int64_t j0, int64_t n, int64_t w, int64_t M,
                                   int64_t held, int64_t k, bool self, acc_t margin,
-                                  acc_t* __restrict__ cand, int64_t* __restrict__ cand_j) {
+                                  acc_t* __restrict__ cand, int64_t* __restrict__ cand_j,
+                                  int64_t cstride) {
   const acc_t nan = ::cuda::std::numeric_limits<acc_t>::quiet_NaN();
-  const int64_t width = held + w;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n * w;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / w, l = idx % w;
     const int64_t i = i0 + r, j = j0 + l;
     const acc_t na = n1[i], nb = n2[j];
     const acc_t d2 = na + nb - acc_t(2) * g[r * gstride + l];
-    const acc_t bar = held > 0 ? cand[r * width + k - 1] : nan;
+    const acc_t bar = held > 0 ? cand[r * cstride + k - 1] : nan;
     acc_t value = nan;
     const bool open = !(bar == bar) || bar == ::cuda::std::numeric_limits<acc_t>::infinity();
     if (!(self && i == j) &&
@@ -59,8 +60,8 @@ __global__ void candidates_kernel(const acc_t* __restrict__ g, int64_t gstride,
       for (int64_t q = 0; q < M; ++q) s += (a[q] - b[q]) * (a[q] - b[q]);
       value = s;
     }
-    cand[r * width + held + l] = value;
-    cand_j[r * width + held + l] = j;
+    cand[r * cstride + held + l] = value;
+    cand_j[r * cstride + held + l] = j;
   }
 }
 
@@ -99,18 +100,22 @@ void knn_batch(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int6
       candidates_kernel<acc_t><<<cuda::grid_size(n * w, kThreads), kThreads, 0, stream>>>(
           t.const_data_ptr<acc_t>(), t.stride(0), n1.const_data_ptr<acc_t>(),
           n2.const_data_ptr<acc_t>(), raw1.const_data_ptr<acc_t>(), raw2.const_data_ptr<acc_t>(),
-          i0, j0, n, w, p.M, held, k, p.self, margin, cd.data_ptr<acc_t>(), cj.data_ptr<int64_t>());
+          i0, j0, n, w, p.M, held, k, p.self, margin, cd.data_ptr<acc_t>(), cj.data_ptr<int64_t>(),
+          cd.stride(0));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // Stable: ties keep their order, which is by index (the best so far come from earlier
       // chunks, and are sorted); NaN sorts last. The row itself (leave-one-out) is NaN.
-      const auto [values, order] = cd.sort(/*stable=*/true, /*dim=*/1);
+      // (at::sort with all four arguments: Tensor::sort(true, 1) would be sort(dim = 1,
+      // descending = true).)
+      const auto [values, order] = at::sort(cd, /*stable=*/true, /*dim=*/1, /*descending=*/false);
       best = values.narrow(1, 0, kept).clone();
       best_j = cj.gather(1, order.narrow(1, 0, kept));
     }
     if (p.self) {  // drop the row itself (NaN, wherever it sorted), keep the order of the rest
       const Tensor own = best_j == at::arange(i0, i0 + n, best_j.options()).unsqueeze(1);
       const Tensor keep =
-          std::get<1>(own.to(at::kByte).sort(/*stable=*/true, /*dim=*/1)).narrow(1, 0, k);
+          std::get<1>(at::sort(own.to(at::kByte), /*stable=*/true, /*dim=*/1, /*descending=*/false))
+              .narrow(1, 0, k);
       best = best.gather(1, keep);
       best_j = best_j.gather(1, keep);
     }
