@@ -148,6 +148,27 @@ def test_gradients_of_near_duplicates_in_far_apart_clusters(device, scale, self_
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("self_", [False, True])
+def test_many_small_batch_elements(device, dtype, self_):
+    """Small batch elements (grouped into one tile on the CPU) each get their own distances:
+    the same as one call per element, a NaN row poisoning only its own element's row, and the
+    self diagonal 0 in every element."""
+    x = make((70, 9, 5), device=device, offset=50.0).to(dtype)
+    y = None if self_ else make((70, 6, 5), device=device, seed=2, offset=50.0).to(dtype)
+    x[33, 4, 1] = float("nan")
+    out = ops.cdist(x, y)
+    one_by_one = torch.stack([ops.cdist(x[b], None if y is None else y[b]) for b in range(70)])
+    torch.testing.assert_close(out, one_by_one, equal_nan=True, rtol=1e-6, atol=1e-5)
+    exact = torch.cdist(x.double(), (x if y is None else y).double(), compute_mode="donot_use_mm_for_euclid_dist")
+    if self_:
+        exact.diagonal(dim1=-2, dim2=-1).copy_(torch.where(x.double().isfinite().all(-1), 0.0, float("nan")))
+    tol = dict(rtol=2e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-1)
+    torch.testing.assert_close(out, exact.to(dtype), equal_nan=True, **tol)
+    assert out[33, 4].isnan().all() and not out[:33].isnan().any() and not out[34:].isnan().any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e30])
 @pytest.mark.parametrize("self_", [False, True])
 def test_non_finite_rows_poison_only_their_distances(device, bad, self_):
