@@ -27,6 +27,12 @@ std::vector<int64_t> expanded_shape(const Problem& p, int64_t rows) {
 // (*B_i, rows, M) → contiguous (B, rows, M) in the accumulation type.
 at::Tensor batched(const Problem& p, const at::Tensor& x) {
   const int64_t rows = x.size(-2);
+  // The common case, a contiguous (rows, M) or (B, rows, M) input in its accumulation type,
+  // is a view: four ATen calls cost more than a small problem's arithmetic.
+  if (x.scalar_type() == acc_type(x) && x.is_contiguous() &&
+      ((x.dim() == 2 && p.B == 1) || (x.dim() == 3 && x.size(0) == p.B))) {
+    return x.dim() == 2 ? x.view({1, rows, p.M}) : x;
+  }
   return x.expand(expanded_shape(p, rows)).reshape({p.B, rows, p.M}).to(acc_type(x)).contiguous();
 }
 
@@ -38,20 +44,6 @@ at::Tensor finite_rows(const at::Tensor& x) {
 // (B, 1, M): the sum of x's finite rows.
 at::Tensor finite_row_sum(const at::Tensor& x) {
   return x.masked_fill(x.isfinite().all(-1, /*keepdim=*/true).logical_not(), 0).sum(1, true);
-}
-
-// Whether the (B, 1, M) mean is finite, which the CPU reads directly (the ATen form, three
-// ops and a .item(), costs more than a small problem's whole product). On CUDA the answer
-// would cost a host synchronisation, so there it is taken as no.
-bool finite_cpu_mean(const at::Tensor& mean) {
-  if (!mean.is_cpu()) return false;
-  const at::Tensor m = mean.contiguous();
-  bool finite = true;
-  AT_DISPATCH_FLOATING_TYPES(m.scalar_type(), "cdist_finite_mean", [&] {
-    const scalar_t* v = m.const_data_ptr<scalar_t>();
-    finite = std::all_of(v, v + m.numel(), [](scalar_t x) { return std::isfinite(x); });
-  });
-  return finite;
 }
 
 }  // namespace
@@ -112,32 +104,26 @@ std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const 
   return {x, n};
 }
 
+at::Tensor finite_mean_aten(const at::Tensor& raw1, const at::Tensor& raw2) {
+  if (!raw2.defined()) {
+    return finite_row_sum(raw1).div_(finite_rows(raw1).sum(1, true).clamp_min_(1));
+  }
+  return (finite_row_sum(raw1) + finite_row_sum(raw2))
+      .div_((finite_rows(raw1).sum(1, true) + finite_rows(raw2).sum(1, true)).clamp_min_(1));
+}
+
 Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2,
-               CentreRows centre_rows) {
+               Centring centring) {
   Centred c;
   c.raw1 = batched(p, x1);
+  c.raw2 = p.self ? c.raw1 : batched(p, *x2);
+  const at::Tensor mean = centring.mean(c.raw1, p.self ? at::Tensor() : c.raw2);
+  std::tie(c.x1, c.n1) = centring.rows(c.raw1, mean);
   if (p.self) {
-    c.raw2 = c.raw1;
-    at::Tensor mean = c.raw1.mean(1, /*keepdim=*/true);
-    if (!finite_cpu_mean(mean)) {  // as below
-      mean = finite_row_sum(c.raw1).div_(finite_rows(c.raw1).sum(1, true).clamp_min_(1));
-    }
-    std::tie(c.x1, c.n1) = centre_rows(c.raw1, mean);
     c.x2 = c.x1;
     c.n2 = c.n1;
   } else {
-    c.raw2 = batched(p, *x2);
-    const int64_t count = std::max<int64_t>(p.P + p.R, 1);
-    at::Tensor mean = (c.raw1.sum(1, true) + c.raw2.sum(1, true)).div_(count);
-    // One NaN or ∞ row would make the mean, and so every distance of the batch, non-finite:
-    // such rows are left out of it (on CUDA unconditionally, see finite_cpu_mean).
-    if (!finite_cpu_mean(mean)) {
-      mean = (finite_row_sum(c.raw1) + finite_row_sum(c.raw2))
-                 .div_((finite_rows(c.raw1).sum(1, true) + finite_rows(c.raw2).sum(1, true))
-                           .clamp_min_(1));
-    }
-    std::tie(c.x1, c.n1) = centre_rows(c.raw1, mean);
-    std::tie(c.x2, c.n2) = centre_rows(c.raw2, mean);
+    std::tie(c.x2, c.n2) = centring.rows(c.raw2, mean);
   }
   return c;
 }

@@ -55,15 +55,22 @@ struct Centred {
   at::Tensor x1, x2, n1, n2, raw1, raw2;
 };
 
-// The centring's pass over the rows: raw (B, rows, M) − mean (B, 1, M), and the result's
-// squared row norms (B, rows). Each backend passes its own: centre_rows_aten is the portable
-// form in ATen ops; the CPU's (cpu/distance.h) is one fused pass.
-using CentreRows = std::pair<at::Tensor, at::Tensor> (*)(const at::Tensor& raw,
-                                                         const at::Tensor& mean);
+// The centring's two passes, each backend its own (the _aten forms are portable ATen ops;
+// the CPU's, in cpu/distance.h, are fused loops):
+//  - mean: the (B, 1, M) mean of the finite rows of raw1 (B, P, M) and raw2 (B, R, M), raw2
+//    undefined for self. One NaN or ∞ row would make a plain mean, and so every distance of
+//    the batch, non-finite: such rows are left out of it.
+//  - rows: raw (B, rows, M) − mean, and the result's squared row norms (B, rows).
+struct Centring {
+  at::Tensor (*mean)(const at::Tensor& raw1, const at::Tensor& raw2);
+  std::pair<at::Tensor, at::Tensor> (*rows)(const at::Tensor& raw, const at::Tensor& mean);
+};
+at::Tensor finite_mean_aten(const at::Tensor& raw1, const at::Tensor& raw2);
 std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const at::Tensor& mean);
+inline constexpr Centring kCentringAten{finite_mean_aten, centre_rows_aten};
 
 Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2,
-               CentreRows centre_rows);
+               Centring centring);
 
 // grad and dist must be (*batch, P, R) of x1's dtype: what the forward returned.
 void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& x1,

@@ -60,6 +60,54 @@ scalar_t centre_row(const scalar_t* r, const scalar_t* m, scalar_t* x, int64_t M
 
 }  // namespace
 
+at::Tensor cpu::finite_mean(const at::Tensor& raw1, const at::Tensor& raw2) {
+  constexpr int64_t kBlock = 256;  // rows per partial sum
+  const int64_t B = raw1.size(0), M = raw1.size(2);
+  const int64_t rows1 = raw1.size(1), rows2 = raw2.defined() ? raw2.size(1) : 0;
+  const int64_t blocks1 = (rows1 + kBlock - 1) / kBlock, blocks2 = (rows2 + kBlock - 1) / kBlock;
+  const int64_t blocks = blocks1 + blocks2;
+  at::Tensor partial = at::empty({B, blocks, M}, raw1.options());
+  at::Tensor mean = at::empty({B, 1, M}, raw1.options());
+  bool finite = true;
+  AT_DISPATCH_FLOATING_TYPES(raw1.scalar_type(), "cdist_finite_mean", [&] {
+    using V = at::vec::Vectorized<scalar_t>;
+    const scalar_t* in1 = raw1.const_data_ptr<scalar_t>();
+    const scalar_t* in2 = rows2 > 0 ? raw2.const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* part = partial.data_ptr<scalar_t>();
+    const int64_t grain = cpu::rows_per_task(kBlock * std::max<int64_t>(M, 1));
+    at::parallel_for(0, B * blocks, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b = t / blocks, k = t % blocks;
+        const bool first = k < blocks1;
+        const int64_t rows = first ? rows1 : rows2;
+        const int64_t r0 = (first ? k : k - blocks1) * kBlock;
+        const int64_t r_end = std::min(rows, r0 + kBlock);
+        const scalar_t* src = (first ? in1 : in2) + (b * rows + r0) * M;
+        scalar_t* dst = part + t * M;
+        std::fill(dst, dst + M, scalar_t(0));
+        for (int64_t r = r0; r < r_end; ++r, src += M) {
+          int64_t m = 0;
+          for (; m + V::size() <= M; m += V::size()) {
+            (V::loadu(dst + m) + V::loadu(src + m)).store(dst + m);
+          }
+          for (; m < M; ++m) dst[m] += src[m];
+        }
+      }
+    });
+    const scalar_t inv = scalar_t(1) / static_cast<scalar_t>(std::max<int64_t>(rows1 + rows2, 1));
+    scalar_t* out = mean.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t m = 0; m < M; ++m) {
+        scalar_t s = 0;
+        for (int64_t k = 0; k < blocks; ++k) s += part[(b * blocks + k) * M + m];
+        out[b * M + m] = s * inv;
+        finite = finite && std::isfinite(out[b * M + m]);
+      }
+    }
+  });
+  return finite ? mean : cdist::finite_mean_aten(raw1, raw2);
+}
+
 std::pair<at::Tensor, at::Tensor> cpu::centre_rows(const at::Tensor& raw, const at::Tensor& mean) {
   at::Tensor x = cpu::empty_for_writing(raw.sizes(), raw.options());
   at::Tensor norms = at::empty({raw.size(0), raw.size(1)}, raw.options());
@@ -186,11 +234,12 @@ void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
   Tensor scratch;  // the GEMM's tile when it cannot be the output itself
   if (!kDirect) scratch = at::empty({std::min(rows, p.P), p.R}, c.x1.options());
   for (int64_t b = 0; b < p.B; ++b) {
-    const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
-    const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
-    const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
-    const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
-    scalar_t* o = out[b].data_ptr<scalar_t>();
+    // Pointers, not c.raw1[b] and the like: eight selects cost more than a tiny problem.
+    const acc_t* xa = c.raw1.const_data_ptr<acc_t>() + b * p.P * p.M;
+    const acc_t* xb = c.raw2.const_data_ptr<acc_t>() + b * p.R * p.M;
+    const acc_t* na = c.n1.const_data_ptr<acc_t>() + b * p.P;
+    const acc_t* nb = c.n2.const_data_ptr<acc_t>() + b * p.R;
+    scalar_t* o = out.data_ptr<scalar_t>() + b * p.P * p.R;
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
       Tensor tile = kDirect ? out[b].narrow(0, i0, n) : scratch.narrow(0, 0, n);
@@ -210,7 +259,7 @@ Tensor forward_cpu(const Tensor& x1, const std::optional<Tensor>& x2, bool squar
   const Problem p = check_inputs(x1, x2, squared);
   Tensor out = cpu::empty_for_writing({p.B, p.P, p.R}, x1.options());
   if (out.numel() > 0) {
-    const Centred c = centre(p, x1, x2, cpu::centre_rows);
+    const Centred c = centre(p, x1, x2, cpu::kCentring);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x1.scalar_type(), "cdist_cpu",
                                     [&] { forward_kernel<scalar_t>(p, c, out); });
   }
@@ -428,7 +477,7 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x1,
   if (want1) g1 = work ? at::empty({p.B, p.P, p.M}, options) : at::zeros({p.B, p.P, p.M}, options);
   if (want2) g2 = work ? at::empty({p.B, p.R, p.M}, options) : at::zeros({p.B, p.R, p.M}, options);
   if ((want1 || want2) && work) {
-    const Centred c = centre(p, x1, x2, cpu::centre_rows);
+    const Centred c = centre(p, x1, x2, cpu::kCentring);
     const GradInput grad_c = grad_input(grad);
     const Tensor dist_c = dist.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "cdist.h"
+
 namespace torchkit::cpu {
 
 // The grain of a parallel_for over rows of `row_elements` each: ATen's GRAIN_SIZE elements
@@ -34,8 +36,13 @@ acc_t direct_sq(const acc_t* a, const acc_t* b, int64_t M) {
   return sum;
 }
 
-// cdist::CentreRows on the CPU: raw − mean and its squared row norms in one pass over raw,
-// where ATen's form takes three (subtract, square, sum) and two temporaries.
+// cdist::Centring on the CPU. finite_mean: the column sums in one pass over each input, in
+// fixed blocks of rows added in block order (the same bits on any number of threads), where
+// ATen's form takes four calls and a scalar division; the finite-row form only where that
+// mean is not finite. centre_rows: raw − mean and its squared row norms in one pass over
+// raw, where ATen's form takes three (subtract, square, sum) and two temporaries.
+at::Tensor finite_mean(const at::Tensor& raw1, const at::Tensor& raw2);
 std::pair<at::Tensor, at::Tensor> centre_rows(const at::Tensor& raw, const at::Tensor& mean);
+inline constexpr cdist::Centring kCentring{finite_mean, centre_rows};
 
 }  // namespace torchkit::cpu

@@ -285,7 +285,7 @@ std::tuple<Tensor, Tensor> knn_cpu(const Tensor& query, const std::optional<Tens
   Tensor dist = at::empty({p.B, p.P, k}, query.options());
   Tensor index = at::empty({p.B, p.P, k}, query.options().dtype(at::kLong));
   if (p.B * p.P > 0) {
-    const cdist::Centred c = cdist::centre(p, query, gallery, cpu::centre_rows);
+    const cdist::Centred c = cdist::centre(p, query, gallery, cpu::kCentring);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "knn_cpu",
                                     [&] { knn_kernel<scalar_t>(p, c, k, dist, index); });
   }

@@ -59,7 +59,7 @@ Tensor forward_cuda(const Tensor& x1, const std::optional<Tensor>& x2, bool squa
   const c10::cuda::CUDAGuard guard(x1.device());
   Tensor out = at::empty({p.B, p.P, p.R}, x1.options());
   if (out.numel() > 0) {
-    const Centred c = centre(p, x1, x2, centre_rows_aten);
+    const Centred c = centre(p, x1, x2, kCentringAten);
     // The GEMM writes into the output when the types agree; the epilogue then runs in place.
     Tensor g = c.x1.scalar_type() == x1.scalar_type() ? out : at::empty_like(out, c.x1.options());
     at::bmm_out(g, c.x1, c.x2.transpose(1, 2));
@@ -177,7 +177,7 @@ std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x1,
   if (want1) g1 = at::zeros({p.B, p.P, p.M}, x1.options().dtype(acc));
   if (want2) g2 = at::zeros({p.B, p.R, p.M}, x1.options().dtype(acc));
   if ((want1 || want2) && p.B * p.P * p.R * p.M > 0) {
-    const Centred c = centre(p, x1, x2, centre_rows_aten);
+    const Centred c = centre(p, x1, x2, kCentringAten);
     const GradInput grad_c = grad_input(grad);
     const Tensor dist_c = dist.contiguous();
     Tensor gp = at::empty({p.B, p.P, p.R}, x1.options().dtype(acc));

@@ -132,7 +132,7 @@ std::tuple<Tensor, Tensor> knn_cuda(const Tensor& query, const std::optional<Ten
   Tensor dist = at::empty({p.B, p.P, k}, query.options());
   Tensor index = at::empty({p.B, p.P, k}, query.options().dtype(at::kLong));
   if (p.B * p.P > 0) {
-    const cdist::Centred c = cdist::centre(p, query, gallery, cdist::centre_rows_aten);
+    const cdist::Centred c = cdist::centre(p, query, gallery, cdist::kCentringAten);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "knn_cuda", [&] {
       for (int64_t b = 0; b < p.B; ++b) knn_batch<scalar_t>(p, c, b, k, dist, index);
     });
