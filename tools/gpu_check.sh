@@ -5,18 +5,20 @@
 #   2. the whole test suite with CUDA, and at the same time compute-sanitizer over each op's
 #      CUDA kernels (tools/sanitize_cases.py): memcheck for all, racecheck and synccheck for
 #      the kernels with shared memory and warp reductions, initcheck for the forward ops;
-#   3. the GPU benchmarks against the peers and the rooflines, and their report.
+#   3. tools/gpu_profile.py: each headline case's kernels by device time, and whether the
+#      device or the host (launches, ATen calls) bounds it;
+#   4. the GPU benchmarks against the peers and the rooflines, and their report.
 # Results go to benchmarks/results/<gpu>/ (gpu.json, gpu.md, charts), logs to build/gpu-check/.
 # Exits non-zero if the build, a test or a sanitizer run fails. STEPS="test bench" (say) runs
-# only some of steps 2 and 3 ("test", "sanitize", "bench"); TESTS (test files) and
-# SANITIZE_OPS (op names) narrow steps 2 to a re-check of some ops.
+# only some of steps 2 to 4 ("test", "sanitize", "profile", "bench"); TESTS (test files) and
+# SANITIZE_OPS (op names) narrow step 2 to a re-check of some ops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PY:-python3}
 LOGS=build/gpu-check
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
-STEPS=${STEPS:-test sanitize bench}
+STEPS=${STEPS:-test sanitize profile bench}
 TESTS=${TESTS:-tests}
 SANITIZE_OPS=${SANITIZE_OPS:-cdist bilinear_pool covariance_pool knn label_smoothing_cross_entropy region_confusion}
 status=0
@@ -66,6 +68,12 @@ if [[ $STEPS == *sanitize* ]]; then
   echo "sanitizers ($SECONDS s):"
   cat "$LOGS/sanitizers.txt"
   grep -q "rc [^0]" "$LOGS/sanitizers.txt" && status=1
+fi
+if [[ $STEPS == *profile* ]]; then
+  SECONDS=0
+  $PY tools/gpu_profile.py > "$LOGS/profile.log" 2>&1 || status=1
+  echo "profile ($SECONDS s, $LOGS/profile.log):"
+  tail -8 "$LOGS/profile.log"
 fi
 [[ $STEPS == *bench* ]] || exit $status
 
