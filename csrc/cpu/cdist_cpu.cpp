@@ -187,14 +187,19 @@ void epilogue_row(const acc_t* g, scalar_t* out, acc_t na, const acc_t* nb, cons
   }
 }
 
-// Batch elements b0 … b0 + group − 1 at a time (each P ≤ a tile's rows): one bmm into the
-// output (or a scratch of the group's size), one epilogue over the group's rows.
+// The output in tiles that stay in cache between the GEMM that writes them and the epilogue
+// that finishes them: row ranges of one batch element, or, where an element fits in a tile
+// (P ≤ its rows), whole groups of elements, one bmm and one parallel epilogue per group
+// instead of a GEMM call and a fork/join of the threads per element.
 template <typename scalar_t>
-void forward_groups(const Problem& p, const Centred& c, Tensor& out, int64_t group) {
+void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool kDirect = std::is_same_v<scalar_t, acc_t>;
-  Tensor scratch;
-  if (!kDirect) scratch = at::empty({std::min(group, p.B), p.P, p.R}, c.x1.options());
+  const int64_t rows = tile_rows(p.R, sizeof(acc_t));
+  const int64_t element_bytes = std::max<int64_t>(p.P * p.R * int64_t(sizeof(acc_t)), 1);
+  const int64_t group = p.P <= rows ? std::clamp<int64_t>(kTileBytes / element_bytes, 1, p.B) : 1;
+  Tensor scratch;  // the GEMM's tile when it cannot be the output itself
+  if (!kDirect) scratch = at::empty({group * std::min(rows, p.P), p.R}, c.x1.options());
   const acc_t* xa = c.raw1.const_data_ptr<acc_t>();
   const acc_t* xb = c.raw2.const_data_ptr<acc_t>();
   const acc_t* na = c.n1.const_data_ptr<acc_t>();
@@ -202,55 +207,29 @@ void forward_groups(const Problem& p, const Centred& c, Tensor& out, int64_t gro
   scalar_t* o = out.data_ptr<scalar_t>();
   for (int64_t b0 = 0; b0 < p.B; b0 += group) {
     const int64_t g = std::min(group, p.B - b0);
-    Tensor tile = kDirect ? out.narrow(0, b0, g) : scratch.narrow(0, 0, g);
-    at::bmm_out(tile, c.x1.narrow(0, b0, g), c.x2.narrow(0, b0, g).transpose(1, 2));
-    const acc_t* gm = tile.const_data_ptr<acc_t>();
-    // Flat rows r = b·P + i of the group; the batch element's gallery starts at b·R.
-    at::parallel_for(
-        b0 * p.P, (b0 + g) * p.P, cpu::rows_per_task(p.R), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            const int64_t b = r / p.P, i = r % p.P;
-            epilogue_row<scalar_t, acc_t>(gm + (r - b0 * p.P) * p.R, o + r * p.R, na[r],
-                                          nb + b * p.R, xa + r * p.M, xb + b * p.R * p.M, p.R, p.M,
-                                          p.squared, p.self ? i : -1);
-          }
-        });
-  }
-}
-
-template <typename scalar_t>
-void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
-  using acc_t = at::opmath_type<scalar_t>;
-  constexpr bool kDirect = std::is_same_v<scalar_t, acc_t>;
-  const int64_t rows = tile_rows(p.R, sizeof(acc_t));
-  // Small batch elements are grouped into one tile: one batched GEMM and one parallel
-  // epilogue per group, not a GEMM call and a fork/join of the threads per element.
-  const int64_t element_bytes = std::max<int64_t>(p.P * p.R * int64_t(sizeof(acc_t)), 1);
-  const int64_t group = p.P <= rows ? std::max<int64_t>(kTileBytes / element_bytes, 1) : 1;
-  if (group > 1 && p.B > 1) {
-    forward_groups<scalar_t>(p, c, out, group);
-    return;
-  }
-  Tensor scratch;  // the GEMM's tile when it cannot be the output itself
-  if (!kDirect) scratch = at::empty({std::min(rows, p.P), p.R}, c.x1.options());
-  for (int64_t b = 0; b < p.B; ++b) {
-    // Pointers, not c.raw1[b] and the like: eight selects cost more than a tiny problem.
-    const acc_t* xa = c.raw1.const_data_ptr<acc_t>() + b * p.P * p.M;
-    const acc_t* xb = c.raw2.const_data_ptr<acc_t>() + b * p.R * p.M;
-    const acc_t* na = c.n1.const_data_ptr<acc_t>() + b * p.P;
-    const acc_t* nb = c.n2.const_data_ptr<acc_t>() + b * p.R;
-    scalar_t* o = out.data_ptr<scalar_t>() + b * p.P * p.R;
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
-      Tensor tile = kDirect ? out[b].narrow(0, i0, n) : scratch.narrow(0, 0, n);
-      at::mm_out(tile, c.x1[b].narrow(0, i0, n), c.x2[b].t());
-      const acc_t* g = tile.const_data_ptr<acc_t>();
-      at::parallel_for(i0, i0 + n, cpu::rows_per_task(p.R), [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          epilogue_row<scalar_t, acc_t>(g + (i - i0) * p.R, o + i * p.R, na[i], nb, xa + i * p.M,
-                                        xb, p.R, p.M, p.squared, p.self ? i : -1);
-        }
-      });
+      // Flat rows first … first + count − 1 (row r is element r / P's row r % P).
+      const int64_t first = b0 * p.P + i0, count = g * n;
+      if (g > 1) {  // whole elements (n = P)
+        Tensor tile =
+            kDirect ? out.narrow(0, b0, g) : scratch.narrow(0, 0, g * p.P).view({g, p.P, p.R});
+        at::bmm_out(tile, c.x1.narrow(0, b0, g), c.x2.narrow(0, b0, g).transpose(1, 2));
+      } else {
+        Tensor tile = kDirect ? out[b0].narrow(0, i0, n) : scratch.narrow(0, 0, n);
+        at::mm_out(tile, c.x1[b0].narrow(0, i0, n), c.x2[b0].t());
+      }
+      const acc_t* gm =
+          kDirect ? out.const_data_ptr<acc_t>() + first * p.R : scratch.const_data_ptr<acc_t>();
+      at::parallel_for(
+          first, first + count, cpu::rows_per_task(p.R), [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r) {
+              const int64_t b = r / p.P, i = r % p.P;
+              epilogue_row<scalar_t, acc_t>(gm + (r - first) * p.R, o + r * p.R, na[r],
+                                            nb + b * p.R, xa + r * p.M, xb + b * p.R * p.M, p.R,
+                                            p.M, p.squared, p.self ? i : -1);
+            }
+          });
     }
   }
 }
