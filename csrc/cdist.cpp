@@ -36,14 +36,12 @@ at::Tensor batched(const Problem& p, const at::Tensor& x) {
   return x.expand(expanded_shape(p, rows)).reshape({p.B, rows, p.M}).to(acc_type(x)).contiguous();
 }
 
-// (B, rows, 1): 1 where the row is finite, else 0, in x's type.
-at::Tensor finite_rows(const at::Tensor& x) {
-  return x.isfinite().all(-1, /*keepdim=*/true).to(x.scalar_type());
-}
-
-// (B, 1, M): the sum of x's finite rows.
-at::Tensor finite_row_sum(const at::Tensor& x) {
-  return x.masked_fill(x.isfinite().all(-1, /*keepdim=*/true).logical_not(), 0).sum(1, true);
+// The sum (B, 1, M) of x's finite rows and their count (B, 1, 1), in x's type, from one
+// finiteness mask.
+std::pair<at::Tensor, at::Tensor> finite_row_sum(const at::Tensor& x) {
+  const at::Tensor finite = x.isfinite().all(-1, /*keepdim=*/true);
+  return {x.masked_fill(finite.logical_not(), 0).sum(1, true),
+          finite.sum(1, true, x.scalar_type())};
 }
 
 }  // namespace
@@ -105,11 +103,13 @@ std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const 
 }
 
 at::Tensor finite_mean_aten(const at::Tensor& raw1, const at::Tensor& raw2) {
-  if (!raw2.defined()) {
-    return finite_row_sum(raw1).div_(finite_rows(raw1).sum(1, true).clamp_min_(1));
+  auto [sum, count] = finite_row_sum(raw1);
+  if (raw2.defined()) {
+    const auto [sum2, count2] = finite_row_sum(raw2);
+    sum.add_(sum2);
+    count.add_(count2);
   }
-  return (finite_row_sum(raw1) + finite_row_sum(raw2))
-      .div_((finite_rows(raw1).sum(1, true) + finite_rows(raw2).sum(1, true)).clamp_min_(1));
+  return sum.div_(count.clamp_min_(1));
 }
 
 Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2,
