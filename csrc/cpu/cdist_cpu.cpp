@@ -143,47 +143,68 @@ int64_t tile_rows(int64_t R, int64_t elem_size) {
 // The epilogue's test: the expansion cancelled (or is NaN), and the entry is recomputed.
 template <typename acc_t>
 bool refines(acc_t d2, acc_t norms) {
-  return d2 * acc_t(kRefineRatio) < norms || d2 != d2;
+  return !(d2 * acc_t(kRefineRatio) >= norms);
+}
+
+// An entry's final value from its d²: clamped at 0 (NaN kept), square-rooted unless squared.
+template <bool kRoot, typename acc_t>
+acc_t finish(acc_t d2) {
+  d2 = d2 < 0 ? acc_t(0) : d2;
+  return kRoot ? std::sqrt(d2) : d2;
 }
 
 // One output row from its GEMM row g (−2·a·b is formed here): d² = n_a + n_b − 2g, refined
-// where cancellation struck, clamped at 0, square-rooted unless squared.
-template <typename scalar_t, typename acc_t>
+// where cancellation struck, clamped at 0, square-rooted for kRoot. `refine` is scratch for
+// ⌈R / vector width⌉ lane masks.
+//
+// Where the output is the accumulation type (g and out may then be the same memory), full
+// vectors take a branch-free pass that writes every entry and notes, in `refine`, the lanes
+// whose expansion cancelled or is NaN (∞ or overflowing inputs); those, and the diagonal of
+// self-distances, are recomputed afterwards. That pass is all that random data costs (a
+// 256 × 256 output on one thread: 15 µs, where a test and a branch per vector took 28).
+template <bool kRoot, typename scalar_t, typename acc_t>
 void epilogue_row(const acc_t* g, scalar_t* out, acc_t na, const acc_t* nb, const acc_t* a,
-                  const acc_t* xb, int64_t R, int64_t M, bool squared, int64_t diag) {
+                  const acc_t* xb, int64_t R, int64_t M, int64_t diag, uint8_t* refine) {
   using V = Vectorized<acc_t>;
-  constexpr bool kDirect = std::is_same_v<scalar_t, acc_t>;
   const V vna(na), two(2), zero(0), ratio(static_cast<acc_t>(kRefineRatio));
+  auto direct = [&](int64_t j) { return direct_sq(a, xb + j * M, M); };
+  int64_t j0 = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    int any = 0;
+    for (; j0 + V::size() <= R; j0 += V::size()) {
+      const V sum = vna + V::loadu(nb + j0);
+      const V d2 = at::vec::fnmadd(two, V::loadu(g + j0), sum);
+      // A lane whose d²·ratio ≥ |a|² + |b|² fails is recomputed: cancelled or NaN.
+      const int m = V((d2 * ratio) >= sum).zero_mask();
+      refine[j0 / V::size()] = static_cast<uint8_t>(m);
+      any |= m;
+      const V d = at::vec::clamp_min(d2, zero);
+      (kRoot ? d.sqrt() : d).store(out + j0);
+    }
+    if (any) {
+      for (int64_t c = 0; c < j0 / V::size(); ++c) {
+        for (int l = 0; refine[c] >> l; ++l) {
+          const int64_t j = c * V::size() + l;
+          if ((refine[c] >> l) & 1) out[j] = finish<kRoot>(direct(j));
+        }
+      }
+    }
+  }
+  // The rest (a partial vector, or every entry of a reduced-type output), a vector at a time.
   acc_t buf[V::size()];
-  for (int64_t j0 = 0; j0 < R; j0 += V::size()) {
+  for (; j0 < R; j0 += V::size()) {
     const int64_t n = std::min<int64_t>(V::size(), R - j0);
-    const V vnb = V::loadu(nb + j0, n);
-    const V sum = vna + vnb;
-    V d2 = sum - two * V::loadu(g + j0, n);
-    // The rare lanes whose expansion cancelled are recomputed one by one, and so are those
-    // it made NaN (∞ or overflowing inputs), so that they get what Σ(a − b)² gives.
-    const V refine = ((d2 * ratio) < sum) | (d2 != d2);
-    const bool has_diag = diag >= j0 && diag < j0 + n;
-    if (refine.zero_mask() == (1 << V::size()) - 1 && !has_diag && kDirect && n == V::size()) {
-      d2 = at::vec::maximum(d2, zero);  // the common case: nothing to recompute
-      (squared ? d2 : d2.sqrt()).store(out + j0);
-      continue;
+    const V sum = vna + V::loadu(nb + j0, n);
+    at::vec::fnmadd(two, V::loadu(g + j0, n), sum).store(buf, n);
+    for (int64_t l = 0; l < n; ++l) {
+      const acc_t d2 = refines(buf[l], na + nb[j0 + l]) ? direct(j0 + l) : buf[l];
+      out[j0 + l] = static_cast<scalar_t>(finish<kRoot>(d2));
     }
-    d2.store(buf, n);
-    if (refine.zero_mask() != (1 << V::size()) - 1) {
-      for (int64_t l = 0; l < n; ++l)
-        if (refines(buf[l], na + nb[j0 + l])) buf[l] = direct_sq(a, xb + (j0 + l) * M, M);
-    }
-    // Σ(a − a)²: 0, or NaN for a row holding NaN or ∞, as torch.cdist gives.
-    if (has_diag) buf[diag - j0] = std::isfinite(na) ? 0 : direct_sq(a, a, M);
-    d2 = at::vec::maximum(V::loadu(buf, n), zero);
-    if (!squared) d2 = d2.sqrt();
-    if constexpr (kDirect) {
-      d2.store(out + j0, n);
-    } else {
-      d2.store(buf, n);
-      for (int64_t l = 0; l < n; ++l) out[j0 + l] = static_cast<scalar_t>(buf[l]);
-    }
+  }
+  // Σ(a − a)²: 0, or NaN for a row holding NaN or ∞, as torch.cdist gives.
+  if (diag >= 0) {
+    out[diag] =
+        static_cast<scalar_t>(finish<kRoot>(std::isfinite(na) ? acc_t(0) : direct_sq(a, a, M)));
   }
 }
 
@@ -223,11 +244,15 @@ void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
           kDirect ? out.const_data_ptr<acc_t>() + first * p.R : scratch.const_data_ptr<acc_t>();
       at::parallel_for(
           first, first + count, cpu::rows_per_task(p.R), [&](int64_t begin, int64_t end) {
+            std::vector<uint8_t> refine(p.R / Vectorized<acc_t>::size() + 1);
             for (int64_t r = begin; r < end; ++r) {
               const int64_t b = r / p.P, i = r % p.P;
-              epilogue_row<scalar_t, acc_t>(gm + (r - first) * p.R, o + r * p.R, na[r],
-                                            nb + b * p.R, xa + r * p.M, xb + b * p.R * p.M, p.R,
-                                            p.M, p.squared, p.self ? i : -1);
+              auto row = [&](auto root) {
+                epilogue_row<decltype(root)::value, scalar_t, acc_t>(
+                    gm + (r - first) * p.R, o + r * p.R, na[r], nb + b * p.R, xa + r * p.M,
+                    xb + b * p.R * p.M, p.R, p.M, p.self ? i : -1, refine.data());
+              };
+              p.squared ? row(std::false_type{}) : row(std::true_type{});
             }
           });
     }
