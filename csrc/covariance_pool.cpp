@@ -82,7 +82,8 @@ Problem check_inputs(const at::Tensor& x, int64_t iterations, bool sqrt, bool tr
   check_floating(kOp, "x", x);
   TK_CHECK_VALUE(kOp, x.dim() == 3 || x.dim() == 4,
                  "x must be a feature map (N, D, H, W) or (N, D, M), got shape ", x.sizes());
-  TK_CHECK_VALUE(kOp, iterations >= 1, "iterations must be >= 1, got ", iterations);
+  TK_CHECK_VALUE(kOp, iterations >= 1 && iterations <= kMaxIterations,
+                 "iterations must be between 1 and ", kMaxIterations, ", got ", iterations);
   p.N = x.size(0);
   p.D = x.size(1);
   p.M = x.size(2);

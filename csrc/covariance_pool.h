@@ -26,6 +26,11 @@ namespace torchkit::covariance {
 
 constexpr const char* kOp = "covariance_pool";
 
+// The most Newton–Schulz steps a call may ask for. 51 take the smallest eigenvalue float64
+// resolves (1e-16 of the trace) to its square root; a bound turns a mistyped count (2**40)
+// into an error instead of a call that never returns.
+constexpr int64_t kMaxIterations = 100;
+
 struct Problem {
   int64_t N = 0, D = 0, M = 0;
   int64_t iterations = 0;

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from torchkit import ops
+from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.region_confusion import _check_probability, _check_rcm_args, _check_rcm_settings, _rcm_permutations
 
 __all__ = ["BilinearPool2d", "CDist", "CovariancePool2d", "LabelSmoothingCrossEntropy", "RegionConfusion"]
@@ -200,8 +201,10 @@ class CovariancePool2d(nn.Module):
         self, iterations: int = 5, sqrt: bool = True, triu: bool = True, *, in_channels: Optional[int] = None
     ) -> None:
         super().__init__()
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-            raise ValueError(f"CovariancePool2d: iterations must be an int >= 1, got {iterations!r}")
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or not 1 <= iterations <= MAX_ITERATIONS:
+            raise ValueError(
+                f"CovariancePool2d: iterations must be an int between 1 and {MAX_ITERATIONS}, got {iterations!r}"
+            )
         if in_channels is not None and (
             isinstance(in_channels, bool) or not isinstance(in_channels, int) or in_channels < 1
         ):

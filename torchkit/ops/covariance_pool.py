@@ -7,6 +7,9 @@ from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_same_device, differentiable, no_double_backward
 
+# The most Newton–Schulz steps a call may ask for (csrc/covariance_pool.h says why).
+MAX_ITERATIONS = 100
+
 
 def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: bool = True) -> Tensor:
     """Global covariance pooling with iterative matrix square-root normalisation
@@ -28,8 +31,8 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
         x (Tensor[N, D, H, W] or Tensor[N, D, M]): float32, float64, float16 or bfloat16
             (reduced types compute in float32), any memory format (``channels_last`` is read
             in place). At least one position.
-        iterations: >= 1, the Newton–Schulz steps (fast-MPN-COV's ``iterN``; 3 to 5 in its
-            models). ``1`` is ``A·½(3I − A)·√tr Σ``.
+        iterations: 1 to 100, the Newton–Schulz steps (fast-MPN-COV's ``iterN``; 3 to 5 in
+            its models). ``1`` is ``A·½(3I − A)·√tr Σ``.
         sqrt: take the matrix square root (``False``: the covariance itself).
         triu: return the upper triangle with the diagonal, row by row, ``(N, D(D+1)/2)``;
             ``False`` returns ``(N, D, D)``.
@@ -67,7 +70,10 @@ def _(x, iterations, sqrt, triu):
     torch._check(
         x.dim() in (3, 4), lambda: f"covariance_pool: x must be (N, D, H, W) or (N, D, M), got {tuple(x.shape)}"
     )
-    torch._check(iterations >= 1, lambda: f"covariance_pool: iterations must be >= 1, got {iterations}")
+    torch._check(
+        1 <= iterations <= MAX_ITERATIONS,
+        lambda: f"covariance_pool: iterations must be between 1 and {MAX_ITERATIONS}, got {iterations}",
+    )
     N, D = x.shape[0], x.shape[1]
     acc = acc_dtype(x)
     return x.new_empty(_output_shape(x, triu)), x.new_empty((N, D, D), dtype=acc), x.new_empty((N,), dtype=acc)
