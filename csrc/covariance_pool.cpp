@@ -136,8 +136,9 @@ at::Tensor positions(const Problem& p, const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> centre_aten(const Problem& p, const at::Tensor& x,
                                                const std::optional<at::Tensor>& scale) {
   const Tensor a = positions(p, x).to(acc_type(x));
-  // The mean summed in float64: M·max|x| may overflow float32.
-  Tensor xc = a - a.mean({2}, /*keepdim=*/true, at::kDouble).to(a.scalar_type());
+  // The mean summed and subtracted in float64, so that each centred value is rounded once
+  // (cpu/covariance_pool_cpu.cpp's centre_kernel says why); M·max|x| may overflow float32.
+  Tensor xc = (a - a.mean({2}, /*keepdim=*/true, at::kDouble)).to(a.scalar_type());
   Tensor s;
   if (scale.has_value()) {
     s = *scale;

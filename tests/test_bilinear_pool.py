@@ -33,6 +33,8 @@ SHAPES = [
     ((2, 7, 1, 1), None),
     ((2, 130, 3, 3), None),  # crosses the CPU kernel's 128-wide tiles
     ((2, 130, 3, 3), 129),
+    ((0, 4, 2, 2), None),  # an empty batch
+    ((0, 3, 2, 2), 5),
 ]
 
 

@@ -190,12 +190,19 @@ def test_exact_for_any_magnitude(scale):
     assert ((grad.double() - exp_grad).abs().max() / exp_grad.abs().max()).item() < 1e-4
 
 
-def test_far_from_origin():
-    """1e4 + N(0, 1) features: centring before the product keeps Σ exact."""
-    x = (1e4 + make((2, 30, 5, 5), relu=False)).float()
-    out = ops.covariance_pool(x)
-    exp = reference.covariance_pool(x.double())
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_far_from_origin(offset, channels_last):
+    """offset + N(0, 1) float32 features: the mean is subtracted in float64 before anything is
+    rounded, so Σ stays exact (a mean rounded to float32 first shifts every value by up to
+    0.03 at 1e6, an error of ~1e-3 in Σ)."""
+    x = (offset + make((2, 30, 5, 5), relu=False)).float()
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    out, grad, g = value_and_grad(ops.covariance_pool, x)
+    exp, exp_grad, _ = value_and_grad(reference.covariance_pool, x.double(), g.double())
     assert ((out.double() - exp).abs().max() / exp.abs().max()).item() < 1e-5
+    assert ((grad.double() - exp_grad).abs().max() / exp_grad.abs().max()).item() < 1e-4
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

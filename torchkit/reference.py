@@ -147,7 +147,7 @@ def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e
     X = x.reshape(N, D, H * W)
     Y = X if y is None else y.reshape(N, y.shape[1], H * W)
     Z = torch.bmm(X, Y.transpose(1, 2)) / (H * W)
-    Z = Z.reshape(N, -1)
+    Z = Z.reshape(N, Z.shape[1] * Z.shape[2])
     Z = torch.sign(Z) * torch.sqrt(torch.abs(Z) + sqrt_eps)
     return F.normalize(Z, eps=l2_eps)
 
