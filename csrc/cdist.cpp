@@ -89,7 +89,7 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
 }
 
 std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const at::Tensor& mean) {
-  at::Tensor x = raw - mean;
+  at::Tensor x = mean.defined() ? raw - mean : raw;
   // Σ x² over M, a slice of rows at a time, so that the squares are never a temporary as
   // large as x (205 MB for knn's 100,000 × 512 gallery).
   constexpr int64_t kRows = 4096;

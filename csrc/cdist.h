@@ -4,7 +4,8 @@
 // Algorithm. d²(a, b) = |a|² + |b|² − 2·a·b puts the work in one GEMM, but loses every digit
 // when |a|², |b|² ≫ d² (points far from the origin: PyTorch #42479). Two cures together:
 //  1. Both sets are centred on their common mean (per batch) before the product; distances
-//     do not change, and the norms become as small as the data's spread allows.
+//     do not change, and the norms become as small as the data's spread allows. (The CPU
+//     skips it where the mean is negligible beside the rows' norms: see cpu/cdist_cpu.cpp.)
 //  2. Where cancellation remains (d² < (|a|² + |b|²) / kRefineRatio: near-duplicate points
 //     inside a cluster), the epilogue recomputes that entry as Σ(a − b)² from the inputs.
 // The GEMM and the epilogue run in float32 for reduced types (float64 for float64).
@@ -46,7 +47,8 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
                      const Names& names = Names{});
 
 // x1, x2 as contiguous (B, P, M) and (B, R, M) in the accumulation type, centred on their
-// common per-batch mean, with their squared row norms (B, P), (B, R), and uncentred (raw1,
+// common per-batch mean (or, where the backend's Centring skips it, the raw rows themselves),
+// with their squared row norms (B, P), (B, R), and uncentred (raw1,
 // raw2: views of the inputs where they already are contiguous acc-typed). Refinement reads
 // the uncentred values: centring rounds each coordinate to the spread's precision, and
 // would erase differences between near-duplicates far from the mean. For `self` the second
@@ -59,8 +61,10 @@ struct Centred {
 // the CPU's, in cpu/distance.h, are fused loops):
 //  - mean: the (B, 1, M) mean of the finite rows of raw1 (B, P, M) and raw2 (B, R, M), raw2
 //    undefined for self. One NaN or ∞ row would make a plain mean, and so every distance of
-//    the batch, non-finite: such rows are left out of it.
-//  - rows: raw (B, rows, M) − mean, and the result's squared row norms (B, rows).
+//    the batch, non-finite: such rows are left out of it. A backend may instead return an
+//    undefined tensor where centring would not pay: the rows are then used as they are.
+//  - rows: raw (B, rows, M) − mean (raw itself for an undefined mean), and the result's
+//    squared row norms (B, rows).
 struct Centring {
   at::Tensor (*mean)(const at::Tensor& raw1, const at::Tensor& raw2);
   std::pair<at::Tensor, at::Tensor> (*rows)(const at::Tensor& raw, const at::Tensor& mean);

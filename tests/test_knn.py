@@ -1,6 +1,8 @@
 """torchkit.ops.knn against the reference (cdist + stable sort), a float64 oracle and
 torch.cdist + topk."""
 
+import sys
+
 import pytest
 import torch
 from conftest import (
@@ -164,6 +166,31 @@ def test_empty(device):
     assert (d == 0).all() and i.tolist() == [[0, 1]] * 3
     d, i = ops.knn(torch.zeros(2, 0, 5, device=device), torch.zeros(2, 4, 5, device=device), 1)
     assert d.shape == (2, 0, 1)
+
+
+def peak_rss_growth_mib(fn):
+    """The growth of the process's peak resident set during fn(), in MiB (Linux)."""
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+    base = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    fn()
+    return status("VmHWM:") - base
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_gallery_about_the_origin_is_not_copied():
+    """Data about the origin is multiplied as it is: the workspace is the tiles only, never a
+    centred copy of the 25 MiB gallery (knn on data far from the origin does centre)."""
+    query, gallery = make((200, 64), torch.float32, seed=1), make((100_000, 64), torch.float32, seed=2)
+    ops.knn(query, gallery, 10)  # thread pools and allocator caches first
+    assert peak_rss_growth_mib(lambda: ops.knn(query, gallery, 10)) < 12
+    d, _ = ops.knn(query, gallery, 10)
+    torch.testing.assert_close(d.double(), reference.knn(query.double(), gallery.double(), 10)[0], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

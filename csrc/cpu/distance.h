@@ -39,8 +39,9 @@ acc_t direct_sq(const acc_t* a, const acc_t* b, int64_t M) {
 // cdist::Centring on the CPU. finite_mean: the column sums in one pass over each input, in
 // fixed blocks of rows added in block order (the same bits on any number of threads), where
 // ATen's form takes four calls and a scalar division; the finite-row form only where that
-// mean is not finite. centre_rows: raw − mean and its squared row norms in one pass over
-// raw, where ATen's form takes three (subtract, square, sum) and two temporaries.
+// mean is not finite; no mean (undefined) where it is negligible beside the rows' norms.
+// centre_rows: raw − mean and its squared row norms in one pass over raw, where ATen's form
+// takes three (subtract, square, sum) and two temporaries; without a mean, the norms only.
 at::Tensor finite_mean(const at::Tensor& raw1, const at::Tensor& raw2);
 std::pair<at::Tensor, at::Tensor> centre_rows(const at::Tensor& raw, const at::Tensor& mean);
 inline constexpr cdist::Centring kCentring{finite_mean, centre_rows};
