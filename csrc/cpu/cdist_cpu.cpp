@@ -29,54 +29,37 @@ namespace torchkit {
 
 namespace {
 
-// One row of cpu::centre_rows: x = r − m, returning Σ x². Four accumulators, so that the sum
-// of squares waits on no single chain of additions.
-template <typename scalar_t>
+// One row of cpu::centre_rows: x = r − m, returning Σ x² (kShift = false: r's own Σ r², no m
+// and nothing written). Four accumulators, so that the sum of squares waits on no single
+// chain of additions.
+template <bool kShift, typename scalar_t>
 scalar_t centre_row(const scalar_t* r, const scalar_t* m, scalar_t* x, int64_t M) {
   using V = at::vec::Vectorized<scalar_t>;
+  auto diff = [&](int64_t o) {
+    if constexpr (!kShift) return V::loadu(r + o);
+    const V d = V::loadu(r + o) - V::loadu(m + o);
+    d.store(x + o);
+    return d;
+  };
   V s[4] = {V(0), V(0), V(0), V(0)};
   int64_t k = 0;
   for (; k + 4 * V::size() <= M; k += 4 * V::size()) {
     for (int u = 0; u < 4; ++u) {
-      const int64_t o = k + u * V::size();
-      const V d = V::loadu(r + o) - V::loadu(m + o);
-      d.store(x + o);
+      const V d = diff(k + u * V::size());
       s[u] = at::vec::fmadd(d, d, s[u]);
     }
   }
   for (; k + V::size() <= M; k += V::size()) {
-    const V d = V::loadu(r + k) - V::loadu(m + k);
-    d.store(x + k);
+    const V d = diff(k);
     s[0] = at::vec::fmadd(d, d, s[0]);
   }
   scalar_t n = at::vec::vec_reduce_all<scalar_t>([](V a, V b) { return a + b; },
                                                  (s[0] + s[1]) + (s[2] + s[3]));
   for (; k < M; ++k) {
-    x[k] = r[k] - m[k];
-    n += x[k] * x[k];
+    const scalar_t d = kShift ? r[k] - m[k] : r[k];
+    if constexpr (kShift) x[k] = d;
+    n += d * d;
   }
-  return n;
-}
-
-// Σ r² over one row, with centre_row's four accumulators.
-template <typename scalar_t>
-scalar_t squared_norm(const scalar_t* r, int64_t M) {
-  using V = at::vec::Vectorized<scalar_t>;
-  V s[4] = {V(0), V(0), V(0), V(0)};
-  int64_t k = 0;
-  for (; k + 4 * V::size() <= M; k += 4 * V::size()) {
-    for (int u = 0; u < 4; ++u) {
-      const V v = V::loadu(r + k + u * V::size());
-      s[u] = at::vec::fmadd(v, v, s[u]);
-    }
-  }
-  for (; k + V::size() <= M; k += V::size()) {
-    const V v = V::loadu(r + k);
-    s[0] = at::vec::fmadd(v, v, s[0]);
-  }
-  scalar_t n = at::vec::vec_reduce_all<scalar_t>([](V a, V b) { return a + b; },
-                                                 (s[0] + s[1]) + (s[2] + s[3]));
-  for (; k < M; ++k) n += r[k] * r[k];
   return n;
 }
 
@@ -164,8 +147,8 @@ std::pair<at::Tensor, at::Tensor> cpu::centre_rows(const at::Tensor& raw, const 
     scalar_t* no = norms.data_ptr<scalar_t>();
     at::parallel_for(0, raw.size(0) * rows, cpu::rows_per_task(M), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        no[i] = m ? centre_row(r + i * M, m + (i / rows) * M, xo + i * M, M)
-                  : squared_norm(r + i * M, M);
+        no[i] = m ? centre_row<true>(r + i * M, m + (i / rows) * M, xo + i * M, M)
+                  : centre_row<false>(r + i * M, m, xo, M);
       }
     });
   });
