@@ -11,7 +11,10 @@ The model is a torchvision ResNet-18 trunk (``weights=None``: nothing is downloa
 ``--pool covariance``, ``torchkit.ops.covariance_pool``: iSQRT-COV) and a linear classifier,
 trained with ``torchkit.nn.LabelSmoothingCrossEntropy`` on images shuffled by
 ``torchkit.transforms.RandomRegionConfusion``; evaluation reports the classifier's accuracy
-and a nearest-class-mean accuracy on the pooled embeddings through ``torchkit.ops.cdist``.
+and a nearest-class-mean accuracy on the pooled embeddings through ``torchkit.ops.cdist``, and
+their recall@1/2/4/8 through ``torchkit.metrics.recall_at_k``: under ``torchrun``, every process
+evaluates its own share of the images and the recall is computed across the processes
+(``group=``), without gathering the embeddings.
 
 The default synthetic dataset is fine-grained on purpose: every image is the same kind of
 noise with a few small patches of striped texture, and the classes differ only in the
@@ -281,39 +284,54 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
             bar.update()
     bar.close()
     result = dict(name=name, losses=losses, images_per_s=seen / max(train_time, 1e-9), steps=step, classes=classes)
-    if rank == 0:
-        result.update(evaluate(model.module if world > 1 else model, train_eval, val_set, classes, ops, device, args))
+    result.update(evaluate(core, train_eval, val_set, classes, ops, device, args, rank, world))
     return result
 
 
 @torch.no_grad()
-def evaluate(model, train_eval, val_set, classes, ops: Ops, device, args) -> dict:
+def evaluate(model, train_eval, val_set, classes, ops: Ops, device, args, rank: int = 0, world: int = 1) -> dict:
     """Classifier accuracy, nearest-class-mean accuracy and recall@1/2/4/8 of the pooled
-    embeddings."""
+    embeddings. Each process embeds its own contiguous share of the images; the class means
+    and the accuracies are summed over the processes, and recall@K ranks every process's
+    validation embeddings against all the others' through torchkit's ring (no process
+    gathers the embeddings)."""
     model.eval()
 
     from tqdm import tqdm
 
-    def embed_all(dataset, what):
-        loader = torch.utils.data.DataLoader(dataset, batch_size=128, num_workers=args.workers)
+    def embed_share(dataset, what):
+        share = torch.utils.data.Subset(
+            dataset, range(rank * len(dataset) // world, (rank + 1) * len(dataset) // world)
+        )
+        loader = torch.utils.data.DataLoader(share, batch_size=128, num_workers=args.workers)
         embeddings, logits, labels = [], [], []
-        for images, y in tqdm(loader, desc=f"embed {what}", unit="batch", disable=args.quiet):
+        for images, y in tqdm(loader, desc=f"embed {what}", unit="batch", disable=args.quiet or rank != 0):
             e = model.embed(images.to(device))
             embeddings.append(e)
             logits.append(model.classifier(e))
             labels.append(y.to(device))
         return torch.cat(embeddings), torch.cat(logits), torch.cat(labels)
 
-    train_emb, _, train_y = embed_all(train_eval, "train (class means)")
-    val_emb, val_logits, val_y = embed_all(val_set, "val")
-    means = torch.stack([train_emb[train_y == c].mean(0) for c in range(classes)])
+    def summed(t: Tensor) -> Tensor:
+        if world > 1:
+            dist.all_reduce(t)
+        return t
+
+    train_emb, _, train_y = embed_share(train_eval, "train (class means)")
+    val_emb, val_logits, val_y = embed_share(val_set, "val")
+    sums = summed(torch.zeros(classes, train_emb.shape[1], device=device).index_add_(0, train_y, train_emb))
+    counts = summed(torch.bincount(train_y, minlength=classes).to(device))
+    means = sums / counts.clamp(min=1).unsqueeze(1)
     ncm = ops.cdist(val_emb, means).argmin(1)
+    correct = summed(torch.stack([(val_logits.argmax(1) == val_y).sum(), (ncm == val_y).sum()]))
     model.train()
     return dict(
-        accuracy=(val_logits.argmax(1) == val_y).float().mean().item(),
-        ncm_accuracy=(ncm == val_y).float().mean().item(),
-        # Retrieval quality of the embeddings, leave-one-out over the validation set.
-        recall=torchkit.metrics.recall_at_k(val_emb, val_y, (1, 2, 4, 8)),
+        accuracy=correct[0].item() / len(val_set),
+        ncm_accuracy=correct[1].item() / len(val_set),
+        # Retrieval quality of the embeddings, leave-one-out over the whole validation set.
+        recall=torchkit.metrics.recall_at_k(
+            val_emb, val_y, (1, 2, 4, 8), group=dist.group.WORLD if world > 1 else None
+        ),
     )
 
 

@@ -83,17 +83,80 @@ def test_agrees_with_pytorch_metric_learning():
     )
 
 
+X, Y = torch.zeros(4, 2), torch.arange(4) % 2
 BAD = [
-    (lambda: metrics.recall_at_k(torch.zeros(4), torch.zeros(4)), r"embeddings must be \(N, M\)"),
-    (lambda: metrics.recall_at_k(torch.zeros(4, 2), torch.zeros(3)), r"labels must be \(N,\) = \(4,\)"),
-    (lambda: metrics.recall_at_k(torch.zeros(4, 2), torch.zeros(4), gallery=torch.zeros(3, 2)), "go together"),
-    (lambda: metrics.recall_at_k(torch.zeros(4, 2), torch.zeros(4), (1, 4)), r"knn: k must be <= P - 1 = 3"),
-    (lambda: metrics.recall_at_k(torch.zeros(4, 2), torch.zeros(4), ()), "at least one K"),
-    (lambda: metrics.map_at_r(torch.zeros(4, 2), torch.arange(4)), "no query has a relevant item"),
+    (lambda: metrics.recall_at_k(torch.zeros(4), Y), ValueError, r"recall_at_k: embeddings must be \(N, M\)"),
+    (lambda: metrics.recall_at_k(X.long(), Y), TypeError, r"embeddings must be float32, float64, float16 or bfloat16"),
+    (
+        lambda: metrics.recall_at_k(X, torch.zeros(3)),
+        TypeError,
+        r"labels must have an integer dtype, got torch.float32",
+    ),
+    (lambda: metrics.recall_at_k(X, Y[:3]), ValueError, r"labels must be \(N,\) = \(4,\), one per row of embeddings"),
+    (lambda: metrics.recall_at_k(X, [0, 1, 0, 1]), TypeError, r"labels must be a Tensor, got list"),
+    (lambda: metrics.recall_at_k(X, Y.bool()), TypeError, r"labels must have an integer dtype, got torch.bool"),
+    (lambda: metrics.map_at_r(X, Y.to(torch.complex64)), TypeError, r"map_at_r: labels must have an integer dtype"),
+    (lambda: metrics.recall_at_k(X.to("meta"), Y), ValueError, r"embeddings and labels must be on the same device"),
+    (
+        lambda: metrics.map_at_r(X, Y, gallery=X, gallery_labels=Y.to("meta")),
+        ValueError,
+        r"gallery and gallery_labels must be on the same device",
+    ),
+    (lambda: metrics.recall_at_k(X, Y, gallery=torch.zeros(3, 2)), ValueError, "go together"),
+    (
+        lambda: metrics.recall_at_k(X, Y, gallery=torch.zeros(3, 5), gallery_labels=Y[:3]),
+        ValueError,
+        r"gallery must be \(R, M\) with M = 2",
+    ),
+    (
+        lambda: metrics.recall_at_k(X, Y, (1, 4)),
+        ValueError,
+        r"every K in ks must be in \[1, R\], R = 3 \(the other rows of embeddings: leave-one-out\), got 4",
+    ),
+    (lambda: metrics.recall_at_k(X, Y, (0, 2)), ValueError, r"every K in ks must be in \[1, R\], R = 3 .*got 0"),
+    (lambda: metrics.recall_at_k(X, Y, (-1,)), ValueError, r"got -1"),
+    (lambda: metrics.recall_at_k(X, Y, (1.7,)), TypeError, r"every K in ks must be an int, got float 1.7"),
+    (lambda: metrics.recall_at_k(X, Y, (True, 2)), TypeError, r"every K in ks must be an int, got bool True"),
+    (
+        lambda: metrics.recall_at_k(X, Y, 4),
+        TypeError,
+        r"ks must be an iterable of ints such as \(1, 2, 4, 8\), got int 4",
+    ),
+    (lambda: metrics.recall_at_k(X, Y, ()), ValueError, "at least one K"),
+    (
+        lambda: metrics.recall_at_k(X, Y, (1,), gallery=X[:0], gallery_labels=Y[:0]),
+        ValueError,
+        r"R = 0 \(the gallery's rows\), got 1",
+    ),
+    (lambda: metrics.recall_at_k(X[:0], Y[:0], (1,), gallery=X, gallery_labels=Y), ValueError, "holds no query"),
+    (lambda: metrics.map_at_r(X, torch.arange(4)), ValueError, "no query has a relevant item"),
+    (lambda: metrics.map_at_r(X, Y, gallery=X[:0], gallery_labels=Y[:0]), ValueError, "no query has a relevant item"),
 ]
 
 
-@pytest.mark.parametrize("call,match", BAD)
-def test_bad_input(call, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("call,kind,match", BAD)
+def test_bad_input(call, kind, match):
+    with pytest.raises(kind, match=match):
         call()
+
+
+def test_integral_ks_and_labels_of_any_integer_dtype():
+    """numpy and 0-d tensor integers are ints (as PyTorch's own ops take them); labels of any
+    integer dtype, the gallery's differing from the queries'."""
+    np = pytest.importorskip("numpy")
+    x, y = clustered()
+    expected = metrics.recall_at_k(x, y, (1, 4))
+    assert metrics.recall_at_k(x, y, (np.int64(1), torch.tensor(4))) == expected
+    assert metrics.recall_at_k(x, y.to(torch.int16), [4, 1, 4]) == expected
+    assert metrics.map_at_r(x, y.to(torch.uint8)) == metrics.map_at_r(x, y)
+    gx, gy = clustered(seed=1)
+    assert metrics.map_at_r(x, y.int(), gallery=gx, gallery_labels=gy.to(torch.int8)) == metrics.map_at_r(
+        x, y, gallery=gx, gallery_labels=gy
+    )
+
+
+def test_recall_is_the_exact_fraction():
+    """The count of hits over the number of queries, in float64 (not a float32 mean)."""
+    x, y = clustered(n_classes=7, per_class=3, spread=2.0, seed=3)
+    hits = recall_direct(x, y, (1,))[1] * len(y)
+    assert metrics.recall_at_k(x, y, (1,))[1] == round(hits) / len(y)

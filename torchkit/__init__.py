@@ -1,7 +1,9 @@
 """torchkit: fused CPU and CUDA kernels for fine-grained vision and metric learning.
 
 Ops (``torchkit.ops``), their pure-PyTorch references (``torchkit.reference``),
-drop-in modules (``torchkit.nn``) and torchvision transforms (``torchkit.transforms``).
+drop-in modules (``torchkit.nn``), torchvision transforms (``torchkit.transforms``), retrieval
+metrics (``torchkit.metrics``) and exact k-nearest neighbours across the ranks of a process
+group (``torchkit.distributed``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,6 @@ def build_info() -> dict:
     }
 
 
-from torchkit import metrics, nn, ops, reference, transforms  # noqa: E402
+from torchkit import distributed, metrics, nn, ops, reference, transforms  # noqa: E402
 
-__all__ = ["__version__", "build_info", "has_ops", "metrics", "nn", "ops", "reference", "transforms"]
+__all__ = ["__version__", "build_info", "distributed", "has_ops", "metrics", "nn", "ops", "reference", "transforms"]
