@@ -82,3 +82,49 @@ def test_training_pipeline_shuffles_blocks():
         plain = (train.base[i][0].float() / 255 - 0.5) / 0.25
         moved += not torch.allclose(augmented, plain)
     assert moved == 8
+
+
+def evaluate_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    example = load_example()
+    args = example.parse_args([*SMALL, "--classes", "4", "--channels", "16"])
+    _, train_eval, val, classes = example.make_datasets(args)
+    torch.manual_seed(0)
+    model = example.BCNN(classes, example.FUSED, 1, 16, None)
+    result = example.evaluate(model, train_eval, val, classes, example.FUSED, torch.device("cpu"), args, rank, world)
+    if rank == 0:
+        torch.save(result, out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def test_evaluation_across_processes_equals_one_process(tmp_path):
+    """Under torchrun each process embeds its share of the images; the accuracies, the class
+    means and recall@K (torchkit.metrics with group=) come out as one process computes them."""
+    import torch.multiprocessing as mp
+
+    evaluate_worker(0, 1, "", str(tmp_path / "one.pt"))
+    mp.spawn(evaluate_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "two.pt")), nprocs=2, join=True)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert two["accuracy"] == one["accuracy"] and two["ncm_accuracy"] == pytest.approx(one["ncm_accuracy"], abs=1 / 64)
+    assert list(two["recall"]) == [1, 2, 4, 8]
+    # Each process embeds its own batches; a convolution's last bits may differ with the batch.
+    assert two["recall"] == pytest.approx(one["recall"], abs=1 / 64)
+
+
+def test_runs_under_torchrun():
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE)]
+    run = subprocess.run(
+        [*command, *SMALL, "--steps", "2", "--classes", "4", "--channels", "16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "torchkit: 2 steps" in run.stdout and "recall@1/2/4/8" in run.stdout, run.stdout
