@@ -345,6 +345,8 @@ BAD = [
     ),
     (lambda: ops.cdist(torch.ones(3, 5, dtype=torch.bool)), TypeError, "x1 must be float32"),
     (lambda: ops.cdist(torch.randn(3, 5, dtype=torch.complex64)), TypeError, "x1 must be float32"),
+    (lambda: ops.cdist(torch.randn(3, 5), squared=None), TypeError, "cdist: squared must be a bool, got NoneType None"),
+    (lambda: ops.cdist(torch.randn(3, 5), squared=1), TypeError, "cdist: squared must be a bool, got int 1"),
 ]
 
 

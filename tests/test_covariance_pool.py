@@ -297,6 +297,9 @@ BAD = [
     (lambda: OP(x4, 2**40, True, True), ValueError, r"iterations must be between 1 and 100, got 1099511627776"),
     (lambda: ops.covariance_pool(x4, iterations=2.0), TypeError, r"iterations must be an int, got float 2.0"),
     (lambda: ops.covariance_pool(x4, sqrt=1), TypeError, r"sqrt must be a bool, got int 1"),
+    (lambda: ops.covariance_pool(x4, sqrt=None), TypeError, r"sqrt must be a bool, got NoneType None"),
+    (lambda: ops.covariance_pool(x4, triu=None), TypeError, r"triu must be a bool, got NoneType None"),
+    (lambda: ops.covariance_pool(x4, iterations=True), TypeError, r"iterations must be an int, got bool True"),
     (lambda: ops.covariance_pool(make((2, 3, 0, 4))), ValueError, r"at least one spatial position \(H·W > 0\)"),
     (
         lambda: ops.covariance_pool(torch.zeros(1, 1, 1).expand(1, 2**32, 1)),
@@ -368,3 +371,11 @@ def test_cuda_matches_cpu(dtype, shape, iterations):
     x = make(shape, dtype)
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
     check_cuda_matches_cpu(lambda a: ops.covariance_pool(a, iterations=iterations), x, **tol)
+
+
+def test_integral_iterations():
+    """iterations as any integral number, as PyTorch's own functions take it."""
+    np = pytest.importorskip("numpy")
+    expected = ops.covariance_pool(x4, iterations=3)
+    for iterations in (np.int64(3), torch.tensor(3)):
+        torch.testing.assert_close(ops.covariance_pool(x4, iterations=iterations), expected, rtol=0, atol=0)

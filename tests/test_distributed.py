@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import DEVICES
 
 import torchkit
 from torchkit import metrics, ops
@@ -24,6 +25,8 @@ TIMEOUT_S = 240  # a rank left waiting fails the test instead of hanging the sui
 def split(n: int, world: int, empty: int | None = None) -> list[int]:
     """Uneven shard sizes summing to n: about a third on the first rank, the rest on the
     last, none in between; rank ``empty`` (if given) gets nothing."""
+    if world == 1:
+        return [n]
     sizes = [0] * world
     sizes[0], sizes[-1] = n // 3, n - n // 3
     if empty is not None:
@@ -95,6 +98,7 @@ def error_cases(world: int, rank: int) -> dict:
         "k_past_the_union": dict(query=x, k=sum(4 + r for r in range(world))),
         "one_rank_refuses": dict(query=x[0] if last else x),
         "k_not_an_int": dict(query=x, k=1.5),
+        "squared_not_a_bool": dict(query=x, squared=None),
     }
 
 
@@ -183,6 +187,7 @@ ERRORS = {
     "k_past_the_union": (ValueError, r"k must be in \[1, \d+\] \(the other rows: leave-one-out\)"),
     "one_rank_refuses": (ValueError, r"query must be \(N, M\), got shape \(8,\) \(on rank \d\)"),
     "k_not_an_int": (TypeError, r"k must be an int, got float 1.5 \(on rank 0\)"),
+    "squared_not_a_bool": (TypeError, r"squared must be a bool, got NoneType None \(on rank 0\)"),
 }
 
 
@@ -201,3 +206,26 @@ def test_every_rank_raises(ranks, name):
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
         torchkit.distributed.knn(torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_rank_in_process(device, tmp_path):
+    """World size 1 (no point-to-point traffic, so no NCCL needed): the same code path on
+    CPU and CUDA tensors, equal to torchkit.ops.knn, and the metrics equal to one process's."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        for q, g, k, squared, _, _ in knn_cases(1).values():
+            q, g = q.to(device), None if g is None else g.to(device)
+            expected = ops.knn(q, g, k, squared=squared)
+            got = torchkit.distributed.knn(q, g, k, squared=squared)
+            assert_identical(got[1], expected[1])
+            assert_identical(got[0], expected[0])
+        x, y, g, gy, _, _ = metric_cases(1)["metrics_to_gallery"]
+        x, y, g, gy = x.to(device), y.to(device), g.to(device), gy.to(device)
+        group = dist.group.WORLD
+        assert metrics.recall_at_k(x, y, gallery=g, gallery_labels=gy, group=group) == metrics.recall_at_k(
+            x, y, gallery=g, gallery_labels=gy
+        )
+        assert metrics.map_at_r(x, y, group=group) == metrics.map_at_r(x, y)
+    finally:
+        dist.destroy_process_group()

@@ -277,6 +277,9 @@ BAD = [
     (lambda: ops.knn(q4, g4, 7), ValueError, r"knn: k must be <= the gallery's size R = 6, got 7"),
     (lambda: ops.knn(q4, None, 4), ValueError, r"knn: k must be <= P - 1 = 3 without a gallery"),
     (lambda: ops.knn(q4, g4, 2.0), TypeError, r"knn: k must be an int, got float 2.0"),
+    (lambda: ops.knn(q4, g4, True), TypeError, r"knn: k must be an int, got bool True"),
+    (lambda: ops.knn(q4, g4, 2, squared=None), TypeError, r"knn: squared must be a bool, got NoneType None"),
+    (lambda: ops.knn(q4, g4, 2, squared=1), TypeError, r"knn: squared must be a bool, got int 1"),
     (lambda: ops.knn(q4[0], g4, 1), ValueError, r"knn: query must have at least 2 dimensions"),
     (lambda: ops.knn(q4, g4[:, :2], 1), ValueError, r"knn: query and gallery must have the same number of features"),
     (lambda: ops.knn(q4, g4.double(), 1), TypeError, r"knn: query and gallery must have the same dtype"),
@@ -298,6 +301,14 @@ BAD = [
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_integral_k():
+    """k as any integral number, as PyTorch's own functions take it (numpy, 0-d tensors)."""
+    np = pytest.importorskip("numpy")
+    expected = ops.knn(q4, g4, 3)
+    for k in (np.int64(3), np.int32(3), torch.tensor(3)):
+        assert_same(ops.knn(q4, g4, k), expected)
 
 
 @pytest.mark.cuda

@@ -411,3 +411,14 @@ def test_reproduces_kornia_random_jigsaw_from_its_own_permutation(n):
     row_major = kornia_perm.view(-1, n, n).transpose(1, 2).reshape(-1, n * n)
     assert torch.equal(ops.permute_blocks(x, row_major, n), expected)
     assert not torch.equal(ops.permute_blocks(x, kornia_perm, n), expected)  # without the transpose
+
+
+def test_integral_settings():
+    """num_blocks and neighbourhood as any integral number (numpy, 0-d tensors)."""
+    np = pytest.importorskip("numpy")
+    x = make((2, 3, 28, 28))
+    torch.manual_seed(0)
+    expected = ops.region_confusion(x, 7, 2)
+    torch.manual_seed(0)
+    got = ops.region_confusion(x, np.int64(7), torch.tensor(2))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -27,7 +27,6 @@ raises the same exception on every rank instead of leaving the others waiting.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchkit.ops import knn as _knn
-from torchkit.ops._common import acc_dtype
+from torchkit.ops._common import acc_dtype, as_int, check_bool
 
 __all__ = ["knn"]
 
@@ -84,9 +83,16 @@ def knn(
     """
     op = "torchkit.distributed.knn"
     group = resolve_group(op, group)
-    error = capture(lambda: (check_embeddings(op, "query", query, "gallery", gallery), check_k(op, k)))
-    shards = agree(op, group, error, query=query, gallery=gallery, k=k, squared=squared)
-    k = operator.index(k)
+    checked: dict = {}
+
+    def check() -> None:
+        check_embeddings(op, "query", query, "gallery", gallery)
+        checked["k"] = as_int(op, "k", k)
+        check_bool(op, "squared", squared)
+
+    error = capture(check)
+    shards = agree(op, group, error, query=query, gallery=gallery, squared=squared, **checked)
+    k = checked["k"]
     limit = shards.union_size
     if not 1 <= k <= limit:
         without = " (the other rows: leave-one-out)" if gallery is None else ""
@@ -148,11 +154,6 @@ def capture(check) -> Optional[Exception]:
     except (TypeError, ValueError) as err:
         return err
     return None
-
-
-def check_k(op: str, k: Any, name: str = "k") -> None:
-    if isinstance(k, bool) or not hasattr(type(k), "__index__"):
-        raise TypeError(f"{op}: {name} must be an int, got {type(k).__name__} {k!r}")
 
 
 def check_tensor(op: str, name: str, t: Any) -> None:

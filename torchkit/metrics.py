@@ -13,7 +13,6 @@ their rows: nobody gathers the embeddings.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -22,6 +21,7 @@ from torch import Tensor
 
 from torchkit import distributed
 from torchkit.distributed import Shards
+from torchkit.ops._common import as_int
 
 __all__ = ["map_at_r", "recall_at_k"]
 
@@ -53,12 +53,10 @@ def _check(op: str, embeddings: Any, labels: Any, gallery: Any, gallery_labels: 
 def _check_ks(op: str, ks: Any) -> tuple[int, ...]:
     if isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable):
         raise TypeError(f"{op}: ks must be an iterable of ints such as (1, 2, 4, 8), got {type(ks).__name__} {ks!r}")
-    ks = list(ks)
-    for k in ks:
-        distributed.check_k(op, k, "every K in ks")
+    ks = [as_int(op, "every K in ks", k) for k in ks]
     if not ks:
         raise ValueError(f"{op}: ks must hold at least one K")
-    return tuple(sorted({operator.index(k) for k in ks}))
+    return tuple(sorted(set(ks)))
 
 
 def _setup(op: str, embeddings, labels, gallery, gallery_labels, group, ks=None):

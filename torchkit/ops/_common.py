@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
@@ -11,6 +14,25 @@ def acc_dtype(input: Tensor) -> torch.dtype:
     """The dtype the kernels accumulate in (csrc/common.h's acc_type): float64 for float64
     inputs, float32 for the others."""
     return torch.float64 if input.dtype == torch.float64 else torch.float32
+
+
+def as_int(op: str, name: str, value: Any) -> int:
+    """An int argument as a Python int: any integral number (numpy integers and 0-d integer
+    tensors included, as PyTorch's own functions take them); bool, float and anything else
+    refused with a TypeError that names the argument."""
+    is_bool = isinstance(value, bool) or type(value).__name__ == "bool_" or getattr(value, "dtype", None) == torch.bool
+    if not is_bool:
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def check_bool(op: str, name: str, value: Any) -> None:
+    """A flag must be a bool: None or 1 would otherwise pass for False or True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_same_device(op: str, **tensors) -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import check_same_device, differentiable, no_double_backward
+from torchkit.ops._common import check_bool, check_same_device, differentiable, no_double_backward
 
 
 def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
@@ -36,6 +36,7 @@ def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> 
         >>> d = torchkit.ops.cdist(x, y)  # (4096, 1000)
         >>> nearest = d.argmin(1)
     """
+    check_bool("cdist", "squared", squared)
     return _cdist(x1, x2, squared)
 
 

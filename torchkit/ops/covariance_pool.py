@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_same_device, differentiable, no_double_backward
+from torchkit.ops._common import acc_dtype, as_int, check_bool, check_same_device, differentiable, no_double_backward
 
 # The most Newton–Schulz steps a call may ask for (csrc/covariance_pool.h says why).
 MAX_ITERATIONS = 100
@@ -47,11 +47,9 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
         >>> features = torch.relu(torch.randn(8, 256, 28, 28, requires_grad=True))
         >>> pooled = torchkit.ops.covariance_pool(features)  # (8, 32896)
     """
-    if isinstance(iterations, bool) or not isinstance(iterations, int):
-        raise TypeError(f"covariance_pool: iterations must be an int, got {type(iterations).__name__} {iterations!r}")
-    for name, value in (("sqrt", sqrt), ("triu", triu)):
-        if not isinstance(value, bool):
-            raise TypeError(f"covariance_pool: {name} must be a bool, got {type(value).__name__} {value!r}")
+    iterations = as_int("covariance_pool", "iterations", iterations)
+    check_bool("covariance_pool", "sqrt", sqrt)
+    check_bool("covariance_pool", "triu", triu)
     out, _, _ = _covariance_pool(x, iterations, sqrt, triu)
     return out
 

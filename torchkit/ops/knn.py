@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_same_device, differentiable
+from torchkit.ops._common import acc_dtype, as_int, check_bool, check_same_device, differentiable
 
 
 def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared: bool = False) -> tuple[Tensor, Tensor]:
@@ -42,9 +42,8 @@ def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared:
         >>> embeddings = torch.nn.functional.normalize(torch.randn(10000, 128), dim=1)
         >>> distances, neighbours = torchkit.ops.knn(embeddings, k=8)  # leave-one-out
     """
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"knn: k must be an int, got {type(k).__name__} {k!r}")
-    return _knn(query, gallery, k, squared)
+    check_bool("knn", "squared", squared)
+    return _knn(query, gallery, as_int("knn", "k", k), squared)
 
 
 def _knn_shape(query: Tensor, gallery: Optional[Tensor], k: int) -> tuple:

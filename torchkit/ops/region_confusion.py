@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import check_same_device, differentiable
+from torchkit.ops._common import as_int, check_same_device, differentiable
 
 
 def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
@@ -98,9 +98,8 @@ def _check_probability(name: str, p: float) -> None:
 def _check_rcm_settings(name: str, num_blocks: int, neighbourhood: int, image_known: bool = False) -> None:
     """The settings every RCM entry point takes, checked where they are given (num_blocks'
     upper bound, min(H, W), once the image is known: _check_rcm_args)."""
-    for arg, value in (("num_blocks", num_blocks), ("neighbourhood", neighbourhood)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: {arg} must be an int, got {type(value).__name__} {value!r}")
+    as_int(name, "num_blocks", num_blocks)
+    as_int(name, "neighbourhood", neighbourhood)
     if num_blocks < 1 and not image_known:
         raise ValueError(f"{name}: num_blocks must be >= 1, got {num_blocks}")
     if neighbourhood < 2:
@@ -184,10 +183,18 @@ def region_confusion(
             happen on the generator's device, so the same seed gives the same result for x
             on the CPU and on CUDA.
 
+    Under ``torch.compile`` the draws come from Inductor's own random-number kernels, which
+    follow the seed but not eager's sequence: for the same permutations as eager from the
+    same seed, set ``torch._inductor.config.fallback_random = True`` (Inductor then calls
+    eager's generators). An explicit ``generator`` makes Dynamo run the draws eagerly (a
+    graph break; ``fullgraph=True`` refuses it).
+
     Returns:
         ``(shuffled, permutation)``: ``permutation`` is int64 of shape ``(N, n²)`` (``(n²,)``
         for a 3-D x); output block ``b`` is input block ``permutation[..., b]``.
     """
+    num_blocks = as_int("region_confusion", "num_blocks", num_blocks)
+    neighbourhood = as_int("region_confusion", "neighbourhood", neighbourhood)
     _check_rcm_args(x, num_blocks, neighbourhood)
     _check_generator("region_confusion", generator)
     samples = x.shape[0] if x.dim() == 4 else 1
