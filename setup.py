@@ -145,10 +145,11 @@ def make_extension():
 setup(
     name=LIBRARY,
     packages=find_packages(include=[LIBRARY, f"{LIBRARY}.*"]),
+    package_data={LIBRARY: ["py.typed"]},
     ext_modules=[make_extension()],
     cmdclass={"build_ext": BuildExtension},
     options={
-        **({"bdist_wheel": {"py_limited_api": "cp39"}} if PY_LIMITED_API else {}),
+        **({"bdist_wheel": {"py_limited_api": "cp310"}} if PY_LIMITED_API else {}),
     },
     platforms=[platform.system()],
 )

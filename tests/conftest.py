@@ -116,7 +116,7 @@ def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5,
     leaves_gpu = [x for x in gpu if torch.is_tensor(x) and x.requires_grad]
     grads_cpu = torch.autograd.grad(out_cpu, leaves_cpu, g)
     grads_gpu = torch.autograd.grad(out_gpu, leaves_gpu, g.cuda())
-    for a, b in zip(grads_gpu, grads_cpu):
+    for a, b in zip(grads_gpu, grads_cpu, strict=False):
         torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True)
 
 

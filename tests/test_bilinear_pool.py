@@ -69,7 +69,7 @@ def test_matches_reference(device, dtype, shape, E, relu):
     assert out.shape == expected.shape == (shape[0], shape[1] * (E or shape[1])) and out.dtype == dtype
     assert_close(out, expected)
     g = torch.randn_like(out)
-    for actual, exp in zip(grads(ops.bilinear_pool, x, y, g), grads(reference.bilinear_pool, x, y, g)):
+    for actual, exp in zip(grads(ops.bilinear_pool, x, y, g), grads(reference.bilinear_pool, x, y, g), strict=False):
         assert_close(actual, exp, atol=1e-5 if dtype == torch.float32 else 1e-12)
 
 
@@ -101,6 +101,7 @@ def test_reduced_precision(device, dtype, E):
         grads(ops.bilinear_pool, x, y, g),
         torch.autograd.grad(ref32, leaves(x32, y32), g.float()),
         torch.autograd.grad(ref64, leaves(x64, y64), g.double()),
+        strict=False,
     ):
         assert actual.dtype == dtype
         assert_close_reduced(actual, base.to(dtype), exp)
@@ -115,7 +116,7 @@ def test_all_zero_input(device, E):
     out = ops.bilinear_pool(x, y)
     assert (out == 0).all()
     g = torch.randn_like(out)
-    for actual, exp in zip(grads(ops.bilinear_pool, x, y, g), grads(reference.bilinear_pool, x, y, g)):
+    for actual, exp in zip(grads(ops.bilinear_pool, x, y, g), grads(reference.bilinear_pool, x, y, g), strict=False):
         assert torch.isfinite(actual).all()
         assert_close(actual, exp)
 
@@ -164,7 +165,7 @@ def test_memory_formats(device, E, layout):
     assert_close(out, reference.bilinear_pool(x, y))
     g = torch.randn_like(out)
     got = grads(ops.bilinear_pool, xs, ys, g)
-    for actual, exp in zip(got, grads(reference.bilinear_pool, x, y, g)):
+    for actual, exp in zip(got, grads(reference.bilinear_pool, x, y, g), strict=False):
         assert_close(actual, exp)
     if layout == "channels_last":
         assert got[0].is_contiguous(memory_format=torch.channels_last)
@@ -288,6 +289,7 @@ def test_hypothesis(N, D, E, H, W, sqrt_eps, channels_last):
     for actual, exp in zip(
         grads(lambda a, b: ops.bilinear_pool(a, b, sqrt_eps=sqrt_eps), x, y, g),
         grads(lambda a, b: reference.bilinear_pool(a, b, sqrt_eps=sqrt_eps), x, y, g),
+        strict=False,
     ):
         # sqrt_eps = 0 makes the gradient unbounded near Z = 0: compare relative to its size.
         assert_close(actual, exp, rtol=1e-7, atol=1e-9 * max(1.0, exp.abs().max().item()))
@@ -336,7 +338,7 @@ def test_broadcast_upstream_gradient(device, dtype, E):
     mask = [True, y is not None]
     got = BACKWARD(g, x, y, out, norm, 1e-5, 1e-12, mask)
     expected = BACKWARD(g.contiguous(), x, y, out, norm, 1e-5, 1e-12, mask)
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=False):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

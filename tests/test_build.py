@@ -93,3 +93,16 @@ def test_extension_uses_the_process_cpp_runtime():
         f"{torchkit._C.__file__} carries its own copy of libstdc++: rebuild with the compiler that "
         "matches the system's libstdc++ (e.g. CXX=/usr/bin/g++)"
     )
+
+
+def test_import_needs_torch_alone():
+    """import torchkit loads neither torchvision nor Pillow nor packaging; torchkit.transforms
+    loads torchvision on first use."""
+    code = (
+        "import sys, torchkit; "
+        "before = sorted(m for m in ('torchvision', 'PIL', 'packaging') if m in sys.modules); "
+        "torchkit.transforms.RandomRegionConfusion; "
+        "print(before, 'torchvision' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[] True"

@@ -88,7 +88,7 @@ def test_reduced_precision(device, dtype, shapes):
     grads64 = torch.autograd.grad(reference.cdist(a, b), (a, b), g.double())
     a32, b32 = x1.detach().float().requires_grad_(), x2.detach().float().requires_grad_()
     base = torch.autograd.grad(reference.cdist(a32, b32), (a32, b32), g.float())
-    for actual, b_, r in zip(grads, base, grads64):
+    for actual, b_, r in zip(grads, base, grads64, strict=False):
         assert actual.dtype == dtype
         assert_close_reduced(actual, b_.to(dtype), r)
 
@@ -106,7 +106,7 @@ def test_far_from_origin(device):
     grads = torch.autograd.grad(out, (x, y), g)
     a, b = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
     grads64 = torch.autograd.grad(reference.cdist(a, b), (a, b), g.double())
-    for actual, expected in zip(grads, grads64):
+    for actual, expected in zip(grads, grads64, strict=False):
         assert (actual.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
@@ -143,7 +143,7 @@ def test_gradients_of_near_duplicates_in_far_apart_clusters(device, scale, self_
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
     d64 = reference.cdist(*inputs64, squared=squared)
     grads64 = torch.autograd.grad(d64, inputs64, up.to(device))
-    for actual, expected in zip(grads, grads64):
+    for actual, expected in zip(grads, grads64, strict=False):
         torch.testing.assert_close(actual.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
 
 
@@ -371,7 +371,9 @@ def test_broadcast_upstream_gradient(device, squared):
     g = torch.full((), 0.7, dtype=d.dtype, device=device).expand_as(d)
     assert all(s == 0 for s in g.stride())
     for a, b in zip(
-        BACKWARD(g, x1, x2, d, squared, [True, True]), BACKWARD(g.contiguous(), x1, x2, d, squared, [True, True])
+        BACKWARD(g, x1, x2, d, squared, [True, True]),
+        BACKWARD(g.contiguous(), x1, x2, d, squared, [True, True]),
+        strict=False,
     ):
         assert_close(a, b)
 

@@ -225,7 +225,7 @@ def test_gradient_is_that_of_cdist_gathered(device):
     ours = torch.autograd.grad(d, (q, g), up)
     q64, g64 = q.detach().double().requires_grad_(), g.detach().double().requires_grad_()
     theirs = torch.autograd.grad(reference.cdist(q64, g64).gather(-1, i), (q64, g64), up.double())
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=False):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
 
 

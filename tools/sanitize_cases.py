@@ -33,7 +33,7 @@ def check(fn, *inputs, grad=True, **options):
         g = torch.randn_like(a)
         ga = torch.autograd.grad(a, [x for x in cpu if x.requires_grad], g)
         gb = torch.autograd.grad(b, [x for x in gpu if x.requires_grad], g.cuda())
-        for u, v in zip(ga, gb):
+        for u, v in zip(ga, gb, strict=False):
             torch.testing.assert_close(v.cpu(), u, atol=1e-3, rtol=1e-3, equal_nan=True)
     torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=1e-3, rtol=1e-3, equal_nan=True)
 

@@ -8,12 +8,12 @@ group (``torchkit.distributed``).
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import torch
-from packaging.version import Version
 
 __version__ = "0.1.0"
 
@@ -37,8 +37,8 @@ def _check_cuda_version(built: int, installed_cuda: str | None) -> None:
     if built == -1 or installed_cuda is None:
         return
     built_major, built_minor = built // 1000, (built % 1000) // 10
-    installed = Version(installed_cuda)
-    if (built_major, built_minor) != (installed.major, installed.minor):
+    installed = tuple(int(part) for part in installed_cuda.split(".")[:2])
+    if (built_major, built_minor) != installed:
         raise ImportError(
             f"torchkit was compiled with CUDA {built_major}.{built_minor}, but the installed torch "
             f"{torch.__version__} uses CUDA {installed_cuda}. Rebuild it with:\n    {_REBUILD}"
@@ -72,6 +72,19 @@ def build_info() -> dict:
     }
 
 
-from torchkit import distributed, metrics, nn, ops, reference, transforms  # noqa: E402
+from torchkit import distributed, metrics, nn, ops, reference  # noqa: E402
 
 __all__ = ["__version__", "build_info", "distributed", "has_ops", "metrics", "nn", "ops", "reference", "transforms"]
+
+
+def __getattr__(name: str):
+    """``torchkit.transforms`` on first use: it needs torchvision, which nothing else does."""
+    if name != "transforms":
+        raise AttributeError(f"module 'torchkit' has no attribute {name!r}")
+    try:
+        return importlib.import_module("torchkit.transforms")
+    except ImportError as err:
+        raise ImportError(
+            f"torchkit.transforms needs torchvision (and Pillow): {err}. "
+            "Install them with: pip install 'torchkit[vision]'"
+        ) from err

@@ -84,7 +84,7 @@ def _sum_over_ranks(values: list, group) -> list:
     rank); unchanged for one process."""
     if group is None:
         return values
-    return [sum(column) for column in zip(*distributed.all_gather(values, group))]
+    return [sum(column) for column in zip(*distributed.all_gather(values, group), strict=False)]
 
 
 @torch.no_grad()
@@ -129,7 +129,7 @@ def recall_at_k(
     *found, queries = _sum_over_ranks([int((first_hit < k).sum()) for k in ks] + [embeddings.shape[0]], group)
     if queries == 0:
         raise ValueError(f"{op}: embeddings holds no query{' on any rank' if group is not None else ''}")
-    return {k: n / queries for k, n in zip(ks, found)}
+    return {k: n / queries for k, n in zip(ks, found, strict=False)}
 
 
 @torch.no_grad()
@@ -191,4 +191,4 @@ def _relevant_counts(reference: Tensor, labels: Tensor, group) -> Tensor:
 def _max_over_ranks(values: list, group) -> list:
     if group is None:
         return values
-    return [max(column) for column in zip(*distributed.all_gather(values, group))]
+    return [max(column) for column in zip(*distributed.all_gather(values, group), strict=False)]
