@@ -203,14 +203,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const Problem& p, const a
   const Tensor sigma =
       product(xc, xc.transpose(1, 2), 1.0 / static_cast<double>(p.M), Tensor(), 0.0, 0.0);
   xc = Tensor();  // the largest temporary: gone before the iteration's buffers
-  Tensor out;
   if (!p.sqrt) {
-    out = sigma * per_sample(s * s);
-  } else {
-    const Tensor tr = batch_trace(sigma);
-    const Tensor A = sigma * per_sample(inverse_trace(tr));
-    out = newton_schulz(A, p.iterations, product, nullptr).mul_(per_sample(s * tr.sqrt()));
+    // Σ = s·(s·Σ̃), one power of two at a time (each exact): s² alone overflows (float32
+    // features past ~1.8e19) where Σ is representable, and 0·inf would make the zero
+    // covariances NaN. The triangle is packed first, so both passes read half the matrix.
+    const Tensor f = p.triu ? s.view({p.N, 1}) : per_sample(s);
+    Tensor out = p.triu ? pack(p, sigma).mul_(f) : sigma * f;
+    return {out.mul_(f).to(x.scalar_type()), sigma, s};
   }
+  const Tensor tr = batch_trace(sigma);
+  const Tensor A = sigma * per_sample(inverse_trace(tr));
+  const Tensor out =
+      newton_schulz(A, p.iterations, product, nullptr).mul_(per_sample(s * tr.sqrt()));
   return {pack(p, out).to(x.scalar_type()), sigma, s};
 }
 

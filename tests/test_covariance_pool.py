@@ -205,6 +205,26 @@ def test_far_from_origin(offset, channels_last):
     assert ((grad.double() - exp_grad).abs().max() / exp_grad.abs().max()).item() < 1e-4
 
 
+@pytest.mark.parametrize("dtype,exponent", [(torch.float32, 64), (torch.float64, 512)])
+def test_plain_covariance_near_the_overflow(dtype, exponent):
+    """sqrt=False with one feature spiking past sqrt(max) of the dtype at one position: the
+    per-sample scale's square overflows, yet every covariance entry is representable (the
+    spike is averaged over the positions). Oracle: the reference on the input divided by a
+    power of two, in float64, multiplied back one power at a time; gradients likewise
+    (d out / dx = 2^e d out / dy at y = x / 2^e)."""
+    x = make((2, 3, 4, 4), relu=False).to(dtype)
+    x[0, 0, 0, 0] = 1.5 * 2.0**exponent
+    x[1, 2] = 7.0  # a constant channel: its covariances are 0, never 0 * inf = NaN
+    out, grad, g = value_and_grad(ops.covariance_pool, x, sqrt=False)
+    y = x.double() / 2.0**exponent
+    exp_y, grad_y, _ = value_and_grad(reference.covariance_pool, y, g.double(), sqrt=False)
+    expected = exp_y * 2.0**exponent * 2.0**exponent
+    assert out.isfinite().all() and grad.isfinite().all()
+    assert expected.abs().max() > torch.finfo(dtype).max / 16  # the test is near the overflow
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad.double(), grad_y * 2.0**exponent, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_poisons_its_sample_only(value):
     x = make((3, 130, 3, 3))

@@ -26,6 +26,7 @@ raises the same exception on every rank instead of leaving the others waiting.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -57,7 +58,9 @@ def knn(
     No rank holds more than its own shard, the shard in hand, the one arriving and its
     ``P x k`` results; each receives ``(W - 1) / W`` of the gallery over the call. CPU tensors
     need a group whose backend handles them (gloo), CUDA tensors one that handles CUDA
-    (NCCL; ``init_process_group()`` without a backend creates both).
+    (NCCL; ``init_process_group()`` without a backend creates both). With NCCL, each rank
+    must have called ``torch.cuda.set_device`` first, as ``torch.distributed``'s object
+    collectives require (the ranks' arguments are exchanged with one).
 
     This is evaluation: the results carry no gradient (use ``torchkit.ops.knn`` on one
     process to differentiate).
@@ -120,11 +123,8 @@ class Shards:
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        out, total = [], 0
-        for n in self.sizes:
-            out.append(total)
-            total += n
-        return tuple(out)
+        """The global index of each shard's first row."""
+        return (0, *itertools.accumulate(self.sizes))[:-1]
 
     @property
     def total(self) -> int:
