@@ -3,7 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from testing import (
     DEVICES,
     FLOAT_DTYPES,
     REDUCED_DTYPES,
@@ -15,8 +17,6 @@ from conftest import (
     check_opcheck,
     make_noncontiguous,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import torchkit
 from torchkit import ops, reference
@@ -121,6 +121,7 @@ def test_all_zero_input(device, E):
         assert_close(actual, exp)
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("D,E", [(3, None), (5, 3), (16, 7), (9, None)])
@@ -314,13 +315,15 @@ BAD = [
 ]
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.bad_input
+@pytest.mark.cuda
 def test_device_mismatch():
     with pytest.raises(ValueError, match="x and y must be on the same device"):
         ops.bilinear_pool(x4.cuda(), x4)
@@ -342,6 +345,7 @@ def test_broadcast_upstream_gradient(device, dtype, E):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.bad_input
 def test_backward_checks_its_inputs():
     x = make((2, 3, 2, 2))
     out, norm = OP(x, None, 1e-5, 1e-12)
@@ -367,6 +371,7 @@ def test_backward_reads_norm_by_its_strides(layout):
     torch.testing.assert_close(actual, expected)
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("device_of", ["y", "grad", "norm"])
 def test_meta_tensor_mixed_in_is_a_device_error(device_of):
     x = make((2, 3, 2, 2))
@@ -384,7 +389,6 @@ def test_meta_tensor_mixed_in_is_a_device_error(device_of):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("shape,E", [((3, 130, 5, 6), None), ((2, 33, 7, 7), 17), ((2, 64, 9, 9), None)])
 def test_cuda_matches_cpu(dtype, shape, E):

@@ -16,7 +16,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_has_ops():
-    assert torchkit.has_ops()
+    """Every op has a CPU kernel; CUDA kernels exactly where the build has CUDA."""
+    coverage = torchkit.kernels("cpu")
+    assert "torchkit::cdist" in coverage and "torchkit::_cdist_backward" in coverage
+    assert coverage["torchkit::_cuda_version"] is None  # no tensor argument: one kernel for all
+    assert torchkit.has_ops() and torchkit.has_ops(torch.device("cpu"))
+    assert torchkit.has_ops("cuda") == (torchkit.build_info()["cuda"] is not None)
+    assert not torchkit.has_ops("mps")
     assert hasattr(torch.ops.torchkit, "_build_info")
 
 

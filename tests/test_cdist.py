@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from conftest import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from testing import (
     DEVICES,
     FLOAT_DTYPES,
     REDUCED_DTYPES,
@@ -14,8 +16,6 @@ from conftest import (
     check_opcheck,
     make_noncontiguous,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import torchkit
 from torchkit import ops, reference
@@ -168,6 +168,7 @@ def test_many_small_batch_elements(device, dtype, self_):
     assert out[33, 4].isnan().all() and not out[:33].isnan().any() and not out[34:].isnan().any()
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e30])
 @pytest.mark.parametrize("self_", [False, True])
@@ -350,13 +351,15 @@ BAD = [
 ]
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("call,exc,message", BAD)
 def test_bad_input(call, exc, message):
     with pytest.raises(exc, match=message):
         call()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.bad_input
+@pytest.mark.cuda
 def test_device_mismatch():
     with pytest.raises(ValueError, match="x1 and x2 must be on the same device"):
         ops.cdist(torch.randn(3, 5, device="cuda"), torch.randn(4, 5))
@@ -378,6 +381,7 @@ def test_broadcast_upstream_gradient(device, squared):
         assert_close(a, b)
 
 
+@pytest.mark.bad_input
 def test_backward_checks_its_inputs():
     x1, x2 = make((3, 4)), make((5, 4))
     d = OP(x1, x2, False)
@@ -387,6 +391,7 @@ def test_backward_checks_its_inputs():
         BACKWARD(torch.ones_like(d).float(), x1, x2, d, False, [True, True])
 
 
+@pytest.mark.bad_input
 def test_meta_tensor_mixed_in_is_a_device_error():
     with pytest.raises(ValueError, match=r"cdist: x1 and x2 must be on the same device, got cpu and meta"):
         OP(torch.randn(3, 2), torch.randn(4, 2, device="meta"), False)
@@ -397,7 +402,6 @@ def test_meta_tensor_mixed_in_is_a_device_error():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("shape1,shape2", [((37, 19), (41, 19)), ((2, 3, 130, 7), (3, 65, 7)), ((64, 33), None)])
 def test_cuda_matches_cpu(dtype, shape1, shape2):

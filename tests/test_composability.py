@@ -102,6 +102,7 @@ def test_cross_entropy_jvp_matches_f_cross_entropy(reduction, kind):
     torch.testing.assert_close(torch.func.jvp(ours, primals, tangents)[1], torch.func.jvp(theirs, primals, tangents)[1])
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("name", ["cdist", "bilinear_pool", "covariance_pool", "knn"])
 def test_forward_mode_without_a_formula_is_refused_by_name(name):
     op, _, shape = CASES[name]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import DEVICES
+from testing import DEVICES
 
 import torchkit
 from torchkit import metrics, ops

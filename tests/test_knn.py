@@ -5,7 +5,9 @@ import sys
 
 import pytest
 import torch
-from conftest import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from testing import (
     DEVICES,
     REDUCED_DTYPES,
     check_compile,
@@ -14,8 +16,6 @@ from conftest import (
     check_opcheck,
     make_noncontiguous,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from torchkit import ops, reference
 
@@ -138,6 +138,7 @@ def test_ties_go_to_the_lower_index(device):
     assert i.tolist() == expected
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("device", DEVICES)
 def test_nan_rows_rank_last_with_nan_distances(device):
     g = make((6, 4), torch.float32, device, seed=1)
@@ -297,6 +298,7 @@ BAD = [
 ]
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
@@ -312,7 +314,6 @@ def test_integral_k():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
     "shape1,shape2,k", [((37, 19), (4100, 19), 7), ((2, 3, 130, 7), (3, 65, 7), 65), ((64, 33), None, 5)]

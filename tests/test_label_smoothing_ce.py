@@ -3,7 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from testing import (
     DEVICES,
     FLOAT_DTYPES,
     REDUCED_DTYPES,
@@ -16,8 +18,6 @@ from conftest import (
     check_opcheck,
     make_noncontiguous,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import torchkit
 from torchkit import ops, reference
@@ -175,6 +175,7 @@ def test_all_ignored(device):
     assert torch.equal(x.grad, torch.zeros_like(x))
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("device", DEVICES)
 def test_non_finite_logits_propagate_like_pytorch(device):
     x = torch.randn(4, 6, device=device)
@@ -326,6 +327,7 @@ def test_compile(device):
         check_compile(_smoothed_loss, x.requires_grad_(), t, w)
 
 
+@pytest.mark.bad_input
 def test_backward_checks_its_inputs():
     x, t = torch.randn(64, 5), torch.randint(5, (64,))
     _, lse, total = OP(x, t, None, -100, "mean", 0.1, False)
@@ -351,6 +353,7 @@ def test_backward_checks_its_inputs():
         backward(lse=lse.to("meta"))
 
 
+@pytest.mark.bad_input
 def test_raw_op_refuses_a_weight_that_requires_grad():
     w = torch.ones(5, requires_grad=True)
     x, t = torch.randn(4, 5), torch.randint(5, (4,))
@@ -367,6 +370,7 @@ def test_narrow_integer_targets_like_f_cross_entropy(dtype):
     assert_close(ours, F.cross_entropy(x, t, reduction="none", label_smoothing=0.1))
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("device_of", ["target", "weight"])
 def test_meta_tensor_mixed_in_is_a_device_error(device_of):
     args = dict(target=torch.randint(5, (4,)), weight=torch.ones(5))
@@ -456,13 +460,15 @@ BAD = [
 ]
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("x,t,kw,exc,match", BAD)
 def test_bad_input(x, t, kw, exc, match):
     with pytest.raises(exc, match=match):
         ops.label_smoothing_cross_entropy(x, t, **kw)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.bad_input
+@pytest.mark.cuda
 def test_device_mismatch():
     with pytest.raises(ValueError, match=r"input and target must be on the same device"):
         ops.label_smoothing_cross_entropy(x57.cuda(), t5)
@@ -519,7 +525,6 @@ def test_64bit_indexing_past_2_31_elements(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
     "shape,kind", [((300, 5000), "index"), ((3, 6, 4, 5), "index"), ((64, 100), "prob"), ((2, 9, 33), "prob")]
@@ -536,7 +541,6 @@ def test_cuda_matches_cpu(dtype, shape, kind, reduction):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", [(5, 7), (3, 7, 4)])
 def test_cuda_out_of_range_target_is_a_device_side_assert(shape):
     # On CUDA the range check runs in the kernel (a host-side check would synchronise every call).

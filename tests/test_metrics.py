@@ -134,6 +134,7 @@ BAD = [
 ]
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("call,kind,match", BAD)
 def test_bad_input(call, kind, match):
     with pytest.raises(kind, match=match):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from testing import DEVICES
 
 # Run with `python -c SCRIPT <op> <device>`; prints one summary line, exits 1 on a mismatch.
 SCRIPT = r"""
@@ -70,13 +71,9 @@ sys.exit(1 if failures or checked == 0 else 0)
 """
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["cdist", "nn.functional.cross_entropy"])
 def test_pytorch_sample_inputs(name, device):
     pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest")
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     run = subprocess.run([sys.executable, "-c", SCRIPT, name, device], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]

@@ -3,7 +3,7 @@ reference and the cookbook's distribution."""
 
 import pytest
 import torch
-from conftest import DEVICES, assert_device_side_assert, check_gradcheck, check_opcheck, compiled
+from testing import DEVICES, assert_device_side_assert, check_gradcheck, check_opcheck, compiled
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
@@ -80,7 +80,6 @@ def test_same_seed_same_result_as_reference(device, shape):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpu_and_cuda_agree():
     x = make((4, 3, 56, 56))
     out, perm = ops.region_confusion(x, 7, 2, generator=seeded(5))
@@ -255,6 +254,7 @@ def test_transform_batched_plain_tensor():
     assert torch.equal(out.flatten().sort().values, x.flatten().sort().values)
 
 
+@pytest.mark.bad_input
 def test_transform_moves_one_mask_per_image_and_refuses_one_for_a_batch():
     rcm = torchkit.transforms.RandomRegionConfusion(4, 2)
     images = tv_tensors.Image(make((3, 2, 8, 8)))
@@ -299,6 +299,7 @@ def test_transform_accepts_pil_images():
     assert torch.equal(out, oracle(array, sample["permutation"], 7))
 
 
+@pytest.mark.bad_input
 def test_transform_refuses_boxes():
     rcm = torchkit.transforms.RandomRegionConfusion()
     boxes = tv_tensors.BoundingBoxes(torch.tensor([[0, 0, 5, 5]]), format="XYXY", canvas_size=(28, 28))
@@ -351,12 +352,14 @@ BAD = [
 ]
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
 
 
+@pytest.mark.bad_input
 def test_backward_refuses_a_repeated_block_index():
     perm = torch.arange(49).repeat(2, 1)
     perm[1, 3] = 5  # block 5 twice, block 3 never
@@ -374,14 +377,13 @@ def test_meta_permutation_is_a_device_error():
         OP(x4, perm4.to("meta"), 7)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_permutation_on_another_device():
     with pytest.raises(ValueError, match="x and permutation must be on the same device"):
         ops.permute_blocks(x4.cuda(), perm4, 7)
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_out_of_range_permutation_is_a_device_side_assert():
     # On CUDA the range check runs in the kernel (a host-side check would synchronise every call).
     code = """

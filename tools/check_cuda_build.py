@@ -13,10 +13,6 @@ import torchkit
 BUILD = Path(__file__).resolve().parent.parent / "build" / "cuda"
 
 
-def takes_tensor(schema: torch._C.FunctionSchema) -> bool:
-    return any("Tensor" in str(arg.type) for arg in schema.arguments)
-
-
 def main() -> None:
     info = torchkit.build_info()
     print(f"torchkit from {Path(torchkit.__file__).parent}\n  build_info: {info}")
@@ -26,19 +22,17 @@ def main() -> None:
     if info["cuda"] != torch_cuda:
         sys.exit(f"FAIL: build_info()['cuda'] is {info['cuda']}, torch uses CUDA {torch_cuda}")
 
-    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchkit::"))
-    missing = []
-    for name in names:
-        schema = torch._C._get_schema(name, "")
-        if takes_tensor(schema):
-            has = torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
-            missing += [] if has else [name]
-            print(f"  {name:45s} CUDA kernel: {'yes' if has else 'MISSING'}")
-        else:
-            print(f"  {name:45s} catch-all (no tensor arguments)")
+    coverage = torchkit.kernels("cuda")
+    for name, has in coverage.items():
+        print(
+            f"  {name:45s} "
+            + ("catch-all (no tensor arguments)" if has is None else f"CUDA kernel: {'yes' if has else 'MISSING'}")
+        )
+    missing = [name for name, has in coverage.items() if has is False]
     if missing:
         sys.exit(f"FAIL: no CUDA kernel for {', '.join(missing)}")
-    print(f"OK: {len(names)} torchkit ops, every tensor op has a CUDA kernel")
+    assert torchkit.has_ops("cuda")
+    print(f"OK: {len(coverage)} torchkit ops, every tensor op has a CUDA kernel")
 
 
 if __name__ == "__main__":

@@ -49,9 +49,22 @@ _load_extension()
 _check_cuda_version(torch.ops.torchkit._cuda_version(), torch.version.cuda)
 
 
-def has_ops() -> bool:
-    """Whether the compiled torchkit ops are registered with the dispatcher."""
-    return hasattr(torch.ops.torchkit, "_cuda_version")
+def kernels(device: str | torch.device = "cpu") -> dict[str, bool | None]:
+    """Each ``torchkit::`` op the dispatcher knows and whether it has a kernel for ``device``'s
+    type (None for an op without tensor arguments: one kernel serves every device)."""
+    key = torch.device(device).type.upper()
+    out: dict[str, bool | None] = {}
+    for name in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchkit::")):
+        schema = torch._C._get_schema(name, "")
+        takes_tensor = any("Tensor" in str(arg.type) for arg in schema.arguments)
+        out[name] = torch._C._dispatch_has_kernel_for_dispatch_key(name, key) if takes_tensor else None
+    return out
+
+
+def has_ops(device: str | torch.device = "cpu") -> bool:
+    """Whether every torchkit op has a compiled kernel for ``device``'s type: ``has_ops("cuda")``
+    is False for a CPU-only build."""
+    return all(has is not False for has in kernels(device).values())
 
 
 def build_info() -> dict:
@@ -74,7 +87,18 @@ def build_info() -> dict:
 
 from torchkit import distributed, metrics, nn, ops, reference  # noqa: E402
 
-__all__ = ["__version__", "build_info", "distributed", "has_ops", "metrics", "nn", "ops", "reference", "transforms"]
+__all__ = [
+    "__version__",
+    "build_info",
+    "distributed",
+    "has_ops",
+    "kernels",
+    "metrics",
+    "nn",
+    "ops",
+    "reference",
+    "transforms",
+]
 
 
 def __getattr__(name: str):

@@ -1,0 +1,119 @@
+"""Shared test vocabulary: devices, dtypes, and the checks every op's tests run.
+
+Test modules import these names (`from testing import DEVICES, assert_close_reduced, ...`);
+tests/ is on sys.path because pytest puts a rootdir-less test folder there.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# `cuda` tests are skipped, not dropped, where no GPU is visible (conftest.py), so a CPU run
+# reports what it left out.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+REDUCED_DTYPES = [torch.float16, torch.bfloat16]
+
+# Tolerances for comparing against a reference computed in the same dtype.
+TOLERANCES = {
+    torch.float64: dict(rtol=1e-10, atol=1e-12),
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.float16: dict(rtol=2e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, **overrides) -> None:
+    """`torch.testing.assert_close` with this project's per-dtype tolerances."""
+    tol = {**TOLERANCES[expected.dtype], **overrides}
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+def assert_close_reduced(actual: torch.Tensor, baseline: torch.Tensor, reference64: torch.Tensor) -> None:
+    """Reduced-precision rule: `actual`'s error against a float64 reference is at most twice
+    the error of `baseline` (the plain PyTorch composition computed in float32, rounded to
+    `actual`'s dtype), with one unit in the last place of the output as the floor."""
+    assert actual.dtype == baseline.dtype, (actual.dtype, baseline.dtype)
+    assert not actual.isnan().any() or reference64.isnan().any(), "NaN where the reference has none"
+    ref = reference64.double()
+    err = (actual.double() - ref).abs().max().item() if ref.numel() else 0.0
+    base = (baseline.double() - ref).abs().max().item() if ref.numel() else 0.0
+    ulp = torch.finfo(actual.dtype).eps * (ref.abs().max().item() if ref.numel() else 0.0)
+    assert err <= max(2 * base, ulp), f"error {err:.3g} > 2 x baseline error {base:.3g} (ulp floor {ulp:.3g})"
+
+
+def make_noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values as `t` in a tensor whose every dimension is strided (every other element)."""
+    big = torch.empty([2 * s for s in t.shape], dtype=t.dtype, device=t.device)
+    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    assert t.dim() == 0 or t.numel() <= 1 or not view.is_contiguous()
+    return view.requires_grad_(t.requires_grad)
+
+
+def check_gradcheck(fn, inputs: tuple, **kwargs) -> None:
+    """float64 `gradcheck` (and `gradgradcheck` is not claimed: backward ops are not differentiable)."""
+    assert all(not torch.is_tensor(x) or not x.is_floating_point() or x.dtype == torch.float64 for x in inputs)
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4, **kwargs)
+
+
+def check_opcheck(op, args: tuple, kwargs: dict | None = None) -> None:
+    """`torch.library.opcheck`: schema, fake kernel, autograd registration and AOT dispatch."""
+    torch.library.opcheck(op, args, kwargs or {})
+
+
+@functools.cache
+def compiled(fn, dynamic: bool = True):
+    """`torch.compile(fn, fullgraph=True)`; cached so parametrised tests share one compilation."""
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic)
+
+
+def check_compile(fn, *args, **kwargs) -> None:
+    """The compiled function (fullgraph, dynamic shapes) agrees with eager: its output and,
+    through the compiled backward graph, the gradients of the inputs that require them."""
+    leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+    eager = fn(*args, **kwargs)
+    out = compiled(fn)(*args, **kwargs)
+    torch.testing.assert_close(out, eager)
+    if leaves:
+        g = torch.randn_like(eager)
+        torch.testing.assert_close(torch.autograd.grad(out, leaves, g), torch.autograd.grad(eager, leaves, g))
+
+
+def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """fn on CUDA copies of `inputs` agrees with fn on the CPU tensors: the output and, for one
+    random upstream gradient, the gradients of the inputs at the positions `differentiable`
+    (default: every floating tensor). The two backends' kernels are separate code, so this is
+    the check that they compute the same function; a NaN must be NaN on both."""
+    if differentiable is None:
+        differentiable = [i for i, x in enumerate(inputs) if torch.is_tensor(x) and x.is_floating_point()]
+
+    def prepare(i, x, device):
+        return x.detach().to(device).requires_grad_(i in differentiable) if torch.is_tensor(x) else x
+
+    cpu = [prepare(i, x, "cpu") for i, x in enumerate(inputs)]
+    gpu = [prepare(i, x, "cuda") for i, x in enumerate(inputs)]
+    out_cpu, out_gpu = fn(*cpu), fn(*gpu)
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=atol, rtol=rtol, equal_nan=True)
+    g = torch.randn_like(out_cpu)
+    leaves_cpu = [x for x in cpu if torch.is_tensor(x) and x.requires_grad]
+    leaves_gpu = [x for x in gpu if torch.is_tensor(x) and x.requires_grad]
+    grads_cpu = torch.autograd.grad(out_cpu, leaves_cpu, g)
+    grads_gpu = torch.autograd.grad(out_gpu, leaves_gpu, g.cuda())
+    for a, b in zip(grads_gpu, grads_cpu, strict=False):
+        torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True)
+
+
+def assert_device_side_assert(code: str, message: str) -> None:
+    """Python `code` run in a fresh interpreter fails a device-side assertion that says
+    `message`. A device-side assert poisons the CUDA context of the process it fires in, so
+    tests that trigger one must not share the test process."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert "device-side assert" in output, output
+    assert message in output, output
