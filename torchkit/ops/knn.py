@@ -26,7 +26,7 @@ def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared:
             broadcast as in ``cdist``. ``None`` ranks each row of ``query`` against the
             other rows, never itself (leave-one-out, the protocol of CUB-200, Cars-196 and
             SOP).
-        k: the number of neighbours, ``1 <= k <= R`` (``R − 1`` without a gallery).
+        k: the number of neighbours, ``1 <= k <= R`` (``R - 1`` without a gallery).
         squared: return squared distances.
 
     Returns:

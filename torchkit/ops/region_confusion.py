@@ -103,7 +103,7 @@ def _check_rcm_settings(name: str, num_blocks: int, neighbourhood: int, image_kn
     if num_blocks < 1 and not image_known:
         raise ValueError(f"{name}: num_blocks must be >= 1, got {num_blocks}")
     if neighbourhood < 2:
-        # randint(−1, 1) draws offsets in {−1, 0}; a stable argsort of i + r then keeps every
+        # randint(-1, 1) draws offsets in {−1, 0}; a stable argsort of i + r then keeps every
         # block where it is (a tie keeps the lower index first), so k = 1 would silently
         # never shuffle.
         raise ValueError(
@@ -138,7 +138,7 @@ def _rcm_permutations(
 ) -> Tensor:
     """The cookbook's draws for `samples` images at once, as (samples, n²) block indices.
 
-    Per sample: offsets r ~ randint(−k, k) of shape (n, n) for the row pass, then another
+    Per sample: offsets r ~ randint(-k, k) of shape (n, n) for the row pass, then another
     (n, n) for the column pass, drawn in that order so that the sequence equals the
     reference's sample-by-sample loop. Row pass: σ[:, j] = argsort(i + r[:, j]); column
     pass: τ[i, :] = argsort(j + r'[i, :]); stable sorts. Output block (i, j) is input block
@@ -177,7 +177,7 @@ def region_confusion(
             ``channels_last``. If ``H`` or ``W`` is not divisible by ``n``, blocks are
             ``⌊H/n⌋ × ⌊W/n⌋`` and the remainder rows (bottom) and columns (right) stay put.
         num_blocks: ``n``, in ``[1, min(H, W)]``.
-        neighbourhood: ``k >= 2``; offsets are drawn from ``randint(−k, k)``, i.e. [−k, k−1]
+        neighbourhood: ``k >= 2``; offsets are drawn from ``randint(-k, k)``, i.e. [-k, k - 1]
             (with ``k = 1`` no block would ever move, so it is refused).
         generator: the source of randomness (the global CPU generator by default). Draws
             happen on the generator's device, so the same seed gives the same result for x
