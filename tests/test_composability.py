@@ -144,3 +144,30 @@ def test_torch_export(name):
     module = make_module()
     exported = torch.export.export(module, args)
     torch.testing.assert_close(exported.module()(*args), module(*args))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_eager_and_function_backward_formulas_agree(name):
+    """Eager autograd runs the raw op's own formula (C++ for cdist, bilinear_pool,
+    covariance_pool and the cross-entropy; register_autograd for the others); torch.func runs
+    the autograd.Function's Python backward. Both must give the same gradient."""
+    op, _, shape = CASES[name]
+    x = _x(*shape).requires_grad_()
+    out = op(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    (eager,) = torch.autograd.grad(out, x, g)
+    (function,) = torch.func.vjp(op, x.detach())[1](g)
+    torch.testing.assert_close(function, eager, rtol=1e-12, atol=1e-12)
+
+
+def test_transform_probe():
+    """The private-API probe that routes calls to the autograd.Function: off in plain code,
+    on under torch.func and inside a forward-AD dual level."""
+    from torchkit.ops._common import transform_or_forward_ad_active
+
+    assert not transform_or_forward_ad_active()
+    seen = []
+    torch.func.grad(lambda a: seen.append(transform_or_forward_ad_active()) or a.sum())(_x(3))
+    with fwAD.dual_level():
+        seen.append(transform_or_forward_ad_active())
+    assert seen == [True, True]

@@ -98,10 +98,23 @@ def differentiable(name: str, op, setup_context, backward, jvp=None):
         # registration does the same, and Function.apply would add ~50 µs of argument binding
         # to every call. torch.compile always traces the raw op (Dynamo cannot trace a
         # Function with a custom jvp).
-        if not torch.compiler.is_compiling() and (
-            torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
-        ):
+        if not torch.compiler.is_compiling() and transform_or_forward_ad_active():
             return fn.apply(*args)
         return op(*args)
 
     return apply
+
+
+# PyTorch has no public way to ask whether a torch.func transform or forward-mode AD is active;
+# these private symbols answer it. Where a torch release lacks them, every call takes the
+# Function, which is always correct (only slower).
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def transform_or_forward_ad_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, jvp, ...) or a forward-AD dual level is
+    active: then the ops must go through their autograd.Function."""
+    level = getattr(forward_ad, "_current_level", None)
+    if _functorch_active is None or level is None:
+        return True
+    return _functorch_active() or level >= 0
