@@ -410,3 +410,16 @@ def test_cuda_matches_cpu(dtype, shape1, shape2):
     x2 = None if shape2 is None else (100 + torch.randn(shape2, generator=g, dtype=torch.float64)).to(dtype)
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-4, rtol=1e-5)
     check_cuda_matches_cpu(lambda a, b: ops.cdist(a, b), x1, x2, **tol)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_under_compile(call, exc, match):
+    """The fake kernel refuses what the kernel refuses, with the kernel's message:
+    torch.compile(fullgraph=True) wraps it in its own error type."""
+    with pytest.raises(exc) as eager:
+        call()
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled_error:
+        torch.compile(call, fullgraph=True, dynamic=False)()
+    assert str(eager.value) in str(compiled_error.value)

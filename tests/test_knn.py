@@ -326,3 +326,16 @@ def test_cuda_matches_cpu(dtype, shape1, shape2, k):
     _, i_cpu = ops.knn(q, g, k)
     _, i_gpu = ops.knn(q.cuda(), None if g is None else g.cuda(), k)
     assert torch.equal(i_gpu.cpu(), i_cpu)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_under_compile(call, exc, match):
+    """The fake kernel refuses what the kernel refuses, with the kernel's message:
+    torch.compile(fullgraph=True) wraps it in its own error type."""
+    with pytest.raises(exc) as eager:
+        call()
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled_error:
+        torch.compile(call, fullgraph=True, dynamic=False)()
+    assert str(eager.value) in str(compiled_error.value)

@@ -47,9 +47,60 @@ def _cdist_shape(x1: Tensor, x2: Optional[Tensor]) -> tuple:
     return (*batch, x1.shape[-2], x2.shape[-2])
 
 
+# The names C++ messages print for dtypes (c10::ScalarType), for messages made in Python.
+_SCALAR_TYPE_NAMES = {
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+    torch.bool: "Bool",
+    torch.uint8: "Byte",
+    torch.int8: "Char",
+    torch.int16: "Short",
+    torch.int32: "Int",
+    torch.int64: "Long",
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
+
+
+def check_distance_inputs(op: str, name1: str, x1: Tensor, name2: str, x2: Optional[Tensor]) -> None:
+    """csrc/cdist.cpp's check_inputs, in the same order with the same messages, for the fake
+    kernels of cdist and knn: a bad input is refused with the eager message under
+    torch.compile too (tests/test_cdist.py and tests/test_knn.py hold the two together)."""
+    floating = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    if x1.dtype not in floating:
+        raise TypeError(f"{op}: {name1} must be float32, float64, float16 or bfloat16, got {_dtype_name(x1.dtype)}")
+    if x1.dim() < 2:
+        raise ValueError(f"{op}: {name1} must have at least 2 dimensions (*, P, M), got shape {list(x1.shape)}")
+    if x2 is None:
+        return
+    check_same_device(op, **{name1: x1, name2: x2})
+    if x2.dtype != x1.dtype:
+        got = f"{_dtype_name(x1.dtype)} and {_dtype_name(x2.dtype)}"
+        raise TypeError(f"{op}: {name1} and {name2} must have the same dtype, got {got}")
+    if x2.dim() < 2:
+        raise ValueError(f"{op}: {name2} must have at least 2 dimensions (*, R, M), got shape {list(x2.shape)}")
+    if x2.shape[-1] != x1.shape[-1]:
+        raise ValueError(
+            f"{op}: {name1} and {name2} must have the same number of features M (their last dimension), got "
+            f"{name1} of shape {list(x1.shape)} and {name2} of shape {list(x2.shape)}"
+        )
+    for s1, s2 in zip(reversed(x1.shape[:-2]), reversed(x2.shape[:-2]), strict=False):  # from the right
+        if s1 != s2 and s1 != 1 and s2 != 1:
+            raise ValueError(
+                f"{op}: the batch dimensions of {name1} and {name2} must broadcast, got {name1} of shape "
+                f"{list(x1.shape)} and {name2} of shape {list(x2.shape)}"
+            )
+
+
 @torch.library.register_fake("torchkit::cdist")
 def _(x1, x2, squared):
-    check_same_device("cdist", x1=x1, x2=x2)
+    check_distance_inputs("cdist", "x1", x1, "x2", x2)
     return x1.new_empty(_cdist_shape(x1, x2))
 
 

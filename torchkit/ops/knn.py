@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, as_int, check_bool, check_same_device, differentiable
+from torchkit.ops._common import acc_dtype, as_int, check_bool, differentiable
+from torchkit.ops.cdist import check_distance_inputs
 
 
 def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared: bool = False) -> tuple[Tensor, Tensor]:
@@ -53,10 +54,16 @@ def _knn_shape(query: Tensor, gallery: Optional[Tensor], k: int) -> tuple:
 
 @torch.library.register_fake("torchkit::knn")
 def _(query, gallery, k, squared):
-    check_same_device("knn", query=query, gallery=gallery)
-    R = query.shape[-2] - 1 if gallery is None else gallery.shape[-2]
-    torch._check(k >= 1, lambda: f"knn: k must be >= 1, got {k}")
-    torch._check(k <= R, lambda: f"knn: k must be <= {'P - 1' if gallery is None else 'R'} = {R}, got {k}")
+    check_distance_inputs("knn", "query", query, "gallery", gallery)
+    if k < 1:
+        raise ValueError(f"knn: k must be >= 1, got {k}")
+    if gallery is None and k > query.shape[-2] - 1:
+        raise ValueError(
+            f"knn: k must be <= P - 1 = {query.shape[-2] - 1} without a gallery (each row's neighbours are the "
+            f"other rows of query), got {k}"
+        )
+    if gallery is not None and k > gallery.shape[-2]:
+        raise ValueError(f"knn: k must be <= the gallery's size R = {gallery.shape[-2]}, got {k}")
     shape = _knn_shape(query, gallery, k)
     return query.new_empty(shape), query.new_empty(shape, dtype=torch.long)
 
