@@ -9,7 +9,7 @@
 #include "checks.h"
 #include "common.h"
 
-namespace torchkit::bilinear {
+namespace torchkit::bilinear_pool {
 
 namespace {
 
@@ -172,4 +172,4 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
 
 TORCH_LIBRARY_IMPL(torchkit, Autograd, m) { m.impl("bilinear_pool", &bilinear_pool_autograd); }
 
-}  // namespace torchkit::bilinear
+}  // namespace torchkit::bilinear_pool

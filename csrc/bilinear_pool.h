@@ -13,7 +13,7 @@
 
 #include <cmath>
 
-namespace torchkit::bilinear {
+namespace torchkit::bilinear_pool {
 
 constexpr const char* kOp = "bilinear_pool";
 
@@ -63,4 +63,4 @@ C10_HOST_DEVICE inline T grad_z(T o, T g, T dot, T norm, T l2_eps) {
   return ds / (T(2) * std::abs(o) * denom);
 }
 
-}  // namespace torchkit::bilinear
+}  // namespace torchkit::bilinear_pool

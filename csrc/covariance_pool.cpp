@@ -13,7 +13,7 @@
 #include "checks.h"
 #include "common.h"
 
-namespace torchkit::covariance {
+namespace torchkit::covariance_pool {
 
 namespace {
 
@@ -309,4 +309,4 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
 
 TORCH_LIBRARY_IMPL(torchkit, Autograd, m) { m.impl("covariance_pool", &covariance_pool_autograd); }
 
-}  // namespace torchkit::covariance
+}  // namespace torchkit::covariance_pool

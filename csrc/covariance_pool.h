@@ -22,7 +22,7 @@
 #include <functional>
 #include <optional>
 
-namespace torchkit::covariance {
+namespace torchkit::covariance_pool {
 
 constexpr const char* kOp = "covariance_pool";
 
@@ -89,4 +89,4 @@ at::Tensor symmetric_product_bmm(const at::Tensor& A, const at::Tensor& B, doubl
 std::tuple<at::Tensor, at::Tensor> sqrtm_backward_chain(const at::Tensor& A, const at::Tensor& Gf,
                                                         int64_t iterations);
 
-}  // namespace torchkit::covariance
+}  // namespace torchkit::covariance_pool

@@ -6,7 +6,7 @@
 
 #include "checks.h"
 
-namespace torchkit::rcm {
+namespace torchkit::region_confusion {
 
 Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, int64_t num_blocks) {
   TK_CHECK_VALUE(kOp, x.dim() == 3 || x.dim() == 4,
@@ -60,4 +60,4 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   m.def("permute_blocks(Tensor x, Tensor permutation, int num_blocks) -> Tensor");
 }
 
-}  // namespace torchkit::rcm
+}  // namespace torchkit::region_confusion

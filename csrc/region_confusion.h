@@ -9,7 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace torchkit::rcm {
+namespace torchkit::region_confusion {
 
 constexpr const char* kOp = "permute_blocks";
 
@@ -31,4 +31,4 @@ struct Prepared {
 };
 Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, int64_t num_blocks);
 
-}  // namespace torchkit::rcm
+}  // namespace torchkit::region_confusion

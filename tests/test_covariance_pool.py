@@ -14,6 +14,7 @@ from testing import (
     assert_close,
     assert_close_reduced,
     check_compile,
+    check_compiled_refuses_like_eager,
     check_cuda_matches_cpu,
     check_gradcheck,
     check_opcheck,
@@ -341,6 +342,12 @@ BAD = [
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_under_compile(monkeypatch, call, exc, match):
+    check_compiled_refuses_like_eager(monkeypatch, ["covariance_pool"], call)
 
 
 @pytest.mark.bad_input

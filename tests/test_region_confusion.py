@@ -3,7 +3,14 @@ reference and the cookbook's distribution."""
 
 import pytest
 import torch
-from testing import DEVICES, assert_device_side_assert, check_gradcheck, check_opcheck, compiled
+from testing import (
+    DEVICES,
+    assert_device_side_assert,
+    check_compiled_refuses_like_eager,
+    check_gradcheck,
+    check_opcheck,
+    compiled,
+)
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
@@ -357,6 +364,12 @@ BAD = [
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_under_compile(monkeypatch, call, exc, match):
+    check_compiled_refuses_like_eager(monkeypatch, ["region_confusion", "permute_blocks"], call)
 
 
 @pytest.mark.bad_input

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from torchkit import ops
+
 # `cuda` tests are skipped, not dropped, where no GPU is visible (conftest.py), so a CPU run
 # reports what it left out.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -83,6 +85,21 @@ def check_compile(fn, *args, **kwargs) -> None:
     if leaves:
         g = torch.randn_like(eager)
         torch.testing.assert_close(torch.autograd.grad(out, leaves, g), torch.autograd.grad(eager, leaves, g))
+
+
+def check_compiled_refuses_like_eager(monkeypatch, names: list[str], call) -> None:
+    """`call()` (which builds bad input eagerly and calls `torchkit.ops.<name>`) raises the
+    same message with each op compiled (fullgraph, static shapes) as eagerly: the fake kernels
+    refuse what the kernels refuse, or leave it to the kernel the compiled graph calls.
+    torch.compile may wrap the exception in its own type, so only the message is compared."""
+    with pytest.raises(Exception) as eager:
+        call()
+    torch._dynamo.reset()
+    for name in names:
+        monkeypatch.setattr(ops, name, torch.compile(getattr(ops, name), fullgraph=True, dynamic=False))
+    with pytest.raises(Exception) as compiled_error:
+        call()
+    assert str(eager.value) in str(compiled_error.value)
 
 
 def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5, rtol: float = 1e-5) -> None:

@@ -80,7 +80,7 @@ fi
 SECONDS=0
 # SIGINT at the limit: pytest still finishes the session and writes the JSON of what ran.
 TORCHKIT_BENCH_SECONDS=${TORCHKIT_BENCH_SECONDS:-0.3} timeout -s INT "${BENCH_LIMIT:-1200}" $PY -m pytest -m cuda -q -p no:cacheprovider \
-  benchmarks/bench_label_smoothing_ce.py benchmarks/bench_region_confusion.py benchmarks/bench_cdist.py \
+  benchmarks/bench_label_smoothing_cross_entropy.py benchmarks/bench_region_confusion.py benchmarks/bench_cdist.py \
   benchmarks/bench_bilinear_pool.py benchmarks/bench_covariance_pool.py benchmarks/bench_knn.py \
   --benchmark-json="$RESULTS/gpu.json" --benchmark-columns=median,rounds > "$LOGS/bench.log" 2>&1
 echo "benchmarks ($SECONDS s): $(tail -1 "$LOGS/bench.log")"

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from torchkit import ops
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
-from torchkit.ops.region_confusion import _check_probability, _check_rcm_args, _check_rcm_settings, _rcm_permutations
+from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
 __all__ = ["BilinearPool2d", "CDist", "CovariancePool2d", "LabelSmoothingCrossEntropy", "RegionConfusion"]
 
@@ -101,17 +101,17 @@ class RegionConfusion(nn.Module):
     def __init__(self, num_blocks: int = 7, neighbourhood: int = 2, p: float = 1.0) -> None:
         super().__init__()
         _check_probability("RegionConfusion", p)
-        _check_rcm_settings("RegionConfusion", num_blocks, neighbourhood)
+        _check_settings("RegionConfusion", num_blocks, neighbourhood)
         self.num_blocks = num_blocks
         self.neighbourhood = neighbourhood
         self.p = p
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        _check_rcm_args(x, self.num_blocks, self.neighbourhood)
+        _check_args(x, self.num_blocks, self.neighbourhood)
         samples = x.shape[0] if x.dim() == 4 else 1
         n2 = self.num_blocks**2
         if self.training and self.p > 0:
-            perm = _rcm_permutations(samples, self.num_blocks, self.neighbourhood, None, x.device, self.p)
+            perm = _draw_permutations(samples, self.num_blocks, self.neighbourhood, None, x.device, self.p)
             perm = perm if x.dim() == 4 else perm.squeeze(0)
             return ops.permute_blocks(x, perm, self.num_blocks), perm
         perm = torch.arange(n2, device=x.device).expand(samples, n2)

@@ -12,7 +12,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from torchkit import ops
-from torchkit.ops.region_confusion import _check_probability, _check_rcm_args, _check_rcm_settings, _rcm_permutations
+from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
 __all__ = ["RandomRegionConfusion"]
 
@@ -43,7 +43,7 @@ class RandomRegionConfusion(v2.Transform):
     ) -> None:
         super().__init__()
         _check_probability("RandomRegionConfusion", p)
-        _check_rcm_settings("RandomRegionConfusion", num_blocks, neighbourhood)
+        _check_settings("RandomRegionConfusion", num_blocks, neighbourhood)
         if permutation_key is not None and not isinstance(permutation_key, str):
             raise TypeError(
                 f"RandomRegionConfusion: permutation_key must be a str or None, got {type(permutation_key).__name__}"
@@ -90,8 +90,8 @@ class RandomRegionConfusion(v2.Transform):
         if image.dim() < 3:
             raise ValueError(f"RandomRegionConfusion: an image must be (..., C, H, W), got shape {tuple(image.shape)}")
         samples = math.prod(image.shape[:-3])
-        _check_rcm_args(image.reshape(-1, *image.shape[-3:]), self.num_blocks, self.neighbourhood)
-        perm = _rcm_permutations(samples, self.num_blocks, self.neighbourhood, None, image.device, self.p)
+        _check_args(image.reshape(-1, *image.shape[-3:]), self.num_blocks, self.neighbourhood)
+        perm = _draw_permutations(samples, self.num_blocks, self.neighbourhood, None, image.device, self.p)
         # What forward() hands out under permutation_key: shaped as the images' batch.
         self._permutation = perm.reshape(*image.shape[:-3], self.num_blocks**2)
         return dict(permutation=perm, samples=samples, size=tuple(image.shape[-2:]))

@@ -24,7 +24,7 @@
 #include "common.h"
 #include "cpu/memory.h"
 
-namespace torchkit::bilinear {
+namespace torchkit::bilinear_pool {
 namespace {
 
 using at::Tensor;
@@ -300,4 +300,4 @@ TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
   m.impl("_bilinear_pool_backward", &backward_cpu);
 }
 
-}  // namespace torchkit::bilinear
+}  // namespace torchkit::bilinear_pool

@@ -26,7 +26,7 @@
 #include "covariance_pool.h"
 #include "cpu/memory.h"
 
-namespace torchkit::covariance {
+namespace torchkit::covariance_pool {
 namespace {
 
 using at::Tensor;
@@ -316,4 +316,4 @@ TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
   m.impl("_covariance_pool_backward", &covariance_pool_backward_cpu);
 }
 
-}  // namespace torchkit::covariance
+}  // namespace torchkit::covariance_pool

@@ -6,7 +6,7 @@
 // new candidate must beat. Most entries fail the bar in a vectorised compare and cost
 // nothing more; the few that may pass are recomputed directly, Σ(a − b)², and compared
 // exactly, so the heap (and the output) holds exact values, ordered exactly. The heaps live in the
-// outputs' workspace (P × k per batch), the buffer is kTileBytes: never P × R. Each row is
+// outputs' workspace (P × k per batch), the buffer is kProductTileBytes: never P × R. Each row is
 // processed by one thread in gallery order, so the result is the same on any number of threads.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -31,9 +31,9 @@ using at::Tensor;
 using at::vec::Vectorized;
 using cpu::direct_sq;
 
-constexpr int64_t kTileBytes = 8 << 20;    // the GEMM's output tile: stays in the L3 cache
-constexpr int64_t kChunk = 4096;           // gallery rows per tile
-constexpr int64_t kSymmetricBlock = 1024;  // leave-one-out: square tiles of 4 MiB
+constexpr int64_t kProductTileBytes = 8 << 20;  // the GEMM's output tile: stays in the L3 cache
+constexpr int64_t kChunk = 4096;                // gallery rows per tile
+constexpr int64_t kSymmetricBlock = 1024;       // leave-one-out: square tiles of 4 MiB
 
 template <typename acc_t>
 struct Candidate {
@@ -240,7 +240,8 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
   using acc_t = at::opmath_type<scalar_t>;
   if (p.self) return knn_self_kernel<scalar_t>(p, c, k, dist, index);
   const int64_t chunk = std::min<int64_t>(kChunk, std::max<int64_t>(p.R, 1));
-  const int64_t rows = std::clamp<int64_t>(kTileBytes / (chunk * int64_t(sizeof(acc_t))), 16, 4096);
+  const int64_t rows =
+      std::clamp<int64_t>(kProductTileBytes / (chunk * int64_t(sizeof(acc_t))), 16, 4096);
   Tensor tile = at::empty({std::min(rows, p.P), chunk}, c.x1.options());
   std::vector<Candidate<acc_t>> heaps(std::min(rows, p.P) * k);
   std::vector<int64_t> sizes(std::min(rows, p.P));

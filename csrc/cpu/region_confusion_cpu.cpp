@@ -9,7 +9,7 @@
 #include "cpu/memory.h"
 #include "region_confusion.h"
 
-namespace torchkit::rcm {
+namespace torchkit::region_confusion {
 namespace {
 
 at::Tensor permute_blocks_cpu(const at::Tensor& x, const at::Tensor& permutation,
@@ -52,4 +52,4 @@ at::Tensor permute_blocks_cpu(const at::Tensor& x, const at::Tensor& permutation
 
 TORCH_LIBRARY_IMPL(torchkit, CPU, m) { m.impl("permute_blocks", &permute_blocks_cpu); }
 
-}  // namespace torchkit::rcm
+}  // namespace torchkit::region_confusion

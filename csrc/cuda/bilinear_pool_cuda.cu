@@ -16,7 +16,7 @@
 #include "common.h"
 #include "cuda/launch.h"
 
-namespace torchkit::bilinear {
+namespace torchkit::bilinear_pool {
 namespace {
 
 using at::Tensor;
@@ -168,4 +168,4 @@ TORCH_LIBRARY_IMPL(torchkit, CUDA, m) {
   m.impl("_bilinear_pool_backward", &backward_cuda);
 }
 
-}  // namespace torchkit::bilinear
+}  // namespace torchkit::bilinear_pool

@@ -7,7 +7,7 @@
 
 #include "covariance_pool.h"
 
-namespace torchkit::covariance {
+namespace torchkit::covariance_pool {
 namespace {
 
 using at::Tensor;
@@ -37,4 +37,4 @@ TORCH_LIBRARY_IMPL(torchkit, CUDA, m) {
   m.impl("_covariance_pool_backward", &covariance_pool_backward_cuda);
 }
 
-}  // namespace torchkit::covariance
+}  // namespace torchkit::covariance_pool

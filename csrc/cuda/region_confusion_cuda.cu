@@ -15,7 +15,7 @@
 #include "cuda/launch.h"
 #include "region_confusion.h"
 
-namespace torchkit::rcm {
+namespace torchkit::region_confusion {
 namespace {
 
 constexpr int kThreads = 256;
@@ -83,4 +83,4 @@ at::Tensor permute_blocks_cuda(const at::Tensor& x, const at::Tensor& permutatio
 
 TORCH_LIBRARY_IMPL(torchkit, CUDA, m) { m.impl("permute_blocks", &permute_blocks_cuda); }
 
-}  // namespace torchkit::rcm
+}  // namespace torchkit::region_confusion

@@ -8,7 +8,7 @@ from torchkit.ops.bilinear_pool import bilinear_pool
 from torchkit.ops.cdist import cdist
 from torchkit.ops.covariance_pool import covariance_pool
 from torchkit.ops.knn import knn
-from torchkit.ops.label_smoothing_ce import label_smoothing_cross_entropy
+from torchkit.ops.label_smoothing_cross_entropy import label_smoothing_cross_entropy
 from torchkit.ops.region_confusion import permute_blocks, region_confusion
 
 __all__ = [

@@ -35,6 +35,34 @@ def check_bool(op: str, name: str, value: Any) -> None:
         raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
 
 
+# The names C++ messages print for dtypes (c10::ScalarType), for messages made in Python.
+_SCALAR_TYPE_NAMES = {
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+    torch.bool: "Bool",
+    torch.uint8: "Byte",
+    torch.int8: "Char",
+    torch.int16: "Short",
+    torch.int32: "Int",
+    torch.int64: "Long",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the C++ checks print it (c10::ScalarType's name)."""
+    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
+
+
+def check_floating(op: str, name: str, x: Tensor) -> None:
+    """csrc/checks.h's check_floating, with its message, for the fake kernels."""
+    if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise TypeError(f"{op}: {name} must be float32, float64, float16 or bfloat16, got {dtype_name(x.dtype)}")
+
+
 def check_same_device(op: str, **tensors) -> None:
     """The fake kernels' device check, worded as csrc/checks.h's. A meta tensor mixed into a
     call on real tensors dispatches the whole call to the fake kernel, which must refuse it
@@ -103,6 +131,46 @@ def differentiable(name: str, op, setup_context, backward, jvp=None):
         return op(*args)
 
     return apply
+
+
+def _no_context(ctx, inputs, output) -> None:
+    return None
+
+
+def register_op(
+    name: str,
+    setup_context,
+    backward,
+    *,
+    jvp=None,
+    autograd_in_python: bool = False,
+    autocast_to: torch.dtype | None = None,
+):
+    """The registrations every op module ends with, after its fake kernels; returns the
+    callables its Python function and autograd formula use: ``(forward, backward_op)``.
+
+    - ``autograd_in_python``: the formula (``setup_context``, ``backward``) becomes the raw op's
+      Autograd kernel (``torch.library.register_autograd``). Otherwise the op has a C++ one
+      (``csrc/<op>.cpp``) and the formula here serves only ``torch.func`` and forward AD.
+    - ``torch.ops.torchkit._<name>_backward``, where the op has one, refuses double backward
+      and is wrapped like the forward (``backward_op``; None for an op without one).
+    - ``autocast_to``: the dtype the op runs in under autocast, on CPU and CUDA.
+
+    CONTRIBUTING.md tabulates which op uses which mechanism, and why.
+    """
+    ops = torch.ops.torchkit
+    if autograd_in_python:
+        torch.library.register_autograd(f"torchkit::{name}", backward, setup_context=setup_context)
+    forward = differentiable(name, getattr(ops, name).default, setup_context, backward, jvp)
+    backward_op = None
+    if hasattr(ops, f"_{name}_backward"):
+        refuse = no_double_backward(name)
+        torch.library.register_autograd(f"torchkit::_{name}_backward", refuse, setup_context=_no_context)
+        backward_op = differentiable(name, getattr(ops, f"_{name}_backward").default, _no_context, refuse)
+    if autocast_to is not None:
+        for device in ("cpu", "cuda"):
+            torch.library.register_autocast(f"torchkit::{name}", device, autocast_to)
+    return forward, backward_op
 
 
 # PyTorch has no public way to ask whether a torch.func transform or forward-mode AD is active;

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_same_device, differentiable, no_double_backward
+from torchkit.ops._common import acc_dtype, check_same_device, register_op
 
 
 def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> Tensor:
@@ -35,7 +35,7 @@ def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e
         >>> features = torch.relu(torch.randn(8, 512, 28, 28, requires_grad=True))
         >>> pooled = torchkit.ops.bilinear_pool(features)  # (8, 262144)
     """
-    out, _ = _bilinear_pool(x, y, float(sqrt_eps), float(l2_eps))
+    out, _ = _forward_op(x, y, float(sqrt_eps), float(l2_eps))
     return out
 
 
@@ -68,36 +68,20 @@ def _(grad, x, y, out, norm, sqrt_eps, l2_eps, output_mask):
 
 # The autograd formula. Eager autograd and torch.compile use its C++ form (csrc/bilinear_pool.cpp,
 # the op's Autograd kernel: no Python per call); this one serves the torch.func transforms.
-def _bilinear_setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output):
     x, y, sqrt_eps, l2_eps = inputs
     out, norm = output
     ctx.save_for_backward(x, y, out, norm)  # inputs, output and N norms: nothing N×D² more
     ctx.eps = (sqrt_eps, l2_eps)
 
 
-def _bilinear_backward(ctx, grad, _grad_norm):
+def _backward(ctx, grad, _grad_norm):
     x, y, out, norm = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], y is not None and ctx.needs_input_grad[1]]
-    gx, gy = _bilinear_pool_backward(grad, x, y, out, norm, *ctx.eps, mask)
+    gx, gy = _backward_op(grad, x, y, out, norm, *ctx.eps, mask)
     return (gx if mask[0] else None), (gy if mask[1] else None), None, None
 
 
-torch.library.register_autograd(
-    "torchkit::_bilinear_pool_backward",
-    no_double_backward("bilinear_pool"),
-    setup_context=lambda ctx, inputs, output: None,
-)
-_bilinear_pool = differentiable(
-    "bilinear_pool", torch.ops.torchkit.bilinear_pool.default, _bilinear_setup_context, _bilinear_backward
-)
-_bilinear_pool_backward = differentiable(
-    "bilinear_pool",
-    torch.ops.torchkit._bilinear_pool_backward.default,
-    lambda ctx, inputs, output: None,
-    no_double_backward("bilinear_pool"),
-)
-
 # Under autocast: a normalisation (signed sqrt, L2), as autocast runs norms: the result in
-# float32. (permute_blocks is a copy and keeps its dtype.)
-for _device in ("cpu", "cuda"):
-    torch.library.register_autocast("torchkit::bilinear_pool", _device, torch.float32)
+# float32.
+_forward_op, _backward_op = register_op("bilinear_pool", _setup_context, _backward, autocast_to=torch.float32)

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import check_bool, check_same_device, differentiable, no_double_backward
+from torchkit.ops._common import check_bool, check_floating, check_same_device, dtype_name, register_op
 
 
 def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
@@ -37,7 +37,7 @@ def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> 
         >>> nearest = d.argmin(1)
     """
     check_bool("cdist", "squared", squared)
-    return _cdist(x1, x2, squared)
+    return _forward_op(x1, x2, squared)
 
 
 def _cdist_shape(x1: Tensor, x2: Optional[Tensor]) -> tuple:
@@ -47,41 +47,18 @@ def _cdist_shape(x1: Tensor, x2: Optional[Tensor]) -> tuple:
     return (*batch, x1.shape[-2], x2.shape[-2])
 
 
-# The names C++ messages print for dtypes (c10::ScalarType), for messages made in Python.
-_SCALAR_TYPE_NAMES = {
-    torch.float32: "Float",
-    torch.float64: "Double",
-    torch.float16: "Half",
-    torch.bfloat16: "BFloat16",
-    torch.complex64: "ComplexFloat",
-    torch.complex128: "ComplexDouble",
-    torch.bool: "Bool",
-    torch.uint8: "Byte",
-    torch.int8: "Char",
-    torch.int16: "Short",
-    torch.int32: "Int",
-    torch.int64: "Long",
-}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
-
-
 def check_distance_inputs(op: str, name1: str, x1: Tensor, name2: str, x2: Optional[Tensor]) -> None:
     """csrc/cdist.cpp's check_inputs, in the same order with the same messages, for the fake
     kernels of cdist and knn: a bad input is refused with the eager message under
     torch.compile too (tests/test_cdist.py and tests/test_knn.py hold the two together)."""
-    floating = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-    if x1.dtype not in floating:
-        raise TypeError(f"{op}: {name1} must be float32, float64, float16 or bfloat16, got {_dtype_name(x1.dtype)}")
+    check_floating(op, name1, x1)
     if x1.dim() < 2:
         raise ValueError(f"{op}: {name1} must have at least 2 dimensions (*, P, M), got shape {list(x1.shape)}")
     if x2 is None:
         return
     check_same_device(op, **{name1: x1, name2: x2})
     if x2.dtype != x1.dtype:
-        got = f"{_dtype_name(x1.dtype)} and {_dtype_name(x2.dtype)}"
+        got = f"{dtype_name(x1.dtype)} and {dtype_name(x2.dtype)}"
         raise TypeError(f"{op}: {name1} and {name2} must have the same dtype, got {got}")
     if x2.dim() < 2:
         raise ValueError(f"{op}: {name2} must have at least 2 dimensions (*, R, M), got shape {list(x2.shape)}")
@@ -116,27 +93,18 @@ def _(grad, x1, x2, dist, squared, output_mask):
 
 # The autograd formula. Eager autograd and torch.compile use its C++ form (csrc/cdist.cpp,
 # the op's Autograd kernel: no Python per call); this one serves the torch.func transforms.
-def _cdist_setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output):
     x1, x2, squared = inputs
     ctx.save_for_backward(x1, x2, output)  # inputs and output only: no O(P·R·M) state
     ctx.squared = squared
 
 
-def _cdist_backward(ctx, grad):
+def _backward(ctx, grad):
     x1, x2, dist = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], x2 is not None and ctx.needs_input_grad[1]]
-    g1, g2 = _cdist_backward_op(grad, x1, x2, dist, ctx.squared, mask)
+    g1, g2 = _backward_op(grad, x1, x2, dist, ctx.squared, mask)
     return (g1 if mask[0] else None), (g2 if mask[1] else None), None
 
 
-torch.library.register_autograd(
-    "torchkit::_cdist_backward", no_double_backward("cdist"), setup_context=lambda ctx, inputs, output: None
-)
-_cdist = differentiable("cdist", torch.ops.torchkit.cdist.default, _cdist_setup_context, _cdist_backward)
-_cdist_backward_op = differentiable(
-    "cdist", torch.ops.torchkit._cdist_backward.default, lambda ctx, inputs, output: None, no_double_backward("cdist")
-)
-
 # Under autocast: as autocast runs torch.cdist: the expansion needs float32's digits.
-for _device in ("cpu", "cuda"):
-    torch.library.register_autocast("torchkit::cdist", _device, torch.float32)
+_forward_op, _backward_op = register_op("cdist", _setup_context, _backward, autocast_to=torch.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, as_int, check_bool, check_same_device, differentiable, no_double_backward
+from torchkit.ops._common import acc_dtype, as_int, check_bool, check_floating, check_same_device, register_op
 
 # The most Newton–Schulz steps a call may ask for (csrc/covariance_pool.h says why).
 MAX_ITERATIONS = 100
@@ -50,7 +50,7 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
     iterations = as_int("covariance_pool", "iterations", iterations)
     check_bool("covariance_pool", "sqrt", sqrt)
     check_bool("covariance_pool", "triu", triu)
-    out, _, _ = _covariance_pool(x, iterations, sqrt, triu)
+    out, _, _ = _forward_op(x, iterations, sqrt, triu)
     return out
 
 
@@ -63,15 +63,38 @@ def _channels_last(x: Tensor) -> bool:
     return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _check_inputs(x: Tensor, iterations: int) -> None:
+    """csrc/covariance_pool.cpp's check_inputs, in the same order with the same messages, for
+    the fake kernel: torch.compile refuses bad input as eager does (tests hold the two
+    together)."""
+    check_floating("covariance_pool", "x", x)
+    if x.dim() not in (3, 4):
+        raise ValueError(
+            f"covariance_pool: x must be a feature map (N, D, H, W) or (N, D, M), got shape {list(x.shape)}"
+        )
+    if not 1 <= iterations <= MAX_ITERATIONS:
+        raise ValueError(f"covariance_pool: iterations must be between 1 and {MAX_ITERATIONS}, got {iterations}")
+    N, D = x.shape[0], x.shape[1]
+    M = x.shape[2] if x.dim() == 3 else x.shape[2] * x.shape[3]
+    if M > _INT64_MAX:
+        raise ValueError(f"covariance_pool: x's H·W overflows int64, got shape {list(x.shape)}")
+    if M == 0:
+        raise ValueError(
+            "covariance_pool: x must have at least one spatial position (H·W > 0): the covariance is an "
+            f"average over them; got shape {list(x.shape)}"
+        )
+    if D * D > _INT64_MAX or N * D * D > _INT64_MAX:
+        raise ValueError(
+            f"covariance_pool: N·D·D (the covariances' size) must fit int64 indexing, got N = {N}, D = {D}"
+        )
+
+
 @torch.library.register_fake("torchkit::covariance_pool")
 def _(x, iterations, sqrt, triu):
-    torch._check(
-        x.dim() in (3, 4), lambda: f"covariance_pool: x must be (N, D, H, W) or (N, D, M), got {tuple(x.shape)}"
-    )
-    torch._check(
-        1 <= iterations <= MAX_ITERATIONS,
-        lambda: f"covariance_pool: iterations must be between 1 and {MAX_ITERATIONS}, got {iterations}",
-    )
+    _check_inputs(x, iterations)
     N, D = x.shape[0], x.shape[1]
     acc = acc_dtype(x)
     return x.new_empty(_output_shape(x, triu)), x.new_empty((N, D, D), dtype=acc), x.new_empty((N,), dtype=acc)
@@ -97,24 +120,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad, _grad_sigma, _grad_scale):
     x, sigma, scale = ctx.saved_tensors
-    return _covariance_pool_backward(grad, x, sigma, scale, *ctx.options), None, None, None
+    return _backward_op(grad, x, sigma, scale, *ctx.options), None, None, None
 
-
-torch.library.register_autograd(
-    "torchkit::_covariance_pool_backward",
-    no_double_backward("covariance_pool"),
-    setup_context=lambda ctx, inputs, output: None,
-)
-_covariance_pool = differentiable(
-    "covariance_pool", torch.ops.torchkit.covariance_pool.default, _setup_context, _backward
-)
-_covariance_pool_backward = differentiable(
-    "covariance_pool",
-    torch.ops.torchkit._covariance_pool_backward.default,
-    lambda ctx, inputs, output: None,
-    no_double_backward("covariance_pool"),
-)
 
 # Under autocast: a matrix function (a square root), as autocast runs linalg: in float32.
-for _device in ("cpu", "cuda"):
-    torch.library.register_autocast("torchkit::covariance_pool", _device, torch.float32)
+_forward_op, _backward_op = register_op("covariance_pool", _setup_context, _backward, autocast_to=torch.float32)

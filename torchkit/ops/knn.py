@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, as_int, check_bool, differentiable
+from torchkit.ops._common import acc_dtype, as_int, check_bool, register_op
 from torchkit.ops.cdist import check_distance_inputs
 
 
@@ -44,7 +44,7 @@ def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared:
         >>> distances, neighbours = torchkit.ops.knn(embeddings, k=8)  # leave-one-out
     """
     check_bool("knn", "squared", squared)
-    return _knn(query, gallery, as_int("knn", "k", k), squared)
+    return _forward_op(query, gallery, as_int("knn", "k", k), squared)
 
 
 def _knn_shape(query: Tensor, gallery: Optional[Tensor], k: int) -> tuple:
@@ -68,7 +68,7 @@ def _(query, gallery, k, squared):
     return query.new_empty(shape), query.new_empty(shape, dtype=torch.long)
 
 
-def _knn_setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output):
     query, gallery, _k, squared = inputs
     distances, indices = output
     ctx.mark_non_differentiable(indices)
@@ -76,7 +76,7 @@ def _knn_setup_context(ctx, inputs, output):
     ctx.squared = squared
 
 
-def _knn_backward(ctx, grad, _grad_indices):
+def _backward(ctx, grad, _grad_indices):
     """∂d/∂q_i = (q_i − g_j)/d (2·(q_i − g_j) squared), ∂d/∂g_j = −that, for the k pairs
     kept: a (*B, P, k, M) composition of PyTorch ops, differences taken directly from the
     inputs (exact far from the origin), 0 where d = 0 as in cdist."""
@@ -110,9 +110,5 @@ def _knn_backward(ctx, grad, _grad_indices):
     return grad_query, grad_gallery, None, None
 
 
-torch.library.register_autograd("torchkit::knn", _knn_backward, setup_context=_knn_setup_context)
-_knn = differentiable("knn", torch.ops.torchkit.knn.default, _knn_setup_context, _knn_backward)
-
 # Under autocast: in float32, as cdist.
-for _device in ("cpu", "cuda"):
-    torch.library.register_autocast("torchkit::knn", _device, torch.float32)
+_forward_op, _ = register_op("knn", _setup_context, _backward, autograd_in_python=True, autocast_to=torch.float32)

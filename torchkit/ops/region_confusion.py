@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import as_int, check_same_device, differentiable
+from torchkit.ops._common import as_int, check_same_device, register_op
 
 
 def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
@@ -27,7 +27,7 @@ def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
             fail a device-side assertion on CUDA).
         num_blocks: ``n``, in ``[1, min(H, W)]``.
     """
-    return _permute_blocks(x, permutation, num_blocks)
+    return _forward_op(x, permutation, num_blocks)
 
 
 def _permute_blocks_format(x: Tensor) -> torch.memory_format:
@@ -58,34 +58,27 @@ def _inverse_permutation(permutation: Tensor) -> Tensor:
     return torch.empty_like(index).scatter_(-1, index, ids)
 
 
-def _permute_blocks_setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output):
     _, permutation, num_blocks = inputs
     ctx.save_for_backward(permutation)
     ctx.save_for_forward(permutation)
     ctx.num_blocks = num_blocks
 
 
-def _permute_blocks_backward(ctx, grad):
+def _backward(ctx, grad):
     (permutation,) = ctx.saved_tensors
     # Linear, so its gradient is itself with the inverse permutation (and differentiable again).
     return permute_blocks(grad, _inverse_permutation(permutation), ctx.num_blocks), None, None
 
 
-def _permute_blocks_jvp(ctx, x_tangent, _permutation_tangent, _num_blocks_tangent):
+def _jvp(ctx, x_tangent, _permutation_tangent, _num_blocks_tangent):
     (permutation,) = ctx.saved_tensors
     return permute_blocks(x_tangent, permutation, ctx.num_blocks)  # linear: the op itself
 
 
-torch.library.register_autograd(
-    "torchkit::permute_blocks", _permute_blocks_backward, setup_context=_permute_blocks_setup_context
-)
-_permute_blocks = differentiable(
-    "permute_blocks",
-    torch.ops.torchkit.permute_blocks.default,
-    _permute_blocks_setup_context,
-    _permute_blocks_backward,
-    jvp=_permute_blocks_jvp,
-)
+_forward_op, _ = register_op(
+    "permute_blocks", _setup_context, _backward, jvp=_jvp, autograd_in_python=True
+)  # a copy: autocast leaves it alone
 
 
 def _check_probability(name: str, p: float) -> None:
@@ -95,9 +88,9 @@ def _check_probability(name: str, p: float) -> None:
         raise ValueError(f"{name}: p must be a probability in [0, 1], got {p}")
 
 
-def _check_rcm_settings(name: str, num_blocks: int, neighbourhood: int, image_known: bool = False) -> None:
+def _check_settings(name: str, num_blocks: int, neighbourhood: int, image_known: bool = False) -> None:
     """The settings every RCM entry point takes, checked where they are given (num_blocks'
-    upper bound, min(H, W), once the image is known: _check_rcm_args)."""
+    upper bound, min(H, W), once the image is known: _check_args)."""
     as_int(name, "num_blocks", num_blocks)
     as_int(name, "neighbourhood", neighbourhood)
     if num_blocks < 1 and not image_known:
@@ -120,8 +113,8 @@ def _check_generator(name: str, generator) -> None:
         )
 
 
-def _check_rcm_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
-    _check_rcm_settings("region_confusion", num_blocks, neighbourhood, image_known=True)
+def _check_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
+    _check_settings("region_confusion", num_blocks, neighbourhood, image_known=True)
     if x.dim() not in (3, 4):
         raise ValueError(
             f"region_confusion: x must be an image (C, H, W) or a batch (N, C, H, W), got shape {tuple(x.shape)}"
@@ -133,7 +126,7 @@ def _check_rcm_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
         )
 
 
-def _rcm_permutations(
+def _draw_permutations(
     samples: int, n: int, k: int, generator: Optional[torch.Generator], device, p: float = 1.0
 ) -> Tensor:
     """The cookbook's draws for `samples` images at once, as (samples, n²) block indices.
@@ -195,10 +188,10 @@ def region_confusion(
     """
     num_blocks = as_int("region_confusion", "num_blocks", num_blocks)
     neighbourhood = as_int("region_confusion", "neighbourhood", neighbourhood)
-    _check_rcm_args(x, num_blocks, neighbourhood)
+    _check_args(x, num_blocks, neighbourhood)
     _check_generator("region_confusion", generator)
     samples = x.shape[0] if x.dim() == 4 else 1
-    perm = _rcm_permutations(samples, num_blocks, neighbourhood, generator, x.device)
+    perm = _draw_permutations(samples, num_blocks, neighbourhood, generator, x.device)
     if x.dim() == 3:
         perm = perm.squeeze(0)
     return permute_blocks(x, perm, num_blocks), perm

@@ -19,9 +19,9 @@
 #include <cuda/std/limits>
 
 #include "cuda/launch.h"
-#include "label_smoothing_ce.h"
+#include "label_smoothing_cross_entropy.h"
 
-namespace torchkit::lsce {
+namespace torchkit::label_smoothing_cross_entropy {
 namespace {
 
 using at::Tensor;
@@ -32,7 +32,8 @@ constexpr int kUnroll = 8;  // elements each row-kernel thread loads before usin
 
 // Running sums over some of a row's classes (plain old data: it lives in shared memory):
 // the maximum, Σ exp(x − r), Σ w, Σ w·(x − r), Σ w·p and Σ w·p·(x − r), relative to
-// r = shift_ref(max), so that no sum carries the logits' magnitude (label_smoothing_ce.h).
+// r = shift_ref(max), so that no sum carries the logits' magnitude
+// (label_smoothing_cross_entropy.h).
 template <typename acc_t>
 struct State {
   acc_t max, sumexp, w, wx, wp, wpx;
@@ -451,4 +452,4 @@ TORCH_LIBRARY_IMPL(torchkit, CUDA, m) {
   m.impl("_label_smoothing_cross_entropy_backward", &backward_cuda);
 }
 
-}  // namespace torchkit::lsce
+}  // namespace torchkit::label_smoothing_cross_entropy

@@ -1,5 +1,5 @@
 // Label-smoothing cross-entropy: schemas, input checks and the device-agnostic reduction.
-#include "label_smoothing_ce.h"
+#include "label_smoothing_cross_entropy.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -9,7 +9,7 @@
 #include "checks.h"
 #include "common.h"
 
-namespace torchkit::lsce {
+namespace torchkit::label_smoothing_cross_entropy {
 
 namespace {
 
@@ -167,8 +167,8 @@ at::Tensor weight_sum(const Problem& p, const at::Tensor& input,
 
 namespace {
 
-// Autograd in C++: the formula that torchkit/ops/label_smoothing_ce.py gives the torch.func
-// transforms and forward-mode AD, without the Python a register_autograd formula runs on
+// Autograd in C++: the formula that torchkit/ops/label_smoothing_cross_entropy.py gives the
+// torch.func transforms and forward-mode AD, without the Python a register_autograd formula runs on
 // every call (~150 µs per forward and backward, a third of a 256 × 1000 batch's).
 class LsceFunction : public torch::autograd::Function<LsceFunction> {
  public:
@@ -235,7 +235,7 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> lsce_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> label_smoothing_cross_entropy_autograd(
     const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
     int64_t ignore_index, c10::string_view reduction, double label_smoothing, bool exclude_target) {
   // The backward gives weight no gradient; one that asks for it would silently get none.
@@ -265,7 +265,7 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
 }
 
 TORCH_LIBRARY_IMPL(torchkit, Autograd, m) {
-  m.impl("label_smoothing_cross_entropy", &lsce_autograd);
+  m.impl("label_smoothing_cross_entropy", &label_smoothing_cross_entropy_autograd);
 }
 
-}  // namespace torchkit::lsce
+}  // namespace torchkit::label_smoothing_cross_entropy

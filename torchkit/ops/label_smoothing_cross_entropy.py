@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_same_device, differentiable, no_double_backward
+from torchkit.ops._common import acc_dtype, check_floating, check_same_device, register_op
 
 
 def label_smoothing_cross_entropy(
@@ -62,24 +62,29 @@ def label_smoothing_cross_entropy(
     """
     if target.dtype in (torch.uint8, torch.int8, torch.int16):
         target = target.long()
-    loss, _, _ = _label_smoothing_cross_entropy(
-        input, target, weight, ignore_index, reduction, float(label_smoothing), exclude_target
-    )
+    loss, _, _ = _forward_op(input, target, weight, ignore_index, reduction, float(label_smoothing), exclude_target)
     return loss
 
 
-def _lsce_positions(input: Tensor) -> tuple:
+def _positions(input: Tensor) -> tuple:
     return () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
 
 
 @torch.library.register_fake("torchkit::label_smoothing_cross_entropy")
 def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target):
+    # What the shapes below need of csrc/label_smoothing_cross_entropy.cpp's checks, with its
+    # messages; the rest the kernel checks when the compiled graph calls it.
+    check_floating("label_smoothing_cross_entropy", "input", input)
+    if input.dim() == 0:
+        raise ValueError(
+            "label_smoothing_cross_entropy: input must have shape (C), (N, C) or (N, C, d1, ..., dk), got a 0-d tensor"
+        )
     check_same_device("label_smoothing_cross_entropy", input=input, target=target, weight=weight)
-    positions = _lsce_positions(input)
+    positions = _positions(input)
     acc = acc_dtype(input)
     loss = input.new_empty(positions if reduction == "none" else ())
     # lse is float64 for every input dtype: the backward splits it into hi + lo
-    # (csrc/label_smoothing_ce.h, split_lse) to stay exact at any shift of the logits.
+    # (csrc/label_smoothing_cross_entropy.h, split_lse) to stay exact at any shift of the logits.
     lse = input.new_empty(positions, dtype=torch.float64)
     return loss, lse, input.new_empty((), dtype=acc)
 
@@ -99,9 +104,9 @@ def _(grad, input, target, weight, lse, total_weight, ignore_index, reduction, l
 
 
 # The autograd formula. Eager autograd and torch.compile use its C++ form
-# (csrc/label_smoothing_ce.cpp, the op's Autograd kernel: no Python per call); this one serves
+# (csrc/label_smoothing_cross_entropy.cpp, the op's Autograd kernel: no Python per call); this one serves
 # the torch.func transforms and forward-mode AD.
-def _lsce_setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output):
     input, target, weight, ignore_index, reduction, label_smoothing, exclude_target = inputs
     # Here, not in the Python function, so that the raw op refuses it too: the backward gives
     # weight no gradient, and one that asks for it would silently get none.
@@ -113,12 +118,12 @@ def _lsce_setup_context(ctx, inputs, output):
     _, lse, total_weight = output
     # Only the inputs (no copies), per-position lse and the mean's denominator.
     ctx.save_for_backward(input, target, weight, lse, total_weight)
-    ctx.save_for_forward(input, target, weight, lse, total_weight)  # for _lsce_jvp
+    ctx.save_for_forward(input, target, weight, lse, total_weight)  # for _jvp
     ctx.mark_non_differentiable(lse, total_weight)  # what the backward needs, not results
     ctx.args = (ignore_index, reduction, label_smoothing, exclude_target)
 
 
-def _lsce_target_grad(ctx, grad, input, weight, lse, total_weight) -> Tensor:
+def _target_grad(ctx, grad, input, weight, lse, total_weight) -> Tensor:
     """Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse − x_c), a the target coefficient, times
     the upstream gradient, in float64 as lse is (lse − x_c in float32 would round at the
     logits' magnitude)."""
@@ -135,17 +140,17 @@ def _lsce_target_grad(ctx, grad, input, weight, lse, total_weight) -> Tensor:
     return scale * a * w * (lse.unsqueeze(class_dim) - input.double())
 
 
-def _lsce_backward(ctx, grad, _grad_lse, _grad_total_weight):
+def _backward(ctx, grad, _grad_lse, _grad_total_weight):
     input, target, weight, lse, total_weight = ctx.saved_tensors
     grad_input = grad_target = None
     if ctx.needs_input_grad[0]:
-        grad_input = _lsce_backward_op(grad, input, target, weight, lse, total_weight, *ctx.args)
+        grad_input = _backward_op(grad, input, target, weight, lse, total_weight, *ctx.args)
     if ctx.needs_input_grad[1]:
-        grad_target = _lsce_target_grad(ctx, grad, input, weight, lse, total_weight).to(target.dtype)
+        grad_target = _target_grad(ctx, grad, input, weight, lse, total_weight).to(target.dtype)
     return grad_input, grad_target, None, None, None, None, None
 
 
-def _lsce_jvp(ctx, input_tangent, target_tangent, *_):
+def _jvp(ctx, input_tangent, target_tangent, *_):
     """The loss's tangent: its gradient (the backward kernel with a unit upstream gradient)
     dotted with the tangents, per position for reduction="none"."""
     input, target, weight, lse, total_weight = ctx.saved_tensors
@@ -155,33 +160,15 @@ def _lsce_jvp(ctx, input_tangent, target_tangent, *_):
     dims = (class_dim,) if reduction == "none" else tuple(range(input.dim()))
     tangent = None
     if input_tangent is not None:
-        g = _lsce_backward_op(unit, input, target, weight, lse, total_weight, *ctx.args)
+        g = _backward_op(unit, input, target, weight, lse, total_weight, *ctx.args)
         tangent = (g.to(lse.dtype) * input_tangent.to(lse.dtype)).sum(dims)
     if target_tangent is not None:
-        t = (_lsce_target_grad(ctx, unit, input, weight, lse, total_weight) * target_tangent.double()).sum(dims)
+        t = (_target_grad(ctx, unit, input, weight, lse, total_weight) * target_tangent.double()).sum(dims)
         tangent = t if tangent is None else tangent + t
     return (None if tangent is None else tangent.to(input.dtype)), None, None
 
 
-torch.library.register_autograd(
-    "torchkit::_label_smoothing_cross_entropy_backward",
-    no_double_backward("label_smoothing_cross_entropy"),
-    setup_context=lambda ctx, inputs, output: None,
-)
-_label_smoothing_cross_entropy = differentiable(
-    "label_smoothing_cross_entropy",
-    torch.ops.torchkit.label_smoothing_cross_entropy.default,
-    _lsce_setup_context,
-    _lsce_backward,
-    jvp=_lsce_jvp,
-)
-_lsce_backward_op = differentiable(
-    "label_smoothing_cross_entropy",
-    torch.ops.torchkit._label_smoothing_cross_entropy_backward.default,
-    lambda ctx, inputs, output: None,
-    no_double_backward("label_smoothing_cross_entropy"),
-)
-
 # Under autocast: a loss, as autocast runs F.cross_entropy: the logits and the result in float32.
-for _device in ("cpu", "cuda"):
-    torch.library.register_autocast("torchkit::label_smoothing_cross_entropy", _device, torch.float32)
+_forward_op, _backward_op = register_op(
+    "label_smoothing_cross_entropy", _setup_context, _backward, jvp=_jvp, autocast_to=torch.float32
+)

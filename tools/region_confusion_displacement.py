@@ -1,6 +1,6 @@
 """How far torchkit's region confusion moves blocks, per neighbourhood k (README's RCM table).
 
-    python tools/rcm_displacement.py [--blocks 7] [--draws 20000]
+    python tools/region_confusion_displacement.py [--blocks 7] [--draws 20000]
 
 For each k: the fraction of blocks that move, the largest displacement (in block rows or
 columns, whichever is larger), and its mean over the moved blocks, over `draws` images.

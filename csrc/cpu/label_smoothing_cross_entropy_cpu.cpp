@@ -21,9 +21,9 @@
 
 #include "checks.h"
 #include "cpu/memory.h"
-#include "label_smoothing_ce.h"
+#include "label_smoothing_cross_entropy.h"
 
-namespace torchkit::lsce {
+namespace torchkit::label_smoothing_cross_entropy {
 namespace {
 
 using at::Tensor;
@@ -558,4 +558,4 @@ TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
   m.impl("_label_smoothing_cross_entropy_backward", &backward_cpu);
 }
 
-}  // namespace torchkit::lsce
+}  // namespace torchkit::label_smoothing_cross_entropy

@@ -86,7 +86,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("case,shape,dtype,device", CPU_CASES + GPU_CASES)
-def test_label_smoothing_ce(benchmark, case, shape, dtype, device, impl, pass_):
+def test_label_smoothing_cross_entropy(benchmark, case, shape, dtype, device, impl, pass_):
     if impl == "timm" and (len(shape) != 2 or timm_loss() is None):
         pytest.skip("timm's loss takes (N, C) inputs only (or timm is not installed)")
     if impl == "Liger-Kernel" and (device != "cuda" or len(shape) != 2 or not has_liger()):

@@ -20,7 +20,7 @@
 #include <tuple>
 #include <type_traits>
 
-namespace torchkit::lsce {
+namespace torchkit::label_smoothing_cross_entropy {
 
 constexpr const char* kOp = "label_smoothing_cross_entropy";
 
@@ -135,4 +135,4 @@ void dispatch(const Problem& p, const at::Tensor& input, const at::Tensor& targe
   });
 }
 
-}  // namespace torchkit::lsce
+}  // namespace torchkit::label_smoothing_cross_entropy

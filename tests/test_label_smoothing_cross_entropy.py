@@ -13,6 +13,7 @@ from testing import (
     assert_close_reduced,
     assert_device_side_assert,
     check_compile,
+    check_compiled_refuses_like_eager,
     check_cuda_matches_cpu,
     check_gradcheck,
     check_opcheck,
@@ -465,6 +466,14 @@ BAD = [
 def test_bad_input(x, t, kw, exc, match):
     with pytest.raises(exc, match=match):
         ops.label_smoothing_cross_entropy(x, t, **kw)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("x,t,kw,exc,match", BAD)
+def test_bad_input_under_compile(monkeypatch, x, t, kw, exc, match):
+    check_compiled_refuses_like_eager(
+        monkeypatch, ["label_smoothing_cross_entropy"], lambda: ops.label_smoothing_cross_entropy(x, t, **kw)
+    )
 
 
 @pytest.mark.bad_input
