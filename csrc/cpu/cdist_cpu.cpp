@@ -244,92 +244,149 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
   return sum;
 }
 
+// The backward's scratch for one tile of rows: G' (with the recomputed entries taken out),
+// each row's direct x1 half and row sum, and G''s column sums, one partial sum per block of
+// kColumnBlock rows, added in block order so that the sums do not depend on the number of
+// threads.
+template <typename acc_t>
+struct BackwardTile {
+  BackwardTile(const Problem& p, int64_t rows, bool column_sums, const at::TensorOptions& options)
+      : gp(at::empty({rows, p.R}, options)),
+        d1(at::empty({rows, p.M}, options)),
+        rowsum(rows),
+        has_d1(rows),
+        blocks((rows + kColumnBlock - 1) / kColumnBlock) {
+    if (column_sums) {
+      colsum = at::empty({p.R, 1}, options);
+      partial = at::empty({blocks, p.R}, options);
+    }
+  }
+  Tensor gp, d1, colsum, partial;
+  std::vector<acc_t> rowsum;
+  std::vector<char> has_d1;  // char, not bool: threads write neighbouring rows
+  int64_t blocks;
+};
+
+// Step 1: G' for rows [i0, i0 + n) of batch b (scaled_grad_row), and the tile's column sums
+// added to colsum.
+template <typename scalar_t, typename acc_t>
+void scale_tile(const Problem& p, const Centred& c, const GradInput& grad, const Tensor& dist,
+                int64_t b, int64_t i0, int64_t n, BackwardTile<acc_t>& t,
+                std::vector<std::vector<Direct<acc_t>>>& queued) {
+  const scalar_t* grad_p = grad.tensor.const_data_ptr<scalar_t>();
+  const scalar_t* dist_p = dist.const_data_ptr<scalar_t>();
+  const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
+  const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
+  const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
+  const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
+  acc_t* part = t.partial.defined() ? t.partial.template data_ptr<acc_t>() : nullptr;
+  const int64_t off = (b * p.P + i0) * p.R, gs = grad.stride;
+  const int64_t tile_blocks = (n + kColumnBlock - 1) / kColumnBlock;
+  at::parallel_for(
+      0, tile_blocks, cpu::rows_per_task(kColumnBlock * p.R), [&](int64_t bb, int64_t be) {
+        auto& direct = queued[at::get_thread_num()];
+        for (int64_t blk = bb; blk < be; ++blk) {
+          acc_t* block_sum = part ? part + blk * p.R : nullptr;
+          if (block_sum) std::fill(block_sum, block_sum + p.R, acc_t(0));
+          for (int64_t i = blk * kColumnBlock; i < std::min(n, (blk + 1) * kColumnBlock); ++i) {
+            bool touched;
+            t.rowsum[i] = scaled_grad_row<scalar_t, acc_t>(
+                grad_p + (off + i * p.R) * gs, gs, dist_p + off + i * p.R, na[i0 + i], nb,
+                xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared,
+                t.gp.template data_ptr<acc_t>() + i * p.R, block_sum,
+                t.d1.template data_ptr<acc_t>() + i * p.M, touched, direct);
+            t.has_d1[i] = touched;
+          }
+        }
+      });
+  if (!part) return;
+  acc_t* cs = t.colsum.template data_ptr<acc_t>();
+  at::parallel_for(0, p.R, at::internal::GRAIN_SIZE / std::max<int64_t>(tile_blocks, 1),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t blk = 0; blk < tile_blocks; ++blk) {
+                       const acc_t* src = part + blk * p.R;
+                       for (int64_t j = begin; j < end; ++j) cs[j] += src[j];
+                     }
+                   });
+}
+
+// Step 2: grad_x1's rows [i0, i0 + n) = rowsum·x1 − G'·x2 (+ the direct entries' x1 half),
+// G'·x2 by BLAS straight into them.
+template <typename acc_t>
+void grad_x1_rows(const Problem& p, const Centred& c, int64_t b, int64_t i0, int64_t n,
+                  const BackwardTile<acc_t>& t, Tensor& g1) {
+  Tensor rows = g1[b].narrow(0, i0, n);
+  at::mm_out(rows, t.gp.narrow(0, 0, n), c.x2[b]);
+  acc_t* out = rows.data_ptr<acc_t>();
+  const acc_t* xc1 = c.x1[b].const_data_ptr<acc_t>();
+  const acc_t* d1 = t.d1.template const_data_ptr<acc_t>();
+  at::parallel_for(0, n, cpu::rows_per_task(p.M), [&](int64_t begin, int64_t end) {
+    using V = Vectorized<acc_t>;
+    for (int64_t i = begin; i < end; ++i) {
+      const V rs(t.rowsum[i]);
+      const acc_t* x = xc1 + (i0 + i) * p.M;
+      const acc_t* d = d1 + i * p.M;
+      acc_t* o = out + i * p.M;
+      int64_t k = 0;
+      for (; k + V::size() <= p.M; k += V::size()) {
+        V v = at::vec::fmsub(rs, V::loadu(x + k), V::loadu(o + k));
+        if (t.has_d1[i]) v = v + V::loadu(d + k);
+        v.store(o + k);
+      }
+      for (; k < p.M; ++k) o[k] = t.rowsum[i] * x[k] - o[k] + (t.has_d1[i] ? d[k] : acc_t(0));
+    }
+  });
+}
+
+// Step 4: the direct entries' x2 half, −G'·(a − b) into row j of grad_x2, in (j, i) order on
+// any number of threads (bitwise reproducible), each j on one thread.
+template <typename acc_t>
+void add_direct_to_grad_x2(const Problem& p, const Centred& c, int64_t b,
+                           std::vector<std::vector<Direct<acc_t>>>& queued, Tensor& g2) {
+  std::vector<Direct<acc_t>> direct;
+  for (auto& q : queued) {
+    direct.insert(direct.end(), q.begin(), q.end());
+    q.clear();
+  }
+  if (!g2.defined() || direct.empty()) return;
+  std::sort(direct.begin(), direct.end(), [](const Direct<acc_t>& l, const Direct<acc_t>& r) {
+    return l.j != r.j ? l.j < r.j : l.i < r.i;
+  });
+  const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
+  const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
+  acc_t* g2b = g2[b].data_ptr<acc_t>();
+  const int64_t count = static_cast<int64_t>(direct.size());
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    // A task starts at the first entry of a column: a column is never split between tasks.
+    int64_t e = begin;
+    while (e > 0 && e < end && direct[e].j == direct[e - 1].j) ++e;
+    if (e == end) return;  // all of the previous task's column
+    for (; e < count && (e < end || direct[e].j == direct[e - 1].j); ++e) {
+      const Direct<acc_t>& d = direct[e];
+      const acc_t* a = xa + d.i * p.M;
+      const acc_t* bj = xb + d.j * p.M;
+      acc_t* out = g2b + d.j * p.M;
+      for (int64_t k = 0; k < p.M; ++k) out[k] -= d.v * (a[k] - bj[k]);
+    }
+  });
+}
+
 template <typename scalar_t>
 void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, const Tensor& dist,
                      Tensor& g1, Tensor& g2) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t rows = tile_rows(p.R, sizeof(acc_t));
-  Tensor gp = at::empty({std::min(rows, p.P), p.R}, c.x1.options());
-  Tensor d1 = at::empty({std::min(rows, p.P), p.M}, c.x1.options());
-  std::vector<acc_t> rowsum(std::min(rows, p.P));
-  std::vector<char> has_d1(std::min(rows, p.P));  // char: threads write neighbouring rows
-  // G''s column sums: one partial sum per block of kColumnBlock rows, added in block order,
-  // so that the sums do not depend on the number of threads.
-  const int64_t blocks = (std::min(rows, p.P) + kColumnBlock - 1) / kColumnBlock;
-  Tensor colsum, partial;
-  if (g2.defined()) {
-    colsum = at::empty({p.R, 1}, c.x1.options());
-    partial = at::empty({blocks, p.R}, c.x1.options());
-  }
-  acc_t* cs = g2.defined() ? colsum.data_ptr<acc_t>() : nullptr;
-  acc_t* part = g2.defined() ? partial.data_ptr<acc_t>() : nullptr;
-  const scalar_t* grad_p = grad.tensor.const_data_ptr<scalar_t>();
-  const int64_t gs = grad.stride;
-  const scalar_t* dist_p = dist.const_data_ptr<scalar_t>();
-  acc_t* gp_p = gp.data_ptr<acc_t>();
-  acc_t* d1_p = d1.data_ptr<acc_t>();
+  BackwardTile<acc_t> t(p, std::min(rows, p.P), g2.defined(), c.x1.options());
   std::vector<std::vector<Direct<acc_t>>> queued(at::get_num_threads());
   for (int64_t b = 0; b < p.B; ++b) {
-    const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
-    const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
-    const acc_t* xc1 = c.x1[b].const_data_ptr<acc_t>();
-    const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
-    const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
-    if (cs) std::fill(cs, cs + p.R, acc_t(0));
+    if (g2.defined()) t.colsum.zero_();
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
-      const int64_t off = (b * p.P + i0) * p.R;
-      const int64_t tile_blocks = (n + kColumnBlock - 1) / kColumnBlock;
-      at::parallel_for(
-          0, tile_blocks, cpu::rows_per_task(kColumnBlock * p.R), [&](int64_t bb, int64_t be) {
-            auto& direct = queued[at::get_thread_num()];
-            for (int64_t blk = bb; blk < be; ++blk) {
-              acc_t* block_sum = part ? part + blk * p.R : nullptr;
-              if (block_sum) std::fill(block_sum, block_sum + p.R, acc_t(0));
-              for (int64_t i = blk * kColumnBlock; i < std::min(n, (blk + 1) * kColumnBlock); ++i) {
-                bool touched;
-                rowsum[i] = scaled_grad_row<scalar_t, acc_t>(
-                    grad_p + (off + i * p.R) * gs, gs, dist_p + off + i * p.R, na[i0 + i], nb,
-                    xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared, gp_p + i * p.R, block_sum,
-                    d1_p + i * p.M, touched, direct);
-                has_d1[i] = touched;
-              }
-            }
-          });
-      if (cs) {
-        at::parallel_for(0, p.R, at::internal::GRAIN_SIZE / std::max<int64_t>(tile_blocks, 1),
-                         [&](int64_t begin, int64_t end) {
-                           for (int64_t blk = 0; blk < tile_blocks; ++blk) {
-                             const acc_t* src = part + blk * p.R;
-                             for (int64_t j = begin; j < end; ++j) cs[j] += src[j];
-                           }
-                         });
-      }
-      const Tensor G = gp.narrow(0, 0, n);
-      const Tensor xc = c.x1[b].narrow(0, i0, n);
-      if (g1.defined()) {  // G'·x2 by BLAS, then rowsum·x1 − G'·x2 (+ the direct entries)
-        Tensor g1_rows = g1[b].narrow(0, i0, n);
-        at::mm_out(g1_rows, G, c.x2[b]);
-        acc_t* out = g1_rows.data_ptr<acc_t>();
-        at::parallel_for(0, n, cpu::rows_per_task(p.M), [&](int64_t begin, int64_t end) {
-          using V = Vectorized<acc_t>;
-          for (int64_t i = begin; i < end; ++i) {
-            const V rs(rowsum[i]);
-            const acc_t* x = xc1 + (i0 + i) * p.M;
-            const acc_t* d = d1_p + i * p.M;
-            acc_t* o = out + i * p.M;
-            int64_t k = 0;
-            for (; k + V::size() <= p.M; k += V::size()) {
-              V v = at::vec::fmsub(rs, V::loadu(x + k), V::loadu(o + k));
-              if (has_d1[i]) v = v + V::loadu(d + k);
-              v.store(o + k);
-            }
-            for (; k < p.M; ++k) o[k] = rowsum[i] * x[k] - o[k] + (has_d1[i] ? d[k] : acc_t(0));
-          }
-        });
-      }
-      if (g2.defined()) {  // G'ᵀ·x1, over the tiles
+      scale_tile<scalar_t, acc_t>(p, c, grad, dist, b, i0, n, t, queued);
+      if (g1.defined()) grad_x1_rows<acc_t>(p, c, b, i0, n, t, g1);
+      if (g2.defined()) {  // Step 3: G'ᵀ·x1, accumulated over the tiles
         Tensor g2b = g2[b];
+        const Tensor G = t.gp.narrow(0, 0, n), xc = c.x1[b].narrow(0, i0, n);
         if (i0 == 0) {
           at::mm_out(g2b, G.t(), xc);
         } else {
@@ -337,33 +394,8 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
         }
       }
     }
-    if (g2.defined()) g2[b].neg_().addcmul_(colsum, c.x2[b]);  // colsum·x2 − G'ᵀ·x1
-    // The direct entries' x2 half: −G'·(a − b) into row j of grad_x2, in (j, i) order on
-    // any number of threads (bitwise reproducible), each j on one thread.
-    std::vector<Direct<acc_t>> direct;
-    for (auto& q : queued) {
-      direct.insert(direct.end(), q.begin(), q.end());
-      q.clear();
-    }
-    if (!g2.defined() || direct.empty()) continue;
-    std::sort(direct.begin(), direct.end(), [](const Direct<acc_t>& l, const Direct<acc_t>& r) {
-      return l.j != r.j ? l.j < r.j : l.i < r.i;
-    });
-    acc_t* g2b = g2[b].data_ptr<acc_t>();
-    const int64_t count = static_cast<int64_t>(direct.size());
-    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
-      // A task starts at the first entry of a column: a column is never split between tasks.
-      int64_t e = begin;
-      while (e > 0 && e < end && direct[e].j == direct[e - 1].j) ++e;
-      if (e == end) return;  // all of the previous task's column
-      for (; e < count && (e < end || direct[e].j == direct[e - 1].j); ++e) {
-        const Direct<acc_t>& d = direct[e];
-        const acc_t* a = xa + d.i * p.M;
-        const acc_t* bj = xb + d.j * p.M;
-        acc_t* out = g2b + d.j * p.M;
-        for (int64_t k = 0; k < p.M; ++k) out[k] -= d.v * (a[k] - bj[k]);
-      }
-    });
+    if (g2.defined()) g2[b].neg_().addcmul_(t.colsum, c.x2[b]);  // colsum·x2 − G'ᵀ·x1
+    add_direct_to_grad_x2<acc_t>(p, c, b, queued, g2);
   }
 }
 
