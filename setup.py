@@ -17,14 +17,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from packaging.version import Version
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = Path(__file__).resolve().parent  # absolute: ninja compiles from the build directory
 LIBRARY = "torchkit"
-# torch supports limited-API (abi3) extensions from 2.6; ours never touches Python objects.
-PY_LIMITED_API = Version(torch.__version__).release >= (2, 6)
 
 
 def _cuda_wanted() -> tuple[bool, str]:
@@ -98,7 +95,7 @@ def make_extension():
     if use_cuda:
         sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
 
-    # The C++ standard is left to torch: 2.4 builds with C++17, newer releases need C++20.
+    # The C++ standard is left to torch: 2.8 builds with C++17, later releases with C++20.
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # Build facts that torchkit.build_info() reports; compiled in so they travel with the .so.
     info = [
@@ -127,7 +124,6 @@ def make_extension():
         f"  CPU ISA        {isa}\n"
         f"  debug          {debug}\n"
         f"  sanitizer      {sanitize or '-'}\n"
-        f"  limited API    {PY_LIMITED_API}\n"
         f"  sources        {len(sources)}",
         flush=True,
     )
@@ -138,7 +134,7 @@ def make_extension():
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args=extra_compile_args,
         extra_link_args=([] if debug else ["-Wl,-O1"]) + sanitizer_flags + openmp,
-        py_limited_api=PY_LIMITED_API,
+        py_limited_api=True,
     )
 
 
@@ -148,8 +144,8 @@ setup(
     package_data={LIBRARY: ["py.typed"]},
     ext_modules=[make_extension()],
     cmdclass={"build_ext": BuildExtension},
-    options={
-        **({"bdist_wheel": {"py_limited_api": "cp310"}} if PY_LIMITED_API else {}),
-    },
+    # One abi3 (limited-API) wheel for every Python ≥ 3.10: the extension never touches
+    # Python objects.
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
     platforms=[platform.system()],
 )

@@ -3,12 +3,12 @@
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from packaging.version import Version
+from testing import run_python
 
 import torchkit
 
@@ -64,21 +64,15 @@ def test_cuda_version_mismatch_is_a_clear_error():
     torchkit._check_cuda_version(13020, None)  # CPU-only torch: the CUDA kernels are never reached
 
 
-def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same torchkit as this run
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True)
-
-
 def test_import_from_outside_the_repo(tmp_path):
-    run = _python("import torchkit; print(torchkit.build_info()['torch'])", tmp_path)
+    run = run_python("import torchkit; print(torchkit.build_info()['torch'])", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == torchkit.build_info()["torch"]
 
 
 def test_missing_extension_is_an_actionable_import_error(tmp_path):
     # sys.modules[name] = None makes `import name` raise ImportError, as a missing .so does.
-    run = _python("import sys; sys.modules['torchkit._C'] = None; import torchkit", tmp_path)
+    run = run_python("import sys; sys.modules['torchkit._C'] = None; import torchkit", cwd=tmp_path)
     assert run.returncode != 0
     assert "torchkit's compiled extension torchkit._C could not be loaded" in run.stderr
     assert f"installed: torch {torch.__version__}" in run.stderr
@@ -110,5 +104,6 @@ def test_import_needs_torch_alone():
         "torchkit.transforms.RandomRegionConfusion; "
         "print(before, 'torchvision' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().splitlines()[-1] == "[] True"
+    run = run_python(code)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[] True"

@@ -9,11 +9,8 @@ flags and patches TorchScript for the rest of the process, which the other tests
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from testing import DEVICES
+from testing import DEVICES, run_python
 
 # Run with `python -c SCRIPT <op> <device>`; prints one summary line, exits 1 on a mismatch.
 SCRIPT = r"""
@@ -75,5 +72,5 @@ sys.exit(1 if failures or checked == 0 else 0)
 @pytest.mark.parametrize("name", ["cdist", "nn.functional.cross_entropy"])
 def test_pytorch_sample_inputs(name, device):
     pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest")
-    run = subprocess.run([sys.executable, "-c", SCRIPT, name, device], capture_output=True, text=True, timeout=900)
+    run = run_python(SCRIPT, name, device, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]

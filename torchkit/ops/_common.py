@@ -20,12 +20,15 @@ def as_int(op: str, name: str, value: Any) -> int:
     """An int argument as a Python int: any integral number (numpy integers and 0-d integer
     tensors included, as PyTorch's own functions take them); bool, float and anything else
     refused with a TypeError that names the argument."""
+    # No try/except around operator.index: older Dynamo cannot trace one that catches.
     is_bool = isinstance(value, bool) or type(value).__name__ == "bool_" or getattr(value, "dtype", None) == torch.bool
-    if not is_bool:
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
+    if is_bool:
+        pass
+    elif torch.is_tensor(value):
+        if value.dim() == 0 and not (value.is_floating_point() or value.is_complex()):
+            return int(value)
+    elif hasattr(type(value), "__index__"):
+        return operator.index(value)
     raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
 
 
