@@ -14,7 +14,8 @@ SOURCES     := setup.py pyproject.toml $(shell find csrc torchkit -name '*.cpp' 
 # torchkit.distributed.knn, which otherwise runs two, on 1 and 2 processes). CONTENDED=1 runs
 # the headline cases with one more CPU-bound process alive the whole time, as a DataLoader
 # worker is beside training. Each writes its own report (cpu-quick.*, cpu-contended.*), so that it
-# never replaces the full one.
+# never replaces the full one. The report then rewrites benchmarks/RESULTS.md and README's
+# headline table from the latest full runs (benchmarks/report.py).
 BENCH_NAME  := $(if $(CONTENDED),cpu-contended,$(if $(QUICK),cpu-quick,cpu))
 BENCH_JSON  := benchmarks/results/$(BENCH_NAME).json
 BENCH_SEL   := $(if $(QUICK)$(CONTENDED),-m headline,)
@@ -44,8 +45,8 @@ test: build
 
 bench: build
 	TORCHKIT_BENCH_CONTENDED=$(if $(CONTENDED),1,0) $(PY) -m pytest benchmarks -v -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
-	$(PY) benchmarks/report.py $(BENCH_JSON)
 	$(if $(CONTENDED),,$(PY) benchmarks/distributed_knn.py $(if $(QUICK),--quick,))
+	$(PY) benchmarks/report.py $(BENCH_JSON)
 
 # CUDA build check, no GPU needed: compile and link every .cu with the nvcc that matches
 # torch's CUDA, in build/cuda (the default .venv's extension is left alone), then ask the
@@ -76,13 +77,13 @@ asan: $(DEPS_STAMP)
 gpu-check:
 	GPU_PY=$(or $(GPU_PY),python3) bash tools/gpu_check.sh
 
-# The CPU suite against another torch (make compat TORCH=2.4): its own venv (.venv-torch<X>)
+# The CPU suite against another torch (make compat TORCH=2.8, the oldest supported): its own venv (.venv-torch<X>)
 # with that torch and its torchvision (0.<minor + 15>), the extension built into
 # build/compat-<X> so that the default .venv's build is left alone.
 COMPAT_VENV := .venv-torch$(TORCH)
 COMPAT_DIR  := build/compat-$(TORCH)
 compat:
-	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.4"; exit 1; }
+	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.8"; exit 1; }
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip --disable-pip-version-check --quiet install --upgrade pip
 	$(COMPAT_VENV)/bin/python -m pip --disable-pip-version-check --quiet install \

@@ -1,6 +1,8 @@
-"""Turn a pytest-benchmark JSON file into the ratio report.
+"""Turn a pytest-benchmark JSON file into the ratio report, and the latest runs into
+benchmarks/RESULTS.md and README's headline table.
 
-    python benchmarks/report.py benchmarks/results/cpu.json
+    python benchmarks/report.py benchmarks/results/cpu.json   # that run's report, then the page
+    python benchmarks/report.py --page                        # the page and README's table only
 
 Prints, per op, one Markdown table: each (case, pass) row gives torchkit's median time, peak
 extra memory and throughput (TFLOP/s or GB/s of the work the case cannot avoid), torchkit's
@@ -9,6 +11,11 @@ the same run: ≥ 1, and 1 is the limit), and for every peer the ratio peer medi
 median (> 1: torchkit is faster), with accuracy (cdist) and bytes saved for backward
 (bilinear_pool) where the benchmark recorded them. Writes the same Markdown next to the JSON
 (<name>.md) and one PNG bar chart per op (<name>_<op>.png).
+
+benchmarks/RESULTS.md holds the full tables of the latest full runs (results/cpu.json,
+results/cpu-contended.json, results/<gpu>/gpu.json) and the distributed benchmark's report
+(results/cpu-distributed.md); README's headline table (between its `headline` markers) holds,
+per op and machine, the headline case (the first the run made) against each peer.
 """
 
 from __future__ import annotations
@@ -25,6 +32,22 @@ import matplotlib.pyplot as plt
 
 TORCHKIT = "torchkit"
 ROOFLINE = "roofline"  # benchmarks/common.py
+BENCHMARKS = Path(__file__).resolve().parent
+RESULTS = BENCHMARKS / "results"
+README = BENCHMARKS.parent / "README.md"
+HEADLINE_BEGIN = "<!-- headline:begin (benchmarks/report.py writes this table) -->"
+HEADLINE_END = "<!-- headline:end -->"
+COLUMNS = """Each (case, pass) row gives torchkit's median time, the growth of the process's resident
+set (or, on CUDA, of the allocator's peak) during one call, and its throughput; "saves" is
+what autograd keeps for backward; "err" is the largest relative error against float64 on
+far-from-origin data (1000 + N(0, 1)). The roofline column is torchkit's time over the
+machine's own primitive for the work the op cannot avoid, timed in the same run: the GEMMs
+of the same shapes (`cdist`, `knn`, `bilinear_pool`, `covariance_pool`), a read of the
+logits, or a copy into a fresh gradient (cross-entropy), `x.clone()` (the block shuffle).
+Below 1 means that primitive paid a cost torchkit avoids (first-touch page faults of a fresh
+buffer; PyTorch's bfloat16 GEMM on a CPU without bfloat16 units). Every other column is
+peer median / torchkit median: above 1, torchkit is faster. The CPU machine is shared: single
+ratios move by up to ±30 % between runs."""
 
 
 def _time(seconds: float) -> str:
@@ -117,32 +140,106 @@ def chart(op: str, labels: list[str], ratios: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def main(path: str) -> None:
-    src = Path(path)
-    ops, machine = load(src)
-    if not ops:
-        sys.exit(f"{src}: no benchmarks recorded")
+def _machine(machine: dict) -> str:
     cpu = machine.get("cpu", {}).get("brand_raw", machine.get("processor", "?"))
     gpu = f"{machine['gpu']}, " if machine.get("gpu") else ""
     torch_version = f", torch {machine['torch']}" if machine.get("torch") else ""
     contended = "; one other CPU-bound process running throughout" if machine.get("contended") else ""
-    parts = [
-        f"Machine: {gpu}{cpu}, {machine.get('cpu', {}).get('count', '?')} cores{torch_version}{contended}; "
-        "ratios are peer time / torchkit time.\n"
-    ]
+    return f"{gpu}{cpu}, {machine.get('cpu', {}).get('count', '?')} cores{torch_version}{contended}"
+
+
+def report(src: Path, image_dir: str = "", heading: str = "###", charts: bool = True) -> str:
+    """The Markdown tables of one run, each with its chart (written next to the JSON unless
+    `charts` is False) linked through `image_dir`: the charts' folder as seen from the page."""
+    ops, machine = load(src)
+    parts = [f"Machine: {_machine(machine)}; ratios are peer time / torchkit time.\n"]
     for op, rows in ops.items():
         md, labels, ratios = table(op, rows)
-        parts.append(f"### {op}\n\n{md}\n")
+        parts.append(f"{heading} {op}\n\n{md}\n")
         png = src.with_name(f"{src.stem}_{op}.png")
-        chart(op, labels, ratios, png)
-        parts.append(f"![{op}]({png.name})\n")
-    report = "\n".join(parts)
-    src.with_suffix(".md").write_text(report)
-    print(report)
-    print(f"written: {src.with_suffix('.md')} and {len(ops)} chart(s) next to it")
+        if charts:
+            chart(op, labels, ratios, png)
+        parts.append(f"![{op}]({image_dir}{png.name})\n")
+    return "\n".join(parts)
+
+
+def _runs() -> list[tuple[str, Path]]:
+    """The latest full runs the page reports: (title, JSON), CPU first."""
+    runs = [
+        ("CPU", RESULTS / "cpu.json"),
+        ("CPU, under contention (`make bench CONTENDED=1`)", RESULTS / "cpu-contended.json"),
+    ]
+    runs += [(f"GPU ({p.parent.name})", p) for p in sorted(RESULTS.glob("*/gpu.json"))]
+    return [(title, path) for title, path in runs if path.exists()]
+
+
+def headline(runs: list[tuple[str, Path]]) -> str:
+    """Per op and machine: the run's first case of the op, forward+backward where it has one,
+    against every peer."""
+    lines = ["| op | machine | case | pass | torchkit | speed-up over |", "|---|---|---|---|---|---|"]
+    by_op: dict = defaultdict(list)
+    for title, path in runs:
+        if "contention" in title:
+            continue
+        ops, machine = load(path)
+        cpu = machine.get("cpu", {})
+        label = machine.get("gpu") or f"{cpu.get('brand_raw', 'CPU')}, {cpu.get('count', '?')} cores"
+        for op, rows in ops.items():
+            case = next(iter(rows))[0]
+            passes = [p for c, p in rows if c == case and TORCHKIT in rows[(c, p)]]
+            pass_ = "forward+backward" if "forward+backward" in passes else passes[0]
+            impls = rows[(case, pass_)]
+            t = impls[TORCHKIT][0]
+            peers = ", ".join(
+                f"{peer} {pt / t:.2f}×" for peer, (pt, _) in impls.items() if peer not in (TORCHKIT, ROOFLINE)
+            )
+            by_op[op].append(f"| `{op}` | {label} | {case} | {pass_} | {_time(t)} | {peers} |")
+    for op in sorted(by_op):
+        lines += by_op[op]
+    return "\n".join(lines)
+
+
+def write_page() -> None:
+    """benchmarks/RESULTS.md from the latest runs, and README's headline table."""
+    runs = _runs()
+    parts = [
+        "# Benchmark results\n",
+        "Generated by `benchmarks/report.py` from the latest full runs: `make bench` (CPU),",
+        "`make bench CONTENDED=1`, `make gpu-check` (GPU) and `benchmarks/distributed_knn.py`.",
+        "Do not edit by hand.\n",
+        COLUMNS + "\n",
+        "## Headlines\n",
+        headline(runs) + "\n",
+    ]
+    for title, path in runs:
+        image_dir = path.parent.relative_to(BENCHMARKS).as_posix() + "/"
+        parts += [f"## {title}\n", report(path, image_dir, heading="###", charts=False)]
+    distributed = RESULTS / "cpu-distributed.md"
+    if distributed.exists():
+        text = distributed.read_text().split("\n", 1)
+        parts += [f"## {text[0].lstrip('# ')}\n", text[1].strip() + "\n"]
+    (BENCHMARKS / "RESULTS.md").write_text("\n".join(parts))
+    if README.exists():
+        text = README.read_text()
+        if HEADLINE_BEGIN in text and HEADLINE_END in text:
+            before, rest = text.split(HEADLINE_BEGIN, 1)
+            after = rest.split(HEADLINE_END, 1)[1]
+            README.write_text(f"{before}{HEADLINE_BEGIN}\n{headline(runs)}\n{HEADLINE_END}{after}")
+    print(f"written: {BENCHMARKS / 'RESULTS.md'} and README's headline table")
+
+
+def main(path: str) -> None:
+    src = Path(path)
+    if not load(src)[0]:
+        sys.exit(f"{src}: no benchmarks recorded")
+    text = report(src)
+    src.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"written: {src.with_suffix('.md')} and its charts")
+    write_page()
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    main(sys.argv[1])
+    write_page() if sys.argv[1] == "--page" else main(sys.argv[1])
