@@ -2,7 +2,7 @@
 (tests/mpncov_peer.py: its M×M centring matrix, its kept iterates, its analytic backward),
 the plain composition (torchkit.reference) and its torch.compile; forward and
 forward+backward, with the bytes each keeps for backward. Roofline: the GEMMs of the same
-shapes, the covariance X·Xᵀ and the iteration's 3n − 3 batched D×D products (forward), plus
+shapes, the covariance X·Xᵀ and the iteration's 3n - 3 batched D×D products (forward), plus
 the input gradient's GEMM (forward+backward; the backward's own products are what each
 implementation chooses, so they are not counted as unavoidable)."""
 

@@ -27,6 +27,49 @@ std::vector<int64_t> position_shape(const at::Tensor& input) {
   return shape;
 }
 
+// A target of class probabilities (the input's shape and dtype) or of class indices (the
+// input's shape without the class dimension).
+void check_target_tensor(const at::Tensor& input, const at::Tensor& target, bool prob_target,
+                         int64_t ignore_index) {
+  const auto positions = position_shape(input);
+  if (prob_target) {
+    TK_CHECK_VALUE(kOp, target.sizes() == input.sizes(),
+                   "a floating target holds class probabilities and must have the input's shape ",
+                   input.sizes(), ", got ", target.sizes());
+    check_same_dtype(kOp, "input", input, "a probability target", target);
+    TK_CHECK_VALUE(
+        kOp, ignore_index < 0,
+        "ignore_index is not supported with probability targets, got ignore_index=", ignore_index);
+  } else {
+    TK_CHECK_TYPE(kOp, target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
+                  "target must hold class indices (int64 or int32) or class probabilities (the "
+                  "input's floating dtype), got ",
+                  target.scalar_type());
+    TK_CHECK_VALUE(kOp, target.sizes() == c10::IntArrayRef(positions),
+                   "a class-index target must have shape ", c10::IntArrayRef(positions),
+                   " (the input's shape ", input.sizes(), " without the class dimension), got ",
+                   target.sizes());
+  }
+}
+
+// The target distribution q = a·onehot + b: ε spread over all C classes, or over the C − 1
+// others with exclude_target.
+void set_coefficients(Problem& p, double label_smoothing, bool exclude_target) {
+  const double eps = label_smoothing;
+  const double C = static_cast<double>(p.C);
+  if (exclude_target) {
+    TK_CHECK_VALUE(kOp, p.C >= 2 || eps == 0.0,
+                   "exclude_target=True spreads label_smoothing over the C - 1 other classes and "
+                   "needs C >= 2, got C = ",
+                   p.C);
+    p.b = p.C >= 2 ? eps / (C - 1.0) : 0.0;
+    p.a = 1.0 - eps - p.b;
+  } else {
+    p.a = 1.0 - eps;
+    p.b = eps / C;
+  }
+}
+
 }  // namespace
 
 Problem check_inputs(const at::Tensor& input, const at::Tensor& target,
@@ -51,25 +94,7 @@ Problem check_inputs(const at::Tensor& input, const at::Tensor& target,
                  input.sizes());
 
   p.prob_target = at::isFloatingType(target.scalar_type());
-  const auto positions = position_shape(input);
-  if (p.prob_target) {
-    TK_CHECK_VALUE(kOp, target.sizes() == input.sizes(),
-                   "a floating target holds class probabilities and must have the input's shape ",
-                   input.sizes(), ", got ", target.sizes());
-    check_same_dtype(kOp, "input", input, "a probability target", target);
-    TK_CHECK_VALUE(
-        kOp, ignore_index < 0,
-        "ignore_index is not supported with probability targets, got ignore_index=", ignore_index);
-  } else {
-    TK_CHECK_TYPE(kOp, target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
-                  "target must hold class indices (int64 or int32) or class probabilities (the "
-                  "input's floating dtype), got ",
-                  target.scalar_type());
-    TK_CHECK_VALUE(kOp, target.sizes() == c10::IntArrayRef(positions),
-                   "a class-index target must have shape ", c10::IntArrayRef(positions),
-                   " (the input's shape ", input.sizes(), " without the class dimension), got ",
-                   target.sizes());
-  }
+  check_target_tensor(input, target, p.prob_target, ignore_index);
   if (weight.has_value()) {
     const auto& w = *weight;
     TK_CHECK_VALUE(kOp, w.dim() == 1 && w.size(0) == p.C, "weight must have shape (C,) = (", p.C,
@@ -78,19 +103,7 @@ Problem check_inputs(const at::Tensor& input, const at::Tensor& target,
     check_same_device(kOp, "input", input, "weight", w);
   }
 
-  const double eps = label_smoothing;
-  const double C = static_cast<double>(p.C);
-  if (exclude_target) {
-    TK_CHECK_VALUE(kOp, p.C >= 2 || eps == 0.0,
-                   "exclude_target=True spreads label_smoothing over the C - 1 other classes and "
-                   "needs C >= 2, got C = ",
-                   p.C);
-    p.b = p.C >= 2 ? eps / (C - 1.0) : 0.0;
-    p.a = 1.0 - eps - p.b;
-  } else {
-    p.a = 1.0 - eps;
-    p.b = eps / C;
-  }
+  set_coefficients(p, label_smoothing, exclude_target);
   return p;
 }
 

@@ -3,7 +3,7 @@ jiangtaoxie/fast-MPN-COV ``MPNCOV``), written from the published algorithm for t
 and benchmarks to compare torchkit.ops.covariance_pool against.
 
 Its structure, which is what the comparison is about: the covariance as ``X·Î·Xᵀ`` with the
-M×M centring matrix ``Î = (1/M)(I − (1/M)·11ᵀ)`` built (and kept for backward) per sample;
+M×M centring matrix ``Î = (1/M)(I - (1/M)·11ᵀ)`` built (and kept for backward) per sample;
 the square root's iterates all kept; the analytic backward of the paper (Covpool: ``(G +
 Gᵀ)·X·Î``; Sqrtm: the Newton–Schulz adjoints, then the trace's terms); the upper triangle
 through an index. It computes in the input's dtype throughout (float64 in the tests).

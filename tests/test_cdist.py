@@ -174,7 +174,7 @@ def test_many_small_batch_elements(device, dtype, self_):
 @pytest.mark.parametrize("self_", [False, True])
 def test_non_finite_rows_poison_only_their_distances(device, bad, self_):
     """A NaN or ∞ row (or one whose norm overflows) changes only its own distances, and to
-    what Σ(a − b)² gives, as torch.cdist's exact mode does; the rest stay exact."""
+    what Σ(a - b)² gives, as torch.cdist's exact mode does; the rest stay exact."""
     x = make((40, 16), torch.float32, device, offset=100.0)
     y = None if self_ else make((30, 16), torch.float32, device, seed=3, offset=100.0)
     x[7, 3] = bad

@@ -34,7 +34,7 @@ def assert_same(actual, expected, **tol):
     assert torch.equal(i, ri)
 
 
-# (query shape, gallery shape or None, k): plain, leave-one-out, batched, broadcast, k = 1, R, R − 1.
+# (query shape, gallery shape or None, k): plain, leave-one-out, batched, broadcast, k = 1, R, R - 1.
 CASES = [
     ((5, 3), (7, 3), 1),
     ((5, 3), (7, 3), 7),

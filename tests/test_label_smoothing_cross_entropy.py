@@ -107,7 +107,7 @@ def test_dtypes(device, dtype, kind):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_target_gradient_kept_in_float32(device):
-    # Liger #1268: the target-class term (softmax − 1) loses its digits if rounded early.
+    # Liger #1268: the target-class term (softmax - 1) loses its digits if rounded early.
     x = torch.zeros(2, 4096, dtype=torch.bfloat16, device=device)
     x[:, 7] = 12.0  # softmax of the target close to 1
     x.requires_grad_()
@@ -125,8 +125,8 @@ def test_exclude_target_is_the_cookbook_formula(device, kind, weighted):
     x, t, w = make_case((6, 9), kind, torch.float64, device, ignore=False)
     eps, C = 0.1, 9
     w = w if weighted else None
-    # The cookbook's snippet, generalised to probabilities: the target keeps 1 − ε of its mass,
-    # the other C − 1 classes share ε.
+    # The cookbook's snippet, generalised to probabilities: the target keeps 1 - ε of its mass,
+    # the other C - 1 classes share ε.
     y = t if kind == "prob" else F.one_hot(t, C).double()
     smoothed = (1 - eps) * y + eps * (1 - y) / (C - 1)
     per_class = -F.log_softmax(x, 1) * smoothed * (1 if w is None else w)
@@ -229,7 +229,7 @@ def test_far_from_zero_logits_match_a_float64_oracle(device, shape, kind, weight
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_masked_block_of_a_long_row(device):
-    # A long row is cut into parts: a part whose logits are all −∞ must add nothing, not NaN.
+    # A long row is cut into parts: a part whose logits are all -∞ must add nothing, not NaN.
     x = torch.randn(1, 16384, device=device, dtype=torch.float64)
     x[:, 4096:12288] = float("-inf")
     t = torch.tensor([5], device=device)

@@ -17,7 +17,7 @@ def stats(n: int, k: int, draws: int) -> tuple[float, int, float]:
     g = torch.Generator().manual_seed(0)
     _, perm = ops.region_confusion(torch.zeros(draws, 1, n, n), n, k, generator=g)
     b = torch.arange(n * n)
-    # Output block b holds input block perm[b]: its displacement is |perm[b] − b| per axis.
+    # Output block b holds input block perm[b]: its displacement is |perm[b] - b| per axis.
     d = torch.maximum((perm // n - b // n).abs(), (perm % n - b % n).abs())
     moved = d > 0
     return moved.float().mean().item(), int(d.max()), d[moved].float().mean().item()

@@ -33,7 +33,7 @@ def label_smoothing_cross_entropy(
     exclude_target: bool = False,
 ) -> Tensor:
     """The cookbook's smoothed-target cross-entropy (see ``torchkit.ops`` for the semantics):
-    build the smoothed distribution q explicitly, then ``−Σ w·q·log_softmax``."""
+    build the smoothed distribution q explicitly, then ``-Σ w·q·log_softmax``."""
     class_dim = 0 if input.dim() == 1 else 1
     C = input.shape[class_dim]
     eps = label_smoothing
@@ -61,7 +61,7 @@ def label_smoothing_cross_entropy(
 
 
 def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
-    """The cookbook's broadcasting formula ``sqrt(Σ (x1[:, None] − x2)²)``: exact, but
+    """The cookbook's broadcasting formula ``sqrt(Σ (x1[:, None] - x2)²)``: exact, but
     O(P·R·M) memory. Zero distances get a zero gradient (``torch.cdist``'s convention)."""
     x2 = x1 if x2 is None else x2
     d2 = ((x1.unsqueeze(-2) - x2.unsqueeze(-3)) ** 2).sum(-1)

@@ -30,7 +30,8 @@ namespace {
 using at::Tensor;
 using at::vec::Vectorized;
 
-constexpr int64_t kTile = 128;
+constexpr int64_t kTile = 128;                // Z tile edge (one BLAS call)
+constexpr int64_t kChunk = int64_t{1} << 14;  // entries per task of an elementwise pass
 
 struct Tile {
   int64_t n, i0, j0;
@@ -58,16 +59,36 @@ acc_t signed_sqrt_row(acc_t* z, int64_t n, acc_t inv_hw, acc_t eps) {
   return sum;
 }
 
-template <typename scalar_t>
-std::tuple<Tensor, Tensor> forward_kernel(const Problem& p, const Tensor& x,
-                                          const std::optional<Tensor>& y) {
-  using acc_t = at::opmath_type<scalar_t>;
-  constexpr bool kDirect = std::is_same_v<scalar_t, acc_t>;
-  const auto [a, b] = operands(p, x, y);
-  const int64_t DE = p.D * p.E;
-  // s is stored in the output itself when the types agree, else in an acc-typed buffer.
-  Tensor out = cpu::empty_for_writing({p.N, DE}, x.options());
-  Tensor s_buf = kDirect ? out : cpu::empty_for_writing({p.N, DE}, a.options());
+// Writes s = signed_sqrt(Z / HW) of tile T (its product z, di × dj, in scratch) into the
+// sample's rows of s and, for an off-diagonal tile of x·xᵀ, into the mirrored rows too.
+// Returns the tile's share of Σ s².
+template <typename acc_t>
+acc_t store_tile(const Problem& p, const Tile& T, const Tensor& z, acc_t inv_hw, acc_t eps,
+                 acc_t* s) {
+  const int64_t di = z.size(0), dj = z.size(1);
+  acc_t* zp = z.data_ptr<acc_t>();
+  const int64_t zs = z.stride(0);
+  acc_t sumsq = 0;
+  for (int64_t r = 0; r < di; ++r) sumsq += signed_sqrt_row(zp + r * zs, dj, inv_hw, eps);
+  acc_t* sn = s + T.n * p.D * p.E;
+  for (int64_t r = 0; r < di; ++r)
+    std::copy(zp + r * zs, zp + r * zs + dj, sn + (T.i0 + r) * p.E + T.j0);
+  if (p.self && T.i0 != T.j0) {
+    for (int64_t c = 0; c < dj; ++c) {
+      acc_t* row = sn + (T.j0 + c) * p.E + T.i0;
+      for (int64_t r = 0; r < di; ++r) row[r] = zp[r * zs + c];
+    }
+    sumsq *= 2;
+  }
+  return sumsq;
+}
+
+// s = signed_sqrt(a·bᵀ / HW) (N, D·E), one BLAS call per tile with its epilogue while the
+// tile is in cache (for y = None only the tiles on and above the diagonal). Returns ‖s‖ per
+// sample, summed in tile order (deterministic).
+template <typename acc_t>
+std::vector<double> signed_sqrt_products(const Problem& p, const Tensor& a, const Tensor& b,
+                                         acc_t* s) {
   std::vector<Tile> tiles;
   for (int64_t n = 0; n < p.N; ++n)
     for (int64_t i0 = 0; i0 < p.D; i0 += kTile)
@@ -75,7 +96,6 @@ std::tuple<Tensor, Tensor> forward_kernel(const Problem& p, const Tensor& x,
   std::vector<acc_t> tile_sumsq(tiles.size());
   const acc_t inv_hw = acc_t(1) / static_cast<acc_t>(p.HW);
   const acc_t eps = static_cast<acc_t>(p.sqrt_eps);
-  acc_t* s = s_buf.data_ptr<acc_t>();
   // The tasks call ATen (the tile's GEMM): OpenMP's worker threads must see this thread's
   // dispatcher state (below autograd), or mm_out would refuse inputs that require grad.
   const at::ThreadLocalState state;
@@ -87,48 +107,50 @@ std::tuple<Tensor, Tensor> forward_kernel(const Problem& p, const Tensor& x,
       const int64_t di = std::min(kTile, p.D - T.i0), dj = std::min(kTile, p.E - T.j0);
       Tensor z = scratch.narrow(0, 0, di).narrow(1, 0, dj);
       at::mm_out(z, a[T.n].narrow(0, T.i0, di), b[T.n].narrow(0, T.j0, dj).t());
-      // Signed sqrt in place in the (cache-resident) tile, then its rows to the output
-      // and, for an off-diagonal tile of x·xᵀ, its columns to the mirrored rows.
-      acc_t* zp = z.data_ptr<acc_t>();
-      const int64_t zs = z.stride(0);
-      acc_t sumsq = 0;
-      for (int64_t r = 0; r < di; ++r) sumsq += signed_sqrt_row(zp + r * zs, dj, inv_hw, eps);
-      acc_t* sn = s + T.n * DE;
-      for (int64_t r = 0; r < di; ++r)
-        std::copy(zp + r * zs, zp + r * zs + dj, sn + (T.i0 + r) * p.E + T.j0);
-      if (p.self && T.i0 != T.j0) {
-        for (int64_t c = 0; c < dj; ++c) {
-          acc_t* row = sn + (T.j0 + c) * p.E + T.i0;
-          for (int64_t r = 0; r < di; ++r) row[r] = zp[r * zs + c];
-        }
-        sumsq *= 2;
-      }
-      tile_sumsq[t] = sumsq;
+      tile_sumsq[t] = store_tile(p, T, z, inv_hw, eps, s);
     }
   });
-  // Per-sample ‖s‖ from the tiles' partial sums (in tile order: deterministic).
-  Tensor norm = at::zeros({p.N}, a.options());
-  acc_t* nrm = norm.data_ptr<acc_t>();
-  std::vector<double> sums(p.N, 0.0);
-  for (size_t t = 0; t < tiles.size(); ++t) sums[tiles[t].n] += tile_sumsq[t];
-  for (int64_t n = 0; n < p.N; ++n) nrm[n] = static_cast<acc_t>(std::sqrt(sums[n]));
-  scalar_t* o = out.data_ptr<scalar_t>();
+  std::vector<double> norms(p.N, 0.0);
+  for (size_t t = 0; t < tiles.size(); ++t) norms[tiles[t].n] += tile_sumsq[t];
+  for (double& v : norms) v = std::sqrt(v);
+  return norms;
+}
+
+// out = s / max(‖s‖, l2_eps) per sample, in chunks spread over the threads.
+template <typename scalar_t, typename acc_t>
+void normalise(const Problem& p, const acc_t* s, const acc_t* nrm, scalar_t* out) {
+  const int64_t DE = p.D * p.E;
   const acc_t l2_eps = static_cast<acc_t>(p.l2_eps);
-  constexpr int64_t kChunk = 1 << 14;
   const int64_t chunks = (DE + kChunk - 1) / kChunk;
   at::parallel_for(0, p.N * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / chunks, k0 = n * DE + (task % chunks) * kChunk;
       const int64_t k1 = std::min(k0 + kChunk, (n + 1) * DE);
       const acc_t inv = acc_t(1) / std::max(nrm[n], l2_eps);
-      if constexpr (kDirect) {
-        at::vec::map([inv](Vectorized<acc_t> v) { return v * Vectorized<acc_t>(inv); }, o + k0,
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        at::vec::map([inv](Vectorized<acc_t> v) { return v * Vectorized<acc_t>(inv); }, out + k0,
                      s + k0, k1 - k0);
       } else {
-        for (int64_t k = k0; k < k1; ++k) o[k] = static_cast<scalar_t>(s[k] * inv);
+        for (int64_t k = k0; k < k1; ++k) out[k] = static_cast<scalar_t>(s[k] * inv);
       }
     }
   });
+}
+
+template <typename scalar_t>
+std::tuple<Tensor, Tensor> forward_kernel(const Problem& p, const Tensor& x,
+                                          const std::optional<Tensor>& y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto [a, b] = operands(p, x, y);
+  // s is stored in the output itself when the types agree, else in an acc-typed buffer.
+  Tensor out = cpu::empty_for_writing({p.N, p.D * p.E}, x.options());
+  Tensor s =
+      std::is_same_v<scalar_t, acc_t> ? out : cpu::empty_for_writing({p.N, p.D * p.E}, a.options());
+  const std::vector<double> norms = signed_sqrt_products(p, a, b, s.data_ptr<acc_t>());
+  Tensor norm = at::empty({p.N}, a.options());
+  acc_t* nrm = norm.data_ptr<acc_t>();
+  for (int64_t n = 0; n < p.N; ++n) nrm[n] = static_cast<acc_t>(norms[n]);
+  normalise(p, s.const_data_ptr<acc_t>(), nrm, out.data_ptr<scalar_t>());
   return {out, norm};
 }
 
@@ -179,63 +201,71 @@ void grad_z_row(const scalar_t* o, const scalar_t* g, int64_t gstride, acc_t* dz
   }
 }
 
-// ∂L/∂Z · 1/HW (N, D, E) in the accumulation type: the 1/HW of the product is folded in
-// here so that the GEMMs after it need no extra pass. For y = None it is then symmetrised
-// in place (dZ + dZᵀ) in cache-sized square tiles, so that the transposed reads stay in L1.
+// What grad_z_row needs per sample, and where it reads it from.
 template <typename scalar_t>
-Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, const Tensor& norm) {
+struct GradZ {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int64_t kSquare = 64;
-  const int64_t D = p.D, E = p.E, DE = D * E;
-  const GradInput g_in = grad_input(grad);
-  const Tensor o_c = out.contiguous();
-  const scalar_t* g = g_in.tensor.const_data_ptr<scalar_t>();
-  const int64_t gs = g_in.stride;
-  const scalar_t* o = o_c.const_data_ptr<scalar_t>();
-  const acc_t* nrm = norm.const_data_ptr<acc_t>();
+  const scalar_t* o;  // the output (N, D·E)
+  const scalar_t* g;  // its gradient; g[k·gs] (gs = 0 for an expanded scalar)
+  int64_t gs;
+  std::vector<acc_t> dot, coef;
+
+  void row(int64_t n, int64_t k, acc_t* dz, int64_t len) const {
+    grad_z_row<scalar_t, acc_t>(o + k, g + k * gs, gs, dz, len, dot[n], coef[n]);
+  }
+};
+
+// The normalisation's Jacobian needs dot(o, g) per sample; F.normalize's clamp passes the
+// gradient where ‖s‖ >= l2_eps (grad_z() in the header is the scalar statement). Partial
+// dots per chunk (acc type, vectorised) are combined in double, in chunk order.
+template <typename scalar_t>
+void sample_coefficients(const Problem& p, const at::opmath_type<scalar_t>* nrm,
+                         GradZ<scalar_t>& gz) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t DE = p.D * p.E, chunks = (DE + kChunk - 1) / kChunk;
   const acc_t l2_eps = static_cast<acc_t>(p.l2_eps);
-  const acc_t inv_hw = acc_t(1) / static_cast<acc_t>(p.HW);
-  Tensor dz = cpu::empty_for_writing({p.N, D, E}, norm.options());
-  acc_t* dzp = dz.data_ptr<acc_t>();
-  // The normalisation's Jacobian needs dot(o, g) per sample; F.normalize's clamp passes
-  // the gradient where ‖s‖ >= l2_eps (grad_z() in the header is the scalar statement).
-  // Partial dots per chunk (acc type, vectorised) are combined in double.
-  constexpr int64_t kChunk = 1 << 14;
-  const int64_t chunks = (DE + kChunk - 1) / kChunk;
   std::vector<double> partial(p.N * chunks, 0.0);
   at::parallel_for(0, p.N * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / chunks, k0 = n * DE + (task % chunks) * kChunk;
       if (nrm[n] >= l2_eps)
-        partial[task] = dot_chunk(o + k0, g + k0 * gs, gs, std::min(kChunk, (n + 1) * DE - k0));
+        partial[task] =
+            dot_chunk(gz.o + k0, gz.g + k0 * gz.gs, gz.gs, std::min(kChunk, (n + 1) * DE - k0));
     }
   });
-  std::vector<acc_t> dot(p.N), coef(p.N);
+  const acc_t inv_hw = acc_t(1) / static_cast<acc_t>(p.HW);
+  gz.dot.resize(p.N);
+  gz.coef.resize(p.N);
   for (int64_t n = 0; n < p.N; ++n) {
-    const bool scaled = nrm[n] >= l2_eps;
     double sum = 0;
     for (int64_t k = 0; k < chunks; ++k) sum += partial[n * chunks + k];
-    const acc_t denom = scaled ? nrm[n] : l2_eps;
-    dot[n] = static_cast<acc_t>(sum);
-    coef[n] = inv_hw / (acc_t(2) * denom * denom);
+    const acc_t denom = nrm[n] >= l2_eps ? nrm[n] : l2_eps;
+    gz.dot[n] = static_cast<acc_t>(sum);
+    gz.coef[n] = inv_hw / (acc_t(2) * denom * denom);
   }
-  if (!p.self) {
-    at::parallel_for(0, p.N * chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t n = task / chunks, k0 = (task % chunks) * kChunk;
-        const int64_t off = n * DE + k0;
-        grad_z_row<scalar_t, acc_t>(o + off, g + off * gs, gs, dzp + off, std::min(kChunk, DE - k0),
-                                    dot[n], coef[n]);
-      }
-    });
-    return dz;
-  }
-  // Z = x·xᵀ: entries (i, j) and (j, i) are the same sum, so both get dZ_ij + dZ_ji. Per
-  // pair of kSquare² squares, both are computed from rows of out and grad into local
-  // buffers, added, and written once. (Reading a square's columns in place strides by D,
-  // and for power-of-two D those reads collide in the same cache sets: measured 235 ms
-  // instead of ~20 for N = 16, D = 2048.)
-  const int64_t squares = (D + kSquare - 1) / kSquare;
+}
+
+// dZ for a · bᵀ with b ≠ a: one elementwise pass in chunks.
+template <typename scalar_t>
+void grad_z_general(const Problem& p, const GradZ<scalar_t>& gz, at::opmath_type<scalar_t>* dz) {
+  const int64_t DE = p.D * p.E, chunks = (DE + kChunk - 1) / kChunk;
+  at::parallel_for(0, p.N * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / chunks, off = n * DE + (task % chunks) * kChunk;
+      gz.row(n, off, dz + off, std::min(kChunk, (n + 1) * DE - off));
+    }
+  });
+}
+
+// dZ for Z = x·xᵀ: entries (i, j) and (j, i) are the same sum, so both get dZ_ij + dZ_ji.
+// Per pair of kSquare² squares, both are computed from rows of out and grad into local
+// buffers, added, and written once: reading a square's columns in place would stride by D,
+// and for power-of-two D those reads collide in the same cache sets.
+template <typename scalar_t>
+void grad_z_symmetric(const Problem& p, const GradZ<scalar_t>& gz, at::opmath_type<scalar_t>* dz) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kSquare = 64;
+  const int64_t D = p.D, squares = (D + kSquare - 1) / kSquare;
   std::vector<std::pair<int64_t, int64_t>> pairs;  // upper-triangle squares (bi <= bj)
   for (int64_t bi = 0; bi < squares; ++bi)
     for (int64_t bj = bi; bj < squares; ++bj) pairs.emplace_back(bi * kSquare, bj * kSquare);
@@ -243,21 +273,15 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
   at::parallel_for(0, p.N * per_sample, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> upper(kSquare * kSquare), lower(kSquare * kSquare);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / per_sample, base = n * DE;
-      acc_t* m = dzp + base;
+      const int64_t n = task / per_sample, base = n * D * D;
+      acc_t* m = dz + base;
       const auto [i0, j0] = pairs[task % per_sample];
       const int64_t di = std::min(kSquare, D - i0), dj = std::min(kSquare, D - j0);
       // upper[r][c] = dZ[i0 + r][j0 + c], lower[c][r] = dZ[j0 + c][i0 + r]
-      for (int64_t r = 0; r < di; ++r) {
-        const int64_t k = base + (i0 + r) * D + j0;
-        grad_z_row<scalar_t, acc_t>(o + k, g + k * gs, gs, upper.data() + r * kSquare, dj, dot[n],
-                                    coef[n]);
-      }
-      for (int64_t col = 0; col < dj; ++col) {
-        const int64_t k = base + (j0 + col) * D + i0;
-        grad_z_row<scalar_t, acc_t>(o + k, g + k * gs, gs, lower.data() + col * kSquare, di, dot[n],
-                                    coef[n]);
-      }
+      for (int64_t r = 0; r < di; ++r)
+        gz.row(n, base + (i0 + r) * D + j0, upper.data() + r * kSquare, dj);
+      for (int64_t c = 0; c < dj; ++c)
+        gz.row(n, base + (j0 + c) * D + i0, lower.data() + c * kSquare, di);
       for (int64_t r = 0; r < di; ++r) {
         for (int64_t c = 0; c < dj; ++c) {
           const acc_t v = upper[r * kSquare + c] + lower[c * kSquare + r];
@@ -274,6 +298,23 @@ Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, co
       }
     }
   });
+}
+
+// ∂L/∂Z · 1/HW (N, D, E) in the accumulation type: the 1/HW of the product is folded in
+// here so that the GEMMs after it need no extra pass.
+template <typename scalar_t>
+Tensor grad_z_kernel(const Problem& p, const Tensor& grad, const Tensor& out, const Tensor& norm) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const GradInput g_in = grad_input(grad);
+  const Tensor o_c = out.contiguous();
+  GradZ<scalar_t> gz{
+      o_c.const_data_ptr<scalar_t>(), g_in.tensor.const_data_ptr<scalar_t>(), g_in.stride, {}, {}};
+  sample_coefficients(p, norm.const_data_ptr<acc_t>(), gz);
+  Tensor dz = cpu::empty_for_writing({p.N, p.D, p.E}, norm.options());
+  if (p.self)
+    grad_z_symmetric(p, gz, dz.data_ptr<acc_t>());
+  else
+    grad_z_general(p, gz, dz.data_ptr<acc_t>());
   return dz;
 }
 

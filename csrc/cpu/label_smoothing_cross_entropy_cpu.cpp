@@ -199,26 +199,16 @@ void forward_rows(const Problem& pr, const Tensor& x_rows, const Tensor& target_
   });
 }
 
+// K = Σ_c w_c q_c per row (0 for an ignored one): a·w_t + b·W for an index target;
+// a·Σ w·p + b·W needs a pass over p.
 template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
-void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
-                   const Tensor& target_rows, const Tensor& w_acc, double weight_total,
-                   const Tensor& lse, Tensor& grad_rows) {
+std::vector<at::opmath_type<scalar_t>> target_weights(const Problem& pr, int64_t rows,
+                                                      const scalar_t* p, const index_t* t,
+                                                      const at::opmath_type<scalar_t>* w,
+                                                      double weight_total) {
   using acc_t = at::opmath_type<scalar_t>;
-  using V = Vectorized<acc_t>;
-  const int64_t rows = x_rows.size(0), C = pr.C;
-  const int64_t parts = parts_per_row(rows, C);
-  const int64_t part_len = (C + parts - 1) / parts;
-  const scalar_t* x = x_rows.const_data_ptr<scalar_t>();
-  const scalar_t* p = kProb ? target_rows.const_data_ptr<scalar_t>() : nullptr;
-  const index_t* t = kProb ? nullptr : target_rows.const_data_ptr<index_t>();
-  const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
-  const acc_t* g = scale.const_data_ptr<acc_t>();
-  const int64_t g_stride = scale.dim() == 0 ? 0 : 1;
-  const double* lse_in = lse.const_data_ptr<double>();
-  scalar_t* out = grad_rows.mutable_data_ptr<scalar_t>();
+  const int64_t C = pr.C;
   const acc_t a = pr.a, bb = pr.b, W = weight_total;
-
-  // K = Σ_c w_c q_c: a·w_t + b·W for an index target; a·Σ w·p + b·W needs a pass over p.
   std::vector<acc_t> K(rows);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     acc_t pbuf[kBlock];
@@ -242,6 +232,54 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
       }
     }
   });
+  return K;
+}
+
+// What a row's gradient needs besides its logits: the incoming gradient g, K, and the
+// log-sum-exp as hi + lo.
+template <typename acc_t>
+struct RowGradient {
+  acc_t g, K, hi, lo;
+};
+
+// gout[i] = g·(softmax(x)ᵢ·K − wᵢ·qᵢ) over n classes, q = a·p + b (b alone for an index
+// target, whose own term the caller adds).
+template <typename acc_t, bool kWeight, bool kProb>
+void gradient_block(const Problem& pr, const RowGradient<acc_t>& rg, const acc_t* xa,
+                    const acc_t* pa, const acc_t* wb, int64_t n, acc_t* gout) {
+  using V = Vectorized<acc_t>;
+  const acc_t a = pr.a, bb = pr.b;
+  const V vg(rg.g), vK(rg.K), vhi(rg.hi), vlo(rg.lo), va(a), vb(bb);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    const V wv = kWeight ? V::loadu(wb + i) : V(1);
+    const V q = kProb ? va * V::loadu(pa + i) + vb : vb;
+    (vg * (vexp((V::loadu(xa + i) - vhi) - vlo) * vK - wv * q)).store(gout + i);
+  }
+  for (; i < n; ++i) {
+    const acc_t q = kProb ? a * pa[i] + bb : bb;
+    gout[i] = rg.g * (std::exp((xa[i] - rg.hi) - rg.lo) * rg.K - (kWeight ? wb[i] : acc_t(1)) * q);
+  }
+}
+
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
+                   const Tensor& target_rows, const Tensor& w_acc, double weight_total,
+                   const Tensor& lse, Tensor& grad_rows) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = x_rows.size(0), C = pr.C;
+  const int64_t parts = parts_per_row(rows, C);
+  const int64_t part_len = (C + parts - 1) / parts;
+  const scalar_t* x = x_rows.const_data_ptr<scalar_t>();
+  const scalar_t* p = kProb ? target_rows.const_data_ptr<scalar_t>() : nullptr;
+  const index_t* t = kProb ? nullptr : target_rows.const_data_ptr<index_t>();
+  const acc_t* w = kWeight ? w_acc.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* g = scale.const_data_ptr<acc_t>();
+  const int64_t g_stride = scale.dim() == 0 ? 0 : 1;
+  const double* lse_in = lse.const_data_ptr<double>();
+  scalar_t* out = grad_rows.mutable_data_ptr<scalar_t>();
+  const std::vector<acc_t> K =
+      target_weights<scalar_t, index_t, kWeight, kProb>(pr, rows, p, t, w, weight_total);
 
   at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
     acc_t xbuf[kBlock], pbuf[kBlock], gbuf[kBlock];
@@ -249,9 +287,8 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
       const int64_t r = task / parts, c0 = (task % parts) * part_len;
       const int64_t c1 = std::min(C, c0 + part_len);
       const bool ignored = !kProb && t[r] == pr.ignore_index;
-      const acc_t gr = g[r * g_stride];
       const auto [hi, lo] = split_lse<acc_t>(lse_in[r]);
-      const V vg(gr), vK(K[r]), vhi(hi), vlo(lo), va(a), vb(bb);
+      const RowGradient<acc_t> rg{g[r * g_stride], K[r], hi, lo};
       for (int64_t b = c0; b < c1; b += kBlock) {
         const int64_t n = std::min(kBlock, c1 - b);
         scalar_t* dst = out + r * C + b;
@@ -261,23 +298,14 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
         } else {
           const acc_t* xa = as_acc(x + r * C + b, n, xbuf);
           const acc_t* pa = kProb ? as_acc(p + r * C + b, n, pbuf) : nullptr;
-          const acc_t* wb = kWeight ? w + b : nullptr;
-          int64_t i = 0;
-          for (; i + V::size() <= n; i += V::size()) {
-            const V wv = kWeight ? V::loadu(wb + i) : V(1);
-            const V q = kProb ? va * V::loadu(pa + i) + vb : vb;
-            (vg * (vexp((V::loadu(xa + i) - vhi) - vlo) * vK - wv * q)).store(gout + i);
-          }
-          for (; i < n; ++i) {
-            const acc_t q = kProb ? a * pa[i] + bb : bb;
-            gout[i] = gr * (std::exp((xa[i] - hi) - lo) * K[r] - (kWeight ? wb[i] : acc_t(1)) * q);
-          }
+          gradient_block<acc_t, kWeight, kProb>(pr, rg, xa, pa, kWeight ? w + b : nullptr, n, gout);
           if constexpr (!kProb) {
             // The target's own term, in acc_t before rounding (bf16 would lose it otherwise).
             const int64_t ti = t[r];
             if (ti >= b && ti < b + n) {
               const acc_t wt = kWeight ? w[ti] : acc_t(1);
-              gout[ti - b] = gr * (std::exp((xa[ti - b] - hi) - lo) * K[r] - wt * (a + bb));
+              const acc_t q = static_cast<acc_t>(pr.a) + static_cast<acc_t>(pr.b);
+              gout[ti - b] = rg.g * (std::exp((xa[ti - b] - hi) - lo) * rg.K - wt * q);
             }
           }
         }
@@ -375,6 +403,63 @@ void forward_columns(const Problem& pr, const Tensor& input, const Tensor& targe
   }
 }
 
+// Per position of a column block: the upstream scale (0 where ignored), K = Σ_c w_c q_c and
+// the log-sum-exp as hi + lo. Sized to the block's span, zero past its count.
+template <typename acc_t>
+struct ColumnTerms {
+  std::vector<acc_t> g, K, hi, lo;
+  explicit ColumnTerms(int64_t span) : g(span), K(span), hi(span), lo(span) {}
+
+  template <typename index_t, bool kWeight>
+  void fill(const Problem& pr, const index_t* t, const acc_t* grad, int64_t g_stride,
+            const double* lse, const acc_t* w, acc_t W, int64_t pos0, int64_t count) {
+    std::fill(g.begin(), g.end(), acc_t(0));
+    std::fill(K.begin(), K.end(), acc_t(0));
+    std::fill(hi.begin(), hi.end(), acc_t(0));
+    std::fill(lo.begin(), lo.end(), acc_t(0));
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t pos = pos0 + j;
+      const index_t ti = t[pos];
+      const auto split = split_lse<acc_t>(lse[pos]);
+      hi[j] = split.hi;
+      lo[j] = split.lo;
+      if (ti == pr.ignore_index) continue;
+      check_target(pr, ti);
+      g[j] = grad[pos * g_stride];
+      K[j] = static_cast<acc_t>(pr.a) * (kWeight ? w[ti] : acc_t(1)) + static_cast<acc_t>(pr.b) * W;
+    }
+  }
+};
+
+// The gradient of a block (C class rows of `span` positions in buf) in place: every class as
+// g·(softmax·K − w·b), then the targets' own terms from the logits xs (S apart per class),
+// in acc_t before rounding (bf16 would lose them otherwise).
+template <typename scalar_t, typename index_t, bool kWeight>
+void column_gradient(const Problem& pr, const ColumnTerms<at::opmath_type<scalar_t>>& ct,
+                     const at::opmath_type<scalar_t>* w, const index_t* t, const scalar_t* xs,
+                     int64_t count, int64_t span, at::opmath_type<scalar_t>* buf) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
+  const acc_t a = pr.a, bb = pr.b;
+  const V vb(bb);
+  for (int64_t c = 0; c < pr.C; ++c) {
+    acc_t* row = buf + c * span;
+    const V wq = kWeight ? V(w[c]) * vb : vb;
+    for (int64_t j = 0; j < span; j += V::size()) {
+      const V e =
+          vexp((V::loadu(row + j) - V::loadu(ct.hi.data() + j)) - V::loadu(ct.lo.data() + j));
+      (V::loadu(ct.g.data() + j) * (e * V::loadu(ct.K.data() + j) - wq)).store(row + j);
+    }
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    const index_t ti = t[j];
+    if (ti == pr.ignore_index) continue;
+    const acc_t wt = kWeight ? w[ti] : acc_t(1);
+    const acc_t xt = static_cast<acc_t>(xs[ti * pr.S + j]);
+    buf[ti * span + j] = ct.g[j] * (std::exp((xt - ct.hi[j]) - ct.lo[j]) * ct.K[j] - wt * (a + bb));
+  }
+}
+
 template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& input,
                       const Tensor& target, const Tensor& w_acc, double weight_total,
@@ -383,7 +468,6 @@ void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& inpu
     TORCH_INTERNAL_ASSERT(false, "backward_columns: class-index targets only");
   } else {
     using acc_t = at::opmath_type<scalar_t>;
-    using V = Vectorized<acc_t>;
     const int64_t C = pr.C, S = pr.S, span = column_span<acc_t>(C);
     const int64_t tasks_per_sample = (S + span - 1) / span;
     const scalar_t* x = input.const_data_ptr<scalar_t>();
@@ -393,52 +477,19 @@ void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& inpu
     const int64_t g_stride = scale.dim() == 0 ? 0 : 1;
     const double* lse_in = lse.const_data_ptr<double>();
     scalar_t* out = grad.mutable_data_ptr<scalar_t>();
-    const acc_t a = pr.a, bb = pr.b, W = weight_total;
+    const acc_t W = weight_total;
     at::parallel_for(0, pr.N * tasks_per_sample, 1, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> buf(C * span), gs(span), ks(span), ls(span), lo(span);
+      std::vector<acc_t> buf(C * span);
+      ColumnTerms<acc_t> ct(span);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / tasks_per_sample, s0 = (task % tasks_per_sample) * span;
-        const int64_t count = std::min(span, S - s0);
-        load_block(x + n * C * S + s0, C, S, count, span, buf.data());
-        // Per position: the upstream scale (0 where ignored), K = Σ_c w_c q_c and lse as hi + lo.
-        std::fill(gs.begin(), gs.end(), acc_t(0));
-        std::fill(ks.begin(), ks.end(), acc_t(0));
-        std::fill(ls.begin(), ls.end(), acc_t(0));
-        std::fill(lo.begin(), lo.end(), acc_t(0));
-        for (int64_t j = 0; j < count; ++j) {
-          const int64_t pos = n * S + s0 + j;
-          const index_t ti = t[pos];
-          const auto split = split_lse<acc_t>(lse_in[pos]);
-          ls[j] = split.hi;
-          lo[j] = split.lo;
-          if (ti == pr.ignore_index) continue;
-          check_target(pr, ti);
-          gs[j] = g[pos * g_stride];
-          ks[j] = a * (kWeight ? w[ti] : acc_t(1)) + bb * W;
-        }
-        // The gradient in place in the buffer, then each class row out in one piece.
-        const V vb(bb);
-        for (int64_t c = 0; c < C; ++c) {
-          acc_t* row = buf.data() + c * span;
-          const V wq = kWeight ? V(w[c]) * vb : vb;
-          for (int64_t j = 0; j < span; j += V::size()) {
-            const V v =
-                V::loadu(gs.data() + j) *
-                (vexp((V::loadu(row + j) - V::loadu(ls.data() + j)) - V::loadu(lo.data() + j)) *
-                     V::loadu(ks.data() + j) -
-                 wq);
-            v.store(row + j);
-          }
-        }
-        // The target's own term, in acc_t before rounding (bf16 would lose it otherwise).
+        const int64_t count = std::min(span, S - s0), pos0 = n * S + s0;
         const scalar_t* xs = x + n * C * S + s0;
-        for (int64_t j = 0; j < count; ++j) {
-          const index_t ti = t[n * S + s0 + j];
-          if (ti == pr.ignore_index) continue;
-          const acc_t wt = kWeight ? w[ti] : acc_t(1);
-          const acc_t xt = static_cast<acc_t>(xs[ti * S + j]);
-          buf[ti * span + j] = gs[j] * (std::exp((xt - ls[j]) - lo[j]) * ks[j] - wt * (a + bb));
-        }
+        load_block(xs, C, S, count, span, buf.data());
+        ct.template fill<index_t, kWeight>(pr, t, g, g_stride, lse_in, w, W, pos0, count);
+        column_gradient<scalar_t, index_t, kWeight>(pr, ct, w, t + pos0, xs, count, span,
+                                                    buf.data());
+        // Each class row out in one piece.
         scalar_t* dst = out + n * C * S + s0;
         for (int64_t c = 0; c < C; ++c) {
           const acc_t* row = buf.data() + c * span;

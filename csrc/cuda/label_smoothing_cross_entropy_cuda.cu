@@ -234,8 +234,8 @@ __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* _
 }
 
 // The same for (N, C) rows, one block per row: the per-row values (lse, K, scale, target) are
-// read once and no element needs an index division (the generic kernel's three 64-bit
-// divisions per element made it compute-bound: 3.2 ms for a 1 GiB bf16 gradient on an H100).
+// read once and no element needs an index division (three 64-bit divisions per element make
+// a kernel compute-bound at this bandwidth).
 template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 __global__ void __launch_bounds__(kRowThreads)
     backward_rows_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
@@ -369,32 +369,18 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& input, const Tenso
   return reduce(p, input, lse, losses, position_weights);
 }
 
-Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& target,
-                     const std::optional<Tensor>& weight, const Tensor& lse,
-                     const Tensor& total_weight, int64_t ignore_index, c10::string_view reduction,
-                     double label_smoothing, bool exclude_target) {
-  const Problem p =
-      check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
-  check_backward_inputs(p, input, grad, lse, total_weight);
-  const c10::cuda::CUDAGuard guard(input.device());
-  Tensor out = at::empty(input.sizes(), input.options());
-  if (input.numel() == 0) return out;
-  const Tensor x = input.contiguous();
-  const Tensor t = target.contiguous();
-  const Tensor w = weight ? weight->contiguous() : Tensor();
-  const Tensor w_sum = weight_sum(p, input, weight);
-  const Tensor scale = grad_scale(p, grad, total_weight);
+// K = Σ_c w_c q_c per position, on the device (no synchronisation). t and w (undefined
+// without weights) are contiguous; w_sum is Σ w in the accumulation type.
+Tensor target_weights(const Problem& p, const Tensor& input, const Tensor& t, const Tensor& w,
+                      const Tensor& w_sum, const Coefficients& k, cudaStream_t stream) {
   const auto acc = w_sum.scalar_type();
-  const Coefficients k{p.a, p.b, p.ignore_index, p.C, p.S};
-  auto stream = at::cuda::getCurrentCUDAStream();
-  // K = Σ_c w_c q_c per position, on the device (no synchronisation).
   Tensor K;
   if (p.prob_target) {
     const int64_t positions = p.N * p.S;
     K = at::empty({positions}, input.options().dtype(acc));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kOp, [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      with_bool(weight.has_value(), [&](auto weighted) {
+      with_bool(w.defined(), [&](auto weighted) {
         constexpr bool kWeight = decltype(weighted)::value;
         const scalar_t* wp = kWeight ? w.const_data_ptr<scalar_t>() : nullptr;
         if (p.S == 1) {
@@ -414,9 +400,30 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
     const Tensor t1 = t.view({-1}).to(at::kLong);
     const Tensor kept = t1 != p.ignore_index;
     const Tensor wt =
-        weight ? w.to(acc).index_select(0, t1.clamp(0, p.C - 1)) : at::ones_like(t1, acc);
+        w.defined() ? w.to(acc).index_select(0, t1.clamp(0, p.C - 1)) : at::ones_like(t1, acc);
     K = (wt * p.a + w_sum * p.b).masked_fill(~kept, 0).contiguous();
   }
+  return K;
+}
+
+Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& target,
+                     const std::optional<Tensor>& weight, const Tensor& lse,
+                     const Tensor& total_weight, int64_t ignore_index, c10::string_view reduction,
+                     double label_smoothing, bool exclude_target) {
+  const Problem p =
+      check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
+  check_backward_inputs(p, input, grad, lse, total_weight);
+  const c10::cuda::CUDAGuard guard(input.device());
+  Tensor out = at::empty(input.sizes(), input.options());
+  if (input.numel() == 0) return out;
+  const Tensor x = input.contiguous();
+  const Tensor t = target.contiguous();
+  const Tensor w = weight ? weight->contiguous() : Tensor();
+  const Tensor w_sum = weight_sum(p, input, weight);
+  const Tensor scale = grad_scale(p, grad, total_weight);
+  const Coefficients k{p.a, p.b, p.ignore_index, p.C, p.S};
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const Tensor K = target_weights(p, input, t, w, w_sum, k, stream);
   const int64_t numel = input.numel();
   const Tensor lse_c = lse.contiguous();
   dispatch(p, input, target, weight.has_value(), [&](auto s, auto i, auto kW, auto kP) {

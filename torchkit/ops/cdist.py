@@ -14,7 +14,7 @@ def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> 
     """Pairwise Euclidean distances, exact and fast: a drop-in for ``torch.cdist(x1, x2)``.
 
     Both sets are centred on their common mean and multiplied by one GEMM; a fused epilogue
-    forms ``|a|² + |b|² − 2·a·b`` and recomputes directly, as ``Σ(a − b)²``, the rare entries
+    forms ``|a|² + |b|² - 2·a·b`` and recomputes directly, as ``Σ(a - b)²``, the rare entries
     where that expansion cancels. Float32 results stay within ~1e-6 relative of float64 even
     for points far from the origin, where ``torch.cdist``'s default mode returns 0
     (PyTorch #42479). Reduced types compute in float32. TF32 is used on CUDA only if

@@ -16,7 +16,7 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
     (iSQRT-COV, Li et al., CVPR 2018), fused.
 
     The covariance of the channels over the spatial positions,
-    ``Σ = (1/M)·(X − X̄)(X − X̄)ᵀ`` (fast-MPN-COV's ``Covpool``, without its M×M centring
+    ``Σ = (1/M)·(X - X̄)(X - X̄)ᵀ`` (fast-MPN-COV's ``Covpool``, without its M×M centring
     matrix), then with ``sqrt=True`` its square root by ``iterations`` coupled Newton–Schulz
     steps on ``Σ / tr Σ``, compensated by ``√tr Σ`` (fast-MPN-COV's ``Sqrtm``, the same
     values and gradients), then with ``triu=True`` the upper triangle (``Triuvec``).
@@ -32,7 +32,7 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
             (reduced types compute in float32), any memory format (``channels_last`` is read
             in place). At least one position.
         iterations: 1 to 100, the Newton–Schulz steps (fast-MPN-COV's ``iterN``; 3 to 5 in
-            its models). ``1`` is ``A·½(3I − A)·√tr Σ``.
+            its models). ``1`` is ``A·½(3I - A)·√tr Σ``.
         sqrt: take the matrix square root (``False``: the covariance itself).
         triu: return the upper triangle with the diagonal, row by row, ``(N, D(D+1)/2)``;
             ``False`` returns ``(N, D, D)``.

@@ -77,7 +77,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad, _grad_indices):
-    """∂d/∂q_i = (q_i − g_j)/d (2·(q_i − g_j) squared), ∂d/∂g_j = −that, for the k pairs
+    """∂d/∂q_i = (q_i - g_j)/d (2·(q_i - g_j) squared), ∂d/∂g_j = -that, for the k pairs
     kept: a (*B, P, k, M) composition of PyTorch ops, differences taken directly from the
     inputs (exact far from the origin), 0 where d = 0 as in cdist."""
     query, gallery, distances, indices = ctx.saved_tensors

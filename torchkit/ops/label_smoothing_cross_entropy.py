@@ -40,12 +40,12 @@ def label_smoothing_cross_entropy(
             targets) or ``"sum"``.
         label_smoothing: ε in [0, 1].
         exclude_target: the smoothing convention. ``False`` (PyTorch's): the target
-            distribution is ``(1 − ε)·y + ε/C``, the target class included in the uniform
-            part. ``True`` (the cookbook's): the target class gets ``1 − ε`` and each of the
-            other ``C − 1`` classes ``ε/(C − 1)``; for a probability target ``p`` the
-            distribution is ``(1 − ε)·p + ε·(1 − p)/(C − 1)``, which is the same for a
+            distribution is ``(1 - ε)·y + ε/C``, the target class included in the uniform
+            part. ``True`` (the cookbook's): the target class gets ``1 - ε`` and each of the
+            other ``C - 1`` classes ``ε/(C - 1)``; for a probability target ``p`` the
+            distribution is ``(1 - ε)·p + ε·(1 - p)/(C - 1)``, which is the same for a
             one-hot ``p``. Weights, ``ignore_index`` and the reductions apply exactly as for
-            ``False``: class ``c``'s term ``−q_c·log softmax_c`` is scaled by ``weight[c]``
+            ``False``: class ``c``'s term ``-q_c·log softmax_c`` is scaled by ``weight[c]``
             and ``"mean"`` divides by the summed ``weight[target]`` of kept positions.
             Needs ``C >= 2`` when ``ε > 0``.
 
@@ -124,8 +124,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _target_grad(ctx, grad, input, weight, lse, total_weight) -> Tensor:
-    """Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse − x_c), a the target coefficient, times
-    the upstream gradient, in float64 as lse is (lse − x_c in float32 would round at the
+    """Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse - x_c), a the target coefficient, times
+    the upstream gradient, in float64 as lse is (lse - x_c in float32 would round at the
     logits' magnitude)."""
     _, reduction, label_smoothing, exclude_target = ctx.args
     class_dim = 0 if input.dim() == 1 else 1

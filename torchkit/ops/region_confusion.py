@@ -96,7 +96,7 @@ def _check_settings(name: str, num_blocks: int, neighbourhood: int, image_known:
     if num_blocks < 1 and not image_known:
         raise ValueError(f"{name}: num_blocks must be >= 1, got {num_blocks}")
     if neighbourhood < 2:
-        # randint(-1, 1) draws offsets in {−1, 0}; a stable argsort of i + r then keeps every
+        # randint(-1, 1) draws offsets in {-1, 0}; a stable argsort of i + r then keeps every
         # block where it is (a tie keeps the lower index first), so k = 1 would silently
         # never shuffle.
         raise ValueError(
