@@ -8,6 +8,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.slow  # trains a model: full suite (make test) only
+pytest.importorskip("torchvision", reason="the example trains on torchvision datasets and transforms")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "bcnn_finegrained.py"
 
 

@@ -11,11 +11,16 @@ from testing import (
     check_opcheck,
     compiled,
 )
-from torchvision import tv_tensors
-from torchvision.transforms import v2
 
 import torchkit
 from torchkit import ops, reference
+
+try:  # torchkit.transforms' tests: torchvision is the [vision] extra, not a dependency
+    from torchvision import tv_tensors
+    from torchvision.transforms import v2
+except ImportError:
+    tv_tensors = v2 = None
+needs_torchvision = pytest.mark.skipif(tv_tensors is None, reason="torchkit.transforms needs torchvision")
 
 OP = torch.ops.torchkit.permute_blocks.default
 ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int64, torch.bool]
@@ -223,6 +228,7 @@ def test_probability_per_sample():
     assert 0.45 < shuffled < 0.55
 
 
+@needs_torchvision
 def test_transform_in_compose_with_mask():
     torch.manual_seed(0)
     t = v2.Compose(
@@ -253,6 +259,7 @@ def test_transform_in_compose_with_mask():
     assert torch.equal(b, oracle(msk.as_subclass(torch.Tensor).unsqueeze(0), perm, 7)[0])
 
 
+@needs_torchvision
 def test_transform_batched_plain_tensor():
     rcm = torchkit.transforms.RandomRegionConfusion(7, 2, p=1.0)
     x = make((5, 3, 28, 28))
@@ -261,6 +268,7 @@ def test_transform_batched_plain_tensor():
     assert torch.equal(out.flatten().sort().values, x.flatten().sort().values)
 
 
+@needs_torchvision
 @pytest.mark.bad_input
 def test_transform_moves_one_mask_per_image_and_refuses_one_for_a_batch():
     rcm = torchkit.transforms.RandomRegionConfusion(4, 2)
@@ -275,6 +283,7 @@ def test_transform_moves_one_mask_per_image_and_refuses_one_for_a_batch():
         rcm(images, tv_tensors.Mask(torch.zeros(8, 8, dtype=torch.long)))
 
 
+@needs_torchvision
 def test_transform_hands_out_the_permutation_in_a_dict_sample():
     rcm = torchkit.transforms.RandomRegionConfusion(7, 2, permutation_key="permutation")
     image = tv_tensors.Image(make((3, 28, 28)))
@@ -294,6 +303,7 @@ def test_transform_hands_out_the_permutation_in_a_dict_sample():
         rcm({"image": image, "permutation": 1})
 
 
+@needs_torchvision
 def test_transform_accepts_pil_images():
     from PIL import Image
 
@@ -306,6 +316,7 @@ def test_transform_accepts_pil_images():
     assert torch.equal(out, oracle(array, sample["permutation"], 7))
 
 
+@needs_torchvision
 @pytest.mark.bad_input
 def test_transform_refuses_boxes():
     rcm = torchkit.transforms.RandomRegionConfusion()
@@ -336,16 +347,23 @@ BAD = [
     ),
     (lambda: torchkit.nn.RegionConfusion(7, 1), ValueError, r"RegionConfusion: neighbourhood must be >= 2, got 1"),
     (lambda: torchkit.nn.RegionConfusion(7.0), TypeError, r"RegionConfusion: num_blocks must be an int, got float 7.0"),
-    (
+    pytest.param(
         lambda: torchkit.transforms.RandomRegionConfusion(7, 1),
         ValueError,
         r"RandomRegionConfusion: neighbourhood must be >= 2",
+        marks=needs_torchvision,
     ),
-    (lambda: torchkit.transforms.RandomRegionConfusion(True), TypeError, r"num_blocks must be an int, got bool True"),
-    (
+    pytest.param(
+        lambda: torchkit.transforms.RandomRegionConfusion(True),
+        TypeError,
+        r"num_blocks must be an int, got bool True",
+        marks=needs_torchvision,
+    ),
+    pytest.param(
         lambda: torchkit.transforms.RandomRegionConfusion(p="0.5"),
         TypeError,
         r"p must be a float in \[0, 1\], got str '0.5'",
+        marks=needs_torchvision,
     ),
     (lambda: ops.permute_blocks(make((14, 14)), perm4[0], 7), ValueError, r"x must be an image \(C, H, W\)"),
     (lambda: ops.permute_blocks(x4, perm4[:, :48], 7), ValueError, r"permutation must have shape \[2, 49\]"),
@@ -355,7 +373,12 @@ BAD = [
     (lambda: ops.permute_blocks(x4, perm4 - 1, 7), IndexError, r"permutation values must be in \[0, 49\)"),
     (lambda: ops.permute_blocks(x4, perm4, 15), ValueError, r"num_blocks must be in"),
     (lambda: torchkit.nn.RegionConfusion(p=1.5), ValueError, r"p must be a probability in \[0, 1\], got 1.5"),
-    (lambda: torchkit.transforms.RandomRegionConfusion(p=-0.1), ValueError, r"p must be a probability"),
+    pytest.param(
+        lambda: torchkit.transforms.RandomRegionConfusion(p=-0.1),
+        ValueError,
+        r"p must be a probability",
+        marks=needs_torchvision,
+    ),
 ]
 
 
