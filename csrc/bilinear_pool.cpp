@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+#include <cmath>
 
 #include "autograd.h"
 #include "checks.h"
@@ -29,8 +30,10 @@ Problem check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& y, do
   check_floating(kOp, "x", x);
   TK_CHECK_VALUE(kOp, x.dim() == 4, "x must be a 4-D feature map (N, D, H, W), got shape ",
                  x.sizes());
-  TK_CHECK_VALUE(kOp, sqrt_eps >= 0, "sqrt_eps must be >= 0, got ", sqrt_eps);
-  TK_CHECK_VALUE(kOp, l2_eps >= 0, "l2_eps must be >= 0, got ", l2_eps);
+  TK_CHECK_VALUE(kOp, std::isfinite(sqrt_eps) && sqrt_eps >= 0,
+                 "sqrt_eps must be finite and >= 0, got ", sqrt_eps);
+  TK_CHECK_VALUE(kOp, std::isfinite(l2_eps) && l2_eps >= 0, "l2_eps must be finite and >= 0, got ",
+                 l2_eps);
   p.N = x.size(0);
   p.D = x.size(1);
   p.HW = x.size(2) * x.size(3);

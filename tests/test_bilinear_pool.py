@@ -310,8 +310,11 @@ BAD = [
     (lambda: ops.bilinear_pool(x4.long()), TypeError, r"x must be float32, float64, float16 or bfloat16, got Long"),
     (lambda: ops.bilinear_pool(x4.bool()), TypeError, r"x must be float32"),
     (lambda: ops.bilinear_pool(x4.to(torch.complex64)), TypeError, r"x must be float32"),
-    (lambda: ops.bilinear_pool(x4, sqrt_eps=-1e-5), ValueError, r"sqrt_eps must be >= 0, got -1e-05"),
-    (lambda: ops.bilinear_pool(x4, l2_eps=-1.0), ValueError, r"l2_eps must be >= 0, got -1"),
+    (lambda: ops.bilinear_pool(x4, sqrt_eps=-1e-5), ValueError, r"sqrt_eps must be finite and >= 0, got -1e-05"),
+    (lambda: ops.bilinear_pool(x4, sqrt_eps=float("inf")), ValueError, r"sqrt_eps must be finite and >= 0, got inf"),
+    (lambda: ops.bilinear_pool(x4, sqrt_eps=float("nan")), ValueError, r"sqrt_eps must be finite and >= 0, got nan"),
+    (lambda: ops.bilinear_pool(x4, l2_eps=-1.0), ValueError, r"l2_eps must be finite and >= 0, got -1"),
+    (lambda: ops.bilinear_pool(x4, l2_eps=float("inf")), ValueError, r"l2_eps must be finite and >= 0, got inf"),
     (lambda: ops.bilinear_pool(make((2, 3, 0, 4))), ValueError, r"at least one spatial position \(H·W > 0\)"),
 ]
 

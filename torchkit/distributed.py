@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchkit.ops import knn as _knn
-from torchkit.ops._common import acc_dtype, as_int, check_bool
+from torchkit.ops._common import acc_dtype, as_int, check_bool, check_tensor
 
 __all__ = ["knn"]
 
@@ -154,11 +154,6 @@ def capture(check) -> Optional[Exception]:
     except (TypeError, ValueError) as err:
         return err
     return None
-
-
-def check_tensor(op: str, name: str, t: Any) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
 
 
 def check_embeddings(op: str, name: str, x: Any, gallery_name: str, gallery: Any) -> None:

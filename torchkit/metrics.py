@@ -21,13 +21,13 @@ from torch import Tensor
 
 from torchkit import distributed
 from torchkit.distributed import Shards
-from torchkit.ops._common import as_int
+from torchkit.ops._common import as_int, check_tensor, describe
 
 __all__ = ["map_at_r", "recall_at_k"]
 
 
 def _check_labels(op: str, name: str, labels: Any, rows: Tensor, rows_name: str) -> None:
-    distributed.check_tensor(op, name, labels)
+    check_tensor(op, name, labels)
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise TypeError(f"{op}: {name} must have an integer dtype, got {labels.dtype}")
     if labels.shape != rows.shape[:1]:
@@ -51,15 +51,19 @@ def _check(op: str, embeddings: Any, labels: Any, gallery: Any, gallery_labels: 
 
 
 def _check_ks(op: str, ks: Any) -> tuple[int, ...]:
-    if isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable):
-        raise TypeError(f"{op}: ks must be an iterable of ints such as (1, 2, 4, 8), got {type(ks).__name__} {ks!r}")
+    not_iterable = isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable)
+    if not_iterable or (torch.is_tensor(ks) and ks.dim() != 1):
+        raise TypeError(f"{op}: ks must be an iterable of ints such as (1, 2, 4, 8), got {describe(ks)}")
     ks = [as_int(op, "every K in ks", k) for k in ks]
     if not ks:
         raise ValueError(f"{op}: ks must hold at least one K")
     return tuple(sorted(set(ks)))
 
 
-def _setup(op: str, embeddings, labels, gallery, gallery_labels, group, ks=None):
+_NO_KS = object()  # map_at_r takes no ks
+
+
+def _setup(op: str, embeddings, labels, gallery, gallery_labels, group, ks=_NO_KS):
     """The arguments checked (with a group, on every rank together: one rank's error is
     raised on all of them); returns the process group (None for one process), how the gallery
     is split over its ranks, and ``ks`` as sorted distinct ints (if given)."""
@@ -67,7 +71,7 @@ def _setup(op: str, embeddings, labels, gallery, gallery_labels, group, ks=None)
 
     def check() -> None:
         _check(op, embeddings, labels, gallery, gallery_labels)
-        if ks is not None:
+        if ks is not _NO_KS:
             checked["ks"] = _check_ks(op, ks)
 
     if group is None:

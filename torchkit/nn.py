@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from torchkit import ops
+from torchkit.ops._common import as_float, as_int, check_bool
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
@@ -48,10 +49,14 @@ class LabelSmoothingCrossEntropy(nn.Module):
                 f"with different values ({smoothing} and {label_smoothing})"
             )
         label_smoothing = next((v for v in (label_smoothing, smoothing) if v is not None), 0.1)
+        name = "LabelSmoothingCrossEntropy"
+        check_bool(name, "exclude_target", exclude_target)
+        if not isinstance(reduction, str):
+            raise TypeError(f"{name}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
         self.register_buffer("weight", weight)
-        self.ignore_index = ignore_index
+        self.ignore_index = as_int(name, "ignore_index", ignore_index)
         self.reduction = reduction
-        self.label_smoothing = label_smoothing
+        self.label_smoothing = as_float(name, "label_smoothing", label_smoothing)
         self.exclude_target = exclude_target
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
@@ -79,6 +84,7 @@ class CDist(nn.Module):
 
     def __init__(self, squared: bool = False) -> None:
         super().__init__()
+        check_bool("CDist", "squared", squared)
         self.squared = squared
 
     def forward(self, x1: Tensor, x2: Optional[Tensor] = None) -> Tensor:
@@ -145,8 +151,8 @@ class BilinearPool2d(nn.Module):
                 raise ValueError(f"BilinearPool2d: {name} must be a positive int or None, got {value!r}")
         if y_channels is not None and in_channels is None:
             raise ValueError("BilinearPool2d: y_channels needs in_channels too")
-        self.sqrt_eps = sqrt_eps
-        self.l2_eps = l2_eps
+        self.sqrt_eps = as_float("BilinearPool2d", "sqrt_eps", sqrt_eps)
+        self.l2_eps = as_float("BilinearPool2d", "l2_eps", l2_eps)
         self.in_channels = in_channels
         self.y_channels = y_channels
 
@@ -209,6 +215,8 @@ class CovariancePool2d(nn.Module):
             isinstance(in_channels, bool) or not isinstance(in_channels, int) or in_channels < 1
         ):
             raise ValueError(f"CovariancePool2d: in_channels must be a positive int or None, got {in_channels!r}")
+        check_bool("CovariancePool2d", "sqrt", sqrt)
+        check_bool("CovariancePool2d", "triu", triu)
         self.iterations = iterations
         self.sqrt = sqrt
         self.triu = triu

@@ -16,26 +16,80 @@ def acc_dtype(input: Tensor) -> torch.dtype:
     return torch.float64 if input.dtype == torch.float64 else torch.float32
 
 
+def describe(value: Any) -> str:
+    """A bad argument as an error message shows it: a tensor by its shape and dtype (not its
+    values); a number, string or list of them by its type and repr, cut short; anything else
+    by its type (a repr could be long, or holds tensors that torch.compile cannot print)."""
+    if torch.is_tensor(value):
+        return f"Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not all(_is_plain(v) for v in items):
+        return type(value).__name__
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
+_INTEGRAL = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _is_plain(value: Any) -> bool:
+    """A Python or numpy scalar, or a string: short to print, and printable under torch.compile."""
+    plain = isinstance(value, (type(None), bool, int, float, complex, str, bytes))
+    return plain or (getattr(value, "ndim", None) == 0 and not torch.is_tensor(value))
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python, numpy (dtype kind "b") or torch bool: an int or float argument refuses it."""
+    dtype = getattr(value, "dtype", None)
+    return isinstance(value, bool) or dtype == torch.bool or getattr(dtype, "kind", None) == "b"
+
+
 def as_int(op: str, name: str, value: Any) -> int:
     """An int argument as a Python int: any integral number (numpy integers and 0-d integer
     tensors included, as PyTorch's own functions take them); bool, float and anything else
-    refused with a TypeError that names the argument."""
-    # No try/except around operator.index: older Dynamo cannot trace one that catches.
-    is_bool = isinstance(value, bool) or type(value).__name__ == "bool_" or getattr(value, "dtype", None) == torch.bool
-    if is_bool:
-        pass
-    elif torch.is_tensor(value):
-        if value.dim() == 0 and not (value.is_floating_point() or value.is_complex()):
-            return int(value)
-    elif hasattr(type(value), "__index__"):
-        return operator.index(value)
-    raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    refused with a TypeError that names the argument, and an int past int64 (the schemas'
+    ``int``) with a ValueError."""
+    # Python ints first: under torch.compile(dynamic=True) they may be symbolic, which the
+    # other tests cannot inspect. No try/except around operator.index: older Dynamo cannot
+    # trace one that catches.
+    if isinstance(value, int) and not isinstance(value, bool):
+        integer = value
+    elif torch.is_tensor(value) and value.dim() == 0 and value.dtype in _INTEGRAL:
+        return int(value)
+    elif not _is_bool(value) and not torch.is_tensor(value) and hasattr(type(value), "__index__"):
+        integer = operator.index(value)
+    else:
+        raise TypeError(f"{op}: {name} must be an int, got {describe(value)}")
+    if not -(2**63) <= integer < 2**63:
+        raise ValueError(f"{op}: {name} must fit in int64, got {integer}")
+    return integer
+
+
+def as_float(op: str, name: str, value: Any) -> float:
+    """A float argument as a Python float: any real number (ints, numpy scalars and 0-d real
+    tensors included); bool, complex and anything else refused with a TypeError that names
+    the argument. Ranges (finite, >= 0, ...) are the kernels' checks."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):  # first, as in as_int
+        return float(value)
+    if torch.is_tensor(value):
+        if value.dim() == 0 and (value.is_floating_point() or value.dtype in _INTEGRAL):
+            return float(value)
+    elif not _is_bool(value) and getattr(getattr(value, "dtype", None), "kind", None) in ("f", "i", "u"):
+        return float(value)  # numpy reals (dtype.kind: float, int, uint)
+    raise TypeError(f"{op}: {name} must be a float, got {describe(value)}")
 
 
 def check_bool(op: str, name: str, value: Any) -> None:
     """A flag must be a bool: None or 1 would otherwise pass for False or True."""
     if not isinstance(value, bool):
-        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{op}: {name} must be a bool, got {describe(value)}")
+
+
+def check_tensor(op: str, name: str, value: Any, *, optional: bool = False) -> None:
+    """A tensor argument must be a Tensor (or None where optional). Anything else would reach
+    the dispatcher, whose error names neither the function nor, for None, the argument."""
+    if not (isinstance(value, Tensor) or (optional and value is None)):
+        raise TypeError(f"{op}: {name} must be a Tensor{' or None' if optional else ''}, got {describe(value)}")
 
 
 # The names C++ messages print for dtypes (c10::ScalarType), for messages made in Python.

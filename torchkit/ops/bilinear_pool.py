@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_same_device, register_op
+from torchkit.ops._common import acc_dtype, as_float, check_same_device, check_tensor, register_op
 
 
 def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> Tensor:
@@ -23,8 +23,8 @@ def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e
         x (Tensor[N, D, H, W]): float32, float64, float16 or bfloat16 (reduced types
             accumulate in float32), any memory format (``channels_last`` is read in place).
         y (Tensor[N, E, H, W], optional): the second stream; same N, H, W, dtype, device.
-        sqrt_eps: >= 0, inside the signed square root (bounds its gradient).
-        l2_eps: >= 0, the normalisation's lower bound on the norm.
+        sqrt_eps: finite and >= 0, inside the signed square root (bounds its gradient).
+        l2_eps: finite and >= 0, the normalisation's lower bound on the norm.
 
     Returns:
         Tensor[N, D·E] of ``x``'s dtype. At ``Z = 0`` exactly, the output and its gradient
@@ -35,7 +35,10 @@ def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e
         >>> features = torch.relu(torch.randn(8, 512, 28, 28, requires_grad=True))
         >>> pooled = torchkit.ops.bilinear_pool(features)  # (8, 262144)
     """
-    out, _ = _forward_op(x, y, float(sqrt_eps), float(l2_eps))
+    check_tensor("bilinear_pool", "x", x)
+    check_tensor("bilinear_pool", "y", y, optional=True)
+    eps = as_float("bilinear_pool", "sqrt_eps", sqrt_eps), as_float("bilinear_pool", "l2_eps", l2_eps)
+    out, _ = _forward_op(x, y, *eps)
     return out
 
 

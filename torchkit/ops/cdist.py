@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import check_bool, check_floating, check_same_device, dtype_name, register_op
+from torchkit.ops._common import check_bool, check_floating, check_same_device, check_tensor, dtype_name, register_op
 
 
 def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
@@ -36,6 +36,8 @@ def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> 
         >>> d = torchkit.ops.cdist(x, y)  # (4096, 1000)
         >>> nearest = d.argmin(1)
     """
+    check_tensor("cdist", "x1", x1)
+    check_tensor("cdist", "x2", x2, optional=True)
     check_bool("cdist", "squared", squared)
     return _forward_op(x1, x2, squared)
 

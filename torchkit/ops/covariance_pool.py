@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, as_int, check_bool, check_floating, check_same_device, register_op
+from torchkit.ops._common import (
+    acc_dtype,
+    as_int,
+    check_bool,
+    check_floating,
+    check_same_device,
+    check_tensor,
+    register_op,
+)
 
 # The most Newton–Schulz steps a call may ask for (csrc/covariance_pool.h says why).
 MAX_ITERATIONS = 100
@@ -47,6 +55,7 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
         >>> features = torch.relu(torch.randn(8, 256, 28, 28, requires_grad=True))
         >>> pooled = torchkit.ops.covariance_pool(features)  # (8, 32896)
     """
+    check_tensor("covariance_pool", "x", x)
     iterations = as_int("covariance_pool", "iterations", iterations)
     check_bool("covariance_pool", "sqrt", sqrt)
     check_bool("covariance_pool", "triu", triu)

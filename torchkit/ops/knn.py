@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, as_int, check_bool, register_op
+from torchkit.ops._common import acc_dtype, as_int, check_bool, check_tensor, register_op
 from torchkit.ops.cdist import check_distance_inputs
 
 
@@ -43,6 +43,8 @@ def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared:
         >>> embeddings = torch.nn.functional.normalize(torch.randn(10000, 128), dim=1)
         >>> distances, neighbours = torchkit.ops.knn(embeddings, k=8)  # leave-one-out
     """
+    check_tensor("knn", "query", query)
+    check_tensor("knn", "gallery", gallery, optional=True)
     check_bool("knn", "squared", squared)
     return _forward_op(query, gallery, as_int("knn", "k", k), squared)
 

@@ -7,7 +7,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_floating, check_same_device, register_op
+from torchkit.ops._common import (
+    acc_dtype,
+    as_float,
+    as_int,
+    check_bool,
+    check_floating,
+    check_same_device,
+    check_tensor,
+    describe,
+    register_op,
+)
 
 
 def label_smoothing_cross_entropy(
@@ -60,9 +70,18 @@ def label_smoothing_cross_entropy(
         >>> loss = torchkit.ops.label_smoothing_cross_entropy(logits, labels, label_smoothing=0.1)
         >>> loss.backward()
     """
+    op = "label_smoothing_cross_entropy"
+    check_tensor(op, "input", input)
+    check_tensor(op, "target", target)
+    check_tensor(op, "weight", weight, optional=True)
+    ignore_index = as_int(op, "ignore_index", ignore_index)
+    if not isinstance(reduction, str):
+        raise TypeError(f"{op}: reduction must be 'none', 'mean' or 'sum', got {describe(reduction)}")
+    label_smoothing = as_float(op, "label_smoothing", label_smoothing)
+    check_bool(op, "exclude_target", exclude_target)
     if target.dtype in (torch.uint8, torch.int8, torch.int16):
         target = target.long()
-    loss, _, _ = _forward_op(input, target, weight, ignore_index, reduction, float(label_smoothing), exclude_target)
+    loss, _, _ = _forward_op(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target)
     return loss
 
 

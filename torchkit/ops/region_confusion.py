@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import as_int, check_same_device, register_op
+from torchkit.ops._common import as_int, check_same_device, check_tensor, register_op
 
 
 def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
@@ -27,7 +27,9 @@ def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
             fail a device-side assertion on CUDA).
         num_blocks: ``n``, in ``[1, min(H, W)]``.
     """
-    return _forward_op(x, permutation, num_blocks)
+    check_tensor("permute_blocks", "x", x)
+    check_tensor("permute_blocks", "permutation", permutation)
+    return _forward_op(x, permutation, as_int("permute_blocks", "num_blocks", num_blocks))
 
 
 def _permute_blocks_format(x: Tensor) -> torch.memory_format:
@@ -115,6 +117,7 @@ def _check_generator(name: str, generator) -> None:
 
 def _check_args(x: Tensor, num_blocks: int, neighbourhood: int) -> None:
     _check_settings("region_confusion", num_blocks, neighbourhood, image_known=True)
+    check_tensor("region_confusion", "x", x)
     if x.dim() not in (3, 4):
         raise ValueError(
             f"region_confusion: x must be an image (C, H, W) or a batch (N, C, H, W), got shape {tuple(x.shape)}"

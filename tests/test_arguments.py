@@ -1,0 +1,182 @@
+"""Every public function refuses an argument of the wrong type with a TypeError (a Python int
+past int64 with a ValueError) that names the function and the argument, eagerly and under
+torch.compile, before anything reaches the dispatcher (whose own errors name neither the
+function nor, for None, the argument)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from testing import check_compiled_refuses_like_eager
+
+import torchkit.nn
+from torchkit import metrics, ops
+
+x4 = torch.randn(2, 3, 4, 4)
+x2 = torch.randn(5, 3)
+labels = torch.tensor([0, 0, 1, 1, 2])
+
+# function name -> (the function, valid keyword arguments)
+CALLS = {
+    "bilinear_pool": (ops.bilinear_pool, dict(x=x4, y=x4, sqrt_eps=1e-5, l2_eps=1e-12)),
+    "cdist": (ops.cdist, dict(x1=x2, x2=x2, squared=False)),
+    "covariance_pool": (ops.covariance_pool, dict(x=x4, iterations=5, sqrt=True, triu=True)),
+    "knn": (ops.knn, dict(query=x2, gallery=x2, k=2, squared=False)),
+    "label_smoothing_cross_entropy": (
+        ops.label_smoothing_cross_entropy,
+        dict(
+            input=x2,
+            target=labels,
+            weight=torch.ones(3),
+            ignore_index=-100,
+            reduction="mean",
+            label_smoothing=0.1,
+            exclude_target=False,
+        ),
+    ),
+    "permute_blocks": (ops.permute_blocks, dict(x=x4, permutation=torch.arange(4).repeat(2, 1), num_blocks=2)),
+    "region_confusion": (ops.region_confusion, dict(x=x4, num_blocks=2, neighbourhood=2, generator=None)),
+    "recall_at_k": (metrics.recall_at_k, dict(embeddings=x2, labels=labels, ks=(1, 2))),
+    "map_at_r": (metrics.map_at_r, dict(embeddings=x2, labels=labels)),
+}
+
+# argument -> its kind, for each function's arguments
+KINDS = {
+    "tensor": ["x", "x1", "query", "input", "target", "permutation", "embeddings", "labels"],
+    "optional_tensor": ["y", "x2", "gallery", "weight"],
+    "int": ["iterations", "k", "ignore_index", "num_blocks", "neighbourhood"],
+    "float": ["sqrt_eps", "l2_eps", "label_smoothing"],
+    "bool": ["squared", "sqrt", "triu", "exclude_target"],
+}
+KIND_OF = {name: kind for kind, names in KINDS.items() for name in names}
+
+# kind -> (bad value, what the message says the argument must be)
+BAD_VALUES = {
+    "tensor": [(None, "a Tensor"), (1.5, "a Tensor"), ([1, 2], "a Tensor"), (np.ones(3), "a Tensor")],
+    "optional_tensor": [(1.5, "a Tensor or None"), ("x", "a Tensor or None"), ([1.0], "a Tensor or None")],
+    "int": [
+        (None, "an int"),
+        (1.5, "an int"),
+        (True, "an int"),
+        ("2", "an int"),
+        (torch.ones(2, dtype=torch.long), "an int"),
+    ],
+    "float": [
+        (None, "a float"),
+        ("0.1", "a float"),
+        ([0.1], "a float"),
+        (True, "a float"),
+        (1j, "a float"),
+        (torch.tensor(False), "a float"),
+    ],
+    "bool": [(None, "a bool"), (1, "a bool"), (1.0, "a bool"), (torch.tensor(True), "a bool")],
+}
+
+CASES = [
+    pytest.param(op, arg, value, must, id=f"{op}-{arg}-{type(value).__name__}")
+    for op, (_, kwargs) in CALLS.items()
+    for arg in kwargs
+    if arg in KIND_OF
+    for value, must in BAD_VALUES[KIND_OF[arg]]
+]
+
+
+def call_with(op: str, arg: str, value):
+    fn, kwargs = CALLS[op]
+    return fn(**{**kwargs, arg: value})
+
+
+@pytest.mark.parametrize("op", list(CALLS))
+def test_the_valid_arguments_run(op):
+    fn, kwargs = CALLS[op]
+    fn(**kwargs)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("op,arg,value,must", CASES)
+def test_wrong_type_is_a_type_error_that_names_the_argument(op, arg, value, must):
+    with pytest.raises(TypeError, match=rf"^{op}: {arg} must be {must}"):
+        call_with(op, arg, value)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "op,arg", [(op, arg) for op, (_, kw) in CALLS.items() for arg in kw if KIND_OF.get(arg) == "int"]
+)
+def test_int_past_int64_is_a_value_error(op, arg):
+    with pytest.raises(ValueError, match=rf"^{op}: {arg} must fit in int64, got {2**70}"):
+        call_with(op, arg, 2**70)
+
+
+def test_ints_and_floats_take_numpy_scalars_and_0d_tensors():
+    expected = ops.label_smoothing_cross_entropy(x2, labels, ignore_index=1, label_smoothing=0.25)
+    for ignore_index, smoothing in [(np.int32(1), np.float32(0.25)), (torch.tensor(1), torch.tensor(0.25)), (1, 0.25)]:
+        got = ops.label_smoothing_cross_entropy(x2, labels, ignore_index=ignore_index, label_smoothing=smoothing)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert ops.knn(x2, k=np.int64(2))[1].shape == (5, 2)
+
+
+@pytest.mark.parametrize("ks", [None, 4, torch.tensor(4), "14"])
+def test_recall_ks_must_be_an_iterable_of_ints(ks):
+    with pytest.raises(TypeError, match=r"^recall_at_k: ks must be an iterable of ints such as \(1, 2, 4, 8\)"):
+        metrics.recall_at_k(x2, labels, ks)
+
+
+def test_recall_ks_may_be_a_tensor_of_ints():
+    assert metrics.recall_at_k(x2, labels, torch.tensor([1, 2])) == metrics.recall_at_k(x2, labels, (1, 2))
+
+
+def test_a_tensor_in_a_message_shows_its_shape_not_its_values():
+    with pytest.raises(TypeError, match=r"k must be an int, got Tensor of shape \(1000,\) and dtype torch.int64$"):
+        ops.knn(x2, k=torch.ones(1000, dtype=torch.long))
+
+
+COMPILED = [
+    ("cdist", lambda: ops.cdist(None)),
+    ("cdist", lambda: ops.cdist(x2, 1.5)),
+    ("knn", lambda: ops.knn(x2, "gallery", 2)),
+    ("bilinear_pool", lambda: ops.bilinear_pool(x4, sqrt_eps="1e-5")),
+    ("covariance_pool", lambda: ops.covariance_pool([x4])),
+    ("label_smoothing_cross_entropy", lambda: ops.label_smoothing_cross_entropy(x2, labels, 0.1)),
+    ("label_smoothing_cross_entropy", lambda: ops.label_smoothing_cross_entropy(x2, labels, exclude_target=1)),
+    ("permute_blocks", lambda: ops.permute_blocks(x4, [0, 1, 2, 3], 2)),
+]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("name,call", COMPILED, ids=[f"{name}-{i}" for i, (name, _) in enumerate(COMPILED)])
+def test_wrong_type_under_compile(monkeypatch, name, call):
+    check_compiled_refuses_like_eager(monkeypatch, [name], call)
+
+
+MODULES = [
+    (lambda: torchkit.nn.CDist(1), r"^CDist: squared must be a bool, got int 1"),
+    (lambda: torchkit.nn.BilinearPool2d("1e-5"), r"^BilinearPool2d: sqrt_eps must be a float, got str '1e-5'"),
+    (lambda: torchkit.nn.BilinearPool2d(l2_eps=None), r"^BilinearPool2d: l2_eps must be a float, got NoneType None"),
+    (lambda: torchkit.nn.CovariancePool2d(sqrt=None), r"^CovariancePool2d: sqrt must be a bool, got NoneType None"),
+    (lambda: torchkit.nn.CovariancePool2d(triu=0), r"^CovariancePool2d: triu must be a bool, got int 0"),
+    (
+        lambda: torchkit.nn.LabelSmoothingCrossEntropy(label_smoothing="0.1"),
+        r"^LabelSmoothingCrossEntropy: label_smoothing must be a float, got str '0.1'",
+    ),
+    (
+        lambda: torchkit.nn.LabelSmoothingCrossEntropy(exclude_target=1),
+        r"^LabelSmoothingCrossEntropy: exclude_target must be a bool, got int 1",
+    ),
+    (
+        lambda: torchkit.nn.LabelSmoothingCrossEntropy(ignore_index=1.0),
+        r"^LabelSmoothingCrossEntropy: ignore_index must be an int, got float 1.0",
+    ),
+    (
+        lambda: torchkit.nn.LabelSmoothingCrossEntropy(reduction=None),
+        r"^LabelSmoothingCrossEntropy: reduction must be 'none', 'mean' or 'sum', got None",
+    ),
+]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("make,match", MODULES)
+def test_modules_check_their_settings_when_built(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
