@@ -226,6 +226,16 @@ def test_needs_a_process_group():
         torchkit.distributed.knn(torch.zeros(3, 2))
 
 
+@pytest.mark.bad_input
+@pytest.mark.parametrize("group", ["world", 0, [0, 1]])
+def test_group_must_be_a_process_group(group):
+    pattern = r"must be a torch\.distributed ProcessGroup or None, got " + type(group).__name__
+    with pytest.raises(TypeError, match=r"^torchkit\.distributed\.knn: group " + pattern):
+        torchkit.distributed.knn(torch.zeros(3, 2), group=group)
+    with pytest.raises(TypeError, match=r"^recall_at_k: group " + pattern):
+        metrics.recall_at_k(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long), group=group)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_rank_in_process(device, tmp_path):
     """World size 1 (no point-to-point traffic, so no NCCL needed): the same code path on

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchkit.ops import knn as _knn
-from torchkit.ops._common import acc_dtype, as_int, check_bool, check_tensor
+from torchkit.ops._common import acc_dtype, as_int, check_bool, check_tensor, describe
 
 __all__ = ["knn"]
 
@@ -138,6 +138,8 @@ class Shards:
 
 def resolve_group(op: str, group):
     """``group`` itself, the world for ``None``; a clear error without a process group."""
+    if group is not None and dist.is_available() and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got {describe(group)}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"{op}: torch.distributed is not initialised; call torch.distributed.init_process_group() "
