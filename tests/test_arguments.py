@@ -170,7 +170,7 @@ MODULES = [
     ),
     (
         lambda: torchkit.nn.LabelSmoothingCrossEntropy(reduction=None),
-        r"^LabelSmoothingCrossEntropy: reduction must be 'none', 'mean' or 'sum', got None",
+        r"^LabelSmoothingCrossEntropy: reduction must be 'none', 'mean' or 'sum', got NoneType None",
     ),
 ]
 
@@ -180,3 +180,11 @@ MODULES = [
 def test_modules_check_their_settings_when_built(make, match):
     with pytest.raises(TypeError, match=match):
         make()
+
+
+@pytest.mark.bad_input
+def test_reduction_must_be_a_string():
+    with pytest.raises(
+        TypeError, match=r"^label_smoothing_cross_entropy: reduction must be 'none', 'mean' or 'sum', got int 1$"
+    ):
+        ops.label_smoothing_cross_entropy(x2, labels, reduction=1)

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torchkit import ops
 from torchkit.ops._common import as_float, as_int, check_bool
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
+from torchkit.ops.label_smoothing_cross_entropy import check_reduction
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
 __all__ = ["BilinearPool2d", "CDist", "CovariancePool2d", "LabelSmoothingCrossEntropy", "RegionConfusion"]
@@ -51,8 +52,7 @@ class LabelSmoothingCrossEntropy(nn.Module):
         label_smoothing = next((v for v in (label_smoothing, smoothing) if v is not None), 0.1)
         name = "LabelSmoothingCrossEntropy"
         check_bool(name, "exclude_target", exclude_target)
-        if not isinstance(reduction, str):
-            raise TypeError(f"{name}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+        check_reduction(name, reduction)
         self.register_buffer("weight", weight)
         self.ignore_index = as_int(name, "ignore_index", ignore_index)
         self.reduction = reduction

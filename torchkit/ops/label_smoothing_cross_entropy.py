@@ -75,14 +75,19 @@ def label_smoothing_cross_entropy(
     check_tensor(op, "target", target)
     check_tensor(op, "weight", weight, optional=True)
     ignore_index = as_int(op, "ignore_index", ignore_index)
-    if not isinstance(reduction, str):
-        raise TypeError(f"{op}: reduction must be 'none', 'mean' or 'sum', got {describe(reduction)}")
+    check_reduction(op, reduction)
     label_smoothing = as_float(op, "label_smoothing", label_smoothing)
     check_bool(op, "exclude_target", exclude_target)
     if target.dtype in (torch.uint8, torch.int8, torch.int16):
         target = target.long()
     loss, _, _ = _forward_op(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target)
     return loss
+
+
+def check_reduction(op: str, reduction) -> None:
+    """reduction's type; its value is the kernel's check (csrc/label_smoothing_cross_entropy.cpp)."""
+    if not isinstance(reduction, str):
+        raise TypeError(f"{op}: reduction must be 'none', 'mean' or 'sum', got {describe(reduction)}")
 
 
 def _positions(input: Tensor) -> tuple:
