@@ -115,6 +115,8 @@ def test_ints_and_floats_take_numpy_scalars_and_0d_tensors():
         got = ops.label_smoothing_cross_entropy(x2, labels, ignore_index=ignore_index, label_smoothing=smoothing)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert ops.knn(x2, k=np.int64(2))[1].shape == (5, 2)
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16):
+        assert ops.knn(x2, k=torch.tensor(2, dtype=dtype))[1].shape == (5, 2)
 
 
 @pytest.mark.parametrize("ks", [None, 4, torch.tensor(4), "14"])
