@@ -119,6 +119,23 @@ def test_ints_and_floats_take_numpy_scalars_and_0d_tensors():
         assert ops.knn(x2, k=torch.tensor(2, dtype=dtype))[1].shape == (5, 2)
 
 
+@pytest.mark.bad_input
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
+def test_0d_tensors_that_do_not_read_back_as_numbers_are_refused():
+    # A quantized scalar reads back dequantized (1.5 would pass as k = 1); bits dtypes do not
+    # read back at all.
+    for value in (
+        torch.quantize_per_tensor(torch.tensor(1.5), 0.5, 0, torch.qint8),
+        torch.empty((), dtype=torch.bits8),
+    ):
+        with pytest.raises(
+            TypeError, match=rf"^knn: k must be an int, got Tensor of shape \(\) and dtype {value.dtype}$"
+        ):
+            ops.knn(x2, k=value)
+        with pytest.raises(TypeError, match=r"^label_smoothing_cross_entropy: label_smoothing must be a float, got"):
+            ops.label_smoothing_cross_entropy(x2, labels, label_smoothing=value)
+
+
 @pytest.mark.parametrize("ks", [None, 4, torch.tensor(4), "14"])
 def test_recall_ks_must_be_an_iterable_of_ints(ks):
     with pytest.raises(TypeError, match=r"^recall_at_k: ks must be an iterable of ints such as \(1, 2, 4, 8\)"):

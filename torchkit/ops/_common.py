@@ -29,9 +29,10 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
-def _is_integral(dtype: torch.dtype) -> bool:
-    """Any integer dtype (signed or unsigned, every width), bool excepted."""
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+# The integer dtypes a 0-d tensor reads back as a Python int. Not "neither float, complex nor
+# bool": that would let in quantized dtypes (read back dequantized, so a qint8 holding 1.5
+# becomes 1) and bits and sub-byte dtypes (no scalar read at all).
+_INTEGRAL = (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _is_plain(value: Any) -> bool:
@@ -56,7 +57,7 @@ def as_int(op: str, name: str, value: Any) -> int:
     # trace one that catches.
     if isinstance(value, int) and not isinstance(value, bool):
         integer = value
-    elif torch.is_tensor(value) and value.dim() == 0 and _is_integral(value.dtype):
+    elif torch.is_tensor(value) and value.dim() == 0 and value.dtype in _INTEGRAL:
         return int(value)
     elif not _is_bool(value) and not torch.is_tensor(value) and hasattr(type(value), "__index__"):
         integer = operator.index(value)
@@ -74,7 +75,7 @@ def as_float(op: str, name: str, value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):  # first, as in as_int
         return float(value)
     if torch.is_tensor(value):
-        if value.dim() == 0 and (value.is_floating_point() or _is_integral(value.dtype)):
+        if value.dim() == 0 and (value.is_floating_point() or value.dtype in _INTEGRAL):
             return float(value)
     elif not _is_bool(value) and getattr(getattr(value, "dtype", None), "kind", None) in ("f", "i", "u"):
         return float(value)  # numpy reals (dtype.kind: float, int, uint)

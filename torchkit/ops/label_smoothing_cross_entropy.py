@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -84,7 +84,7 @@ def label_smoothing_cross_entropy(
     return loss
 
 
-def check_reduction(op: str, reduction) -> None:
+def check_reduction(op: str, reduction: Any) -> None:
     """reduction's type; its value is the kernel's check (csrc/label_smoothing_cross_entropy.cpp)."""
     if not isinstance(reduction, str):
         raise TypeError(f"{op}: reduction must be 'none', 'mean' or 'sum', got {describe(reduction)}")
