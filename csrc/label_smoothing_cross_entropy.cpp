@@ -228,14 +228,14 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
     }
     if (ctx->needs_input_grad(1)) {
       // Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse − x_c), a the target coefficient, times
-      // the upstream gradient, in float64 as lse is (lse − x_c in float32 would round at the
-      // logits' magnitude).
+      // the upstream gradient. lse − x_c = −log_softmax in float64, exact at any magnitude of
+      // the logits (the saved lse minus x_c would round at it, and lose log Σ past 2⁵³).
       const int64_t class_dim = input.dim() == 1 ? 0 : 1;
       const int64_t C = input.size(class_dim);
       const double a = 1 - eps - (exclude_target && C > 1 ? eps / double(C - 1) : 0.0);
       at::Tensor scale = (reduction == "mean" ? grad / tw : grad).to(at::kDouble);
       if (reduction == "none") scale = scale.unsqueeze(class_dim);
-      at::Tensor g = scale * a * (lse.unsqueeze(class_dim) - input.to(at::kDouble));
+      at::Tensor g = scale * a * at::log_softmax(input.to(at::kDouble), class_dim).neg_();
       if (weight.has_value()) {
         std::vector<int64_t> view(input.dim(), 1);
         view[class_dim] = C;

@@ -15,7 +15,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
 
+#include <algorithm>
 #include <cfloat>
+#include <cmath>
+#include <limits>
 
 #include <tuple>
 #include <type_traits>
@@ -99,6 +102,33 @@ C10_HOST_DEVICE inline SplitLse<acc_t> split_lse(double lse) {
   const acc_t hi = static_cast<acc_t>(lse);
   const double rest = lse - static_cast<double>(hi);
   return {hi, rest == rest ? static_cast<acc_t>(rest) : acc_t(0)};
+}
+
+// The saved lse is one float64, max + log Σ exp(x − max) rounded: it errs by up to
+// |lse|·2⁻⁵³, an error in every softmax's exponent, and past |lse| ≈ 2⁵³ it has lost log Σ
+// (≤ log C) altogether: a row of equal logits of 10¹⁸ would get softmax 1 for every class
+// instead of 1/C. Where |lse| reaches kCoarseLse (an error of 2⁻²⁹ in float32's exponent,
+// 2⁻⁴¹ in float64's), the CPU backward recomputes the row's max and log Σ from its logits
+// (exact_lse) instead, a pass over the row; ordinary logits never come near it. The CUDA
+// backward does not yet (issue #31), and is off at such magnitudes.
+template <typename acc_t>
+constexpr double kCoarseLse = std::is_same_v<acc_t, float> ? 0x1p24 : 0x1p12;
+
+template <typename acc_t>
+C10_HOST_DEVICE inline bool coarse_lse(double lse) {
+  return (lse < 0 ? -lse : lse) >= kCoarseLse<acc_t> && lse - lse == 0;  // finite and large
+}
+
+// hi = the maximum of n logits (`stride` apart), lo = log Σ exp(x − hi): the log-sum-exp
+// split exactly, from the logits themselves. The shift is shift_ref's, as the forward's.
+template <typename acc_t, typename T>
+SplitLse<acc_t> exact_lse(const T* x, int64_t n, int64_t stride) {
+  acc_t max = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t c = 0; c < n; ++c) max = std::max(max, static_cast<acc_t>(x[c * stride]));
+  const acc_t ref = shift_ref(max);
+  double sum = 0;  // float64: a long row's sequential sum would round in float32
+  for (int64_t c = 0; c < n; ++c) sum += std::exp(static_cast<acc_t>(x[c * stride]) - ref);
+  return {ref, static_cast<acc_t>(std::log(sum))};
 }
 
 // Kernel dispatch shared by both backends.

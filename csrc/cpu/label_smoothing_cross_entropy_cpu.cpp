@@ -280,6 +280,15 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
   scalar_t* out = grad_rows.mutable_data_ptr<scalar_t>();
   const std::vector<acc_t> K =
       target_weights<scalar_t, index_t, kWeight, kProb>(pr, rows, p, t, w, weight_total);
+  // Each row's log-sum-exp as hi + lo, recomputed from the row where the saved one is coarse.
+  std::vector<SplitLse<acc_t>> split(rows);
+  at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / C),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t r = begin; r < end; ++r) {
+                       split[r] = coarse_lse<acc_t>(lse_in[r]) ? exact_lse<acc_t>(x + r * C, C, 1)
+                                                               : split_lse<acc_t>(lse_in[r]);
+                     }
+                   });
 
   at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
     acc_t xbuf[kBlock], pbuf[kBlock], gbuf[kBlock];
@@ -287,7 +296,7 @@ void backward_rows(const Problem& pr, const Tensor& scale, const Tensor& x_rows,
       const int64_t r = task / parts, c0 = (task % parts) * part_len;
       const int64_t c1 = std::min(C, c0 + part_len);
       const bool ignored = !kProb && t[r] == pr.ignore_index;
-      const auto [hi, lo] = split_lse<acc_t>(lse_in[r]);
+      const auto [hi, lo] = split[r];
       const RowGradient<acc_t> rg{g[r * g_stride], K[r], hi, lo};
       for (int64_t b = c0; b < c1; b += kBlock) {
         const int64_t n = std::min(kBlock, c1 - b);
@@ -410,9 +419,11 @@ struct ColumnTerms {
   std::vector<acc_t> g, K, hi, lo;
   explicit ColumnTerms(int64_t span) : g(span), K(span), hi(span), lo(span) {}
 
+  // buf: the block's logits (class c of position j at c · span + j), for a coarse lse.
   template <typename index_t, bool kWeight>
   void fill(const Problem& pr, const index_t* t, const acc_t* grad, int64_t g_stride,
-            const double* lse, const acc_t* w, acc_t W, int64_t pos0, int64_t count) {
+            const double* lse, const acc_t* w, acc_t W, int64_t pos0, int64_t count,
+            const acc_t* buf, int64_t span) {
     std::fill(g.begin(), g.end(), acc_t(0));
     std::fill(K.begin(), K.end(), acc_t(0));
     std::fill(hi.begin(), hi.end(), acc_t(0));
@@ -420,7 +431,8 @@ struct ColumnTerms {
     for (int64_t j = 0; j < count; ++j) {
       const int64_t pos = pos0 + j;
       const index_t ti = t[pos];
-      const auto split = split_lse<acc_t>(lse[pos]);
+      const auto split = coarse_lse<acc_t>(lse[pos]) ? exact_lse<acc_t>(buf + j, pr.C, span)
+                                                     : split_lse<acc_t>(lse[pos]);
       hi[j] = split.hi;
       lo[j] = split.lo;
       if (ti == pr.ignore_index) continue;
@@ -486,7 +498,8 @@ void backward_columns(const Problem& pr, const Tensor& scale, const Tensor& inpu
         const int64_t count = std::min(span, S - s0), pos0 = n * S + s0;
         const scalar_t* xs = x + n * C * S + s0;
         load_block(xs, C, S, count, span, buf.data());
-        ct.template fill<index_t, kWeight>(pr, t, g, g_stride, lse_in, w, W, pos0, count);
+        ct.template fill<index_t, kWeight>(pr, t, g, g_stride, lse_in, w, W, pos0, count,
+                                           buf.data(), span);
         column_gradient<scalar_t, index_t, kWeight>(pr, ct, w, t + pos0, xs, count, span,
                                                     buf.data());
         // Each class row out in one piece.

@@ -147,10 +147,10 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (ignore_index, reduction, label_smoothing, exclude_target)
 
 
-def _target_grad(ctx, grad, input, weight, lse, total_weight) -> Tensor:
+def _target_grad(ctx, grad, input, weight, total_weight) -> Tensor:
     """Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse - x_c), a the target coefficient, times
-    the upstream gradient, in float64 as lse is (lse - x_c in float32 would round at the
-    logits' magnitude)."""
+    the upstream gradient. lse - x_c = -log_softmax in float64, exact at any magnitude of the
+    logits (the saved lse minus x_c would round at it, and lose log Σ past 2⁵³)."""
     _, reduction, label_smoothing, exclude_target = ctx.args
     class_dim = 0 if input.dim() == 1 else 1
     C = input.shape[class_dim]
@@ -161,7 +161,7 @@ def _target_grad(ctx, grad, input, weight, lse, total_weight) -> Tensor:
     view = [1] * input.dim()
     view[class_dim] = C
     w = 1.0 if weight is None else weight.double().view(view)
-    return scale * a * w * (lse.unsqueeze(class_dim) - input.double())
+    return scale * a * w * -torch.log_softmax(input.double(), class_dim)
 
 
 def _backward(ctx, grad, _grad_lse, _grad_total_weight):
@@ -170,7 +170,7 @@ def _backward(ctx, grad, _grad_lse, _grad_total_weight):
     if ctx.needs_input_grad[0]:
         grad_input = _backward_op(grad, input, target, weight, lse, total_weight, *ctx.args)
     if ctx.needs_input_grad[1]:
-        grad_target = _target_grad(ctx, grad, input, weight, lse, total_weight).to(target.dtype)
+        grad_target = _target_grad(ctx, grad, input, weight, total_weight).to(target.dtype)
     return grad_input, grad_target, None, None, None, None, None
 
 
@@ -187,7 +187,7 @@ def _jvp(ctx, input_tangent, target_tangent, *_):
         g = _backward_op(unit, input, target, weight, lse, total_weight, *ctx.args)
         tangent = (g.to(lse.dtype) * input_tangent.to(lse.dtype)).sum(dims)
     if target_tangent is not None:
-        t = (_target_grad(ctx, unit, input, weight, lse, total_weight) * target_tangent.double()).sum(dims)
+        t = (_target_grad(ctx, unit, input, weight, total_weight) * target_tangent.double()).sum(dims)
         tangent = t if tangent is None else tangent + t
     return (None if tangent is None else tangent.to(input.dtype)), None, None
 
