@@ -102,14 +102,14 @@ std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const 
   return {x, n};
 }
 
-at::Tensor finite_mean_aten(const at::Tensor& raw1, const at::Tensor& raw2) {
+Shift finite_mean_aten(const at::Tensor& raw1, const at::Tensor& raw2) {
   auto [sum, count] = finite_row_sum(raw1);
   if (raw2.defined()) {
     const auto [sum2, count2] = finite_row_sum(raw2);
     sum.add_(sum2);
     count.add_(count2);
   }
-  return sum.div_(count.clamp_min_(1));
+  return {sum.div_(count.clamp_min_(1)), {}};
 }
 
 Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::Tensor>& x2,
@@ -117,13 +117,25 @@ Centred centre(const Problem& p, const at::Tensor& x1, const std::optional<at::T
   Centred c;
   c.raw1 = batched(p, x1);
   c.raw2 = p.self ? c.raw1 : batched(p, *x2);
-  const at::Tensor mean = centring.mean(c.raw1, p.self ? at::Tensor() : c.raw2);
-  std::tie(c.x1, c.n1) = centring.rows(c.raw1, mean);
+  Shift shift = centring.mean(c.raw1, p.self ? at::Tensor() : c.raw2);
+  at::Tensor in1 = c.raw1, in2 = c.raw2;
+  if (!shift.exponents.empty()) {  // rows divided by 2^e (exact), a copy: extreme data only
+    c.exponents = std::move(shift.exponents);
+    std::vector<double> factors(c.exponents.size());
+    for (size_t b = 0; b < factors.size(); ++b) factors[b] = std::ldexp(1.0, -c.exponents[b]);
+    const at::Tensor f = at::tensor(factors, at::kDouble)
+                             .view({p.B, 1, 1})
+                             .to(c.raw1.options().dtype(c.raw1.scalar_type()));
+    in1 = c.raw1 * f;
+    in2 = p.self ? in1 : c.raw2 * f;
+    shift = centring.mean(in1, p.self ? at::Tensor() : in2);
+  }
+  std::tie(c.x1, c.n1) = centring.rows(in1, shift.mean);
   if (p.self) {
     c.x2 = c.x1;
     c.n2 = c.n1;
   } else {
-    std::tie(c.x2, c.n2) = centring.rows(c.raw2, mean);
+    std::tie(c.x2, c.n2) = centring.rows(in2, shift.mean);
   }
   return c;
 }

@@ -53,8 +53,16 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
 // the uncentred values: centring rounds each coordinate to the spread's precision, and
 // would erase differences between near-duplicates far from the mean. For `self` the second
 // of each pair aliases the first.
+//
+// A backend may also scale (the CPU does): for a batch element whose largest finite magnitude
+// lies outside [2^-H, 2^H] (H = a quarter of the type's exponent range: 2^±32 in float32),
+// where |x|² and the product would under- or overflow, x1 and x2 (and n1, n2) are of the
+// rows divided by 2^e, e = exponents[b], so that its largest magnitude lies in [1/2, 1):
+// distances and their squares come back multiplied by 2^e and 2^2e, exactly. exponents is
+// empty where no element needed it (always, for a backend that does not scale).
 struct Centred {
   at::Tensor x1, x2, n1, n2, raw1, raw2;
+  std::vector<int> exponents;
 };
 
 // The centring's two passes, each backend its own (the _aten forms are portable ATen ops;
@@ -62,14 +70,20 @@ struct Centred {
 //  - mean: the (B, 1, M) mean of the finite rows of raw1 (B, P, M) and raw2 (B, R, M), raw2
 //    undefined for self. One NaN or ∞ row would make a plain mean, and so every distance of
 //    the batch, non-finite: such rows are left out of it. A backend may instead return an
-//    undefined tensor where centring would not pay: the rows are then used as they are.
+//    undefined mean where centring would not pay: the rows are then used as they are. A
+//    backend that scales returns instead, where an element needs it, the exponents (see
+//    Centred) and no mean: centre() calls it again on the scaled rows.
 //  - rows: raw (B, rows, M) − mean (raw itself for an undefined mean), and the result's
 //    squared row norms (B, rows).
+struct Shift {
+  at::Tensor mean;
+  std::vector<int> exponents;
+};
 struct Centring {
-  at::Tensor (*mean)(const at::Tensor& raw1, const at::Tensor& raw2);
+  Shift (*mean)(const at::Tensor& raw1, const at::Tensor& raw2);
   std::pair<at::Tensor, at::Tensor> (*rows)(const at::Tensor& raw, const at::Tensor& mean);
 };
-at::Tensor finite_mean_aten(const at::Tensor& raw1, const at::Tensor& raw2);
+Shift finite_mean_aten(const at::Tensor& raw1, const at::Tensor& raw2);
 std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const at::Tensor& mean);
 inline constexpr Centring kCentringAten{finite_mean_aten, centre_rows_aten};
 

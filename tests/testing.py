@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 from packaging.version import Version
@@ -170,3 +171,48 @@ def assert_device_side_assert(code: str, message: str) -> None:
     output = result.stdout + result.stderr
     assert "device-side assert" in output, output
     assert message in output, output
+
+
+# The whole finite range, for ops that scale by powers of two: (dtype, magnitude of the data).
+# float32 squares under- or overflow past ~1e±19, float64's past ~1e±154.
+EXTREMES = [(torch.float32, s) for s in (1e-38, 1e-30, 1e-22, 1e22, 1e30, 1e37)] + [
+    (torch.float64, s) for s in (1e-300, 1e-160, 1e160, 1e300)
+]
+
+
+def extreme_points(n, m, dtype, scale, layout, seed=0):
+    """n points of m features around `scale`: 'random' (N(0, 1)·scale), 'clusters'
+    (near-duplicates of a point 3·scale away from the origin) or 'spread' (rows whose
+    magnitudes span 20 orders of ten towards the middle of the range, so that one set holds
+    pairs at both ends)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, m, generator=g, dtype=torch.float64)
+    if layout == "clusters":
+        x = 3 + 1e-3 * x
+    elif layout == "spread":
+        x = x * torch.logspace(-20 if scale > 1 else 0, 0 if scale > 1 else 20, n, dtype=torch.float64).unsqueeze(1)
+    return (x * scale).to(dtype)
+
+
+def exact_squared_distances(x1, x2=None):
+    """Σ(a - b)² in numpy's long double (x86's 80-bit format: its exponent range holds the
+    squares of any float64), as a long-double array."""
+    a = x1.double().cpu().numpy().astype(np.longdouble)
+    b = a if x2 is None else x2.double().cpu().numpy().astype(np.longdouble)
+    return ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1)
+
+
+def assert_close_to_exact(actual, exact, rtol):
+    """actual (a tensor) against exact values (long double) rounded to its dtype: within rtol
+    relative, or the dtype's smallest subnormal, where the exact value is a finite number of
+    the dtype; ±∞ where it is past the dtype's range."""
+    info = torch.finfo(actual.dtype)
+    got = actual.double().cpu().numpy().astype(np.longdouble)
+    big = np.abs(exact) > np.longdouble(info.max)
+    assert np.all(np.isposinf(got[big])), "distances past the dtype's range must be inf"
+    err = np.abs(got - exact)[~big]
+    bound = rtol * np.abs(exact[~big]) + np.longdouble(info.smallest_normal * info.eps)
+    worst = np.argmax(err - bound) if err.size else None
+    assert err.size == 0 or np.all(err <= bound), (
+        f"error {float(err[worst]):.3g} at exact value {float(exact[~big][worst]):.3g} (bound {float(bound[worst]):.3g})"
+    )

@@ -39,10 +39,11 @@ int64_t tile_rows(int64_t R, int64_t elem_size) {
   return std::clamp<int64_t>(kOutputTileBytes / std::max<int64_t>(R * elem_size, 1), 16, 1024);
 }
 
-// The epilogue's test: the expansion cancelled (or is NaN), and the entry is recomputed.
+// The epilogue's test: the expansion cancelled (or is NaN), or the norms are so small that
+// underflow may have struck (cpu::tiny_norms), and the entry is recomputed.
 template <typename acc_t>
-bool refines(acc_t d2, acc_t norms) {
-  return !(d2 * acc_t(kRefineRatio) >= norms);
+bool refines(acc_t d2, acc_t norms, acc_t tiny) {
+  return !(d2 * acc_t(kRefineRatio) >= norms) || !(norms >= tiny);
 }
 
 // An entry's final value from its d²: clamped at 0 (NaN kept), square-rooted unless squared.
@@ -52,9 +53,18 @@ acc_t finish(acc_t d2) {
   return kRoot ? std::sqrt(d2) : d2;
 }
 
+// An entry recomputed directly, Σ(a − b)², exact wherever the result is a number of the type.
+template <bool kRoot, typename acc_t>
+acc_t direct_value(const acc_t* a, const acc_t* b, int64_t M) {
+  const auto [m, E] = cpu::direct_sq_exact(a, b, M);
+  if (E == 0) return finish<kRoot>(m);
+  return kRoot ? cpu::times_pow2(std::sqrt(m), E / 2) : cpu::times_pow2(m, E);
+}
+
 // One output row from its GEMM row g (−2·a·b is formed here): d² = n_a + n_b − 2g, refined
-// where cancellation struck, clamped at 0, square-rooted for kRoot. `refine` is scratch for
-// ⌈R / vector width⌉ lane masks.
+// where cancellation or underflow struck, clamped at 0, square-rooted for kRoot, and times
+// 2^e (2^2e squared) for a batch element whose rows were scaled by 2^-e (cdist::Centred).
+// `refine` is scratch for ⌈R / vector width⌉ lane masks.
 //
 // Where the output is the accumulation type (g and out may then be the same memory), full
 // vectors take a branch-free pass that writes every entry and notes, in `refine`, the lanes
@@ -63,29 +73,35 @@ acc_t finish(acc_t d2) {
 // 256 × 256 output on one thread: 15 µs, where a test and a branch per vector took 28).
 template <bool kRoot, typename scalar_t, typename acc_t>
 void epilogue_row(const acc_t* g, scalar_t* out, acc_t na, const acc_t* nb, const acc_t* a,
-                  const acc_t* xb, int64_t R, int64_t M, int64_t diag, uint8_t* refine) {
+                  const acc_t* xb, int64_t R, int64_t M, int64_t diag, int e, acc_t tiny,
+                  uint8_t* refine) {
   using V = Vectorized<acc_t>;
   // fmadd with −2 rather than fnmadd, which torch before 2.9 does not have.
-  const V vna(na), minus_two(-2), zero(0), ratio(static_cast<acc_t>(kRefineRatio));
-  auto direct = [&](int64_t j) { return direct_sq(a, xb + j * M, M); };
+  const V vna(na), minus_two(-2), zero(0), ratio(static_cast<acc_t>(kRefineRatio)), vtiny(tiny);
+  const int E = kRoot ? e : 2 * e;
+  auto direct = [&](int64_t j) { return direct_value<kRoot>(a, xb + j * M, M); };
   int64_t j0 = 0;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     int any = 0;
     for (; j0 + V::size() <= R; j0 += V::size()) {
       const V sum = vna + V::loadu(nb + j0);
       const V d2 = at::vec::fmadd(minus_two, V::loadu(g + j0), sum);
-      // A lane whose d²·ratio ≥ |a|² + |b|² fails is recomputed: cancelled or NaN.
-      const int m = V((d2 * ratio) >= sum).zero_mask();
+      // A lane whose d²·ratio ≥ |a|² + |b|² ≥ tiny fails is recomputed: cancelled, NaN or
+      // underflowed.
+      const int m = (V((d2 * ratio) >= sum) & V(sum >= vtiny)).zero_mask();
       refine[j0 / V::size()] = static_cast<uint8_t>(m);
       any |= m;
       const V d = at::vec::clamp_min(d2, zero);
       (kRoot ? d.sqrt() : d).store(out + j0);
     }
+    if (E != 0) {
+      for (int64_t j = 0; j < j0; ++j) out[j] = cpu::times_pow2(out[j], E);
+    }
     if (any) {
       for (int64_t c = 0; c < j0 / V::size(); ++c) {
         for (int l = 0; refine[c] >> l; ++l) {
           const int64_t j = c * V::size() + l;
-          if ((refine[c] >> l) & 1) out[j] = finish<kRoot>(direct(j));
+          if ((refine[c] >> l) & 1) out[j] = direct(j);
         }
       }
     }
@@ -97,8 +113,10 @@ void epilogue_row(const acc_t* g, scalar_t* out, acc_t na, const acc_t* nb, cons
     const V sum = vna + V::loadu(nb + j0, n);
     at::vec::fmadd(minus_two, V::loadu(g + j0, n), sum).store(buf, n);
     for (int64_t l = 0; l < n; ++l) {
-      const acc_t d2 = refines(buf[l], na + nb[j0 + l]) ? direct(j0 + l) : buf[l];
-      out[j0 + l] = static_cast<scalar_t>(finish<kRoot>(d2));
+      const acc_t v = refines(buf[l], na + nb[j0 + l], tiny)
+                          ? direct(j0 + l)
+                          : cpu::times_pow2(finish<kRoot>(buf[l]), E);
+      out[j0 + l] = static_cast<scalar_t>(v);
     }
   }
   // Σ(a − a)²: 0, or NaN for a row holding NaN or ∞, as torch.cdist gives.
@@ -126,6 +144,7 @@ void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
   const acc_t* xb = c.raw2.const_data_ptr<acc_t>();
   const acc_t* na = c.n1.const_data_ptr<acc_t>();
   const acc_t* nb = c.n2.const_data_ptr<acc_t>();
+  const acc_t tiny = cpu::tiny_norms<acc_t>(p.M);
   scalar_t* o = out.data_ptr<scalar_t>();
   for (int64_t b0 = 0; b0 < p.B; b0 += group) {
     const int64_t g = std::min(group, p.B - b0);
@@ -143,19 +162,20 @@ void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
       }
       const acc_t* gm =
           kDirect ? out.const_data_ptr<acc_t>() + first * p.R : scratch.const_data_ptr<acc_t>();
-      at::parallel_for(
-          first, first + count, cpu::rows_per_task(p.R), [&](int64_t begin, int64_t end) {
-            std::vector<uint8_t> refine(p.R / Vectorized<acc_t>::size() + 1);
-            for (int64_t r = begin; r < end; ++r) {
-              const int64_t b = r / p.P, i = r % p.P;
-              auto row = [&](auto root) {
-                epilogue_row<decltype(root)::value, scalar_t, acc_t>(
-                    gm + (r - first) * p.R, o + r * p.R, na[r], nb + b * p.R, xa + r * p.M,
-                    xb + b * p.R * p.M, p.R, p.M, p.self ? i : -1, refine.data());
-              };
-              p.squared ? row(std::false_type{}) : row(std::true_type{});
-            }
-          });
+      at::parallel_for(first, first + count, cpu::rows_per_task(p.R),
+                       [&](int64_t begin, int64_t end) {
+                         std::vector<uint8_t> refine(p.R / Vectorized<acc_t>::size() + 1);
+                         for (int64_t r = begin; r < end; ++r) {
+                           const int64_t b = r / p.P, i = r % p.P;
+                           auto row = [&](auto root) {
+                             epilogue_row<decltype(root)::value, scalar_t, acc_t>(
+                                 gm + (r - first) * p.R, o + r * p.R, na[r], nb + b * p.R,
+                                 xa + r * p.M, xb + b * p.R * p.M, p.R, p.M, p.self ? i : -1,
+                                 c.exponents.empty() ? 0 : c.exponents[b], tiny, refine.data());
+                           };
+                           p.squared ? row(std::false_type{}) : row(std::true_type{});
+                         }
+                       });
     }
   }
 }
@@ -184,12 +204,14 @@ struct Direct {
 // the directly recomputed entries moved out: their x1 half is added to d1 (this row's, zeroed
 // here at the first such entry; `has_d1` says whether there was one), their x2 half queued in
 // `direct`. Returns the row's sum over the entries the GEMMs take, and adds the row to
-// `colsum` (column sums, for grad_x2) unless that is null.
+// `colsum` (column sums, for grad_x2) unless that is null. For a batch element scaled by 2^-e
+// the GEMMs take the scaled rows: G' = grad / (dist·2^-e); for squared, G' = 2·grad and
+// the GEMMs' results are multiplied by 2^e afterwards.
 template <typename scalar_t, typename acc_t>
 acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dist, acc_t na,
                       const acc_t* nb, const acc_t* a, const acc_t* xb, int64_t i, int64_t R,
-                      int64_t M, bool squared, acc_t* gp, acc_t* colsum, acc_t* d1, bool& has_d1,
-                      std::vector<Direct<acc_t>>& direct) {
+                      int64_t M, bool squared, int e, acc_t tiny, acc_t* gp, acc_t* colsum,
+                      acc_t* d1, bool& has_d1, std::vector<Direct<acc_t>>& direct) {
   has_d1 = false;
   auto take_direct = [&](int64_t j, acc_t v) {
     if (!has_d1) std::fill(d1, d1 + M, acc_t(0));
@@ -198,22 +220,26 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
     for (int64_t k = 0; k < M; ++k) d1[k] += v * (a[k] - b[k]);
     direct.push_back({j, i, v});
   };
+  // The forward's refines() on d² in the scaled rows' units, from the output.
   auto refined = [&](acc_t d, int64_t j) {
-    const acc_t d2 = squared ? d : d * d;
-    return d2 * acc_t(kRefineRatio) < na + nb[j];
+    const acc_t ds = e == 0 ? d : cpu::times_pow2(d, squared ? -2 * e : -e);
+    const acc_t d2 = squared ? ds : ds * ds;
+    const acc_t norms = na + nb[j];
+    return d2 * acc_t(kRefineRatio) < norms || norms < tiny;
   };
   int64_t j = 0;
   acc_t sum = 0;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     using V = Vectorized<acc_t>;
-    const V zero(0), two(2), vna(na), ratio(static_cast<acc_t>(kRefineRatio));
+    const V zero(0), two(2), vna(na), ratio(static_cast<acc_t>(kRefineRatio)), vtiny(tiny);
     constexpr int kAll = (1 << V::size()) - 1;
     V vsum(0);
-    for (; j + V::size() <= R; j += V::size()) {
+    for (; e == 0 && j + V::size() <= R; j += V::size()) {
       const V g = gstride ? V::loadu(grad + j) : V(grad[0]), d = V::loadu(dist + j);
       V v = squared ? two * g : V::blendv(g / d, zero, d == zero);
       const V d2 = squared ? d : d * d;
-      if (((d2 * ratio) < (vna + V::loadu(nb + j))).zero_mask() != kAll) {
+      const V norms = vna + V::loadu(nb + j);
+      if ((((d2 * ratio) < norms) | (norms < vtiny)).zero_mask() != kAll) {
         v.store(gp + j);
         for (int64_t l = 0; l < V::size(); ++l) {
           if (refined(dist[j + l], j + l)) {
@@ -236,6 +262,9 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
     if (refined(d, j)) {
       take_direct(j, v);
       v = 0;
+    } else if (e != 0 && !squared) {  // grad / (d·2^-e), not through grad / d
+      const acc_t ds = cpu::times_pow2(d, -e);
+      v = ds == 0 ? acc_t(0) : gr / ds;
     }
     gp[j] = v;
     sum += v;
@@ -281,6 +310,8 @@ void scale_tile(const Problem& p, const Centred& c, const GradInput& grad, const
   const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
   acc_t* part = t.partial.defined() ? t.partial.template data_ptr<acc_t>() : nullptr;
   const int64_t off = (b * p.P + i0) * p.R, gs = grad.stride;
+  const int e = c.exponents.empty() ? 0 : c.exponents[b];
+  const acc_t tiny = cpu::tiny_norms<acc_t>(p.M);
   const int64_t tile_blocks = (n + kColumnBlock - 1) / kColumnBlock;
   at::parallel_for(
       0, tile_blocks, cpu::rows_per_task(kColumnBlock * p.R), [&](int64_t bb, int64_t be) {
@@ -292,7 +323,7 @@ void scale_tile(const Problem& p, const Centred& c, const GradInput& grad, const
             bool touched;
             t.rowsum[i] = scaled_grad_row<scalar_t, acc_t>(
                 grad_p + (off + i * p.R) * gs, gs, dist_p + off + i * p.R, na[i0 + i], nb,
-                xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared,
+                xa + (i0 + i) * p.M, xb, i0 + i, p.R, p.M, p.squared, e, tiny,
                 t.gp.template data_ptr<acc_t>() + i * p.R, block_sum,
                 t.d1.template data_ptr<acc_t>() + i * p.M, touched, direct);
             t.has_d1[i] = touched;
@@ -338,6 +369,27 @@ void grad_x1_rows(const Problem& p, const Centred& c, int64_t b, int64_t i0, int
   });
 }
 
+// Step 2 for squared distances of a batch element scaled by 2^-e: the GEMMs' part times 2^e
+// before the direct entries' part (in the inputs' units) is added, so that no intermediate
+// passes through 2^e·G'.
+template <typename acc_t>
+void grad_x1_rows_scaled(const Problem& p, const Centred& c, int64_t b, int64_t i0, int64_t n,
+                         int e, const BackwardTile<acc_t>& t, Tensor& g1) {
+  Tensor rows = g1[b].narrow(0, i0, n);
+  at::mm_out(rows, t.gp.narrow(0, 0, n), c.x2[b]);
+  acc_t* out = rows.data_ptr<acc_t>();
+  const acc_t* xc1 = c.x1[b].const_data_ptr<acc_t>();
+  const acc_t* d1 = t.d1.template const_data_ptr<acc_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t* x = xc1 + (i0 + i) * p.M;
+    acc_t* o = out + i * p.M;
+    for (int64_t k = 0; k < p.M; ++k) {
+      o[k] = cpu::times_pow2(t.rowsum[i] * x[k] - o[k], e) +
+             (t.has_d1[i] ? d1[i * p.M + k] : acc_t(0));
+    }
+  }
+}
+
 // Step 4: the direct entries' x2 half, −G'·(a − b) into row j of grad_x2, in (j, i) order on
 // any number of threads (bitwise reproducible), each j on one thread.
 template <typename acc_t>
@@ -379,11 +431,18 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
   BackwardTile<acc_t> t(p, std::min(rows, p.P), g2.defined(), c.x1.options());
   std::vector<std::vector<Direct<acc_t>>> queued(at::get_num_threads());
   for (int64_t b = 0; b < p.B; ++b) {
+    const int e = c.exponents.empty() ? 0 : c.exponents[b];
     if (g2.defined()) t.colsum.zero_();
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
       scale_tile<scalar_t, acc_t>(p, c, grad, dist, b, i0, n, t, queued);
-      if (g1.defined()) grad_x1_rows<acc_t>(p, c, b, i0, n, t, g1);
+      if (g1.defined()) {
+        if (p.squared && e != 0) {
+          grad_x1_rows_scaled<acc_t>(p, c, b, i0, n, e, t, g1);
+        } else {
+          grad_x1_rows<acc_t>(p, c, b, i0, n, t, g1);
+        }
+      }
       if (g2.defined()) {  // Step 3: G'ᵀ·x1, accumulated over the tiles
         Tensor g2b = g2[b];
         const Tensor G = t.gp.narrow(0, 0, n), xc = c.x1[b].narrow(0, i0, n);
@@ -394,7 +453,13 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
         }
       }
     }
-    if (g2.defined()) g2[b].neg_().addcmul_(t.colsum, c.x2[b]);  // colsum·x2 − G'ᵀ·x1
+    if (g2.defined()) {
+      g2[b].neg_().addcmul_(t.colsum, c.x2[b]);  // colsum·x2 − G'ᵀ·x1
+      if (p.squared && e != 0) {
+        acc_t* g = g2[b].data_ptr<acc_t>();
+        for (int64_t q = 0; q < p.R * p.M; ++q) g[q] = cpu::times_pow2(g[q], e);
+      }
+    }
     add_direct_to_grad_x2<acc_t>(p, c, b, queued, g2);
   }
 }

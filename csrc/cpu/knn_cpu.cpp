@@ -29,17 +29,25 @@ namespace {
 
 using at::Tensor;
 using at::vec::Vectorized;
-using cpu::direct_sq;
 
 constexpr int64_t kProductTileBytes = 8 << 20;  // the GEMM's output tile: stays in the L3 cache
 constexpr int64_t kChunk = 4096;                // gallery rows per tile
 constexpr int64_t kSymmetricBlock = 1024;       // leave-one-out: square tiles of 4 MiB
 
+// d² is exact (Σ(a − b)², directly) and in the units of the rows the GEMM multiplied (a batch
+// element scaled by 2^-e: cdist::Centred), in float64 for every input type, so that a float32
+// distance whose square leaves float32's range still orders right.
 template <typename acc_t>
 struct Candidate {
-  acc_t d2;
+  double d2;
   int64_t j;
 };
+
+template <typename acc_t>
+double exact_d2(const acc_t* a, const acc_t* b, int64_t M, int e) {
+  const auto [m, E] = cpu::direct_sq_exact(a, b, M);
+  return E == 2 * e ? static_cast<double>(m) : cpu::times_pow2(static_cast<double>(m), E - 2 * e);
+}
 
 // The total order of candidates: d² ascending, NaN after every number, then the index.
 template <typename acc_t>
@@ -76,26 +84,32 @@ struct RowHeap {
 // Offers row i's candidates from one GEMM row g (columns j0 … j0 + n of the gallery). The
 // heap holds directly computed d² only; the expansion is a filter: an entry is a candidate
 // if its expanded d² = na + nb − 2g is below the heap's worst within the margin, or below
-// (na + nb) / kRefineRatio (cancelled: not to be trusted), or NaN. With t = nb − 2g that is
-// t < max(bar − na, (na + nb) / kRefineRatio − na), two fused multiply-adds, a max and a
-// compare per 8 entries, the bar being re-read only after an entry got in.
+// (na + nb) / kRefineRatio (cancelled: not to be trusted), or NaN, or na + nb is below
+// cpu::tiny_norms (underflow may have struck). With t = nb − 2g that is
+// t < max(bar − na, (na + nb) / kRefineRatio − na) or nb < tiny − na, two fused
+// multiply-adds, a max and two compares per 8 entries, the bar being re-read only after an
+// entry got in.
 template <typename acc_t>
 void scan_row(RowHeap<acc_t>& heap, const acc_t* g, acc_t na, const acc_t* nb, const acc_t* a,
-              const acc_t* xb, int64_t j0, int64_t n, int64_t M, int64_t self, acc_t margin) {
+              const acc_t* xb, int64_t j0, int64_t n, int64_t M, int64_t self, acc_t margin, int e,
+              acc_t tiny) {
   using V = Vectorized<acc_t>;
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
   const acc_t inv_ratio = acc_t(1) / acc_t(cdist::kRefineRatio);
-  const V vinv(inv_ratio), vc(na * inv_ratio - na), minus_two(-2);
+  const V vinv(inv_ratio), vc(na * inv_ratio - na), minus_two(-2), vsmall(tiny - na);
   auto offer = [&](int64_t l) {
     const int64_t j = j0 + l;
-    if (j != self) heap.offer({direct_sq(a, xb + j * M, M), j});
+    if (j != self) heap.offer({exact_d2(a, xb + j * M, M, e), j});
   };
   // t must be below this (or NaN) for the entry to be looked at.
-  auto bar = [&]() { return heap.open() ? kInf : heap.items[0].d2 * margin - na; };
+  auto bar = [&]() {
+    return heap.open() ? kInf : static_cast<acc_t>(heap.items[0].d2 * margin - na);
+  };
   acc_t limit = bar();
   V vlimit(limit);
   auto candidate = [&](acc_t t, acc_t nbj) {
-    return heap.open() || t < std::max(limit, nbj * inv_ratio + (na * inv_ratio - na)) || t != t;
+    return heap.open() || t < std::max(limit, nbj * inv_ratio + (na * inv_ratio - na)) || t != t ||
+           nbj < tiny - na;
   };
   int64_t l = 0;
   acc_t lanes[V::size()];
@@ -103,7 +117,10 @@ void scan_row(RowHeap<acc_t>& heap, const acc_t* g, acc_t na, const acc_t* nb, c
     const V vnb = V::loadu(nb + j0 + l);
     const V t = at::vec::fmadd(minus_two, V::loadu(g + l), vnb);
     const V threshold = at::vec::maximum(vlimit, at::vec::fmadd(vnb, vinv, vc));
-    if (limit != kInf && ((t < threshold) | (t != t)).zero_mask() == (1 << V::size()) - 1) continue;
+    if (limit != kInf &&
+        ((t < threshold) | (t != t) | (vnb < vsmall)).zero_mask() == (1 << V::size()) - 1) {
+      continue;
+    }
     t.store(lanes);
     for (int64_t q = 0; q < V::size(); ++q) {
       if (!candidate(lanes[q], nb[j0 + l + q])) continue;
@@ -127,7 +144,8 @@ void scan_row(RowHeap<acc_t>& heap, const acc_t* g, acc_t na, const acc_t* nb, c
 template <typename acc_t>
 void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_t* g, int64_t gs,
                   const acc_t* na, const acc_t* nb, const acc_t* xa, const acc_t* xb, int64_t i0,
-                  int64_t n, int64_t j0, int64_t c0, int64_t c1, int64_t M, acc_t margin) {
+                  int64_t n, int64_t j0, int64_t c0, int64_t c1, int64_t M, acc_t margin, int e,
+                  acc_t tiny) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
@@ -138,7 +156,8 @@ void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_
     RowHeap<acc_t> heap[W];
     acc_t limit[W], own_norm[W], t[W];
     auto bar = [&](int64_t q) {  // as scan_row's, in terms of t = na − 2g for column q
-      return heap[q].open() ? kInf : heap[q].items[0].d2 * margin - nb[j0 + c + q];
+      return heap[q].open() ? kInf
+                            : static_cast<acc_t>(heap[q].items[0].d2 * margin - nb[j0 + c + q]);
     };
     for (int64_t q = 0; q < W; ++q) {
       const bool live = q < lanes;
@@ -152,15 +171,17 @@ void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_
       const acc_t nr = na[i0 + r];
       const V vt = at::vec::fmadd(minus_two, V::loadu(g + r * gs + c, lanes), V(nr));
       const V threshold = at::vec::maximum(vlimit, at::vec::fmadd(V(nr), vinv, voffset));
-      if (((vt < threshold) | (vt != vt)).zero_mask() == (1 << W) - 1) continue;
+      if (((vt < threshold) | (vt != vt) | (vown < V(tiny - nr))).zero_mask() == (1 << W) - 1) {
+        continue;
+      }
       vt.store(t);
       for (int64_t q = 0; q < lanes; ++q) {
         const bool take =
             heap[q].open() ||
             t[q] < std::max(limit[q], nr * inv_ratio + own_norm[q] * inv_ratio - own_norm[q]) ||
-            t[q] != t[q];
+            t[q] != t[q] || own_norm[q] < tiny - nr;
         if (!take) continue;
-        heap[q].offer({direct_sq(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M), i0 + r});
+        heap[q].offer({exact_d2(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M, e), i0 + r});
         limit[q] = bar(q);
         vlimit = V::loadu(limit);
       }
@@ -169,17 +190,19 @@ void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_
   }
 }
 
-// The survivors of rows [begin, end), in order, into the outputs at row offset `out_row`.
+// The survivors of rows [begin, end), in order, into the outputs at row offset `out_row`,
+// their distances times 2^e (cdist::Centred), rounded once.
 template <typename scalar_t, typename acc_t>
 void write_rows(Candidate<acc_t>* heaps, int64_t begin, int64_t end, int64_t k, int64_t out_row,
-                bool squared, scalar_t* out_d, int64_t* out_j) {
+                bool squared, int e, scalar_t* out_d, int64_t* out_j) {
   for (int64_t r = begin; r < end; ++r) {
     Candidate<acc_t>* best = heaps + r * k;
     std::sort(best, best + k, before<acc_t>);
     const int64_t o = (out_row + r) * k;
     for (int64_t q = 0; q < k; ++q) {
-      const acc_t d2 = best[q].d2;
-      out_d[o + q] = static_cast<scalar_t>(squared ? d2 : std::sqrt(d2));
+      const double d2 = best[q].d2;
+      const double d = squared ? cpu::times_pow2(d2, 2 * e) : cpu::times_pow2(std::sqrt(d2), e);
+      out_d[o + q] = static_cast<scalar_t>(d);
       out_j[o + q] = best[q].j;
     }
   }
@@ -199,7 +222,9 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
   std::vector<Candidate<acc_t>> heaps(p.P * k);
   std::vector<int64_t> sizes(p.P);
   const acc_t margin = static_cast<acc_t>(expansion_margin<acc_t>(p.M));
+  const acc_t tiny = cpu::tiny_norms<acc_t>(p.M);
   for (int64_t b = 0; b < p.B; ++b) {
+    const int e = c.exponents.empty() ? 0 : c.exponents[b];
     const acc_t* x = c.raw1[b].const_data_ptr<acc_t>();
     const acc_t* norms = c.n1[b].const_data_ptr<acc_t>();
     std::fill(sizes.begin(), sizes.end(), 0);
@@ -216,19 +241,19 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
             const int64_t i = i0 + r;
             RowHeap<acc_t> heap{heaps.data() + i * k, sizes[i], k};
             scan_row<acc_t>(heap, g + r * gs, norms[i], norms, x + i * p.M, x, j0, w, p.M, i,
-                            margin);
+                            margin, e, tiny);
             sizes[i] = heap.size;
           }
         });
         if (bj == bi) continue;  // the diagonal block's rows scanned it whole
         at::parallel_for(0, (w + W - 1) / W, 1, [&](int64_t begin, int64_t end) {
           scan_columns<acc_t>(heaps.data() + j0 * k, sizes.data() + j0, k, g, gs, norms, norms, x,
-                              x, i0, n, j0, begin * W, std::min(w, end * W), p.M, margin);
+                              x, i0, n, j0, begin * W, std::min(w, end * W), p.M, margin, e, tiny);
         });
       }
     }
     at::parallel_for(0, p.P, 64, [&](int64_t begin, int64_t end) {
-      write_rows<scalar_t, acc_t>(heaps.data(), begin, end, k, b * p.P, p.squared,
+      write_rows<scalar_t, acc_t>(heaps.data(), begin, end, k, b * p.P, p.squared, e,
                                   dist.data_ptr<scalar_t>(), index.data_ptr<int64_t>());
     });
   }
@@ -246,9 +271,11 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
   std::vector<Candidate<acc_t>> heaps(std::min(rows, p.P) * k);
   std::vector<int64_t> sizes(std::min(rows, p.P));
   const acc_t margin = static_cast<acc_t>(expansion_margin<acc_t>(p.M));
+  const acc_t tiny = cpu::tiny_norms<acc_t>(p.M);
   scalar_t* out_d = dist.data_ptr<scalar_t>();
   int64_t* out_j = index.data_ptr<int64_t>();
   for (int64_t b = 0; b < p.B; ++b) {
+    const int e = c.exponents.empty() ? 0 : c.exponents[b];
     const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
     const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
     const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
@@ -267,13 +294,13 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
             const int64_t i = i0 + r;
             RowHeap<acc_t> heap{heaps.data() + r * k, sizes[r], k};
             scan_row<acc_t>(heap, g + r * gs, na[i], nb, xa + i * p.M, xb, j0, w, p.M,
-                            p.self ? i : -1, margin);
+                            p.self ? i : -1, margin, e, tiny);
             sizes[r] = heap.size;
           }
         });
       }
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-        write_rows<scalar_t, acc_t>(heaps.data(), begin, end, k, b * p.P + i0, p.squared, out_d,
+        write_rows<scalar_t, acc_t>(heaps.data(), begin, end, k, b * p.P + i0, p.squared, e, out_d,
                                     out_j);
       });
     }
