@@ -63,6 +63,8 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
 struct Centred {
   at::Tensor x1, x2, n1, n2, raw1, raw2;
   std::vector<int> exponents;
+
+  int exponent(int64_t b) const { return exponents.empty() ? 0 : exponents[b]; }
 };
 
 // The centring's two passes, each backend its own (the _aten forms are portable ATen ops;

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from testing import (
     DEVICES,
+    DEVICES_SCALED,
     EXTREMES,
     FLOAT_DTYPES,
     REDUCED_DTYPES,
@@ -152,13 +153,6 @@ def test_gradients_of_near_duplicates_in_far_apart_clusters(device, scale, self_
     grads64 = torch.autograd.grad(d64, inputs64, up.to(device))
     for actual, expected in zip(grads, grads64, strict=False):
         torch.testing.assert_close(actual.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
-
-
-# The CUDA kernels do not scale yet (issue #31): they under- and overflow as torch.cdist does.
-DEVICES_SCALED = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.xfail(reason="CUDA: no power-of-two scaling (#31)")]),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED)

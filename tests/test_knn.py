@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from testing import (
     DEVICES,
+    DEVICES_SCALED,
     EXTREMES,
     REDUCED_DTYPES,
     assert_close_to_exact,
@@ -130,13 +131,6 @@ def test_near_duplicates_in_far_apart_clusters(device):
     torch.testing.assert_close(d.double().cpu(), rd, rtol=2e-5, atol=0)
     assert torch.equal(i.cpu(), ri)
     assert (i.cpu() // 50 == torch.arange(200).unsqueeze(1) // 50).all()  # within the cluster
-
-
-# The CUDA kernels do not scale yet (issue #31): past float32's square range they order infs.
-DEVICES_SCALED = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.xfail(reason="CUDA: no power-of-two scaling (#31)")]),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED)

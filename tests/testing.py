@@ -173,6 +173,13 @@ def assert_device_side_assert(code: str, message: str) -> None:
     assert message in output, output
 
 
+# The CUDA kernels of cdist and knn do not scale by powers of two yet (issue #31): there,
+# as in torch.cdist, float32 squares under- and overflow.
+DEVICES_SCALED = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.xfail(reason="CUDA: no power-of-two scaling (#31)")]),
+]
+
 # The whole finite range, for ops that scale by powers of two: (dtype, magnitude of the data).
 # float32 squares under- or overflow past ~1e±19, float64's past ~1e±154.
 EXTREMES = [(torch.float32, s) for s in (1e-38, 1e-30, 1e-22, 1e22, 1e30, 1e37)] + [

@@ -171,7 +171,7 @@ void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
                              epilogue_row<decltype(root)::value, scalar_t, acc_t>(
                                  gm + (r - first) * p.R, o + r * p.R, na[r], nb + b * p.R,
                                  xa + r * p.M, xb + b * p.R * p.M, p.R, p.M, p.self ? i : -1,
-                                 c.exponents.empty() ? 0 : c.exponents[b], tiny, refine.data());
+                                 c.exponent(b), tiny, refine.data());
                            };
                            p.squared ? row(std::false_type{}) : row(std::true_type{});
                          }
@@ -310,7 +310,7 @@ void scale_tile(const Problem& p, const Centred& c, const GradInput& grad, const
   const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
   acc_t* part = t.partial.defined() ? t.partial.template data_ptr<acc_t>() : nullptr;
   const int64_t off = (b * p.P + i0) * p.R, gs = grad.stride;
-  const int e = c.exponents.empty() ? 0 : c.exponents[b];
+  const int e = c.exponent(b);
   const acc_t tiny = cpu::tiny_norms<acc_t>(p.M);
   const int64_t tile_blocks = (n + kColumnBlock - 1) / kColumnBlock;
   at::parallel_for(
@@ -342,10 +342,12 @@ void scale_tile(const Problem& p, const Centred& c, const GradInput& grad, const
 }
 
 // Step 2: grad_x1's rows [i0, i0 + n) = rowsum·x1 − G'·x2 (+ the direct entries' x1 half),
-// G'·x2 by BLAS straight into them.
+// G'·x2 by BLAS straight into them. For squared distances of a batch element scaled by 2^-e
+// the GEMMs' part is multiplied by 2^e (scale_exp = e, else 0) before the direct entries'
+// part, in the inputs' units, is added: no intermediate passes through 2^e·G'.
 template <typename acc_t>
 void grad_x1_rows(const Problem& p, const Centred& c, int64_t b, int64_t i0, int64_t n,
-                  const BackwardTile<acc_t>& t, Tensor& g1) {
+                  int scale_exp, const BackwardTile<acc_t>& t, Tensor& g1) {
   Tensor rows = g1[b].narrow(0, i0, n);
   at::mm_out(rows, t.gp.narrow(0, 0, n), c.x2[b]);
   acc_t* out = rows.data_ptr<acc_t>();
@@ -359,35 +361,17 @@ void grad_x1_rows(const Problem& p, const Centred& c, int64_t b, int64_t i0, int
       const acc_t* d = d1 + i * p.M;
       acc_t* o = out + i * p.M;
       int64_t k = 0;
-      for (; k + V::size() <= p.M; k += V::size()) {
+      for (; scale_exp == 0 && k + V::size() <= p.M; k += V::size()) {
         V v = at::vec::fmsub(rs, V::loadu(x + k), V::loadu(o + k));
         if (t.has_d1[i]) v = v + V::loadu(d + k);
         v.store(o + k);
       }
-      for (; k < p.M; ++k) o[k] = t.rowsum[i] * x[k] - o[k] + (t.has_d1[i] ? d[k] : acc_t(0));
+      for (; k < p.M; ++k) {
+        const acc_t v = t.rowsum[i] * x[k] - o[k];
+        o[k] = (scale_exp ? cpu::times_pow2(v, scale_exp) : v) + (t.has_d1[i] ? d[k] : acc_t(0));
+      }
     }
   });
-}
-
-// Step 2 for squared distances of a batch element scaled by 2^-e: the GEMMs' part times 2^e
-// before the direct entries' part (in the inputs' units) is added, so that no intermediate
-// passes through 2^e·G'.
-template <typename acc_t>
-void grad_x1_rows_scaled(const Problem& p, const Centred& c, int64_t b, int64_t i0, int64_t n,
-                         int e, const BackwardTile<acc_t>& t, Tensor& g1) {
-  Tensor rows = g1[b].narrow(0, i0, n);
-  at::mm_out(rows, t.gp.narrow(0, 0, n), c.x2[b]);
-  acc_t* out = rows.data_ptr<acc_t>();
-  const acc_t* xc1 = c.x1[b].const_data_ptr<acc_t>();
-  const acc_t* d1 = t.d1.template const_data_ptr<acc_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    const acc_t* x = xc1 + (i0 + i) * p.M;
-    acc_t* o = out + i * p.M;
-    for (int64_t k = 0; k < p.M; ++k) {
-      o[k] = cpu::times_pow2(t.rowsum[i] * x[k] - o[k], e) +
-             (t.has_d1[i] ? d1[i * p.M + k] : acc_t(0));
-    }
-  }
 }
 
 // Step 4: the direct entries' x2 half, −G'·(a − b) into row j of grad_x2, in (j, i) order on
@@ -431,18 +415,12 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
   BackwardTile<acc_t> t(p, std::min(rows, p.P), g2.defined(), c.x1.options());
   std::vector<std::vector<Direct<acc_t>>> queued(at::get_num_threads());
   for (int64_t b = 0; b < p.B; ++b) {
-    const int e = c.exponents.empty() ? 0 : c.exponents[b];
+    const int e = c.exponent(b);
     if (g2.defined()) t.colsum.zero_();
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
       scale_tile<scalar_t, acc_t>(p, c, grad, dist, b, i0, n, t, queued);
-      if (g1.defined()) {
-        if (p.squared && e != 0) {
-          grad_x1_rows_scaled<acc_t>(p, c, b, i0, n, e, t, g1);
-        } else {
-          grad_x1_rows<acc_t>(p, c, b, i0, n, t, g1);
-        }
-      }
+      if (g1.defined()) grad_x1_rows<acc_t>(p, c, b, i0, n, p.squared ? e : 0, t, g1);
       if (g2.defined()) {  // Step 3: G'ᵀ·x1, accumulated over the tiles
         Tensor g2b = g2[b];
         const Tensor G = t.gp.narrow(0, 0, n), xc = c.x1[b].narrow(0, i0, n);

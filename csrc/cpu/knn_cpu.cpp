@@ -224,7 +224,7 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
   const acc_t margin = static_cast<acc_t>(expansion_margin<acc_t>(p.M));
   const acc_t tiny = cpu::tiny_norms<acc_t>(p.M);
   for (int64_t b = 0; b < p.B; ++b) {
-    const int e = c.exponents.empty() ? 0 : c.exponents[b];
+    const int e = c.exponent(b);
     const acc_t* x = c.raw1[b].const_data_ptr<acc_t>();
     const acc_t* norms = c.n1[b].const_data_ptr<acc_t>();
     std::fill(sizes.begin(), sizes.end(), 0);
@@ -275,7 +275,7 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
   scalar_t* out_d = dist.data_ptr<scalar_t>();
   int64_t* out_j = index.data_ptr<int64_t>();
   for (int64_t b = 0; b < p.B; ++b) {
-    const int e = c.exponents.empty() ? 0 : c.exponents[b];
+    const int e = c.exponent(b);
     const acc_t* xa = c.raw1[b].const_data_ptr<acc_t>();
     const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
     const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
