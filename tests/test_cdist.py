@@ -23,6 +23,7 @@ from testing import (
     exact_squared_distances,
     extreme_points,
     make_noncontiguous,
+    spanning_points,
 )
 
 import torchkit
@@ -167,6 +168,20 @@ def test_the_whole_finite_range(device, dtype, scale, layout, self_, squared):
     Distances past the dtype's range are inf."""
     x = extreme_points(40, 7, dtype, scale, layout).to(device)
     y = None if self_ else extreme_points(30, 7, dtype, scale, layout, seed=1).to(device)
+    exact = exact_squared_distances(x, y)
+    out = ops.cdist(x, y, squared=squared)
+    assert_close_to_exact(out, exact if squared else np.sqrt(exact), rtol=2e-5 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("self_", [False, True])
+@pytest.mark.parametrize("squared", [False, True])
+def test_rows_spanning_the_whole_range(device, dtype, self_, squared):
+    """Rows of every magnitude in one batch element: the small distances' squares underflow
+    in the units its largest rows set, and must come back from the direct sums exactly."""
+    x = spanning_points(40, 3, dtype).to(device)
+    y = None if self_ else spanning_points(50, 3, dtype, seed=1).to(device)
     exact = exact_squared_distances(x, y)
     out = ops.cdist(x, y, squared=squared)
     assert_close_to_exact(out, exact if squared else np.sqrt(exact), rtol=2e-5 if dtype == torch.float32 else 1e-12)

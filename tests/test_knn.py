@@ -21,6 +21,7 @@ from testing import (
     exact_squared_distances,
     extreme_points,
     make_noncontiguous,
+    spanning_points,
 )
 
 from torchkit import ops, reference
@@ -157,6 +158,28 @@ def test_the_whole_finite_range(device, dtype, scale, layout, self_, squared):
     assert_close_to_exact(d, best if squared else np.sqrt(best), rtol=rtol)
     if layout != "spread":
         assert np.array_equal(i.cpu().numpy(), order)
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("self_", [False, True])
+@pytest.mark.parametrize("squared", [False, True])
+def test_rows_spanning_the_whole_range(device, dtype, self_, squared):
+    """Query and gallery rows of every magnitude in one call: in the units of the batch
+    element's scaling (set by its largest row) the squares of the small distances underflow
+    even in float64, and must still be ordered and returned exactly."""
+    q = spanning_points(60, 3, dtype).to(device)
+    g = None if self_ else spanning_points(200, 3, dtype, seed=1).to(device)
+    exact = exact_squared_distances(q, g)
+    if self_:
+        np.fill_diagonal(exact, np.inf)
+    k = 20
+    d, i = ops.knn(q, g, k=k, squared=squared)
+    rtol = 2e-5 if dtype == torch.float32 else 1e-12
+    best = np.sort(exact, axis=-1)[:, :k]
+    chosen = np.take_along_axis(exact, i.cpu().numpy(), axis=-1)
+    assert np.all(np.abs(chosen - best) <= 2 * rtol * best), "a neighbour that is not among the k nearest"
+    assert_close_to_exact(d, best if squared else np.sqrt(best), rtol=rtol)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -201,6 +201,16 @@ def extreme_points(n, m, dtype, scale, layout, seed=0):
     return (x * scale).to(dtype)
 
 
+def spanning_points(n, m, dtype, seed=0):
+    """n points of m features whose row magnitudes are spread log-uniformly over the dtype's
+    whole range (1e-37 … 1e37 in float32, 1e-300 … 1e300 in float64), so that one set holds
+    pairs whose distances and squares lie anywhere in it, and beyond it."""
+    g = torch.Generator().manual_seed(seed)
+    top = 37 if dtype == torch.float32 else 300
+    decades = torch.empty(n, 1, dtype=torch.float64).uniform_(-top, top, generator=g)
+    return (torch.randn(n, m, generator=g, dtype=torch.float64) * 10.0**decades).to(dtype)
+
+
 def exact_squared_distances(x1, x2=None):
     """Σ(a - b)² in numpy's long double (x86's 80-bit format: its exponent range holds the
     squares of any float64), as a long-double array."""

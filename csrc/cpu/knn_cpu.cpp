@@ -34,51 +34,68 @@ constexpr int64_t kProductTileBytes = 8 << 20;  // the GEMM's output tile: stays
 constexpr int64_t kChunk = 4096;                // gallery rows per tile
 constexpr int64_t kSymmetricBlock = 1024;       // leave-one-out: square tiles of 4 MiB
 
-// d² is exact (Σ(a − b)², directly) and in the units of the rows the GEMM multiplied (a batch
-// element scaled by 2^-e: cdist::Centred), in float64 for every input type, so that a float32
-// distance whose square leaves float32's range still orders right.
+// An exact d² (Σ(a − b)², directly) as m·2^E in the inputs' units, m in [1/2, 1) (or 0, ∞ or
+// NaN with E = 0): the square of a float64 distance can leave float64's range both ways (1e-200
+// squared underflows, 1e200 squared overflows), and so can its square in a scaled batch
+// element's units (cdist::Centred), so no one floating type holds every d² the heap orders.
+struct Square {
+  double m;
+  int E;
+};
+
+// Non-negative squares, neither NaN: by exponent, then mantissa (0 and ∞ by value).
+bool below(const Square& a, const Square& b) {
+  const bool by_value = a.E == b.E || a.m == 0 || b.m == 0 || std::isinf(a.m) || std::isinf(b.m);
+  return by_value ? a.m < b.m : a.E < b.E;
+}
+
+// s·2^shift as a double, rounded once (under- and overflow to 0 and ∞).
+double value(const Square& s, int shift) { return std::ldexp(s.m, s.E + shift); }
+
 template <typename acc_t>
+Square exact_d2(const acc_t* a, const acc_t* b, int64_t M) {
+  const auto [sum, E] = cpu::direct_sq_exact(a, b, M);
+  const double m = static_cast<double>(sum);
+  if (m == 0 || !std::isfinite(m)) return {m, 0};
+  int x;
+  const double f = std::frexp(m, &x);
+  return {f, E + x};
+}
+
 struct Candidate {
-  double d2;
+  Square d2;
   int64_t j;
 };
 
-template <typename acc_t>
-double exact_d2(const acc_t* a, const acc_t* b, int64_t M, int e) {
-  const auto [m, E] = cpu::direct_sq_exact(a, b, M);
-  return E == 2 * e ? static_cast<double>(m) : cpu::times_pow2(static_cast<double>(m), E - 2 * e);
-}
-
 // The total order of candidates: d² ascending, NaN after every number, then the index.
-template <typename acc_t>
-bool before(const Candidate<acc_t>& a, const Candidate<acc_t>& b) {
-  const bool an = std::isnan(a.d2), bn = std::isnan(b.d2);
+bool before(const Candidate& a, const Candidate& b) {
+  const bool an = std::isnan(a.d2.m), bn = std::isnan(b.d2.m);
   if (an != bn) return bn;
-  if (!an && a.d2 != b.d2) return a.d2 < b.d2;
+  if (!an && below(a.d2, b.d2)) return true;
+  if (!an && below(b.d2, a.d2)) return false;
   return a.j < b.j;
 }
 
 // The k best candidates of one query row so far, a max-heap by `before` (the worst on top).
-template <typename acc_t>
 struct RowHeap {
-  Candidate<acc_t>* items;
+  Candidate* items;
   int64_t size, k;
 
-  void offer(const Candidate<acc_t>& c) {
+  void offer(const Candidate& c) {
     if (size < k) {
       items[size++] = c;
-      std::push_heap(items, items + size, before<acc_t>);
+      std::push_heap(items, items + size, before);
     } else if (before(c, items[0])) {
-      std::pop_heap(items, items + size, before<acc_t>);
+      std::pop_heap(items, items + size, before);
       items[size - 1] = c;
-      std::push_heap(items, items + size, before<acc_t>);
+      std::push_heap(items, items + size, before);
     }
   }
 
   // Whether every candidate must be offered: the heap is not full, or its worst is NaN
   // (then any number beats it). Otherwise a candidate needs d² below the top's to enter
   // (later columns lose ties).
-  bool open() const { return size < k || std::isnan(items[0].d2); }
+  bool open() const { return size < k || std::isnan(items[0].d2.m); }
 };
 
 // Offers row i's candidates from one GEMM row g (columns j0 … j0 + n of the gallery). The
@@ -90,7 +107,7 @@ struct RowHeap {
 // multiply-adds, a max and two compares per 8 entries, the bar being re-read only after an
 // entry got in.
 template <typename acc_t>
-void scan_row(RowHeap<acc_t>& heap, const acc_t* g, acc_t na, const acc_t* nb, const acc_t* a,
+void scan_row(RowHeap& heap, const acc_t* g, acc_t na, const acc_t* nb, const acc_t* a,
               const acc_t* xb, int64_t j0, int64_t n, int64_t M, int64_t self, acc_t margin, int e,
               acc_t tiny) {
   using V = Vectorized<acc_t>;
@@ -99,11 +116,13 @@ void scan_row(RowHeap<acc_t>& heap, const acc_t* g, acc_t na, const acc_t* nb, c
   const V vinv(inv_ratio), vc(na * inv_ratio - na), minus_two(-2), vsmall(tiny - na);
   auto offer = [&](int64_t l) {
     const int64_t j = j0 + l;
-    if (j != self) heap.offer({exact_d2(a, xb + j * M, M, e), j});
+    if (j != self) heap.offer({exact_d2(a, xb + j * M, M), j});
   };
-  // t must be below this (or NaN) for the entry to be looked at.
+  // t must be below this (or NaN) for the entry to be looked at. In the GEMM's units: where the
+  // top's d² underflows there, an entry that could beat it has cancelled or tiny norms, and
+  // the other two tests take it.
   auto bar = [&]() {
-    return heap.open() ? kInf : static_cast<acc_t>(heap.items[0].d2 * margin - na);
+    return heap.open() ? kInf : static_cast<acc_t>(value(heap.items[0].d2, -2 * e) * margin - na);
   };
   acc_t limit = bar();
   V vlimit(limit);
@@ -142,7 +161,7 @@ void scan_row(RowHeap<acc_t>& heap, const acc_t* g, acc_t na, const acc_t* nb, c
 // own heap) are scanned 8 at a time down the tile's n rows (gallery rows i0 + r), the
 // vector holding one bar per column.
 template <typename acc_t>
-void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_t* g, int64_t gs,
+void scan_columns(Candidate* heaps, int64_t* sizes, int64_t k, const acc_t* g, int64_t gs,
                   const acc_t* na, const acc_t* nb, const acc_t* xa, const acc_t* xb, int64_t i0,
                   int64_t n, int64_t j0, int64_t c0, int64_t c1, int64_t M, acc_t margin, int e,
                   acc_t tiny) {
@@ -153,11 +172,12 @@ void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_
   const V vinv(inv_ratio), minus_two(-2);
   for (int64_t c = c0; c < c1; c += W) {
     const int64_t lanes = std::min<int64_t>(W, c1 - c);
-    RowHeap<acc_t> heap[W];
+    RowHeap heap[W];
     acc_t limit[W], own_norm[W], t[W];
     auto bar = [&](int64_t q) {  // as scan_row's, in terms of t = na − 2g for column q
-      return heap[q].open() ? kInf
-                            : static_cast<acc_t>(heap[q].items[0].d2 * margin - nb[j0 + c + q]);
+      return heap[q].open()
+                 ? kInf
+                 : static_cast<acc_t>(value(heap[q].items[0].d2, -2 * e) * margin - nb[j0 + c + q]);
     };
     for (int64_t q = 0; q < W; ++q) {
       const bool live = q < lanes;
@@ -181,7 +201,7 @@ void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_
             t[q] < std::max(limit[q], nr * inv_ratio + own_norm[q] * inv_ratio - own_norm[q]) ||
             t[q] != t[q] || own_norm[q] < tiny - nr;
         if (!take) continue;
-        heap[q].offer({exact_d2(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M, e), i0 + r});
+        heap[q].offer({exact_d2(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M), i0 + r});
         limit[q] = bar(q);
         vlimit = V::loadu(limit);
       }
@@ -190,18 +210,19 @@ void scan_columns(Candidate<acc_t>* heaps, int64_t* sizes, int64_t k, const acc_
   }
 }
 
-// The survivors of rows [begin, end), in order, into the outputs at row offset `out_row`,
-// their distances times 2^e (cdist::Centred), rounded once.
-template <typename scalar_t, typename acc_t>
-void write_rows(Candidate<acc_t>* heaps, int64_t begin, int64_t end, int64_t k, int64_t out_row,
-                bool squared, int e, scalar_t* out_d, int64_t* out_j) {
+// The survivors of rows [begin, end), in order, into the outputs at row offset `out_row`.
+template <typename scalar_t>
+void write_rows(Candidate* heaps, int64_t begin, int64_t end, int64_t k, int64_t out_row,
+                bool squared, scalar_t* out_d, int64_t* out_j) {
   for (int64_t r = begin; r < end; ++r) {
-    Candidate<acc_t>* best = heaps + r * k;
-    std::sort(best, best + k, before<acc_t>);
+    Candidate* best = heaps + r * k;
+    std::sort(best, best + k, before);
     const int64_t o = (out_row + r) * k;
     for (int64_t q = 0; q < k; ++q) {
-      const double d2 = best[q].d2;
-      const double d = squared ? cpu::times_pow2(d2, 2 * e) : cpu::times_pow2(std::sqrt(d2), e);
+      const Square& s = best[q].d2;
+      const int odd = s.E & 1;  // the root halves an even exponent
+      const double d =
+          squared ? value(s, 0) : std::ldexp(std::sqrt(odd ? 2 * s.m : s.m), (s.E - odd) / 2);
       out_d[o + q] = static_cast<scalar_t>(d);
       out_j[o + q] = best[q].j;
     }
@@ -219,7 +240,7 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
   constexpr int64_t S = kSymmetricBlock, W = Vectorized<acc_t>::size();
   const int64_t blocks = (p.P + S - 1) / S;
   Tensor tile = at::empty({std::min(S, p.P), std::min(S, p.P)}, c.x1.options());
-  std::vector<Candidate<acc_t>> heaps(p.P * k);
+  std::vector<Candidate> heaps(p.P * k);
   std::vector<int64_t> sizes(p.P);
   const acc_t margin = static_cast<acc_t>(expansion_margin<acc_t>(p.M));
   const acc_t tiny = cpu::tiny_norms<acc_t>(p.M);
@@ -239,7 +260,7 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
         at::parallel_for(0, n, cpu::rows_per_task(w), [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             const int64_t i = i0 + r;
-            RowHeap<acc_t> heap{heaps.data() + i * k, sizes[i], k};
+            RowHeap heap{heaps.data() + i * k, sizes[i], k};
             scan_row<acc_t>(heap, g + r * gs, norms[i], norms, x + i * p.M, x, j0, w, p.M, i,
                             margin, e, tiny);
             sizes[i] = heap.size;
@@ -253,8 +274,8 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
       }
     }
     at::parallel_for(0, p.P, 64, [&](int64_t begin, int64_t end) {
-      write_rows<scalar_t, acc_t>(heaps.data(), begin, end, k, b * p.P, p.squared, e,
-                                  dist.data_ptr<scalar_t>(), index.data_ptr<int64_t>());
+      write_rows<scalar_t>(heaps.data(), begin, end, k, b * p.P, p.squared,
+                           dist.data_ptr<scalar_t>(), index.data_ptr<int64_t>());
     });
   }
 }
@@ -268,7 +289,7 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
   const int64_t rows =
       std::clamp<int64_t>(kProductTileBytes / (chunk * int64_t(sizeof(acc_t))), 16, 4096);
   Tensor tile = at::empty({std::min(rows, p.P), chunk}, c.x1.options());
-  std::vector<Candidate<acc_t>> heaps(std::min(rows, p.P) * k);
+  std::vector<Candidate> heaps(std::min(rows, p.P) * k);
   std::vector<int64_t> sizes(std::min(rows, p.P));
   const acc_t margin = static_cast<acc_t>(expansion_margin<acc_t>(p.M));
   const acc_t tiny = cpu::tiny_norms<acc_t>(p.M);
@@ -292,7 +313,7 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
         at::parallel_for(0, n, cpu::rows_per_task(w), [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             const int64_t i = i0 + r;
-            RowHeap<acc_t> heap{heaps.data() + r * k, sizes[r], k};
+            RowHeap heap{heaps.data() + r * k, sizes[r], k};
             scan_row<acc_t>(heap, g + r * gs, na[i], nb, xa + i * p.M, xb, j0, w, p.M,
                             p.self ? i : -1, margin, e, tiny);
             sizes[r] = heap.size;
@@ -300,8 +321,7 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
         });
       }
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-        write_rows<scalar_t, acc_t>(heaps.data(), begin, end, k, b * p.P + i0, p.squared, e, out_d,
-                                    out_j);
+        write_rows<scalar_t>(heaps.data(), begin, end, k, b * p.P + i0, p.squared, out_d, out_j);
       });
     }
   }
