@@ -174,6 +174,19 @@ def test_the_whole_finite_range(device, dtype, scale, layout, self_, squared):
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype,exponent", [(torch.float32, -130), (torch.float64, -1060)])
+def test_gradient_at_subnormal_distances(device, dtype, exponent):
+    """(a - b)/d is a unit vector at any distance; grad / d alone overflows where d is
+    subnormal (below 1 / the dtype's maximum). Exact data: 2^exponent times small integers."""
+    s = math.ldexp(1.0, exponent)
+    x = (torch.tensor([[16.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
+    y = (torch.tensor([[16.0, 1.0], [0.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
+    d = ops.cdist(x, y)
+    gx, gy = torch.autograd.grad(d, (x, y), torch.ones_like(d))
+    assert gx.tolist() == [[1.0, -1.0]] and gy.tolist() == [[0.0, 1.0], [-1.0, 0.0]]
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("self_", [False, True])
 @pytest.mark.parametrize("squared", [False, True])
@@ -185,6 +198,61 @@ def test_rows_spanning_the_whole_range(device, dtype, self_, squared):
     exact = exact_squared_distances(x, y)
     out = ops.cdist(x, y, squared=squared)
     assert_close_to_exact(out, exact if squared else np.sqrt(exact), rtol=2e-5 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("self_", [False, True])
+@pytest.mark.parametrize("squared", [False, True])
+def test_gradients_of_rows_spanning_the_whole_range(device, dtype, self_, squared):
+    """Against Σ_j G'_ij·(a_i - b_j) in long double, G' = 2·grad (squared) or grad / d, each
+    row within the dtype's tolerance of Σ_j |G'_ij|·d_ij (what the terms' rounding allows)."""
+    x = spanning_points(30, 3, dtype).to(device).requires_grad_()
+    y = None if self_ else spanning_points(20, 3, dtype, seed=1).to(device).requires_grad_()
+    inputs = (x,) if self_ else (x, y)
+    out = ops.cdist(x, y, squared=squared)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad(out, inputs, up.to(device, dtype))
+    a = x.detach().double().cpu().numpy().astype(np.longdouble)
+    b = a if self_ else y.detach().double().cpu().numpy().astype(np.longdouble)
+    diff = a[:, None, :] - b[None, :, :]
+    d = np.sqrt((diff**2).sum(-1))
+    u = up.numpy().astype(np.longdouble)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = 2 * u if squared else np.where(d > 0, u / d, 0)
+    terms, size = w[..., None] * diff, np.abs(w) * d
+    exact = [terms.sum(1), -terms.sum(0)]
+    scale = [size.sum(1), size.sum(0)]
+    if self_:
+        exact, scale = [exact[0] + exact[1]], [scale[0] + scale[1]]
+    info = torch.finfo(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    for actual, want, s in zip(grads, exact, scale, strict=True):
+        got = actual.double().cpu().numpy().astype(np.longdouble)
+        inside = s <= np.longdouble(info.max) / 4  # beyond, a partial sum may overflow
+        bound = tol * s[:, None] + np.longdouble(info.smallest_normal)
+        ok = (np.abs(got - want) <= bound)[inside]
+        assert ok.all(), f"{(~ok).sum()} gradient entries off by more than {tol} of their rows' scale"
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_squared_gradient_where_the_square_overflows(device, dtype):
+    """A squared distance past the dtype's range comes out ∞ but has the finite gradient
+    2·grad·(a - b). Beside a row so far away that the GEMMs' centred form cancels for the
+    pair, the backward must still take that entry directly, though the output no longer
+    says that its expansion cancelled."""
+    info = torch.finfo(dtype)
+    pair = 4 * math.sqrt(info.max) * torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+    far = torch.full((3,), info.max / 8, dtype=torch.float64)
+    x = torch.stack([pair, far]).to(device, dtype).requires_grad_()
+    y = (-pair).unsqueeze(0).to(device, dtype).requires_grad_()
+    out = ops.cdist(x, y, squared=True)
+    assert out[0, 0].isinf()
+    gx, gy = torch.autograd.grad(out, (x, y), torch.ones_like(out))
+    tol = dict(rtol=1e-6, atol=0) if dtype == torch.float32 else dict(rtol=1e-14, atol=0)
+    torch.testing.assert_close(gx.double().cpu(), 2 * (torch.stack([pair, far]) + pair), **tol)
+    torch.testing.assert_close(gy.double().cpu(), (-2 * (pair + far) - 4 * pair).unsqueeze(0), **tol)
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED)

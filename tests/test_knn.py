@@ -1,6 +1,7 @@
 """torchkit.ops.knn against the reference (cdist + stable sort), a float64 oracle and
 torch.cdist + topk."""
 
+import math
 import sys
 
 import numpy as np
@@ -158,6 +159,62 @@ def test_the_whole_finite_range(device, dtype, scale, layout, self_, squared):
     assert_close_to_exact(d, best if squared else np.sqrt(best), rtol=rtol)
     if layout != "spread":
         assert np.array_equal(i.cpu().numpy(), order)
+
+
+# Subnormal data too: distances there are subnormal, and grad / d overflows.
+SUBNORMAL = [(torch.float32, 1e-42), (torch.float64, 1e-312)]
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype,scale", EXTREMES + SUBNORMAL)
+@pytest.mark.parametrize("self_", [False, True])
+@pytest.mark.parametrize("squared", [False, True])
+def test_gradients_over_the_whole_finite_range(device, dtype, scale, self_, squared):
+    """Against Σ G'·(q - g) over the k pairs kept, in long double (G' = 2·grad squared, else
+    grad / d), each row within the dtype's tolerance of Σ |G'|·d, plus what the rounding of
+    a subnormal output distance allows (|G'| times the smallest subnormal per pair)."""
+    q = extreme_points(30, 4, dtype, scale, "random").to(device).requires_grad_()
+    g = None if self_ else extreme_points(40, 4, dtype, scale, "random", seed=1).to(device).requires_grad_()
+    inputs = (q,) if self_ else (q, g)
+    d, i = ops.knn(q, g, k=4, squared=squared)
+    up = torch.randn(d.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad(d, inputs, up.to(device, dtype))
+    a = q.detach().double().cpu().numpy().astype(np.longdouble)
+    b = a if self_ else g.detach().double().cpu().numpy().astype(np.longdouble)
+    idx = i.cpu().numpy()
+    diff = a[:, None, :] - b[idx]
+    dist = np.sqrt((diff**2).sum(-1))
+    u = up.numpy().astype(np.longdouble)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = 2 * u if squared else np.where(dist > 0, u / dist, 0)
+    terms = w[..., None] * diff
+    exact_q, exact_g = terms.sum(1), np.zeros_like(b)
+    np.add.at(exact_g, idx, -terms)
+    info = torch.finfo(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    slack = np.abs(w) * (tol * dist + np.longdouble(info.smallest_normal * info.eps))
+    scale_q, scale_g = slack.sum(1), np.zeros(len(b), dtype=np.longdouble)
+    np.add.at(scale_g, idx, slack)
+    exact = [exact_q + exact_g] if self_ else [exact_q, exact_g]
+    scales = [scale_q + scale_g] if self_ else [scale_q, scale_g]
+    for actual, want, bound in zip(grads, exact, scales, strict=True):
+        got = actual.double().cpu().numpy().astype(np.longdouble)
+        assert np.all(np.abs(got - want) <= bound[:, None] + np.longdouble(info.smallest_normal)), (
+            "gradient off by more than its rows' tolerance"
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype,exponent", [(torch.float32, -130), (torch.float64, -1060)])
+def test_gradient_at_subnormal_distances(device, dtype, exponent):
+    """(a - b)/d is a unit vector at any distance; grad / d alone overflows where d is
+    subnormal (below 1 / the dtype's maximum). Exact data: 2^exponent times small integers."""
+    s = math.ldexp(1.0, exponent)
+    x = (torch.tensor([[16.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
+    y = (torch.tensor([[16.0, 1.0], [0.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
+    d = ops.knn(x, y, k=2)[0]
+    gx, gy = torch.autograd.grad(d, (x, y), torch.ones_like(d))
+    assert gx.tolist() == [[1.0, -1.0]] and gy.tolist() == [[0.0, 1.0], [-1.0, 0.0]]
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED)

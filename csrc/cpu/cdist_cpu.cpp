@@ -193,11 +193,15 @@ Tensor forward_cpu(const Tensor& x1, const std::optional<Tensor>& x2, bool squar
 
 // A distance the forward recomputed directly (its expansion cancelled: near-duplicates far
 // from the mean): its gradient G'·(a − b) is taken directly too, from the uncentred inputs,
-// and left out of the GEMMs, where rowsum·a − G'·b would cancel the same way.
+// and left out of the GEMMs, where rowsum·a − G'·b would cancel the same way. It is formed as
+// g·((a − b)/d) (g = grad, or 2·grad and d = 1 for squared): (a − b)/d is at most 1, where
+// G' = grad/d overflows for a subnormal d.
 template <typename acc_t>
 struct Direct {
   int64_t j, i;
-  acc_t v;
+  acc_t g, d;
+
+  acc_t term(acc_t a, acc_t b) const { return g * ((a - b) / d); }
 };
 
 // G' for one row: ∂L/∂d² · 2 = grad / dist (0 where dist = 0), or 2·grad for squared, with
@@ -213,16 +217,23 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
                       int64_t M, bool squared, int e, acc_t tiny, acc_t* gp, acc_t* colsum,
                       acc_t* d1, bool& has_d1, std::vector<Direct<acc_t>>& direct) {
   has_d1 = false;
-  auto take_direct = [&](int64_t j, acc_t v) {
+  auto take_direct = [&](int64_t j, acc_t gr, acc_t d) {
+    if (!squared && d == 0) return;  // zero distances have zero gradient
+    const Direct<acc_t> t{j, i, squared ? 2 * gr : gr, squared ? acc_t(1) : d};
     if (!has_d1) std::fill(d1, d1 + M, acc_t(0));
     has_d1 = true;
     const acc_t* b = xb + j * M;
-    for (int64_t k = 0; k < M; ++k) d1[k] += v * (a[k] - b[k]);
-    direct.push_back({j, i, v});
+    for (int64_t k = 0; k < M; ++k) d1[k] += t.term(a[k], b[k]);
+    direct.push_back(t);
   };
-  // The forward's refines() on d² in the scaled rows' units, from the output.
+  // The forward's refines() on d² in the scaled rows' units, from the output; from the rows
+  // where a squared output overflowed (a d² past the type's range has a finite gradient).
   auto refined = [&](acc_t d, int64_t j) {
-    const acc_t ds = e == 0 ? d : cpu::times_pow2(d, squared ? -2 * e : -e);
+    acc_t ds = e == 0 ? d : cpu::times_pow2(d, squared ? -2 * e : -e);
+    if (squared && std::isinf(d)) {
+      const auto [m, E] = cpu::direct_sq_exact(a, xb + j * M, M);
+      ds = cpu::times_pow2(m, E - 2 * e);
+    }
     const acc_t d2 = squared ? ds : ds * ds;
     const acc_t norms = na + nb[j];
     return d2 * acc_t(kRefineRatio) < norms || norms < tiny;
@@ -243,7 +254,7 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
         v.store(gp + j);
         for (int64_t l = 0; l < V::size(); ++l) {
           if (refined(dist[j + l], j + l)) {
-            take_direct(j + l, gp[j + l]);
+            take_direct(j + l, grad[(j + l) * gstride], dist[j + l]);
             gp[j + l] = 0;
           }
         }
@@ -260,7 +271,7 @@ acc_t scaled_grad_row(const scalar_t* grad, int64_t gstride, const scalar_t* dis
     const acc_t d = static_cast<acc_t>(dist[j]);
     acc_t v = squared ? 2 * gr : (d == 0 ? acc_t(0) : gr / d);
     if (refined(d, j)) {
-      take_direct(j, v);
+      take_direct(j, gr, d);
       v = 0;
     } else if (e != 0 && !squared) {  // grad / (d·2^-e), not through grad / d
       const acc_t ds = cpu::times_pow2(d, -e);
@@ -402,7 +413,7 @@ void add_direct_to_grad_x2(const Problem& p, const Centred& c, int64_t b,
       const acc_t* a = xa + d.i * p.M;
       const acc_t* bj = xb + d.j * p.M;
       acc_t* out = g2b + d.j * p.M;
-      for (int64_t k = 0; k < p.M; ++k) out[k] -= d.v * (a[k] - bj[k]);
+      for (int64_t k = 0; k < p.M; ++k) out[k] -= d.term(a[k], bj[k]);
     }
   });
 }

@@ -94,9 +94,12 @@ def _backward(ctx, grad, _grad_indices):
     gal = g.to(acc).expand(*batch, g.shape[-2], M)
     flat = indices.reshape(*batch, P * k, 1).expand(*batch, P * k, M)
     neighbours = gal.gather(-2, flat).view(*batch, P, k, M)
-    d, up = distances.to(acc), grad.to(acc)
-    scale = 2 * up if ctx.squared else torch.where(d == 0, 0.0, up / torch.where(d == 0, 1.0, d))
-    contrib = scale.unsqueeze(-1) * (q.unsqueeze(-2) - neighbours)  # (*B, P, k, M)
+    d, up = distances.to(acc).unsqueeze(-1), grad.to(acc).unsqueeze(-1)
+    diff = q.unsqueeze(-2) - neighbours  # (*B, P, k, M)
+    if ctx.squared:
+        contrib = 2 * up * diff
+    else:  # (q - g)/d first: its entries are at most 1, where up/d overflows for a subnormal d
+        contrib = up * torch.where(d == 0, 0.0, diff / torch.where(d == 0, 1.0, d))
     grad_query = grad_gallery = None
     if need_query or gallery is None:
         grad_q = contrib.sum(-2)
