@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -34,32 +35,52 @@ constexpr int64_t kProductTileBytes = 8 << 20;  // the GEMM's output tile: stays
 constexpr int64_t kChunk = 4096;                // gallery rows per tile
 constexpr int64_t kSymmetricBlock = 1024;       // leave-one-out: square tiles of 4 MiB
 
-// An exact d² (Σ(a − b)², directly) as m·2^E in the inputs' units, m in [1/2, 1) (or 0, ∞ or
-// NaN with E = 0): the square of a float64 distance can leave float64's range both ways (1e-200
-// squared underflows, 1e200 squared overflows), and so can its square in a scaled batch
-// element's units (cdist::Centred), so no one floating type holds every d² the heap orders.
+// An exact d² (Σ(a − b)², directly) as m·2^E in the inputs' units, m in [1/2, 1): the square
+// of a float64 distance can leave float64's range both ways (1e-200 squared underflows,
+// 1e200 squared overflows), and so can its square in a scaled batch element's units
+// (cdist::Centred), so no one floating type holds every d² the heap orders. 0, ∞ and NaN
+// take exponents below and above every finite one (with m = 0), so that the order of d² (NaN
+// after every number) is the order of (E, m). Built and read with bit operations: the heap
+// and the filter's bar use them once per candidate taken, which at large k is often.
 struct Square {
-  double m;
   int E;
+  double m;
 };
+constexpr int kZero = std::numeric_limits<int>::min();
+constexpr int kInfinite = std::numeric_limits<int>::max() - 1;
+constexpr int kNaN = std::numeric_limits<int>::max();
+constexpr uint64_t kFraction = (uint64_t(1) << 52) - 1;
 
-// Non-negative squares, neither NaN: by exponent, then mantissa (0 and ∞ by value).
-bool below(const Square& a, const Square& b) {
-  const bool by_value = a.E == b.E || a.m == 0 || b.m == 0 || std::isinf(a.m) || std::isinf(b.m);
-  return by_value ? a.m < b.m : a.E < b.E;
+// v·2^E for v >= 0 or NaN.
+Square square(double v, int E) {
+  if (!(v > 0)) return {v == 0 ? kZero : kNaN, 0.0};
+  if (std::isinf(v)) return {kInfinite, 0.0};
+  uint64_t bits = std::bit_cast<uint64_t>(v);
+  int biased = static_cast<int>(bits >> 52);
+  if (biased == 0) {  // subnormal: made normal, exactly
+    bits = std::bit_cast<uint64_t>(v * 0x1p64);
+    biased = static_cast<int>(bits >> 52) - 64;
+  }
+  return {E + biased - 1022, std::bit_cast<double>((bits & kFraction) | (uint64_t(1022) << 52))};
 }
 
 // s·2^shift as a double, rounded once (under- and overflow to 0 and ∞).
-double value(const Square& s, int shift) { return std::ldexp(s.m, s.E + shift); }
+double value(const Square& s, int shift) {
+  if (s.E == kZero) return 0.0;
+  if (s.E == kInfinite) return std::numeric_limits<double>::infinity();
+  if (s.E == kNaN) return std::numeric_limits<double>::quiet_NaN();
+  const int biased = s.E + shift + 1022;
+  if (biased > 0 && biased < 0x7ff) {
+    return std::bit_cast<double>((std::bit_cast<uint64_t>(s.m) & kFraction) |
+                                 (uint64_t(biased) << 52));
+  }
+  return std::ldexp(s.m, s.E + shift);
+}
 
 template <typename acc_t>
 Square exact_d2(const acc_t* a, const acc_t* b, int64_t M) {
   const auto [sum, E] = cpu::direct_sq_exact(a, b, M);
-  const double m = static_cast<double>(sum);
-  if (m == 0 || !std::isfinite(m)) return {m, 0};
-  int x;
-  const double f = std::frexp(m, &x);
-  return {f, E + x};
+  return square(static_cast<double>(sum), E);
 }
 
 struct Candidate {
@@ -67,14 +88,16 @@ struct Candidate {
   int64_t j;
 };
 
-// The total order of candidates: d² ascending, NaN after every number, then the index.
-bool before(const Candidate& a, const Candidate& b) {
-  const bool an = std::isnan(a.d2.m), bn = std::isnan(b.d2.m);
-  if (an != bn) return bn;
-  if (!an && below(a.d2, b.d2)) return true;
-  if (!an && below(b.d2, a.d2)) return false;
-  return a.j < b.j;
-}
+// The total order of candidates: d² ascending, NaN after every number, then the index. A
+// type, not a function, so that the heap and sort algorithms inline it.
+struct Before {
+  bool operator()(const Candidate& a, const Candidate& b) const {
+    if (a.d2.E != b.d2.E) return a.d2.E < b.d2.E;
+    if (a.d2.m != b.d2.m) return a.d2.m < b.d2.m;
+    return a.j < b.j;
+  }
+};
+constexpr Before before;
 
 // The k best candidates of one query row so far, a max-heap by `before` (the worst on top).
 struct RowHeap {
@@ -85,17 +108,22 @@ struct RowHeap {
     if (size < k) {
       items[size++] = c;
       std::push_heap(items, items + size, before);
-    } else if (before(c, items[0])) {
-      std::pop_heap(items, items + size, before);
-      items[size - 1] = c;
-      std::push_heap(items, items + size, before);
+    } else if (before(c, items[0])) {  // c replaces the worst: sifted down from the top
+      int64_t i = 0;
+      for (int64_t child = 1; child < size; child = 2 * i + 1) {
+        if (child + 1 < size && before(items[child], items[child + 1])) ++child;
+        if (!before(c, items[child])) break;
+        items[i] = items[child];
+        i = child;
+      }
+      items[i] = c;
     }
   }
 
   // Whether every candidate must be offered: the heap is not full, or its worst is NaN
   // (then any number beats it). Otherwise a candidate needs d² below the top's to enter
   // (later columns lose ties).
-  bool open() const { return size < k || std::isnan(items[0].d2.m); }
+  bool open() const { return size < k || items[0].d2.E == kNaN; }
 };
 
 // Offers row i's candidates from one GEMM row g (columns j0 … j0 + n of the gallery). The
@@ -220,9 +248,14 @@ void write_rows(Candidate* heaps, int64_t begin, int64_t end, int64_t k, int64_t
     const int64_t o = (out_row + r) * k;
     for (int64_t q = 0; q < k; ++q) {
       const Square& s = best[q].d2;
-      const int odd = s.E & 1;  // the root halves an even exponent
-      const double d =
-          squared ? value(s, 0) : std::ldexp(std::sqrt(odd ? 2 * s.m : s.m), (s.E - odd) / 2);
+      double d = value(s, 0);
+      if (!squared && std::isnormal(d)) {
+        d = std::sqrt(d);
+      } else if (!squared && s.E != kZero && s.E != kInfinite && s.E != kNaN) {
+        // d² past float64's normal range
+        const int odd = s.E & 1;  // the root halves an even exponent
+        d = std::ldexp(std::sqrt(odd ? 2 * s.m : s.m), (s.E - odd) / 2);
+      }
       out_d[o + q] = static_cast<scalar_t>(d);
       out_j[o + q] = best[q].j;
     }
