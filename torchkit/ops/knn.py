@@ -96,10 +96,9 @@ def _backward(ctx, grad, _grad_indices):
     neighbours = gal.gather(-2, flat).view(*batch, P, k, M)
     d, up = distances.to(acc).unsqueeze(-1), grad.to(acc).unsqueeze(-1)
     diff = q.unsqueeze(-2) - neighbours  # (*B, P, k, M)
-    if ctx.squared:
-        contrib = 2 * up * diff
-    else:  # (q - g)/d first: its entries are at most 1, where up/d overflows for a subnormal d
-        contrib = up * torch.where(d == 0, 0.0, diff / torch.where(d == 0, 1.0, d))
+    # (q - g)/d before the upstream factor: its entries are at most 1, where up/d overflows for
+    # a subnormal d.
+    contrib = 2 * up * diff if ctx.squared else up * torch.where(d == 0, 0.0, diff / torch.where(d == 0, 1.0, d))
     grad_query = grad_gallery = None
     if need_query or gallery is None:
         grad_q = contrib.sum(-2)
