@@ -24,6 +24,7 @@ from testing import (
     extreme_points,
     make_noncontiguous,
     spanning_points,
+    subnormal_points,
 )
 
 import torchkit
@@ -176,14 +177,11 @@ def test_the_whole_finite_range(device, dtype, scale, layout, self_, squared):
 @pytest.mark.parametrize("device", DEVICES_SCALED)
 @pytest.mark.parametrize("dtype,exponent", [(torch.float32, -130), (torch.float64, -1060)])
 def test_gradient_at_subnormal_distances(device, dtype, exponent):
-    """(a - b)/d is a unit vector at any distance; grad / d alone overflows where d is
-    subnormal (below 1 / the dtype's maximum). Exact data: 2^exponent times small integers."""
-    s = math.ldexp(1.0, exponent)
-    x = (torch.tensor([[16.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
-    y = (torch.tensor([[16.0, 1.0], [0.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
+    """(a - b)/d is a unit vector at any distance (testing.subnormal_points)."""
+    x, y, expected_x, expected_y = subnormal_points(device, dtype, exponent)
     d = ops.cdist(x, y)
     gx, gy = torch.autograd.grad(d, (x, y), torch.ones_like(d))
-    assert gx.tolist() == [[1.0, -1.0]] and gy.tolist() == [[0.0, 1.0], [-1.0, 0.0]]
+    assert gx.tolist() == expected_x and gy.tolist() == expected_y
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED)

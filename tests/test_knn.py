@@ -1,7 +1,6 @@
 """torchkit.ops.knn against the reference (cdist + stable sort), a float64 oracle and
 torch.cdist + topk."""
 
-import math
 import sys
 
 import numpy as np
@@ -23,6 +22,7 @@ from testing import (
     extreme_points,
     make_noncontiguous,
     spanning_points,
+    subnormal_points,
 )
 
 from torchkit import ops, reference
@@ -207,14 +207,11 @@ def test_gradients_over_the_whole_finite_range(device, dtype, scale, self_, squa
 @pytest.mark.parametrize("device", DEVICES_SCALED)
 @pytest.mark.parametrize("dtype,exponent", [(torch.float32, -130), (torch.float64, -1060)])
 def test_gradient_at_subnormal_distances(device, dtype, exponent):
-    """(a - b)/d is a unit vector at any distance; grad / d alone overflows where d is
-    subnormal (below 1 / the dtype's maximum). Exact data: 2^exponent times small integers."""
-    s = math.ldexp(1.0, exponent)
-    x = (torch.tensor([[16.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
-    y = (torch.tensor([[16.0, 1.0], [0.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
+    """(a - b)/d is a unit vector at any distance (testing.subnormal_points)."""
+    x, y, expected_x, expected_y = subnormal_points(device, dtype, exponent)
     d = ops.knn(x, y, k=2)[0]
     gx, gy = torch.autograd.grad(d, (x, y), torch.ones_like(d))
-    assert gx.tolist() == [[1.0, -1.0]] and gy.tolist() == [[0.0, 1.0], [-1.0, 0.0]]
+    assert gx.tolist() == expected_x and gy.tolist() == expected_y
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED)

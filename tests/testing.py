@@ -7,6 +7,7 @@ tests/ is on sys.path because pytest puts a rootdir-less test folder there.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -209,6 +210,17 @@ def spanning_points(n, m, dtype, seed=0):
     top = 37 if dtype == torch.float32 else 300
     decades = torch.empty(n, 1, dtype=torch.float64).uniform_(-top, top, generator=g)
     return (torch.randn(n, m, generator=g, dtype=torch.float64) * 10.0**decades).to(dtype)
+
+
+def subnormal_points(device, dtype, exponent):
+    """x (1, 2) and y (2, 2), 2^exponent times small integers (exact), with distances
+    2^exponent and 16·2^exponent, and the gradients of the sum of both distances: unit
+    directions, though grad / d alone overflows where d is subnormal (below 1 / the dtype's
+    maximum)."""
+    s = math.ldexp(1.0, exponent)
+    x = (torch.tensor([[16.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
+    y = (torch.tensor([[16.0, 1.0], [0.0, 0.0]], dtype=torch.float64) * s).to(device, dtype).requires_grad_()
+    return x, y, [[1.0, -1.0]], [[0.0, 1.0], [-1.0, 0.0]]
 
 
 def exact_squared_distances(x1, x2=None):
