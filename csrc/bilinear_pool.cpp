@@ -87,27 +87,31 @@ std::tuple<at::Tensor, at::Tensor> operands(const Problem& p, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> input_grads(const Problem& p, const at::Tensor& dz,
                                                const at::Tensor& x,
                                                const std::optional<at::Tensor>& y,
-                                               std::array<bool, 2> output_mask, EmptyFn empty) {
-  const auto [a, b] = operands(p, x, y);
+                                               std::array<bool, 2> output_mask, EmptyFn empty,
+                                               const ScaledOperands* scaled) {
+  const auto [a, b] = scaled ? std::make_tuple(scaled->a, scaled->b) : operands(p, x, y);
   // Each gradient is produced in the layout its input has: (N, HW, C) rows for
   // channels_last, (N, C, HW) otherwise, so that the view back to 4-D is free.
-  auto grad_of = [&](const at::Tensor& g, const at::Tensor& other, const at::Tensor& input) {
+  auto grad_of = [&](const at::Tensor& g, const at::Tensor& other, const at::Tensor& input,
+                     int which) {
     const int64_t C = input.size(1);
     if (p.channels_last) {  // (g·other)ᵀ = otherᵀ·gᵀ : (N, HW, C)
       at::Tensor out = empty({p.N, p.HW, C}, g.options());
       at::bmm_out(out, other.transpose(1, 2), g.transpose(1, 2));
+      if (scaled) scaled->unscale(out, which);
       return out.view({p.N, input.size(2), input.size(3), C})
           .permute({0, 3, 1, 2})
           .to(input.scalar_type());
     }
     at::Tensor out = empty({p.N, C, p.HW}, g.options());
     at::bmm_out(out, g, other);
+    if (scaled) scaled->unscale(out, which);
     return out.view(input.sizes()).to(input.scalar_type());
   };
   const auto none = at::empty({0}, x.options());
-  if (p.self) return {output_mask[0] ? grad_of(dz, a, x) : none, none};
-  return {output_mask[0] ? grad_of(dz, b, x) : none,
-          output_mask[1] ? grad_of(dz.transpose(1, 2), a, *y) : none};
+  if (p.self) return {output_mask[0] ? grad_of(dz, a, x, 0) : none, none};
+  return {output_mask[0] ? grad_of(dz, b, x, 0) : none,
+          output_mask[1] ? grad_of(dz.transpose(1, 2), a, *y, 1) : none};
 }
 
 namespace {
@@ -164,8 +168,9 @@ std::tuple<at::Tensor, at::Tensor> bilinear_pool_autograd(const at::Tensor& x,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torchkit, m) {
-  // Returns (out, norm): norm is the per-sample ‖s‖ before clamping (acc type), what the
-  // backward needs besides the inputs and the output.
+  // Returns (out, norm): norm is the per-sample ‖s‖ before clamping (acc type; negative for a
+  // sample the CPU scaled, see bilinear_pool.h), what the backward needs besides the inputs
+  // and the output.
   m.def("bilinear_pool(Tensor x, Tensor? y, float sqrt_eps, float l2_eps) -> (Tensor, Tensor)");
   // Returns (grad_x, grad_y); one output_mask leaves out (and grad_y for y = None) is (0,).
   m.def(

@@ -5,13 +5,16 @@
 //   out = s / max(‖s‖, l2_eps)  per sample, flattened to (N, D·E)
 //
 // Saved for backward: x, y, out and the per-sample ‖s‖ (N values). Backward recovers
-// |s| = |out|·max(‖s‖, l2_eps), so no N×D×E intermediate outlives the forward.
+// |s| = |out|·max(‖s‖, l2_eps), so no N×D×E intermediate outlives the forward. The CPU
+// computes a sample of extreme magnitude at a power-of-two scale and stores its norm as
+// −‖s·2^h‖, the sign telling its backward to recompute the scale (bilinear_pool_cpu.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
 
 #include <cmath>
+#include <functional>
 
 namespace torchkit::bilinear_pool {
 
@@ -36,6 +39,14 @@ void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::T
 std::tuple<at::Tensor, at::Tensor> operands(const Problem& p, const at::Tensor& x,
                                             const std::optional<at::Tensor>& y);
 
+// Samples the CPU computed at a power-of-two scale (bilinear_pool_cpu.cpp): the operands the
+// backward's GEMMs take instead of x and y, and what multiplies each gradient (acc type,
+// before the cast to the input's dtype; input 0 is x, 1 is y) back into the inputs' units.
+struct ScaledOperands {
+  at::Tensor a, b;
+  std::function<void(at::Tensor& grad, int input)> unscale;
+};
+
 // dZ/HW (N, D, E; acc type; for `self` already the symmetrised dZ + dZᵀ) → gradients of
 // x and y in their shapes, dtypes and memory formats, through one GEMM each, written into
 // buffers from `empty` (the CPU backend passes one that prefaults them).
@@ -43,7 +54,8 @@ using EmptyFn = at::Tensor (*)(at::IntArrayRef, const at::TensorOptions&);
 std::tuple<at::Tensor, at::Tensor> input_grads(const Problem& p, const at::Tensor& dz,
                                                const at::Tensor& x,
                                                const std::optional<at::Tensor>& y,
-                                               std::array<bool, 2> output_mask, EmptyFn empty);
+                                               std::array<bool, 2> output_mask, EmptyFn empty,
+                                               const ScaledOperands* scaled = nullptr);
 
 // Signed square root: 0 at exactly 0 (as the reference's sign() gives), NaN stays NaN.
 template <typename T>

@@ -1,5 +1,6 @@
 """torchkit.ops.bilinear_pool against the cookbook composition (torchkit.reference)."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from testing import (
     DEVICES,
+    DEVICES_SCALED,
+    EXTREMES,
     FLOAT_DTYPES,
     REDUCED_DTYPES,
     assert_close,
@@ -106,6 +109,98 @@ def test_reduced_precision(device, dtype, E):
     ):
         assert actual.dtype == dtype
         assert_close_reduced(actual, base.to(dtype), exp)
+
+
+def exact_bilinear_pool(x, y, grad, sqrt_eps=1e-5, l2_eps=1e-12):
+    """The output and the input gradients for upstream `grad`, in numpy's long double (whose
+    exponent range holds any float64's square): the cookbook's formulas, with autograd's
+    conventions at Z = 0 and at the clamp."""
+
+    def ld(t, shape):
+        return t.detach().double().cpu().numpy().astype(np.longdouble).reshape(shape)
+
+    N, D, H, W = x.shape
+    E = D if y is None else y.shape[1]
+    a = ld(x, (N, D, H * W))
+    b = a if y is None else ld(y, (N, E, H * W))
+    eps, l2 = np.longdouble(sqrt_eps), np.longdouble(l2_eps)
+    Z = a @ b.transpose(0, 2, 1) / (H * W)
+    s = np.sign(Z) * np.sqrt(np.abs(Z) + eps)
+    norm = np.sqrt((s * s).sum((1, 2), keepdims=True))
+    denom = np.maximum(norm, l2)
+    out = s / denom
+    g = ld(grad, (N, D, E))
+    ds = np.where(norm >= l2, (g - out * (out * g).sum((1, 2), keepdims=True)) / denom, g / denom)
+    dZ = np.where(Z != 0, ds / (2 * np.where(Z != 0, np.abs(s), 1)), 0) / (H * W)
+    if y is None:
+        return out.reshape(N, D * E), ((dZ + dZ.transpose(0, 2, 1)) @ a).reshape(x.shape)
+    return out.reshape(N, D * E), (dZ @ b).reshape(x.shape), (dZ.transpose(0, 2, 1) @ a).reshape(y.shape)
+
+
+def assert_close_per_sample(actual, exact, rtol):
+    """Within rtol of each sample's largest exact entry (a GEMM's accuracy) or the dtype's
+    smallest subnormal, where the exact value is a number of actual's dtype; ±∞ past its
+    range."""
+    info = torch.finfo(actual.dtype)
+    got = actual.detach().double().cpu().numpy().astype(np.longdouble).reshape(actual.shape[0], -1)
+    exact = exact.reshape(exact.shape[0], -1)
+    big = np.abs(exact) > np.longdouble(info.max)
+    assert np.all(got[big] == np.sign(exact[big]) * np.inf), "results past the dtype's range must be ±inf"
+    scale = np.where(big, 0, np.abs(exact)).max(1, keepdims=True)
+    err = np.where(big, 0, np.abs(got - exact))
+    bound = rtol * scale + np.longdouble(info.smallest_normal * info.eps)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert np.all(err <= bound), (
+        f"error {float(err[worst]):.3g} at {worst}, sample scale {float(scale[worst[0], 0]):.3g}"
+    )
+
+
+def maps(shape, dtype, scales, device, seed):
+    """Features of magnitude scales[n] in sample n, positive so that Z keeps well away from
+    0 (where the signed sqrt's slope, 1/(2|s|), leaves any tolerance)."""
+    t = make(shape, seed=seed).abs() + 0.5
+    return (t * torch.tensor(scales, dtype=torch.float64).view(-1, 1, 1, 1)).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype,scale", EXTREMES)
+@pytest.mark.parametrize("E", [None, 3])
+@pytest.mark.parametrize("sqrt_eps,l2_eps", [(1e-5, 1e-12), (0.0, 1e-12), (1e30, 1e-12), (0.0, "clamp")])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_the_whole_finite_range(device, dtype, scale, E, sqrt_eps, l2_eps, memory_format):
+    """Outputs and gradients against long-double ones, for features of any finite magnitude
+    (where Z under- or overflows the accumulation type) beside an ordinary sample, sqrt_eps
+    from 0 to past the square of the data, and the L2 clamp in force (l2_eps about ten times
+    the samples' norms): each sample at its own power-of-two scale."""
+    scales = [scale, 1.0]
+    if l2_eps == "clamp":
+        scales, l2_eps = [scale, 2 * scale], 100 * scale
+    x = maps((2, 5, 3, 3), dtype, scales, device, seed=1).to(memory_format=memory_format).requires_grad_()
+    y = None if E is None else maps((2, E, 3, 3), dtype, scales, device, seed=2)
+    y = None if y is None else y.to(memory_format=memory_format).requires_grad_()
+    out = ops.bilinear_pool(x, y, sqrt_eps=sqrt_eps, l2_eps=l2_eps)
+    g = make(out.shape, seed=3).to(dtype).to(device)
+    exact = exact_bilinear_pool(x, y, g, sqrt_eps, l2_eps)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert_close_per_sample(out, exact[0], rtol)
+    for actual, expected in zip(
+        grads(lambda a, b: ops.bilinear_pool(a, b, sqrt_eps=sqrt_eps, l2_eps=l2_eps), x, y, g), exact[1:], strict=True
+    ):
+        assert_close_per_sample(actual, expected, 10 * rtol)
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e-30), (torch.float32, 1e30), (torch.float64, 1e-300)])
+def test_tiny_products_keep_their_sign(device, dtype, scale):
+    """Where Z underflows, its sign alone decides the output (±sqrt(sqrt_eps), normalised):
+    random signs at tiny magnitude, and one huge and one tiny stream whose product is ordinary."""
+    x = (make((2, 6, 3, 3), seed=1) * scale).to(dtype).to(device)
+    y = (make((2, 4, 3, 3), seed=2) / scale).to(dtype).to(device)
+    for a, b in [(x, None), (x, y)]:
+        out = ops.bilinear_pool(a, b)
+        g = torch.ones_like(out)
+        exact = exact_bilinear_pool(a, b, g)
+        assert_close_per_sample(out, exact[0], 1e-5 if dtype == torch.float32 else 1e-12)
 
 
 @pytest.mark.parametrize("device", DEVICES)
