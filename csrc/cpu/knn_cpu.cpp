@@ -13,10 +13,10 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -55,13 +55,13 @@ constexpr uint64_t kFraction = (uint64_t(1) << 52) - 1;
 Square square(double v, int E) {
   if (!(v > 0)) return {v == 0 ? kZero : kNaN, 0.0};
   if (std::isinf(v)) return {kInfinite, 0.0};
-  uint64_t bits = std::bit_cast<uint64_t>(v);
+  uint64_t bits = c10::bit_cast<uint64_t>(v);
   int biased = static_cast<int>(bits >> 52);
   if (biased == 0) {  // subnormal: made normal, exactly
-    bits = std::bit_cast<uint64_t>(v * 0x1p64);
+    bits = c10::bit_cast<uint64_t>(v * 0x1p64);
     biased = static_cast<int>(bits >> 52) - 64;
   }
-  return {E + biased - 1022, std::bit_cast<double>((bits & kFraction) | (uint64_t(1022) << 52))};
+  return {E + biased - 1022, c10::bit_cast<double>((bits & kFraction) | (uint64_t(1022) << 52))};
 }
 
 // s·2^shift as a double, rounded once (under- and overflow to 0 and ∞).
@@ -71,7 +71,7 @@ double value(const Square& s, int shift) {
   if (s.E == kNaN) return std::numeric_limits<double>::quiet_NaN();
   const int biased = s.E + shift + 1022;
   if (biased > 0 && biased < 0x7ff) {
-    return std::bit_cast<double>((std::bit_cast<uint64_t>(s.m) & kFraction) |
+    return c10::bit_cast<double>((c10::bit_cast<uint64_t>(s.m) & kFraction) |
                                  (uint64_t(biased) << 52));
   }
   return std::ldexp(s.m, s.E + shift);
