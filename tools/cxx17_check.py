@@ -1,0 +1,126 @@
+"""Check that every C++ and CUDA source compiles as C++17 against torch 2.8's headers.
+
+torch 2.8, the oldest torch torchkit supports, builds extensions as C++17; later releases build
+them as C++20, and their headers refuse C++17. So a C++20 feature in csrc (std::bit_cast,
+std::span, designated initialisers...) passes every build with the torch that `make test`
+installs and breaks the build for a user of torch 2.8. `make compat TORCH=2.8` finds it by
+building and testing everything (about ten minutes, CPU sources only); this check parses each
+source without generating code, in a minute or two, .cu files included:
+
+  .cpp  g++ -std=c++17 -fsyntax-only, with the flags setup.py compiles with
+  .cu   nvcc -std=c++17 -cuda (preprocessing and the CUDA front end, which parses host and
+        device code; no device code is generated), with the nvcc given by --cuda-home
+
+torch 2.8's headers come from its wheel (pip download, ~900 MB, no dependencies), extracted once
+into --cache; the wheel itself is not kept. Exit status 1 if any source fails, with the errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+FLOOR_TORCH = "2.8"
+
+# What setup.py defines and enables that changes which code is parsed: the build facts that
+# torchkit.cpp compiles in, the AVX2 paths of at::vec (the ones the CPU kernels are built with
+# wherever the machine has AVX2), and the OpenMP pragmas.
+CXX_FLAGS = [
+    '-DTORCHKIT_BUILD_TORCH="2.8"',
+    '-DTORCHKIT_BUILD_ARCHS=""',
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+    "-DCPU_CAPABILITY_AVX2",
+    "-fopenmp",
+]
+NVCC_FLAGS = ["--expt-relaxed-constexpr", '-DTORCHKIT_BUILD_TORCH="2.8"', '-DTORCHKIT_BUILD_ARCHS=""']
+
+
+def torch_headers(cache: Path) -> Path:
+    """torch 2.8's include directory, downloaded and extracted into `cache` on the first call."""
+    include = cache / "torch" / "include"
+    if include.is_dir():
+        return include
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check"]
+        subprocess.run([*pip, "--no-deps", "--only-binary=:all:", "--dest", tmp, f"torch=={FLOOR_TORCH}.*"], check=True)
+        (wheel,) = Path(tmp).glob("torch-*.whl")
+        staging = Path(tmp) / "headers"
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(staging, [m for m in zf.namelist() if m.startswith("torch/include/")])
+        shutil.move(staging / "torch", cache / "torch")
+    return include
+
+
+def commands(include: Path, cuda_home: Path | None) -> list[tuple[Path, list[str]]]:
+    includes = [f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
+    includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}"]
+    cxx = os.environ.get("CXX", "c++")
+    jobs = [
+        (src, [cxx, "-std=c++17", "-fsyntax-only", *CXX_FLAGS, *includes, str(src)])
+        for src in sorted([*CSRC.glob("*.cpp"), *(CSRC / "cpu").glob("*.cpp")])
+    ]
+    if cuda_home is not None:
+        nvcc = str(cuda_home / "bin" / "nvcc")
+        jobs += [
+            (
+                src,
+                [
+                    nvcc,
+                    "-std=c++17",
+                    "-cuda",
+                    *NVCC_FLAGS,
+                    *includes,
+                    f"-I{cuda_home / 'include'}",
+                    str(src),
+                    "-o",
+                    os.devnull,
+                ],
+            )
+            for src in sorted((CSRC / "cuda").glob("*.cu"))
+        ]
+    return jobs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=Path, default=ROOT / "build" / f"torch-{FLOOR_TORCH}-headers")
+    parser.add_argument("--cuda-home", type=Path, help="a CUDA toolkit whose nvcc parses the .cu files")
+    args = parser.parse_args()
+
+    include = torch_headers(args.cache.resolve())
+    jobs = commands(include, args.cuda_home)
+
+    def run(job: tuple[Path, list[str]]) -> tuple[Path, subprocess.CompletedProcess]:
+        src, cmd = job
+        return src, subprocess.run(cmd, capture_output=True, text=True)
+
+    failed = 0
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for src, result in pool.map(run, jobs):
+            name = src.relative_to(ROOT)
+            if result.returncode == 0:
+                print(f"  C++17 ok   {name}", flush=True)
+            else:
+                failed += 1
+                output = (result.stdout + result.stderr).splitlines()
+                print(f"  C++17 FAIL {name}\n    " + "\n    ".join(output[:40]), flush=True)
+    if failed:
+        sys.exit(f"{failed} of {len(jobs)} sources do not compile as C++17 against torch {FLOOR_TORCH}'s headers")
+    print(f"all {len(jobs)} sources compile as C++17 against torch {FLOOR_TORCH}'s headers")
+
+
+if __name__ == "__main__":
+    main()
