@@ -35,16 +35,16 @@ FLOOR_TORCH = "2.8"
 # What setup.py defines and enables that changes which code is parsed: the build facts that
 # torchkit.cpp compiles in, the AVX2 paths of at::vec (the ones the CPU kernels are built with
 # wherever the machine has AVX2), and the OpenMP pragmas.
+BUILD_FACTS = [f'-DTORCHKIT_BUILD_TORCH="{FLOOR_TORCH}"', '-DTORCHKIT_BUILD_ARCHS=""']
 CXX_FLAGS = [
-    '-DTORCHKIT_BUILD_TORCH="2.8"',
-    '-DTORCHKIT_BUILD_ARCHS=""',
+    *BUILD_FACTS,
     "-mavx2",
     "-mfma",
     "-mf16c",
     "-DCPU_CAPABILITY_AVX2",
     "-fopenmp",
 ]
-NVCC_FLAGS = ["--expt-relaxed-constexpr", '-DTORCHKIT_BUILD_TORCH="2.8"', '-DTORCHKIT_BUILD_ARCHS=""']
+NVCC_FLAGS = ["--expt-relaxed-constexpr", *BUILD_FACTS]
 
 
 def torch_headers(cache: Path) -> Path:
