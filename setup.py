@@ -65,6 +65,26 @@ class BuildExtension(cpp_extension.BuildExtension):
             self.build_temp = str(ROOT / "build" / "temp")
 
 
+# The flags below change which code the compiler sees; tools/cxx17_check.py parses the sources
+# with them too.
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]
+# at::parallel_for is a header template: without OpenMP in this build it runs every loop
+# on the calling thread. torch's own libgomp.so.1, already loaded, serves the pragmas.
+OPENMP_FLAGS = ["-fopenmp"] if platform.system() == "Linux" else []
+NVCC_LANGUAGE_FLAGS = ["--expt-relaxed-constexpr"]
+
+
+def sources(use_cuda: bool) -> list[Path]:
+    """Every C++ source, and the CUDA ones for a CUDA build: no registration beyond the file."""
+    found = sorted((ROOT / "csrc").glob("*.cpp")) + sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))
+    return found + (sorted((ROOT / "csrc" / "cuda").glob("*.cu")) if use_cuda else [])
+
+
+def build_facts(torch_version: str, archs: str) -> list[str]:
+    """Build facts that torchkit.build_info() reports; compiled in so they travel with the .so."""
+    return [f"-DTORCHKIT_BUILD_TORCH={_c_string(torch_version)}", f"-DTORCHKIT_BUILD_ARCHS={_c_string(archs)}"]
+
+
 def _cpu_isa_flags() -> tuple[list[str], str]:
     """Vector ISA of the CPU kernels: at::vec picks its implementation at compile time.
 
@@ -75,7 +95,7 @@ def _cpu_isa_flags() -> tuple[list[str], str]:
     flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
     isa = os.environ.get("TORCHKIT_CPU_ISA") or ("avx2" if {"avx2", "fma", "f16c"} <= flags else "default")
     if isa == "avx2":
-        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"], isa
+        return AVX2_FLAGS, isa
     if isa != "default":
         raise RuntimeError(f"TORCHKIT_CPU_ISA must be avx2 or default, got {isa!r}")
     return [], isa
@@ -90,28 +110,18 @@ def make_extension():
     compiler = os.environ.get("CXX", "c++")
     cuda_compiler = _nvcc_version() if use_cuda else ""
 
-    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
-    sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
-    if use_cuda:
-        sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
+    srcs = [str(p.relative_to(ROOT)) for p in sources(use_cuda)]
 
     # The C++ standard is left to torch: 2.8 builds with C++17, later releases with C++20.
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    # Build facts that torchkit.build_info() reports; compiled in so they travel with the .so.
-    info = [
-        f"-DTORCHKIT_BUILD_TORCH={_c_string(torch.__version__)}",
-        f"-DTORCHKIT_BUILD_ARCHS={_c_string(archs)}",
-    ]
     isa_flags, isa = _cpu_isa_flags()
     sanitize = os.environ.get("SANITIZE", "")
     sanitizer_flags = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"] if sanitize else []
-    # at::parallel_for is a header template: without OpenMP in this build it runs every loop
-    # on the calling thread. torch's own libgomp.so.1, already loaded, serves the pragmas.
-    openmp = ["-fopenmp"] if platform.system() == "Linux" else []
-    cxx = [*opt, "-fdiagnostics-color=always", *isa_flags, *info, *sanitizer_flags, *openmp]
+    info = build_facts(torch.__version__, archs)
+    cxx = [*opt, "-fdiagnostics-color=always", *isa_flags, *info, *sanitizer_flags, *OPENMP_FLAGS]
     extra_compile_args = {"cxx": cxx}
     if use_cuda:
-        extra_compile_args["nvcc"] = [*opt, "--expt-relaxed-constexpr", "-lineinfo"]
+        extra_compile_args["nvcc"] = [*opt, *NVCC_LANGUAGE_FLAGS, "-lineinfo"]
 
     print(
         "torchkit build configuration:\n"
@@ -124,28 +134,30 @@ def make_extension():
         f"  CPU ISA        {isa}\n"
         f"  debug          {debug}\n"
         f"  sanitizer      {sanitize or '-'}\n"
-        f"  sources        {len(sources)}",
+        f"  sources        {len(srcs)}",
         flush=True,
     )
     extension = cpp_extension.CUDAExtension if use_cuda else cpp_extension.CppExtension
     return extension(
         f"{LIBRARY}._C",
-        sources,
+        srcs,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args=extra_compile_args,
-        extra_link_args=([] if debug else ["-Wl,-O1"]) + sanitizer_flags + openmp,
+        extra_link_args=([] if debug else ["-Wl,-O1"]) + sanitizer_flags + OPENMP_FLAGS,
         py_limited_api=True,
     )
 
 
-setup(
-    name=LIBRARY,
-    packages=find_packages(include=[LIBRARY, f"{LIBRARY}.*"]),
-    package_data={LIBRARY: ["py.typed"]},
-    ext_modules=[make_extension()],
-    cmdclass={"build_ext": BuildExtension},
-    # One abi3 (limited-API) wheel for every Python ≥ 3.10: the extension never touches
-    # Python objects.
-    options={"bdist_wheel": {"py_limited_api": "cp310"}},
-    platforms=[platform.system()],
-)
+# Guarded so that tools/cxx17_check.py can import the flags; setuptools runs this as __main__.
+if __name__ == "__main__":
+    setup(
+        name=LIBRARY,
+        packages=find_packages(include=[LIBRARY, f"{LIBRARY}.*"]),
+        package_data={LIBRARY: ["py.typed"]},
+        ext_modules=[make_extension()],
+        cmdclass={"build_ext": BuildExtension},
+        # One abi3 (limited-API) wheel for every Python ≥ 3.10: the extension never touches
+        # Python objects.
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
+        platforms=[platform.system()],
+    )

@@ -18,6 +18,7 @@ into --cache; the wheel itself is not kept. Exit status 1 if any source fails, w
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -32,19 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 FLOOR_TORCH = "2.8"
 
-# What setup.py defines and enables that changes which code is parsed: the build facts that
-# torchkit.cpp compiles in, the AVX2 paths of at::vec (the ones the CPU kernels are built with
-# wherever the machine has AVX2), and the OpenMP pragmas.
-BUILD_FACTS = [f'-DTORCHKIT_BUILD_TORCH="{FLOOR_TORCH}"', '-DTORCHKIT_BUILD_ARCHS=""']
-CXX_FLAGS = [
-    *BUILD_FACTS,
-    "-mavx2",
-    "-mfma",
-    "-mf16c",
-    "-DCPU_CAPABILITY_AVX2",
-    "-fopenmp",
-]
-NVCC_FLAGS = ["--expt-relaxed-constexpr", *BUILD_FACTS]
+
+def setup_py():
+    """setup.py as a module: its source list and the flags that change which code is parsed."""
+    spec = importlib.util.spec_from_file_location("torchkit_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def torch_headers(cache: Path) -> Path:
@@ -64,40 +59,25 @@ def torch_headers(cache: Path) -> Path:
     return include
 
 
-def commands(include: Path, cuda_home: Path | None) -> list[tuple[Path, list[str]]]:
+def commands(include: Path, cuda_home: Path) -> list[tuple[Path, list[str]]]:
+    """A parse-only compiler command for every source setup.py builds (CPU with AVX2, and CUDA)."""
+    setup = setup_py()
+    facts = setup.build_facts(FLOOR_TORCH, "")
     includes = [f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
     includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}"]
-    cxx = os.environ.get("CXX", "c++")
-    jobs = [
-        (src, [cxx, "-std=c++17", "-fsyntax-only", *CXX_FLAGS, *includes, str(src)])
-        for src in sorted([*CSRC.glob("*.cpp"), *(CSRC / "cpu").glob("*.cpp")])
+    cxx = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", *setup.AVX2_FLAGS, *setup.OPENMP_FLAGS]
+    nvcc = [str(cuda_home / "bin" / "nvcc"), "-std=c++17", "-cuda", *setup.NVCC_LANGUAGE_FLAGS]
+    nvcc += [f"-I{cuda_home / 'include'}", "-o", os.devnull]
+    return [
+        (src, [*(nvcc if src.suffix == ".cu" else cxx), *facts, *includes, str(src)])
+        for src in setup.sources(use_cuda=True)
     ]
-    if cuda_home is not None:
-        nvcc = str(cuda_home / "bin" / "nvcc")
-        jobs += [
-            (
-                src,
-                [
-                    nvcc,
-                    "-std=c++17",
-                    "-cuda",
-                    *NVCC_FLAGS,
-                    *includes,
-                    f"-I{cuda_home / 'include'}",
-                    str(src),
-                    "-o",
-                    os.devnull,
-                ],
-            )
-            for src in sorted((CSRC / "cuda").glob("*.cu"))
-        ]
-    return jobs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=ROOT / "build" / f"torch-{FLOOR_TORCH}-headers")
-    parser.add_argument("--cuda-home", type=Path, help="a CUDA toolkit whose nvcc parses the .cu files")
+    parser.add_argument("--cuda-home", type=Path, required=True, help="a CUDA toolkit whose nvcc parses the .cu files")
     args = parser.parse_args()
 
     include = torch_headers(args.cache.resolve())
