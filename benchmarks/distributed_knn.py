@@ -106,6 +106,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, cases: dict, rep
     per_rank = Path(out_dir) / f"rank{rank}.json"
     per_rank.write_text(json.dumps(results))
     if world > 1:
+        dist.barrier()  # no rank tears its connections down while another still talks to it
         dist.destroy_process_group()
 
 

@@ -364,6 +364,7 @@ def main(argv=None) -> list[dict]:
         if args.reference:
             print(f"speed-up of a training step: {results[0]['images_per_s'] / results[1]['images_per_s']:.2f}×")
     if world > 1:
+        dist.barrier()  # no rank tears its connections down while another still talks to it
         dist.destroy_process_group()
     return results
 

@@ -53,6 +53,7 @@ def worker(rank, init_file, out_dir, compile_):
     net(x, perm, labels).backward()
     if rank == 0:
         torch.save(grads(model.module), Path(out_dir) / "grads.pt")
+    dist.barrier()  # no rank tears its connections down while another still talks to it
     dist.destroy_process_group()
 
 

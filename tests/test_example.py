@@ -100,6 +100,7 @@ def evaluate_worker(rank: int, world: int, init_file: str, out: str) -> None:
     if rank == 0:
         torch.save(result, out)
     if world > 1:
+        dist.barrier()  # no rank tears its connections down while another still talks to it
         dist.destroy_process_group()
 
 
