@@ -87,13 +87,26 @@ CASES = [
 ]
 
 
+# On the GPU (names end in the dtype). faiss-gpu and cuVS are not peers here: their wheels
+# are built for CUDA 12 and bring their own cuBLAS and runtime, hundreds of MiB that the GPU
+# machine cannot install without a network.
 GPU_CASES = [
     pytest.param("leave-one-out P=R=20000 M=128 k=8 fp32", (20000, 128), None, 8, 0.0, marks=pytest.mark.cuda),
     pytest.param(
         "query→gallery P=1000 R=100000 M=512 k=100 fp32", (1000, 512), (100000, 512), 100, 0.0, marks=pytest.mark.cuda
     ),
+    pytest.param(
+        "query→gallery P=1000 R=100000 M=512 k=100 bf16", (1000, 512), (100000, 512), 100, 0.0, marks=pytest.mark.cuda
+    ),
+    pytest.param(
+        "far from origin P=2000 R=20000 M=128 k=8 fp32", (2000, 128), (20000, 128), 8, 1000.0, marks=pytest.mark.cuda
+    ),
+    pytest.param(
+        "query→gallery P=1000 R=100000 M=128 k=1000 fp32", (1000, 128), (100000, 128), 1000, 0.0, marks=pytest.mark.cuda
+    ),
 ]
 GPU_IMPLS = ("torchkit", "torch.cdist + topk", ROOFLINE)
+GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def max_rel_error(d, q, g, k):
@@ -105,7 +118,8 @@ def max_rel_error(d, q, g, k):
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("case,query,gallery,k,offset", CASES + GPU_CASES)
 def test_knn(benchmark, case, query, gallery, k, offset, impl):
-    device = "cuda" if "fp32" in case else "cpu"
+    dtype = GPU_DTYPES.get(case.rsplit(" ", 1)[-1])
+    device = "cpu" if dtype is None else "cuda"
     if device == "cuda" and impl not in GPU_IMPLS:
         pytest.skip("a CPU-only peer")
     R = (gallery or query)[0]
@@ -115,8 +129,8 @@ def test_knn(benchmark, case, query, gallery, k, offset, impl):
     if impl == "pykeops argKmin" and work > KEOPS_MAX_WORK:
         pytest.skip("pykeops' CPU backend (no BLAS) takes tens of seconds per call here")
     g0 = torch.Generator(device).manual_seed(0)  # drawn where they live
-    q = offset + torch.randn(query, generator=g0, device=device)
-    g = None if gallery is None else offset + torch.randn(gallery, generator=g0, device=device)
+    q = (offset + torch.randn(query, generator=g0, device=device)).to(dtype or torch.float32)
+    g = None if gallery is None else (offset + torch.randn(gallery, generator=g0, device=device)).to(q.dtype)
     call = functools.partial(IMPLS[impl], q, g, k)
     extra = {"flops": 2 * work}
     if offset and impl != ROOFLINE:

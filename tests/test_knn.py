@@ -448,3 +448,175 @@ def test_bad_input_under_compile(call, exc, match):
     with pytest.raises(Exception) as compiled_error:
         torch.compile(call, fullgraph=True, dynamic=False)()
     assert str(eager.value) in str(compiled_error.value)
+
+
+# The CUDA kernel screens with a bfloat16 GEMM and recomputes, directly, every entry that its
+# error bound cannot rule out. These inputs sit where such a screen fails if the bound or the
+# selection is wrong: distances closer together than the screen resolves, exact ties, clusters
+# whose norms dwarf their spread, k at the limits of the queue and past it.
+def near_ties():
+    """Gallery rows on a sphere about each query's centre, radii 1e-5 apart (relative): every
+    distance is within the bfloat16 screen's error of the k-th."""
+    g = torch.Generator().manual_seed(11)
+    u = torch.randn(3000, 32, generator=g, dtype=torch.float64)
+    u /= u.norm(dim=1, keepdim=True)
+    radii = 10 * (1 + 1e-5 * torch.randperm(3000, generator=g, dtype=torch.float64))
+    centre = torch.randn(32, generator=g, dtype=torch.float64)
+    gallery = centre + radii.unsqueeze(1) * u
+    query = centre + 1e-3 * torch.randn(40, 32, generator=g, dtype=torch.float64)
+    return query.float(), gallery.float(), 10
+
+
+def duplicated_rows():
+    g = torch.Generator().manual_seed(12)
+    base = torch.randn(700, 16, generator=g)
+    gallery = base.repeat(6, 1)[torch.randperm(4200, generator=g)]
+    return base[:50] + 0.01 * torch.randn(50, 16, generator=g), gallery, 9
+
+
+def clusters():
+    g = torch.Generator().manual_seed(13)
+    centres = 1e4 * torch.randn(5, 24, generator=g, dtype=torch.float64)
+    x = centres.repeat_interleave(1200, 0) + 1e-2 * torch.randn(6000, 24, generator=g, dtype=torch.float64)
+    return x.float(), None, 20
+
+
+def far_from_origin(offset):
+    g = torch.Generator().manual_seed(14)
+    return lambda: (
+        offset + torch.randn(300, 64, generator=g),
+        offset + torch.randn(5000, 64, generator=g),
+        8,
+    )
+
+
+def all_equal():
+    return torch.full((5000, 8), 3.0), None, 7
+
+
+def k_is_r(R, self_):
+    def case():
+        g = torch.Generator().manual_seed(R)
+        x = torch.randn(R, 12, generator=g)
+        return (x, None, R - 1) if self_ else (torch.randn(30, 12, generator=g), x, R)
+
+    return case
+
+
+def non_finite_rows():
+    g = torch.Generator().manual_seed(15)
+    q, x = torch.randn(40, 16, generator=g), torch.randn(5000, 16, generator=g)
+    q[3, 2] = float("nan")
+    x[[7, 4500], 1] = float("nan")
+    x[100, 0] = float("inf")
+    return q, x, 12
+
+
+def large_k(k):
+    def case():
+        g = torch.Generator().manual_seed(k)
+        return torch.randn(64, 20, generator=g), torch.randn(9000, 20, generator=g), k
+
+    return case
+
+
+SCREENING_CASES = {
+    "near-ties": near_ties,
+    "duplicated rows": duplicated_rows,
+    "far-apart clusters of near-duplicates": clusters,
+    "1e3 from the origin": far_from_origin(1e3),
+    "1e4 from the origin": far_from_origin(1e4),
+    "all rows equal": all_equal,
+    "k = R (queue)": k_is_r(1500, False),
+    "k = R - 1 (queue)": k_is_r(1500, True),
+    "k = R (sorted)": k_is_r(5000, False),
+    "k = R - 1 (sorted)": k_is_r(5000, True),
+    "NaN and inf rows": non_finite_rows,
+    "k = 1000": large_k(1000),
+    "k = 3000 (sorted)": large_k(3000),
+}
+
+
+EXACT_TIES = ("duplicated rows", "all rows equal")  # ties between identical rows: bit for bit
+
+
+def assert_indices_match(i, d_ref, i_ref, strict):
+    """i equals the first k of i_ref (which may hold one more), except where a distance lies
+    within rounding (1e-6) of a neighbour's: there two correct summation orders may swap."""
+    k = i.shape[-1]
+    if strict:
+        assert torch.equal(i, i_ref[:, :k])
+        return
+    d = d_ref.double()
+    near = (d[:, 1:] - d[:, :-1]) <= 1e-6 * d[:, 1:].abs()  # NaN: never near
+    ambiguous = torch.zeros_like(d, dtype=torch.bool)
+    ambiguous[:, 1:] |= near
+    ambiguous[:, :-1] |= near
+    ambiguous = ambiguous[:, :k]
+    assert ambiguous.float().mean() < 0.25  # the check still covers most positions
+    assert torch.equal(i[~ambiguous], i_ref[:, :k][~ambiguous])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(SCREENING_CASES))
+def test_screening_on_cuda_is_exact(case):
+    """CUDA against the CPU kernel (indices) and a float64 oracle of the same float32 data
+    (distances and indices)."""
+    q, g, k = SCREENING_CASES[case]()
+    d, i = ops.knn(q.cuda(), None if g is None else g.cuda(), k)
+    d, i = d.cpu(), i.cpu()
+    more = min(k + 1, len(q) - 1 if g is None else len(g))  # one more: ties at the k-th
+    d_cpu, i_cpu = ops.knn(q, g, more)
+    assert_indices_match(i, d_cpu, i_cpu, strict=case in EXACT_TIES)
+    rd, ri = oracle(q, g, more)
+    torch.testing.assert_close(d.double(), rd[:, :k], rtol=2e-6, atol=1e-30, equal_nan=True)
+    if not rd.isnan().any():  # NaN rows: the oracle's cdist orders NaN among themselves differently
+        assert_indices_match(i, rd, ri, strict=case in EXACT_TIES)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("self_", [False, True])
+def test_cuda_matches_cpu_in_every_dtype(dtype, self_):
+    q = make((200, 40), dtype, seed=21)
+    g = None if self_ else make((5000, 40), dtype, seed=22)
+    d, i = ops.knn(q.cuda(), None if g is None else g.cuda(), 6)
+    d_cpu, i_cpu = ops.knn(q, g, 6)
+    assert d.dtype == dtype and torch.equal(i.cpu(), i_cpu)
+    torch.testing.assert_close(d.cpu(), d_cpu)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", [8, 3000])  # the queue and the sorted path
+def test_no_host_synchronisation(k):
+    q = torch.randn(500, 32, device="cuda")
+    g = torch.randn(9000, 32, device="cuda")
+    ops.knn(q, g, k)  # allocator and cuBLAS handles first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.knn(q, g, k)
+        ops.knn(g, k=k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("self_", [False, True])
+def test_cuda_graph_capture_and_replay(self_):
+    q = torch.randn(300, 32, device="cuda")
+    g = None if self_ else torch.randn(5000, 32, device="cuda")
+    expected = ops.knn(q, g, 8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.knn(q, g, 8)  # warm-up on the capturing stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d, i = ops.knn(q, g, 8)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    again = ops.knn(q, g, 8)
+    assert torch.equal(i, again[1]) and torch.equal(d, again[0])
+    assert not torch.equal(i, expected[1])

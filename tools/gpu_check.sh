@@ -11,7 +11,8 @@
 # Results go to benchmarks/results/<gpu>/ (gpu.json, gpu.md, charts), logs to build/gpu-check/.
 # Exits non-zero if the build, a test or a sanitizer run fails. STEPS="test bench" (say) runs
 # only some of steps 2 to 4 ("test", "sanitize", "profile", "bench"); TESTS (test files) and
-# SANITIZE_OPS (op names) narrow step 2 to a re-check of some ops.
+# SANITIZE_OPS (op names) narrow step 2 to a re-check of some ops, PROFILE_CASES (names from
+# tools/gpu_profile.py) step 3 and BENCHES (benchmark files) step 4.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PY:-python3}
@@ -52,7 +53,7 @@ if [[ $STEPS == *sanitize* ]]; then
   {
     for op in $SANITIZE_OPS; do echo "memcheck $op"; echo "initcheck $op"; done
     for op in $SANITIZE_OPS; do  # the kernels with shared memory and warp reductions
-      case $op in bilinear_pool | label_smoothing_cross_entropy) echo "racecheck $op"; echo "synccheck $op" ;; esac
+      case $op in bilinear_pool | knn | label_smoothing_cross_entropy) echo "racecheck $op"; echo "synccheck $op" ;; esac
     done
   } | xargs -P 12 -L 1 bash -c 'sanitize $0 $1' > "$LOGS/sanitizers.txt" 2>&1 &
   sanitizers=$!
@@ -71,7 +72,7 @@ if [[ $STEPS == *sanitize* ]]; then
 fi
 if [[ $STEPS == *profile* ]]; then
   SECONDS=0
-  $PY tools/gpu_profile.py > "$LOGS/profile.log" 2>&1 || status=1
+  PYTHONPATH=$PWD $PY tools/gpu_profile.py ${PROFILE_CASES:-} > "$LOGS/profile.log" 2>&1 || status=1
   echo "profile ($SECONDS s, $LOGS/profile.log):"
   tail -8 "$LOGS/profile.log"
 fi
@@ -79,10 +80,10 @@ fi
 
 SECONDS=0
 # SIGINT at the limit: pytest still finishes the session and writes the JSON of what ran.
+BENCHES=${BENCHES:-benchmarks/bench_label_smoothing_cross_entropy.py benchmarks/bench_region_confusion.py \
+  benchmarks/bench_cdist.py benchmarks/bench_bilinear_pool.py benchmarks/bench_covariance_pool.py benchmarks/bench_knn.py}
 TORCHKIT_BENCH_SECONDS=${TORCHKIT_BENCH_SECONDS:-0.3} timeout -s INT "${BENCH_LIMIT:-1200}" $PY -m pytest -m cuda -q -p no:cacheprovider \
-  benchmarks/bench_label_smoothing_cross_entropy.py benchmarks/bench_region_confusion.py benchmarks/bench_cdist.py \
-  benchmarks/bench_bilinear_pool.py benchmarks/bench_covariance_pool.py benchmarks/bench_knn.py \
-  --benchmark-json="$RESULTS/gpu.json" --benchmark-columns=median,rounds > "$LOGS/bench.log" 2>&1
+  $BENCHES --benchmark-json="$RESULTS/gpu.json" --benchmark-columns=median,rounds > "$LOGS/bench.log" 2>&1
 echo "benchmarks ($SECONDS s): $(tail -1 "$LOGS/bench.log")"
 grep -E "^(FAILED|ERROR)" "$LOGS/bench.log" | head -20
 $PY benchmarks/report.py "$RESULTS/gpu.json" > "$LOGS/report.log" 2>&1 || { tail -20 "$LOGS/report.log"; status=1; }

@@ -52,11 +52,13 @@ def cases():
     logits = _randn(16384 // s, 32768 // s, dtype=torch.bfloat16, grad=True)
     target = torch.randint(0, 32768 // s, (16384 // s,), device=DEVICE)
     emb = _randn(20000 // s, 128)
+    queries, gallery = _randn(1000 // s, 512), _randn(100000 // s, 512)
     images = _randn(256 // s, 3, 448, 448)
     return {
         "cdist-forward": lambda: ops.cdist(x.detach(), y.detach()),
         "cdist-forward+backward": _grad(ops.cdist, x, y),
         "knn-leave-one-out": lambda: ops.knn(emb, k=8),
+        "knn-query-gallery": lambda: ops.knn(queries, gallery, k=100),
         "bilinear_pool-forward+backward": _grad(ops.bilinear_pool, feats),
         "bilinear_pool-bf16-forward": lambda: ops.bilinear_pool(feats_bf16.detach()),
         "covariance_pool-forward+backward": _grad(ops.covariance_pool, cov),

@@ -93,9 +93,15 @@ def knn():
         check(distances, torch.randn(37, 19, dtype=dtype), torch.randn(8300, 19, dtype=dtype), k=7)  # two chunks
         check(distances, torch.randn(2, 3, 65, 7, dtype=dtype), torch.randn(3, 33, 7, dtype=dtype), k=33)
         check(distances, 1000 + torch.randn(50, 9, dtype=dtype), k=5)  # leave-one-out
+    check(distances, torch.randn(20, 5, dtype=torch.bfloat16), torch.randn(4500, 5, dtype=torch.bfloat16), k=3)
+    check(distances, torch.randn(6, 3), torch.randn(2100, 3), k=1900)  # past the queue: sorted
+    check(distances, torch.full((300, 4), 2.0), k=40, grad=False)  # all ties: the buffer fills
     query = torch.randn(9, 4)
     query[2, 1] = float("nan")
-    check(distances, query, torch.randn(12, 4), k=12, grad=False)
+    gallery = torch.randn(4200, 4)
+    gallery[[5, 4100], 0] = float("nan")
+    check(distances, query, gallery[:12], k=12, grad=False)
+    check(distances, query, gallery, k=20, grad=False)
 
 
 def covariance_pool():
