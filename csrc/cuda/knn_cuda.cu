@@ -46,7 +46,7 @@ namespace {
 
 using at::Tensor;
 
-constexpr int kThreads = 256;                      // one block per query row; entries per round
+constexpr int kThreads = 256;  // one block per query row; entries per round
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kChunk = 4096;                   // gallery columns per tile
 constexpr int kPerThread = kChunk / kThreads;      // entries per thread in the radix select
@@ -77,8 +77,8 @@ ScreenError<acc_t> screen_error(int64_t M, bool bf16) {
   using L = std::numeric_limits<acc_t>;
   const double u = bf16 ? 0x1p-9 : 0.0, eps = double(L::epsilon()) / 2, tiny = double(L::min());
   const double gamma = double(M) * eps / (1 - double(M) * eps);
-  const double C = 2 * ((2 * u + u * u + gamma) * (1 + gamma) + (3 * double(M) + 12) * eps +
-                        double(M) * tiny);
+  const double C =
+      2 * ((2 * u + u * u + gamma) * (1 + gamma) + (3 * double(M) + 12) * eps + double(M) * tiny);
   return {static_cast<acc_t>(C), static_cast<acc_t>(4 * double(M) * tiny)};
 }
 
@@ -206,7 +206,8 @@ struct SelectArgs {
 };
 
 template <typename acc_t, typename scalar_t>
-__global__ void __launch_bounds__(kThreads, 4) select_kernel(SelectArgs<acc_t, scalar_t> a, int cap) {
+__global__ void __launch_bounds__(kThreads, 4)
+    select_kernel(SelectArgs<acc_t, scalar_t> a, int cap) {
   extern __shared__ __align__(16) unsigned char smem[];
   acc_t* buf_d = reinterpret_cast<acc_t*>(smem);
   int64_t* buf_j = reinterpret_cast<int64_t*>(buf_d + cap);
@@ -257,8 +258,9 @@ __global__ void __launch_bounds__(kThreads, 4) select_kernel(SelectArgs<acc_t, s
 #pragma unroll
     for (int t = 0; t < kPerThread; ++t) {
       const int64_t l = tid + int64_t(t) * kThreads;
-      hi[t] = l < a.w && l != self ? acc_t(lo[t] + acc_t(2) * (a.error.C * (na + nb[l]) + a.error.T))
-                                   : nan;
+      hi[t] = l < a.w && l != self
+                  ? acc_t(lo[t] + acc_t(2) * (a.error.C * (na + nb[l]) + a.error.T))
+                  : nan;
     }
     const acc_t upper = bound_of_kth(hi, k, s_mth, &s_bound);
     if (upper < inf) {
@@ -276,8 +278,7 @@ __global__ void __launch_bounds__(kThreads, 4) select_kernel(SelectArgs<acc_t, s
 #pragma unroll
   for (int t = 0; t < kPerThread; ++t) {
     const int64_t l = tid + int64_t(t) * kThreads;
-    if (l < a.w && l != self &&
-        (take_all || (na == na && nb[l] == nb[l] && !(lo[t] > limit)))) {
+    if (l < a.w && l != self && (take_all || (na == na && nb[l] == nb[l] && !(lo[t] > limit)))) {
       list[atomicAdd(&s_list, 1)] = int(l);
     }
   }
@@ -337,12 +338,11 @@ __global__ void __launch_bounds__(kThreads, 4) select_kernel(SelectArgs<acc_t, s
 }
 
 template <typename scalar_t>
-void knn_queue(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int64_t k,
-               Tensor& dist, Tensor& index) {
+void knn_queue(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int64_t k, Tensor& dist,
+               Tensor& index) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t chunk = std::min<int64_t>(p.R, kChunk);
-  const int64_t rows =
-      std::clamp<int64_t>(kTileBytes / int64_t(sizeof(acc_t)) / kChunk, 1, p.P);
+  const int64_t rows = std::clamp<int64_t>(kTileBytes / int64_t(sizeof(acc_t)) / kChunk, 1, p.P);
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto [xa, xb] = screening_operands<acc_t>(p, c, b);
   const Tensor n1 = c.n1[b], n2 = c.n2[b];
@@ -409,7 +409,8 @@ __global__ void candidates_kernel(const acc_t* __restrict__ g, int64_t gstride,
     const int64_t r = idx / w, l = idx % w;
     const int64_t i = i0 + r, j = j0 + l;
     const acc_t na = n1[i], nb = n2[j];
-    const acc_t lo = acc_t(na + nb - acc_t(2) * g[r * gstride + l]) - (error.C * (na + nb) + error.T);
+    const acc_t lo =
+        acc_t(na + nb - acc_t(2) * g[r * gstride + l]) - (error.C * (na + nb) + error.T);
     const acc_t bar = held > 0 ? cand[r * cstride + k - 1] : nan;
     acc_t value = nan;
     const bool open = !(bar == bar) || bar == ::cuda::std::numeric_limits<acc_t>::infinity();
@@ -426,8 +427,8 @@ __global__ void candidates_kernel(const acc_t* __restrict__ g, int64_t gstride,
 }
 
 template <typename scalar_t>
-void knn_sorted(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int64_t k, Tensor& dist,
-               Tensor& index) {
+void knn_sorted(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int64_t k,
+                Tensor& dist, Tensor& index) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t kept = p.self ? k + 1 : k;  // leave-one-out: the row itself is dropped at the end
   // The first chunk must hold `kept` candidates: a k beyond kSortedChunk widens the chunks
