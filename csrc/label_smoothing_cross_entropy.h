@@ -108,9 +108,9 @@ C10_HOST_DEVICE inline SplitLse<acc_t> split_lse(double lse) {
 // |lse|·2⁻⁵³, an error in every softmax's exponent, and past |lse| ≈ 2⁵³ it has lost log Σ
 // (≤ log C) altogether: a row of equal logits of 10¹⁸ would get softmax 1 for every class
 // instead of 1/C. Where |lse| reaches kCoarseLse (an error of 2⁻²⁹ in float32's exponent,
-// 2⁻⁴¹ in float64's), the CPU backward recomputes the row's max and log Σ from its logits
-// (exact_lse) instead, a pass over the row; ordinary logits never come near it. The CUDA
-// backward does not yet (issue #31), and is off at such magnitudes.
+// 2⁻⁴¹ in float64's), the backward recomputes the row's max and log Σ from its logits
+// instead (exact_lse on the CPU, row_split and position_split on CUDA), a pass over the row;
+// ordinary logits never come near it.
 template <typename acc_t>
 constexpr double kCoarseLse = std::is_same_v<acc_t, float> ? 0x1p24 : 0x1p12;
 

@@ -134,23 +134,17 @@ __device__ void finish_position(const State<acc_t>& st, int64_t pos, const scala
   }
 }
 
-// (N, C) rows: one block per row.
-template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
-__global__ void __launch_bounds__(kRowThreads)
-    forward_rows_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
-                        const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
-                        Coefficients k, double* lse, at::opmath_type<scalar_t>* loss,
-                        at::opmath_type<scalar_t>* position_weight) {
+// This thread's share of one (N, C) row's state: classes threadIdx.x, + blockDim.x, ….
+template <typename scalar_t, bool kWeight, bool kProb>
+__device__ State<at::opmath_type<scalar_t>> row_state(const scalar_t* x_row, const scalar_t* p_row,
+                                                      const scalar_t* weight, int64_t C) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t row = blockIdx.x;
-  const scalar_t* x_row = x + row * k.C;
-  const scalar_t* p_row = kProb ? prob + row * k.C : nullptr;
   State<acc_t> st = State<acc_t>::empty();
   // kUnroll independent loads in flight per thread before the dependent updates: one load at
   // a time leaves the memory system idle (measured: 0.9 TB/s for bf16 rows on an H100).
   const int64_t step = int64_t(blockDim.x) * kUnroll;
   int64_t c = threadIdx.x;
-  for (; c + (kUnroll - 1) * int64_t(blockDim.x) < k.C; c += step) {
+  for (; c + (kUnroll - 1) * int64_t(blockDim.x) < C; c += step) {
     acc_t xs[kUnroll], ws[kUnroll], ps[kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
@@ -162,11 +156,41 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) st.add(xs[j], ws[j], ps[j]);
   }
-  for (; c < k.C; c += blockDim.x) {
+  for (; c < C; c += blockDim.x) {
     st.add(static_cast<acc_t>(x_row[c]), kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1),
            kProb ? static_cast<acc_t>(p_row[c]) : acc_t(0));
   }
-  st = block_merge(st);
+  return st;
+}
+
+// One (N, C, S) position's state: its C classes, S apart.
+template <typename scalar_t, bool kWeight, bool kProb>
+__device__ State<at::opmath_type<scalar_t>> position_state(const scalar_t* x_pos,
+                                                           const scalar_t* p_pos,
+                                                           const scalar_t* weight, int64_t C,
+                                                           int64_t S) {
+  using acc_t = at::opmath_type<scalar_t>;
+  State<acc_t> st = State<acc_t>::empty();
+  for (int64_t c = 0; c < C; ++c) {
+    st.add(static_cast<acc_t>(x_pos[c * S]), kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1),
+           kProb ? static_cast<acc_t>(p_pos[c * S]) : acc_t(0));
+  }
+  return st;
+}
+
+// (N, C) rows: one block per row.
+template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
+__global__ void __launch_bounds__(kRowThreads)
+    forward_rows_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
+                        const scalar_t* __restrict__ prob, const scalar_t* __restrict__ weight,
+                        Coefficients k, double* lse, at::opmath_type<scalar_t>* loss,
+                        at::opmath_type<scalar_t>* position_weight) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t row = blockIdx.x;
+  const scalar_t* x_row = x + row * k.C;
+  const scalar_t* p_row = kProb ? prob + row * k.C : nullptr;
+  const State<acc_t> st =
+      block_merge(row_state<scalar_t, kWeight, kProb>(x_row, p_row, weight, k.C));
   if (threadIdx.x == 0) {
     finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(st, row, x_row, target, weight, k,
                                                               lse, loss, position_weight);
@@ -187,18 +211,43 @@ __global__ void __launch_bounds__(kPositionThreads)
     const int64_t n = pos / k.S, s = pos % k.S;
     // Element (n, c, s) lies at n·C·S + c·S + s.
     const int64_t base = n * k.C * k.S + s;
-    State<acc_t> st = State<acc_t>::empty();
-    for (int64_t c = 0; c < k.C; ++c) {
-      st.add(static_cast<acc_t>(x[base + c * k.S]),
-             kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1),
-             kProb ? static_cast<acc_t>(prob[base + c * k.S]) : acc_t(0));
-    }
+    const State<acc_t> st = position_state<scalar_t, kWeight, kProb>(
+        x + base, kProb ? prob + base : nullptr, weight, k.C, k.S);
     finish_position<scalar_t, index_t, acc_t, kWeight, kProb>(st, pos, x + base, target, weight, k,
                                                               lse, loss, position_weight);
   }
 }
 
-// grad[n, c, s] = g·(exp(x − lse)·K − w_c·q_c) at every element, q_c = a·[c = t] + b or
+// The backward's softmax is exp((x − hi) − lo). hi + lo is the saved lse split
+// (split_lse) unless that lse is coarse (label_smoothing_cross_entropy.h): then hi and lo are
+// the forward's max and log Σ, recomputed from the logits in the forward's order. A row is
+// recomputed by its whole block: the saved lse is the same for every thread, so all of them
+// reach block_merge's barrier or none does.
+template <typename scalar_t>
+__device__ SplitLse<at::opmath_type<scalar_t>> row_split(double lse, const scalar_t* x_row,
+                                                         int64_t C) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if (!coarse_lse<acc_t>(lse)) return split_lse<acc_t>(lse);
+  __shared__ SplitLse<acc_t> split;
+  const State<acc_t> st =
+      block_merge(row_state<scalar_t, false, false>(x_row, nullptr, nullptr, C));
+  if (threadIdx.x == 0) split = {shift_ref(st.max), acc_t(::log(st.sumexp))};
+  __syncthreads();
+  return split;
+}
+
+// The same for one element of an (N, C, S) position: its thread recomputes the position's
+// C logits, C reads per element, only where the lse is coarse.
+template <typename scalar_t>
+__device__ SplitLse<at::opmath_type<scalar_t>> position_split(double lse, const scalar_t* x_pos,
+                                                              int64_t C, int64_t S) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if (!coarse_lse<acc_t>(lse)) return split_lse<acc_t>(lse);
+  const State<acc_t> st = position_state<scalar_t, false, false>(x_pos, nullptr, nullptr, C, S);
+  return {shift_ref(st.max), acc_t(::log(st.sumexp))};
+}
+
+// grad[n, c, s] = g·(softmax·K − w_c·q_c) at every element, q_c = a·[c = t] + b or
 // a·p_c + b; ignored positions get 0. K (per position) is precomputed.
 template <typename scalar_t, typename index_t, bool kWeight, bool kProb>
 __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ target,
@@ -227,7 +276,7 @@ __global__ void backward_kernel(const scalar_t* __restrict__ x, const index_t* _
     }
     const acc_t w = kWeight ? static_cast<acc_t>(weight[c]) : acc_t(1);
     const acc_t g = scale[pos * scale_stride];
-    const auto [hi, lo] = split_lse<acc_t>(lse[pos]);
+    const auto [hi, lo] = position_split(lse[pos], x + n * k.C * k.S + s, k.C, k.S);
     grad[i] =
         static_cast<scalar_t>(g * (::exp((static_cast<acc_t>(x[i]) - hi) - lo) * K[pos] - w * q));
   }
@@ -258,7 +307,7 @@ __global__ void __launch_bounds__(kRowThreads)
       return;
     }
   }
-  const auto [hi, lo] = split_lse<acc_t>(lse[row]);
+  const auto [hi, lo] = row_split(lse[row], x_row, k.C);
   const acc_t kk = K[row], g = scale[row * scale_stride];
   const int64_t step = int64_t(blockDim.x) * kUnroll;
   int64_t c = threadIdx.x;
@@ -443,7 +492,7 @@ Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& targ
           scale_stride, k, out.mutable_data_ptr<scalar_t>());
     } else {
       backward_kernel<scalar_t, index_t, kWeight, kProb>
-          <<<cuda::grid_size(numel, 256, 16), 256, 0, stream>>>(
+          <<<cuda::grid_size(numel, kPositionThreads, 16), kPositionThreads, 0, stream>>>(
               xp, tp, pp, wp, lp, K.const_data_ptr<acc_t>(), scale.const_data_ptr<acc_t>(),
               scale_stride, k, numel, out.mutable_data_ptr<scalar_t>());
     }
