@@ -482,12 +482,11 @@ def clusters():
 
 
 def far_from_origin(offset):
-    g = torch.Generator().manual_seed(14)
-    return lambda: (
-        offset + torch.randn(300, 64, generator=g),
-        offset + torch.randn(5000, 64, generator=g),
-        8,
-    )
+    def case():
+        g = torch.Generator().manual_seed(14)
+        return offset + torch.randn(300, 64, generator=g), offset + torch.randn(5000, 64, generator=g), 8
+
+    return case
 
 
 def all_equal():
