@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testing import child_env
 
 pytestmark = pytest.mark.slow  # trains a model: full suite (make test) only
 pytest.importorskip("torchvision", reason="the example trains on torchvision datasets and transforms")
@@ -127,6 +128,7 @@ def test_runs_under_torchrun():
         capture_output=True,
         text=True,
         timeout=300,
+        env=child_env(),  # the workers run the example's file, whose folder does not hold torchkit
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "torchkit: 2 steps" in run.stdout and "recall@1/2/4/8" in run.stdout, run.stdout

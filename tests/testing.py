@@ -147,17 +147,23 @@ def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5,
         torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True)
 
 
-def run_python(code: str, *args: str, cwd=None, timeout: float | None = 600) -> subprocess.CompletedProcess:
-    """`python -c code args...` in a fresh interpreter that imports the same torchkit as this
-    process (this process's sys.path as its PYTHONPATH, run outside the repository so that
-    the checkout's own torchkit/ cannot shadow the build under test: make compat and make
-    cuda-build test builds that live elsewhere)."""
+def child_env() -> dict[str, str]:
+    """The environment for a fresh interpreter that imports the same torchkit as this process:
+    this process's sys.path as its PYTHONPATH. make compat and make cuda-build test builds that
+    live elsewhere, and make gpu-check a build in place that only the working directory finds."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+def run_python(code: str, *args: str, cwd=None, timeout: float | None = 600) -> subprocess.CompletedProcess:
+    """`python -c code args...` in a fresh interpreter that imports the same torchkit as this
+    process (child_env), run outside the repository so that the checkout's own torchkit/ cannot
+    shadow the build under test."""
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         cwd=cwd or tempfile.gettempdir(),
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
