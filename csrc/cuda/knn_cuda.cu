@@ -49,7 +49,7 @@ using at::Tensor;
 constexpr int kThreads = 256;  // one block per query row; entries per round
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kChunk = 4096;                   // gallery columns per tile
-constexpr int kPerThread = kChunk / kThreads;      // entries per thread in the radix select
+constexpr int kPerThread = kChunk / kThreads;      // a tile row's entries per thread
 constexpr int64_t kTileBytes = int64_t(16) << 20;  // the screening tile: stays in L2
 constexpr int64_t kMaxQueue = 2048 - kThreads;     // the largest k the shared buffer holds
 static_assert(kMaxQueue <= 8 * kThreads, "bound_of_kth ranks at most 8 per thread");
@@ -58,16 +58,18 @@ constexpr int64_t kSortedChunk = 8192;
 
 // The screening error: a bound on |d̃² − d²| for d̃² = |a|² + |b|² − 2·g̃, where g̃ is the
 // screening GEMM's product of the centred rows and d² what the direct recompute gives from
-// the uncentred ones. With u the unit roundoff of the GEMM's operands (bfloat16: 2⁻⁹; none for
+// the uncentred ones. With u the unit roundoff of the GEMM's operands (bfloat16: 2⁻⁸; none for
 // float64) and ε that of acc_t:
-//  - the operands' rounding and the accumulation: |g̃ − a·b| ≤ (2u + u² + γ_M)·|a||b|, and
-//    2|a||b| ≤ |a|² + |b|²;
+//  - the operands' rounding and the accumulation: a rounded operand moves by a relative
+//    u/(1 + u) at most and a product of two by less than 2u, so |g̃ − a·b| is at most
+//    (2u + γ_M(1 + u)²)·|a||b|, and 2|a||b| ≤ |a|² + |b|²;
 //  - the centring (each centred coordinate is rounded once: |d_c² − d²| ≤ 6ε(|a|² + |b|²)),
 //    the norms (γ_M each), the expansion's own three roundings and the recompute's (γ_M·d²,
 //    d² ≤ 2(|a|² + |b|²)): (3M + 12)ε(|a|² + |b|²) together;
 //  - products of coordinates below the smallest normal number, which the GEMM may flush:
 //    at most M·min·(2 + |a|² + |b|²).
-// C·(|a|² + |b|²) + T with C and T twice the sum of these.
+// C·(|a|² + |b|²) + T with C = 2·((u + u²/4 + γ_M)(1 + γ_M) + (3M + 12)ε + M·min) and
+// T = 4M·min: the operands' 2u once, the rest of the sum twice.
 template <typename acc_t>
 struct ScreenError {
   acc_t C, T;
@@ -75,10 +77,10 @@ struct ScreenError {
 template <typename acc_t>
 ScreenError<acc_t> screen_error(int64_t M, bool bf16) {
   using L = std::numeric_limits<acc_t>;
-  const double u = bf16 ? 0x1p-9 : 0.0, eps = double(L::epsilon()) / 2, tiny = double(L::min());
+  const double u = bf16 ? 0x1p-8 : 0.0, eps = double(L::epsilon()) / 2, tiny = double(L::min());
   const double gamma = double(M) * eps / (1 - double(M) * eps);
   const double C =
-      2 * ((2 * u + u * u + gamma) * (1 + gamma) + (3 * double(M) + 12) * eps + double(M) * tiny);
+      2 * ((u + u * u / 4 + gamma) * (1 + gamma) + (3 * double(M) + 12) * eps + double(M) * tiny);
   return {static_cast<acc_t>(C), static_cast<acc_t>(4 * double(M) * tiny)};
 }
 
