@@ -8,20 +8,120 @@ Environment:
   DEBUG=1                -O0 -g
   SANITIZE=address       AddressSanitizer in the C++ code (run with libasan preloaded:
                          make asan)
+  MAX_JOBS               parallel compile jobs (torch's default: every core)
+
+The extension is compiled against the torch of the environment it is built in and works
+only with that torch: the wheel requires exactly that release, and a build that cannot see
+the user's torch (pip's build isolation) stops here with the command that works.
 """
 
 import os
 import platform
+import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from setuptools import find_packages, setup
-from torch.utils import cpp_extension
-
 ROOT = Path(__file__).resolve().parent  # absolute: ninja compiles from the build directory
 LIBRARY = "torchkit"
+
+
+def setuptools_range() -> tuple[int, int]:
+    """The setuptools majors [low, high) of pyproject.toml's build-system.requires."""
+    found = re.search(r'"setuptools\s*>=\s*(\d+)[^"]*<\s*(\d+)"', (ROOT / "pyproject.toml").read_text())
+    if found is None:
+        raise RuntimeError("pyproject.toml: build-system.requires must bound setuptools as >=LOW,<HIGH")
+    return int(found[1]), int(found[2])
+
+
+def _torch_outside_isolation() -> str | None:
+    """The torch version of this interpreter's own environment, or None. Under pip's build
+    isolation the environment is hidden behind PYTHONPATH; ``python -I`` ignores it."""
+    code = "import importlib.metadata as m; print(m.version('torch'))"
+    try:
+        found = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (found.stdout.strip() or None) if found.returncode == 0 else None
+
+
+def _no_torch() -> str:
+    """Why the build stops when torch is not importable, and the command that works."""
+    outside = _torch_outside_isolation()
+    low, high = setuptools_range()
+    first = (
+        f"This environment has torch {outside}, which an isolated build cannot see (pip would otherwise\n"
+        "download another torch, compile against it, and the installed torchkit would not load)."
+        if outside
+        else "Install the torch you will use first (https://pytorch.org/get-started/locally/), e.g. pip install torch."
+    )
+    return (
+        "torchkit: torch is not importable in this build environment. torchkit compiles against the torch it\n"
+        f"will run with. {first}\nThen build without isolation, in the environment that holds that torch:\n"
+        f"    pip install 'setuptools>={low},<{high}' ninja\n"
+        "    pip install --no-build-isolation .        (python -m build --no-isolation for a wheel or sdist)"
+    )
+
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:
+    sys.exit(_no_torch())
+
+from setuptools import __version__ as SETUPTOOLS_VERSION  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
+
+
+def _check_setuptools() -> str:
+    """A build without isolation uses the environment's setuptools: stop below the range (it
+    rejects the SPDX license field), say so above it (untested, usually fine)."""
+    low, high = setuptools_range()
+    major = int(SETUPTOOLS_VERSION.split(".")[0])
+    wanted = f"setuptools>={low},<{high}"
+    if major < low:
+        sys.exit(
+            f"torchkit: building needs {wanted}, this environment has {SETUPTOOLS_VERSION}: pip install '{wanted}'"
+        )
+    return SETUPTOOLS_VERSION + ("" if major < high else f" (newer than the tested {wanted})")
+
+
+def torch_release(version: str) -> str:
+    """A torch version without its local label: "2.14.1+cu130" -> "2.14.1"."""
+    return version.split("+")[0]
+
+
+def torchvision_requirement(torch_version: str) -> str:
+    """The torchvision releases built for a torch release: torch 2.m pairs with torchvision
+    0.(m + 15). Unpinned for another major: torchkit's exact torch pin still leads pip's
+    resolver to the torchvision that pins the same torch."""
+    major, minor = (int(part) for part in torch_release(torch_version).split(".")[:2])
+    return f"torchvision==0.{minor + 15}.*" if major == 2 else "torchvision"
+
+
+def requirements(torch_version: str) -> tuple[list[str], dict[str, list[str]]]:
+    """install_requires and extras_require: the torch the extension is compiled against,
+    exactly (its C++ ABI changes between releases), and extras that never replace it."""
+    vision = [torchvision_requirement(torch_version), "pillow"]
+    return [f"torch=={torch_release(torch_version)}"], {
+        "vision": vision,  # torchkit.transforms
+        "example": [*vision, "tqdm"],  # examples/bcnn_finegrained.py
+        "test": ["pytest", "hypothesis", "numpy", *vision],
+        "bench": ["pytest-benchmark", "matplotlib", "timm", "kornia", "faiss-cpu"],
+    }
+
+
+def build_record(torch_version: str, in_place: bool) -> str:
+    """torchkit/_build.py, written beside the extension: what torchkit/__init__.py checks
+    before loading it (a mismatched torch fails there with an undefined symbol)."""
+    return (
+        '"""How the extension beside this file was built; written by setup.py with it."""\n\n'
+        f"TORCH = {torch_version!r}\n"
+        f"SOURCE = {str(ROOT)!r}\n"
+        f"IN_PLACE = {in_place!r}  # an editable (in-place) build of SOURCE\n"
+        f"VISION = {requirements(torch_version)[1]['vision']!r}  # what torchkit.transforms needs beside this torch\n"
+    )
 
 
 def _cuda_wanted() -> tuple[bool, str]:
@@ -49,20 +149,28 @@ def _c_string(value: str) -> str:
 
 
 class BuildExtension(cpp_extension.BuildExtension):
-    """torch's BuildExtension with ninja, compiling into build/temp instead of a throw-away directory.
+    """torch's BuildExtension (ninja, its default), compiling into build/temp instead of a
+    throw-away directory, and writing the build record beside the extension.
 
     pip's editable install compiles into a fresh temporary directory every time, so every
     `make build` would recompile everything; a fixed directory lets ninja skip what is
     up to date. An explicit --build-temp (as `make cuda-build` gives) is kept.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, use_ninja=True, **kwargs)
-
     def finalize_options(self):
         super().finalize_options()
         if Path(self.build_temp).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve()):
             self.build_temp = str(ROOT / "build" / "temp")
+
+    def run(self):
+        in_place = self.inplace  # setuptools' run() builds into build_lib, then copies in place
+        super().run()
+        record = build_record(torch.__version__, in_place)
+        package = Path(self.build_lib) / LIBRARY
+        package.mkdir(parents=True, exist_ok=True)
+        (package / "_build.py").write_text(record)
+        if in_place:
+            (ROOT / LIBRARY / "_build.py").write_text(record)
 
 
 # The flags below change which code the compiler sees; tools/cxx17_check.py parses the sources
@@ -123,9 +231,11 @@ def make_extension():
     if use_cuda:
         extra_compile_args["nvcc"] = [*opt, *NVCC_LANGUAGE_FLAGS, "-lineinfo"]
 
+    setuptools_version = _check_setuptools()
     print(
         "torchkit build configuration:\n"
-        f"  torch          {torch.__version__} (CUDA {torch.version.cuda})\n"
+        f"  torch          {torch.__version__} (CUDA {torch.version.cuda}; the wheel requires it)\n"
+        f"  setuptools     {setuptools_version}\n"
         f"  CUDA kernels   {'yes' if use_cuda else 'no'} ({why})\n"
         f"  CUDA_HOME      {cpp_extension.CUDA_HOME if use_cuda else '-'}\n"
         f"  nvcc           {cuda_compiler or '-'}\n"
@@ -150,8 +260,11 @@ def make_extension():
 
 # Guarded so that tools/cxx17_check.py can import the flags; setuptools runs this as __main__.
 if __name__ == "__main__":
+    install_requires, extras_require = requirements(torch.__version__)
     setup(
         name=LIBRARY,
+        install_requires=install_requires,
+        extras_require=extras_require,
         packages=find_packages(include=[LIBRARY, f"{LIBRARY}.*"]),
         package_data={LIBRARY: ["py.typed"]},
         ext_modules=[make_extension()],

@@ -4,12 +4,14 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from packaging.version import Version
-from testing import run_python
+from testing import run_python, torch_only_site
 
 import torchkit
 
@@ -77,7 +79,87 @@ def test_missing_extension_is_an_actionable_import_error(tmp_path):
     assert run.returncode != 0
     assert "torchkit's compiled extension torchkit._C could not be loaded" in run.stderr
     assert f"installed: torch {torch.__version__}" in run.stderr
-    assert "make build" in run.stderr
+    assert "pip install --no-build-isolation" in run.stderr
+
+
+def record(torch_version: str, source: Path, in_place: bool) -> SimpleNamespace:
+    return SimpleNamespace(TORCH=torch_version, SOURCE=str(source), IN_PLACE=in_place, VISION=[])
+
+
+def test_build_record_describes_this_build():
+    """setup.py writes torchkit/_build.py beside the extension: the torch it compiled against."""
+    from torchkit import _build
+
+    assert torchkit.build_info()["torch"] == _build.TORCH
+    assert Path(_build.__file__).parent == Path(torchkit._C.__file__).parent
+
+
+def test_torch_version_mismatch_names_both_and_the_command(tmp_path):
+    (tmp_path / "setup.py").write_text("")
+    built = record("2.8.0+cu128", tmp_path, in_place=True)
+    with pytest.raises(ImportError) as err:
+        torchkit._check_torch_version(built, "2.14.1+cpu")
+    message = str(err.value)
+    assert "built against torch 2.8.0+cu128, but torch 2.14.1+cpu is installed" in message
+    assert f"cd {tmp_path} && {sys.executable} -m pip install --no-build-isolation -e ." in message
+    torchkit._check_torch_version(built, "2.8.0")  # the same release under another local label: fine
+    # Installed from a source tree (not in place): reinstall from it; from a copy that is gone
+    # (pip's temporary directory): the torch it was built against.
+    assert f"--no-deps --force-reinstall {tmp_path}" in torchkit._rebuild_command(record("2.8.0", tmp_path, False))
+    gone = record("2.8.0+cu128", tmp_path / "gone", in_place=False)
+    assert "pip install 'torch==2.8.0'" in torchkit._rebuild_command(gone)
+
+
+def source_tree(tmp_path: Path, build_record: str | None) -> Path:
+    """A checkout's torchkit/ (the Python files, no extension) beside a setup.py, with the
+    given build record."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("_C*", "_build.py", "__pycache__")
+    shutil.copytree(Path(torchkit.__file__).parent, src / "torchkit", ignore=ignore)
+    (src / "setup.py").write_text("")
+    if build_record is not None:
+        (src / "torchkit" / "_build.py").write_text(build_record)
+    return src
+
+
+def import_in(src: Path, tmp_path: Path, *extra_path: Path) -> subprocess.CompletedProcess:
+    """`import torchkit` from `src`, with no site-packages (python -S): only torch and its own
+    requirements, and `extra_path`, are importable beside the working directory."""
+    path = [str(torch_only_site(tmp_path / "torch_only")), *map(str, extra_path)]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": os.pathsep.join(path)}
+    code = "import torchkit"
+    return subprocess.run([sys.executable, "-S", "-c", code], cwd=src, env=env, capture_output=True, text=True)
+
+
+def test_torch_version_is_checked_before_loading_the_extension(tmp_path):
+    """A record of another torch stops the import before any C++ is loaded (here there is
+    none: a load would fail differently), naming both versions and the rebuild command."""
+    src = source_tree(tmp_path, f"TORCH = '2.8.0'\nSOURCE = {str(tmp_path / 'src')!r}\nIN_PLACE = True\nVISION = []\n")
+    run = import_in(src, tmp_path)
+    assert run.returncode != 0
+    assert f"torchkit was built against torch 2.8.0, but torch {torch.__version__} is installed" in run.stderr
+    assert f"cd {src} && " in run.stderr and "pip install --no-build-isolation -e ." in run.stderr
+    assert "circular import" not in run.stderr and "_C" not in run.stderr
+
+
+def test_unbuilt_source_tree_says_how_to_build_it(tmp_path):
+    run = import_in(source_tree(tmp_path, None), tmp_path)
+    assert run.returncode != 0
+    assert f"torchkit: its compiled extension is not built in {tmp_path / 'src' / 'torchkit'}" in run.stderr
+    assert f"cd {tmp_path / 'src'} && pip install --no-build-isolation -e ." in run.stderr
+    assert "circular import" not in run.stderr
+
+
+def test_source_tree_shadowing_the_installed_package_says_so(tmp_path):
+    """Run from a checkout's root, Python finds its unbuilt torchkit/ before the installed one."""
+    installed = tmp_path / "site"
+    (installed / "torchkit").mkdir(parents=True)
+    (installed / "torchkit" / "__init__.py").write_text("")
+    run = import_in(source_tree(tmp_path, None), tmp_path, installed)
+    assert run.returncode != 0
+    assert f"found the source tree's torchkit ({tmp_path / 'src' / 'torchkit'}), which is not built" in run.stderr
+    assert f"before the installed one ({installed / 'torchkit'})" in run.stderr
+    assert "Run from another directory" in run.stderr
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
@@ -109,3 +191,13 @@ def test_import_needs_torch_alone():
     run = run_python(code)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == f"[] {vision}"
+
+
+@pytest.mark.parametrize("module", ["ops", "nn", "metrics", "distributed", "reference"])
+def test_public_names_are_the_api(module):
+    """What a module defines without a leading underscore is in its __all__: helpers shared
+    between modules (distributed's ring, shards and argument agreement) stay private."""
+    mod = getattr(torchkit, module)
+    defined = {n for n, v in vars(mod).items() if getattr(v, "__module__", None) == mod.__name__}
+    public = {n for n in defined if not n.startswith("_")}
+    assert public <= set(mod.__all__), sorted(public - set(mod.__all__))

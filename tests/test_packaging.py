@@ -1,7 +1,14 @@
-"""The sdist carries the sources and builds in a fresh virtual environment that has torch."""
+"""What pip makes of torchkit: the wheel's metadata (the exact torch, extras that keep it,
+the license) with the lowest and the newest setuptools of pyproject.toml's range, an isolated
+build that stops with the command that works, and the sdist, built in a fresh virtual
+environment. pip reaches the package index (PyPI) for setuptools and for the extras'
+resolution."""
 
 import importlib.metadata
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -10,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from testing import torch_only_site
 
 import torchkit
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow  # builds the extension from the sdist: full suite (make test) only
+RELEASE = torch.__version__.split("+")[0]
+TORCHVISION = f"torchvision==0.{int(RELEASE.split('.')[1]) + 15}.*"  # torch 2.m pairs with torchvision 0.(m + 15)
 
 
 def run(cmd, **kwargs) -> str:
@@ -22,6 +31,100 @@ def run(cmd, **kwargs) -> str:
     result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
     assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
+
+
+def source_copy(tmp_path: Path) -> Path:
+    """What pip reads of a checkout, without a build: a build record or extension in the
+    checkout must not leak into what is tested."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("_C*", "_build.py", "__pycache__", "*.egg-info")
+    shutil.copytree(ROOT / "torchkit", src / "torchkit", ignore=ignore)
+    shutil.copytree(ROOT / "csrc", src / "csrc")
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        shutil.copy(ROOT / name, src / name)
+    return src
+
+
+def setuptools_bounds() -> tuple[int, int]:
+    found = re.search(r'"setuptools>=(\d+),<(\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert found, "pyproject.toml's build-system.requires must bound setuptools"
+    return int(found[1]), int(found[2])
+
+
+@pytest.mark.parametrize("which", ["lowest", "newest"])
+def test_wheel_metadata(tmp_path, which):
+    """With the lowest and the newest setuptools the range admits: no deprecation warning, the
+    SPDX license, exactly the torch release the build compiles against, extras whose
+    torchvision is the one built for that torch."""
+    low, high = setuptools_bounds()
+    spec = f"setuptools=={low}.*" if which == "lowest" else f"setuptools<{high}"
+    tools = tmp_path / "setuptools"
+    run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target", str(tools), spec]
+    )
+    src = source_copy(tmp_path)
+    code = (
+        "import sys, setuptools; from setuptools.build_meta import prepare_metadata_for_build_wheel\n"
+        "print(setuptools.__version__, prepare_metadata_for_build_wheel(sys.argv[1]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tools)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=src, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    version, info = result.stdout.split()[-2:]
+    assert low <= int(version.split(".")[0]) < high, version
+    assert "Warning" not in result.stderr and "deprecated" not in result.stderr, result.stderr[-3000:]
+    metadata = (tmp_path / info / "METADATA").read_text()
+    assert "License-Expression: BSD-3-Clause" in metadata
+    requires = re.findall(r"^Requires-Dist: (.*)$", metadata, re.M)
+    assert f"torch=={RELEASE}" in requires
+    for extra in ("vision", "example"):
+        assert f'{TORCHVISION}; extra == "{extra}"' in requires
+    assert 'tqdm; extra == "example"' in requires
+
+
+def test_isolated_build_stops_with_the_command_that_works(tmp_path):
+    """pip's default (isolated) build cannot see the environment's torch: it stops before
+    downloading another, says why and what to run."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--disable-pip-version-check",
+            str(source_copy(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "torchkit: torch is not importable in this build environment" in output, output[-3000:]
+    assert f"This environment has torch {importlib.metadata.version('torch')}" in output
+    assert "pip install --no-build-isolation ." in output
+
+
+def test_vision_extra_keeps_the_torch(tmp_path):
+    """pip install --no-build-isolation '.[vision]' resolves to the installed torch's release
+    and the torchvision built for it, even when pip may choose every package afresh."""
+    report = tmp_path / "report.json"
+    target = f"{source_copy(tmp_path)}[vision]"
+    run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check"]
+        + ["--no-build-isolation", "--ignore-installed", "--report", str(report), target]
+    )
+    chosen = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert chosen["torch"].split("+")[0] == RELEASE
+    assert re.fullmatch(
+        TORCHVISION.removeprefix("torchvision==").replace(".", r"\.").replace("*", r"\d+.*"), chosen["torchvision"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +135,7 @@ def sdist(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_sdist_contains_the_sources(sdist):
     with tarfile.open(sdist) as archive:
         names = archive.getnames()
@@ -41,34 +145,10 @@ def test_sdist_contains_the_sources(sdist):
         if source.suffix in (".h", ".cpp", ".cu"):
             assert f"{root}/{source.relative_to(ROOT)}" in names, source
     assert f"{root}/setup.py" in names and f"{root}/pyproject.toml" in names
+    assert f"{root}/torchkit/_build.py" not in names  # written by each build, beside its extension
 
 
-def torch_only_site(target: Path) -> Path:
-    """A folder of links to torch and what torch itself requires (its install_requires
-    closure, markers evaluated), nothing else of the development environment: no numpy,
-    torchvision, Pillow or packaging."""
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
-    target.mkdir()
-    site = Path(sysconfig.get_paths()["purelib"])
-    seen, stack = set(), ["torch"]
-    while stack:
-        name = canonicalize_name(stack.pop())
-        if name in seen:
-            continue
-        seen.add(name)
-        dist = importlib.metadata.distribution(name)
-        for line in dist.requires or []:
-            requirement = Requirement(line)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                stack.append(requirement.name)
-        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
-            if top != "__pycache__" and (site / top).exists() and not (target / top).exists():
-                (target / top).symlink_to(site / top)
-    return target
-
-
+@pytest.mark.slow  # builds the extension from the sdist
 def test_sdist_installs_in_a_fresh_venv(sdist, tmp_path):
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)])
@@ -108,4 +188,8 @@ def test_sdist_installs_in_a_fresh_venv(sdist, tmp_path):
     assert report["info"]["torch"] == torch.__version__  # the torch it was built against
     assert [v for row in report["d"] for v in row] == pytest.approx([3**0.5] * 2, rel=1e-6)
     assert "torchkit.transforms needs torchvision" in report["transforms"]
-    assert "pip install 'torchkit[vision]'" in report["transforms"]
+    assert f"pip install '{TORCHVISION}' 'pillow'" in report["transforms"]  # never PyPI's unrelated torchkit
+    metadata = run([str(python), "-m", "pip", "show", "torchkit"], env=env, cwd=tmp_path)
+    assert "Requires: torch" in metadata
+    requires = run([str(python), "-c", "import importlib.metadata as m; print(m.requires('torchkit'))"], env=env)
+    assert f"'torch=={RELEASE}'" in requires

@@ -7,15 +7,20 @@ tests/ is on sys.path because pytest puts a rootdir-less test folder there.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 import os
 import subprocess
 import sys
+import sysconfig
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from torchkit import ops
@@ -99,27 +104,30 @@ def check_compiled_refuses_like_eager(monkeypatch, names: list[str], call) -> No
     """`call()` (which builds bad input eagerly and calls `torchkit.ops.<name>`) raises the
     same message with each op compiled (fullgraph, static shapes) as eagerly: the fake kernels
     refuse what the kernels refuse, or leave it to the kernel the compiled graph calls.
-    torch.compile may wrap the exception in its own type, so only the message is compared."""
+    Without fullgraph, the compiled call raises eager's exception itself, type included: the
+    Python functions check their arguments before the op, where Dynamo would wrap a fake
+    kernel's exception in its TorchRuntimeError."""
     with pytest.raises(Exception) as eager:
         call()
-    torch._dynamo.reset()
     originals = {name: getattr(ops, name) for name in names}
-    for name in names:
-        monkeypatch.setattr(ops, name, torch.compile(originals[name], fullgraph=True, dynamic=False))
+
+    def compiled_call(**options):
+        torch._dynamo.reset()
+        for name in names:
+            monkeypatch.setattr(ops, name, torch.compile(originals[name], dynamic=False, **options))
+        return call()
+
     with pytest.raises(Exception) as compiled_error:
-        call()
+        compiled_call(fullgraph=True)
     if str(eager.value) in str(compiled_error.value) or not _DYNAMO_DROPS_MESSAGES:
         assert str(eager.value) in str(compiled_error.value)
-        return
-    # Older Dynamo reports an exception raised in traced Python code (the functions' own
-    # argument checks) as "Observed exception" without its message under fullgraph=True;
-    # without fullgraph the eager exception itself propagates.
-    assert "Observed exception" in str(compiled_error.value)
-    torch._dynamo.reset()
-    for name in names:
-        monkeypatch.setattr(ops, name, torch.compile(originals[name], dynamic=False))
+    else:
+        # Older Dynamo reports an exception raised in traced Python code (the functions' own
+        # argument checks) as "Observed exception" without its message under fullgraph=True.
+        assert "Observed exception" in str(compiled_error.value)
     with pytest.raises(type(eager.value)) as graph_break:
-        call()
+        compiled_call()
+    assert type(graph_break.value) is type(eager.value), repr(graph_break.value)
     assert str(graph_break.value) == str(eager.value)
 
 
@@ -168,6 +176,29 @@ def run_python(code: str, *args: str, cwd=None, timeout: float | None = 600) -> 
         text=True,
         timeout=timeout,
     )
+
+
+def torch_only_site(target: Path) -> Path:
+    """A folder of links to torch and what torch itself requires (its install_requires
+    closure, markers evaluated), nothing else of the development environment: no numpy,
+    torchvision, Pillow or packaging."""
+    target.mkdir()
+    site = Path(sysconfig.get_paths()["purelib"])
+    seen, stack = set(), ["torch"]
+    while stack:
+        name = canonicalize_name(stack.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        dist = importlib.metadata.distribution(name)
+        for line in dist.requires or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                stack.append(requirement.name)
+        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            if top != "__pycache__" and (site / top).exists() and not (target / top).exists():
+                (target / top).symlink_to(site / top)
+    return target
 
 
 def assert_device_side_assert(code: str, message: str) -> None:

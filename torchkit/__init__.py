@@ -9,6 +9,7 @@ group (``torchkit.distributed``).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -17,19 +18,82 @@ import torch
 
 __version__ = "0.1.0"
 
-_REBUILD = f"cd {Path(__file__).resolve().parent.parent} && make build  (or: pip install --no-build-isolation -e .)"
+_PACKAGE = Path(__file__).resolve().parent
 
 
-def _load_extension() -> None:
+def _installed_elsewhere() -> Path | None:
+    """Another torchkit package on sys.path than this one (an installed copy that this one,
+    found first, shadows), or None."""
+    for entry in sys.path:
+        candidate = Path(entry or ".", "torchkit", "__init__.py")
+        if candidate.is_file() and candidate.resolve().parent != _PACKAGE:
+            return candidate.parent
+    return None
+
+
+def _not_built() -> str:
+    """Why there is no extension to load, and what builds it."""
+    root = _PACKAGE.parent
+    other = _installed_elsewhere()
+    if other is not None:
+        return (
+            f"torchkit: this import found the source tree's torchkit ({_PACKAGE}), which is not built, before "
+            f"the installed one ({other}): Python looks in the current directory first. Run from another "
+            f"directory, or build the source tree in place:\n    cd {root} && pip install --no-build-isolation -e ."
+        )
+    if (root / "setup.py").is_file():
+        return (
+            f"torchkit: its compiled extension is not built in {_PACKAGE}. Build it in place with\n"
+            f"    cd {root} && pip install --no-build-isolation -e .     (or make build, which makes .venv too)"
+        )
+    return f"torchkit: its compiled extension is missing from {_PACKAGE}: reinstall torchkit from its source"
+
+
+def _rebuild_command(record) -> str:
+    """The one command that gives the installed torch a matching torchkit."""
+    python = sys.executable or "python"
+    source = Path(record.SOURCE)
+    if record.IN_PLACE and (source / "setup.py").is_file():
+        return f"cd {source} && {python} -m pip install --no-build-isolation -e ."
+    if (source / "setup.py").is_file():
+        return f"{python} -m pip install --no-build-isolation --no-deps --force-reinstall {source}"
+    # Built from a copy that is gone (pip's temporary directory): the torch it was built for.
+    return f"{python} -m pip install 'torch=={_release(record.TORCH)}'   (or rebuild torchkit from its source)"
+
+
+def _release(version: str) -> str:
+    return version.split("+")[0]
+
+
+def _check_torch_version(record, installed: str) -> None:
+    """Raise if the extension was compiled against another torch release than ``installed``:
+    loading it would fail with an undefined C++ symbol (or, worse, load)."""
+    if _release(record.TORCH) != _release(installed):
+        raise ImportError(
+            f"torchkit was built against torch {record.TORCH}, but torch {installed} is installed; its compiled "
+            "extension works only with the torch it was built against. Rebuild it against the installed "
+            f"torch:\n    {_rebuild_command(record)}"
+        )
+
+
+def _load_extension():
+    """Check the build record (a plain Python file, so before any C++ is loaded), load the
+    extension, and return the record."""
+    if importlib.util.find_spec("torchkit._build") is None:
+        raise ImportError(_not_built())
+    from torchkit import _build
+
+    _check_torch_version(_build, torch.__version__)
     try:
         from torchkit import _C  # noqa: F401  (registers torch.ops.torchkit.*)
     except ImportError as err:
         raise ImportError(
             f"torchkit's compiled extension torchkit._C could not be loaded: {err}\n"
-            f"  installed: torch {torch.__version__} (CUDA {torch.version.cuda}), Python {sys.version.split()[0]}\n"
-            "  The extension is missing or was built against another torch/CUDA. Rebuild it with:\n"
-            f"    {_REBUILD}"
+            f"  built for torch {_build.TORCH}; installed: torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"Python {sys.version.split()[0]}\n"
+            f"  Rebuild it with:\n    {_rebuild_command(_build)}"
         ) from err
+    return _build
 
 
 def _check_cuda_version(built: int, installed_cuda: str | None) -> None:
@@ -41,11 +105,11 @@ def _check_cuda_version(built: int, installed_cuda: str | None) -> None:
     if (built_major, built_minor) != installed:
         raise ImportError(
             f"torchkit was compiled with CUDA {built_major}.{built_minor}, but the installed torch "
-            f"{torch.__version__} uses CUDA {installed_cuda}. Rebuild it with:\n    {_REBUILD}"
+            f"{torch.__version__} uses CUDA {installed_cuda}. Rebuild it with:\n    {_rebuild_command(_BUILD)}"
         )
 
 
-_load_extension()
+_BUILD = _load_extension()
 _check_cuda_version(torch.ops.torchkit._cuda_version(), torch.version.cuda)
 
 
@@ -108,7 +172,9 @@ def __getattr__(name: str):
     try:
         return importlib.import_module("torchkit.transforms")
     except ImportError as err:
+        wanted = " ".join(f"'{requirement}'" for requirement in _BUILD.VISION)
         raise ImportError(
-            f"torchkit.transforms needs torchvision (and Pillow): {err}. "
-            "Install them with: pip install 'torchkit[vision]'"
+            f"torchkit.transforms needs torchvision (and Pillow): {err}. Install the torchvision built for "
+            f"torch {torch.__version__} with: pip install {wanted} (for a CPU-only torch, from the index it came from: "
+            "add --index-url https://download.pytorch.org/whl/cpu)"
         ) from err

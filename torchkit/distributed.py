@@ -85,22 +85,22 @@ def knn(
         there is a gallery.
     """
     op = "torchkit.distributed.knn"
-    group = resolve_group(op, group)
+    group = _resolve_group(op, group)
     checked: dict = {}
 
     def check() -> None:
-        check_embeddings(op, "query", query, "gallery", gallery)
+        _check_embeddings(op, "query", query, "gallery", gallery)
         checked["k"] = as_int(op, "k", k)
         check_bool(op, "squared", squared)
 
-    error = capture(check)
-    shards = agree(op, group, error, query=query, gallery=gallery, squared=squared, **checked)
+    error = _capture(check)
+    shards = _agree(op, group, error, query=query, gallery=gallery, squared=squared, **checked)
     k = checked["k"]
     limit = shards.union_size
     if not 1 <= k <= limit:
         without = " (the other rows: leave-one-out)" if gallery is None else ""
         raise ValueError(f"{op}: k must be in [1, {limit}]{without}, the union's size over every rank, got {k}")
-    d2, indices, _ = ring_knn(query, gallery, k, group, shards)
+    d2, indices, _ = _ring_knn(query, gallery, k, group, shards)
     distances = d2 if squared else _ieee_sqrt(d2)
     return distances.to(query.dtype), indices
 
@@ -110,7 +110,7 @@ def knn(
 
 
 @dataclass(frozen=True)
-class Shards:
+class _Shards:
     """How the gallery (or, leave-one-out, the queries) is split over the group's ranks."""
 
     sizes: tuple[int, ...]  # rows of each rank's shard, in rank order
@@ -136,7 +136,7 @@ class Shards:
         return self.total - self.leave_one_out
 
 
-def resolve_group(op: str, group):
+def _resolve_group(op: str, group):
     """``group`` itself, the world for ``None``; a clear error without a process group."""
     if group is not None and dist.is_available() and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got {describe(group)}")
@@ -148,7 +148,7 @@ def resolve_group(op: str, group):
     return dist.group.WORLD if group is None else group
 
 
-def capture(check) -> Optional[Exception]:
+def _capture(check) -> Optional[Exception]:
     """The TypeError or ValueError ``check()`` raises, or None: an error to share with the
     other ranks before raising it."""
     try:
@@ -158,7 +158,7 @@ def capture(check) -> Optional[Exception]:
     return None
 
 
-def check_embeddings(op: str, name: str, x: Any, gallery_name: str, gallery: Any) -> None:
+def _check_embeddings(op: str, name: str, x: Any, gallery_name: str, gallery: Any) -> None:
     """Shapes, dtypes and devices of a knn problem: x (P, M) floating, gallery (R, M) alike."""
     check_tensor(op, name, x)
     if x.dim() != 2:
@@ -178,7 +178,7 @@ def check_embeddings(op: str, name: str, x: Any, gallery_name: str, gallery: Any
         )
 
 
-def agree(op: str, group, error: Optional[Exception], *, query, gallery, **same) -> Shards:
+def _agree(op: str, group, error: Optional[Exception], *, query, gallery, **same) -> _Shards:
     """Every rank's arguments, checked together: the first rank's error, or a disagreement
     on what must be the same everywhere, raised on every rank; otherwise the shards' sizes.
     ``same`` holds further values every rank must agree on (k, squared, ...)."""
@@ -210,10 +210,10 @@ def agree(op: str, group, error: Optional[Exception], *, query, gallery, **same)
         if any(v != values[0] for v in values):
             listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
             raise ValueError(f"{op}: the ranks disagree on {names.get(key, key)}: {listed}")
-    return Shards(tuple(theirs["rows"] for theirs in everyone), dist.get_rank(group), leave_one_out=gallery is None)
+    return _Shards(tuple(theirs["rows"] for theirs in everyone), dist.get_rank(group), leave_one_out=gallery is None)
 
 
-def all_gather(values: Any, group) -> list:
+def _all_gather(values: Any, group) -> list:
     """Every rank's ``values`` (any picklable object), in rank order."""
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, values, group=group)
@@ -221,8 +221,8 @@ def all_gather(values: Any, group) -> list:
 
 
 @torch.no_grad()
-def ring_knn(
-    query: Tensor, gallery: Optional[Tensor], k: int, group, shards: Shards, labels: Optional[Tensor] = None
+def _ring_knn(
+    query: Tensor, gallery: Optional[Tensor], k: int, group, shards: _Shards, labels: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The k best (squared distance in the accumulation dtype, global index, and the label
     that travelled with that row if ``labels`` is given) of this rank's queries over every

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from torchkit import distributed
-from torchkit.distributed import Shards
+from torchkit.distributed import _Shards
 from torchkit.ops._common import as_int, check_tensor, describe
 
 __all__ = ["map_at_r", "recall_at_k"]
@@ -42,7 +42,7 @@ def _check_labels(op: str, name: str, labels: Any, rows: Tensor, rows_name: str)
 
 
 def _check(op: str, embeddings: Any, labels: Any, gallery: Any, gallery_labels: Any) -> None:
-    distributed.check_embeddings(op, "embeddings", embeddings, "gallery", gallery)
+    distributed._check_embeddings(op, "embeddings", embeddings, "gallery", gallery)
     _check_labels(op, "labels", labels, embeddings, "embeddings")
     if (gallery is None) != (gallery_labels is None):
         raise ValueError(f"{op}: gallery and gallery_labels go together; got only one of them")
@@ -77,10 +77,10 @@ def _setup(op: str, embeddings, labels, gallery, gallery_labels, group, ks=_NO_K
     if group is None:
         check()
         rows = (embeddings if gallery is None else gallery).shape[0]
-        return None, Shards((rows,), 0, leave_one_out=gallery is None), checked.get("ks")
-    group = distributed.resolve_group(op, group)
-    error = distributed.capture(check)
-    return group, distributed.agree(op, group, error, query=embeddings, gallery=gallery, **checked), checked.get("ks")
+        return None, _Shards((rows,), 0, leave_one_out=gallery is None), checked.get("ks")
+    group = distributed._resolve_group(op, group)
+    error = distributed._capture(check)
+    return group, distributed._agree(op, group, error, query=embeddings, gallery=gallery, **checked), checked.get("ks")
 
 
 def _sum_over_ranks(values: list, group) -> list:
@@ -88,7 +88,7 @@ def _sum_over_ranks(values: list, group) -> list:
     rank); unchanged for one process."""
     if group is None:
         return values
-    return [sum(column) for column in zip(*distributed.all_gather(values, group), strict=False)]
+    return [sum(column) for column in zip(*distributed._all_gather(values, group), strict=False)]
 
 
 @torch.no_grad()
@@ -127,7 +127,7 @@ def recall_at_k(
         bad = ks[0] if ks[0] < 1 else ks[-1]
         raise ValueError(f"{op}: every K in ks must be in [1, R], R = {limit} ({rows}{everywhere}), got {bad}")
     reference = (labels if gallery is None else gallery_labels).long()
-    _, _, neighbour_labels = distributed.ring_knn(embeddings, gallery, ks[-1], group, shards, labels=reference)
+    _, _, neighbour_labels = distributed._ring_knn(embeddings, gallery, ks[-1], group, shards, labels=reference)
     hits = neighbour_labels == labels.unsqueeze(1)
     first_hit = torch.where(hits.any(1), hits.int().argmax(1), hits.shape[1])  # rank of the first match
     *found, queries = _sum_over_ranks([int((first_hit < k).sum()) for k in ks] + [embeddings.shape[0]], group)
@@ -165,7 +165,7 @@ def map_at_r(
     (r_max,) = _max_over_ranks([int(relevant.max()) if relevant.numel() else 0], group)
     if r_max == 0:
         raise ValueError(f"{op}: no query has a relevant item (every label is unique to its query)")
-    _, _, neighbour_labels = distributed.ring_knn(embeddings, gallery, r_max, group, shards, labels=reference)
+    _, _, neighbour_labels = distributed._ring_knn(embeddings, gallery, r_max, group, shards, labels=reference)
     R = relevant[keep].unsqueeze(1)
     ranks = torch.arange(1, r_max + 1, device=embeddings.device)
     hits = (neighbour_labels[keep] == labels[keep].unsqueeze(1)) & (ranks <= R)
@@ -180,7 +180,7 @@ def _relevant_counts(reference: Tensor, labels: Tensor, group) -> Tensor:
     carry it."""
     classes, counts = reference.unique(return_counts=True)
     if group is not None:  # every rank's (class, count) pairs, merged: O(classes) per rank
-        everyone = distributed.all_gather((classes.cpu(), counts.cpu()), group)
+        everyone = distributed._all_gather((classes.cpu(), counts.cpu()), group)
         classes, where = torch.cat([c for c, _ in everyone]).unique(return_inverse=True)
         counts = torch.zeros(classes.numel(), dtype=torch.long).index_add_(
             0, where, torch.cat([n for _, n in everyone])
@@ -195,4 +195,4 @@ def _relevant_counts(reference: Tensor, labels: Tensor, group) -> Tensor:
 def _max_over_ranks(values: list, group) -> list:
     if group is None:
         return values
-    return [max(column) for column in zip(*distributed.all_gather(values, group), strict=False)]
+    return [max(column) for column in zip(*distributed._all_gather(values, group), strict=False)]
