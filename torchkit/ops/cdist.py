@@ -39,6 +39,9 @@ def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> 
     check_tensor("cdist", "x1", x1)
     check_tensor("cdist", "x2", x2, optional=True)
     check_bool("cdist", "squared", squared)
+    # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
+    # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
+    check_distance_inputs("cdist", "x1", x1, "x2", x2)
     return _forward_op(x1, x2, squared)
 
 

@@ -59,6 +59,9 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
     iterations = as_int("covariance_pool", "iterations", iterations)
     check_bool("covariance_pool", "sqrt", sqrt)
     check_bool("covariance_pool", "triu", triu)
+    # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
+    # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
+    _check_inputs(x, iterations)
     out, _, _ = _forward_op(x, iterations, sqrt, triu)
     return out
 
@@ -77,8 +80,8 @@ _INT64_MAX = 2**63 - 1
 
 def _check_inputs(x: Tensor, iterations: int) -> None:
     """csrc/covariance_pool.cpp's check_inputs, in the same order with the same messages, for
-    the fake kernel: torch.compile refuses bad input as eager does (tests hold the two
-    together)."""
+    the Python function and the fake kernel: torch.compile refuses bad input as eager does
+    (tests hold the two together)."""
     check_floating("covariance_pool", "x", x)
     if x.dim() not in (3, 4):
         raise ValueError(

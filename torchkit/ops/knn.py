@@ -7,7 +7,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, as_int, check_bool, check_tensor, register_op
+from torchkit.ops._common import (
+    acc_dtype,
+    as_int,
+    check_bool,
+    check_tensor,
+    register_op,
+    transform_or_forward_ad_active,
+)
 from torchkit.ops.cdist import check_distance_inputs
 
 
@@ -17,7 +24,7 @@ def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared:
     The distances are ``torchkit.ops.cdist``'s (exact far from the origin and for
     near-duplicates inside far-apart clusters), computed tile by tile and reduced to each
     row's ``k`` best while the tile is in cache: beyond the outputs, the memory is a bounded
-    workspace (a 16 MiB tile on the CPU), never ``P × R``. The ``k`` results are recomputed
+    workspace (an 8 MiB tile of products on the CPU), never ``P × R``. The ``k`` results are recomputed
     directly from the inputs.
 
     Args:
@@ -46,7 +53,11 @@ def knn(query: Tensor, gallery: Optional[Tensor] = None, k: int = 1, *, squared:
     check_tensor("knn", "query", query)
     check_tensor("knn", "gallery", gallery, optional=True)
     check_bool("knn", "squared", squared)
-    return _forward_op(query, gallery, as_int("knn", "k", k), squared)
+    k = as_int("knn", "k", k)
+    # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
+    # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
+    _check_inputs(query, gallery, k)
+    return _forward_op(query, gallery, k, squared)
 
 
 def _knn_shape(query: Tensor, gallery: Optional[Tensor], k: int) -> tuple:
@@ -54,8 +65,8 @@ def _knn_shape(query: Tensor, gallery: Optional[Tensor], k: int) -> tuple:
     return (*batch, query.shape[-2], k)
 
 
-@torch.library.register_fake("torchkit::knn")
-def _(query, gallery, k, squared):
+def _check_inputs(query: Tensor, gallery: Optional[Tensor], k: int) -> None:
+    """csrc/knn.cpp's checks, in the same order with the same messages."""
     check_distance_inputs("knn", "query", query, "gallery", gallery)
     if k < 1:
         raise ValueError(f"knn: k must be >= 1, got {k}")
@@ -66,6 +77,11 @@ def _(query, gallery, k, squared):
         )
     if gallery is not None and k > gallery.shape[-2]:
         raise ValueError(f"knn: k must be <= the gallery's size R = {gallery.shape[-2]}, got {k}")
+
+
+@torch.library.register_fake("torchkit::knn")
+def _(query, gallery, k, squared):
+    _check_inputs(query, gallery, k)
     shape = _knn_shape(query, gallery, k)
     return query.new_empty(shape), query.new_empty(shape, dtype=torch.long)
 
@@ -78,10 +94,16 @@ def _setup_context(ctx, inputs, output):
     ctx.squared = squared
 
 
+# Rows of the backward's (rows, k, M) temporaries per step: about 1 MiB each in float32, so
+# that the backward's workspace stays bounded like the forward's instead of growing as P·k·M.
+_BACKWARD_ELEMENTS = 1 << 18
+
+
 def _backward(ctx, grad, _grad_indices):
     """∂d/∂q_i = (q_i - g_j)/d (2·(q_i - g_j) squared), ∂d/∂g_j = -that, for the k pairs
-    kept: a (*B, P, k, M) composition of PyTorch ops, differences taken directly from the
-    inputs (exact far from the origin), 0 where d = 0 as in cdist."""
+    kept: PyTorch ops over blocks of query rows (a bounded workspace, never P·k·M at once),
+    differences taken directly from the inputs (exact far from the origin), 0 where d = 0 as
+    in cdist."""
     query, gallery, distances, indices = ctx.saved_tensors
     need_query = ctx.needs_input_grad[0]
     need_gallery = gallery is not None and ctx.needs_input_grad[1]
@@ -92,18 +114,28 @@ def _backward(ctx, grad, _grad_indices):
     batch, (P, k), M = distances.shape[:-2], distances.shape[-2:], query.shape[-1]
     q = query.to(acc).expand(*batch, P, M)
     gal = g.to(acc).expand(*batch, g.shape[-2], M)
-    flat = indices.reshape(*batch, P * k, 1).expand(*batch, P * k, M)
-    neighbours = gal.gather(-2, flat).view(*batch, P, k, M)
-    d, up = distances.to(acc).unsqueeze(-1), grad.to(acc).unsqueeze(-1)
-    diff = q.unsqueeze(-2) - neighbours  # (*B, P, k, M)
-    # (q - g)/d before the upstream factor: its entries are at most 1, where up/d overflows for
-    # a subnormal d.
-    contrib = 2 * up * diff if ctx.squared else up * torch.where(d == 0, 0.0, diff / torch.where(d == 0, 1.0, d))
+    want_q, want_g = need_query or gallery is None, need_gallery or gallery is None
+    grad_q_blocks, grad_g = [], torch.zeros_like(gal) if want_g else None
+    rows = max(1, _BACKWARD_ELEMENTS // max(1, k * M))
+    # In place into the fresh accumulator, except under a torch.func transform, which cannot
+    # add a batched block into an unbatched tensor in place.
+    scatter_add = torch.Tensor.scatter_add if transform_or_forward_ad_active() else torch.Tensor.scatter_add_
+    for start in range(0, P, rows):
+        block = slice(start, start + rows)
+        index = indices[..., block, :]
+        n = index.shape[-2]
+        flat = index.reshape(*batch, n * k, 1).expand(*batch, n * k, M)
+        diff = q[..., block, :].unsqueeze(-2) - gal.gather(-2, flat).view(*batch, n, k, M)
+        d, up = distances[..., block, :].to(acc).unsqueeze(-1), grad[..., block, :].to(acc).unsqueeze(-1)
+        # (q - g)/d before the upstream factor: its entries are at most 1, where up/d overflows
+        # for a subnormal d.
+        contrib = 2 * up * diff if ctx.squared else up * torch.where(d == 0, 0.0, diff / torch.where(d == 0, 1.0, d))
+        if want_q:
+            grad_q_blocks.append(contrib.sum(-2))
+        if want_g:
+            grad_g = scatter_add(grad_g, -2, flat, contrib.reshape(*batch, n * k, M).neg())
+    grad_q = torch.cat(grad_q_blocks, -2) if want_q else None
     grad_query = grad_gallery = None
-    if need_query or gallery is None:
-        grad_q = contrib.sum(-2)
-    if gallery is None or need_gallery:
-        grad_g = torch.zeros_like(gal).scatter_add(-2, flat, -contrib.reshape(*batch, P * k, M))
     if gallery is None:
         grad_query = (grad_q + grad_g).sum_to_size(query.shape).to(query.dtype)
     else:

@@ -78,6 +78,10 @@ def label_smoothing_cross_entropy(
     check_reduction(op, reduction)
     label_smoothing = as_float(op, "label_smoothing", label_smoothing)
     check_bool(op, "exclude_target", exclude_target)
+    # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
+    # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
+    _check_inputs(input, target, weight)
+    _check_weight_constant(weight)
     if target.dtype in (torch.uint8, torch.int8, torch.int16):
         target = target.long()
     loss, _, _ = _forward_op(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target)
@@ -94,16 +98,29 @@ def _positions(input: Tensor) -> tuple:
     return () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
 
 
-@torch.library.register_fake("torchkit::label_smoothing_cross_entropy")
-def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target):
-    # What the shapes below need of csrc/label_smoothing_cross_entropy.cpp's checks, with its
-    # messages; the rest the kernel checks when the compiled graph calls it.
+def _check_inputs(input: Tensor, target: Tensor, weight: Optional[Tensor]) -> None:
+    """What the fake kernel's shapes need of csrc/label_smoothing_cross_entropy.cpp's checks,
+    with its messages; the rest the kernel checks when the compiled graph calls it."""
     check_floating("label_smoothing_cross_entropy", "input", input)
     if input.dim() == 0:
         raise ValueError(
             "label_smoothing_cross_entropy: input must have shape (C), (N, C) or (N, C, d1, ..., dk), got a 0-d tensor"
         )
     check_same_device("label_smoothing_cross_entropy", input=input, target=target, weight=weight)
+
+
+def _check_weight_constant(weight: Optional[Tensor]) -> None:
+    """The backward gives weight no gradient: one that asks for it would silently get none."""
+    if weight is not None and weight.requires_grad:
+        raise ValueError(
+            "label_smoothing_cross_entropy: weight must not require grad (class weights are "
+            "constants here), got a weight with requires_grad=True; pass weight.detach()"
+        )
+
+
+@torch.library.register_fake("torchkit::label_smoothing_cross_entropy")
+def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target):
+    _check_inputs(input, target, weight)
     positions = _positions(input)
     acc = acc_dtype(input)
     loss = input.new_empty(positions if reduction == "none" else ())
@@ -132,13 +149,7 @@ def _(grad, input, target, weight, lse, total_weight, ignore_index, reduction, l
 # the torch.func transforms and forward-mode AD.
 def _setup_context(ctx, inputs, output):
     input, target, weight, ignore_index, reduction, label_smoothing, exclude_target = inputs
-    # Here, not in the Python function, so that the raw op refuses it too: the backward gives
-    # weight no gradient, and one that asks for it would silently get none.
-    if weight is not None and weight.requires_grad:
-        raise ValueError(
-            "label_smoothing_cross_entropy: weight must not require grad (class weights are "
-            "constants here), got a weight with requires_grad=True; pass weight.detach()"
-        )
+    _check_weight_constant(weight)  # the raw op refuses it too
     _, lse, total_weight = output
     # Only the inputs (no copies), per-position lse and the mean's denominator.
     ctx.save_for_backward(input, target, weight, lse, total_weight)
