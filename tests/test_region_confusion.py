@@ -395,6 +395,22 @@ def test_bad_input_under_compile(monkeypatch, call, exc, match):
     check_compiled_refuses_like_eager(monkeypatch, ["region_confusion", "permute_blocks"], call)
 
 
+def test_permute_blocks_is_a_gather():
+    """Documented: any index map, a repeated index copies its block to every place naming it."""
+    x = make((2, 3, 14, 15))  # a column of remainder on the right, left in place
+    perm = torch.zeros(2, 49, dtype=torch.long)
+    perm[1] = torch.arange(49).flip(0) // 2  # blocks 24..0, most of them twice
+    out = ops.permute_blocks(x, perm, 7)
+    for n in range(2):
+        for b in range(49):
+            src = int(perm[n, b])
+            (r, c), (sr, sc) = divmod(b, 7), divmod(src, 7)
+            assert torch.equal(
+                out[n, :, 2 * r : 2 * r + 2, 2 * c : 2 * c + 2], x[n, :, 2 * sr : 2 * sr + 2, 2 * sc : 2 * sc + 2]
+            )
+    assert torch.equal(out[..., 14:], x[..., 14:])
+
+
 @pytest.mark.bad_input
 def test_backward_refuses_a_repeated_block_index():
     perm = torch.arange(49).repeat(2, 1)

@@ -23,8 +23,10 @@ def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
         x (Tensor[C, H, W] or Tensor[N, C, H, W]): blocks are ``⌊H/n⌋ × ⌊W/n⌋``; rows below
             and columns right of the last full block stay in place.
         permutation (Tensor[n²] or Tensor[N, n²]): int64 or int32 block indices in
-            ``[0, n²)``, a permutation per sample (values out of range raise on the CPU and
-            fail a device-side assertion on CUDA).
+            ``[0, n²)`` (values out of range raise on the CPU and fail a device-side
+            assertion on CUDA). The forward is a gather and takes any such index map: a
+            repeated index copies its block to each place that names it, unchecked (a check
+            would synchronise with the GPU). The gradient needs a permutation per sample.
         num_blocks: ``n``, in ``[1, min(H, W)]``.
     """
     check_tensor("permute_blocks", "x", x)
