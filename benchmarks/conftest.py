@@ -7,11 +7,12 @@ import torch
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "headline: the headline case of an op (make bench QUICK=1)")
+    config.addinivalue_line("markers", "headline: a headline case of an op (README; make bench QUICK=1)")
     config.addinivalue_line("markers", "cuda: a GPU case, skipped without a CUDA device")
 
 
 def pytest_collection_modifyitems(config, items):
+    config.torchkit_items = list(items)
     skip = pytest.mark.skip(reason="no CUDA device")
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
@@ -43,3 +44,7 @@ def contention():
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json["machine_info"]["contended"] = os.environ.get("TORCHKIT_BENCH_CONTENDED") == "1"
+    # The report's headline table takes the cases marked `headline`: the JSON records which.
+    headline = {item.nodeid for item in config.torchkit_items if "headline" in item.keywords}
+    for entry in output_json["benchmarks"]:
+        entry["extra_info"]["headline"] = entry["fullname"] in headline

@@ -6,16 +6,18 @@ benchmarks/RESULTS.md and README's headline table.
 
 Prints, per op, one Markdown table: each (case, pass) row gives torchkit's median time, peak
 extra memory and throughput (TFLOP/s or GB/s of the work the case cannot avoid), torchkit's
-time as a multiple of the roofline's (the machine's own primitive doing that work, timed in
-the same run: ≥ 1, and 1 is the limit), and for every peer the ratio peer median / torchkit
-median (> 1: torchkit is faster), with accuracy (cdist) and bytes saved for backward
-(bilinear_pool) where the benchmark recorded them. Writes the same Markdown next to the JSON
-(<name>.md) and one PNG bar chart per op (<name>_<op>.png).
+against the roofline's (the machine's own primitive doing that work, timed in the same run)
+as roofline median / torchkit median (≤ 1, and 1 is the limit), and for every peer the ratio
+peer median / torchkit median (> 1: torchkit is faster), with accuracy (cdist) and bytes saved
+for backward (bilinear_pool) where the benchmark recorded them. Every ratio reads the same
+way: above 1, torchkit takes less time. Writes the same Markdown next to the JSON (<name>.md)
+and one PNG bar chart per op (<name>_<op>.png).
 
 benchmarks/RESULTS.md holds the full tables of the latest full runs (results/cpu.json,
 results/cpu-contended.json, results/<gpu>/gpu.json) and the distributed benchmark's report
 (results/cpu-distributed.md); README's headline table (between its `headline` markers) holds,
-per op and machine, the headline case (the first the run made) against each peer.
+per op and machine, the headline cases (those marked `headline` in benchmarks/, recorded in
+each entry's extra_info; the op's first case where the run marked none) against each peer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 
 TORCHKIT = "torchkit"
 ROOFLINE = "roofline"  # benchmarks/common.py
@@ -40,14 +43,15 @@ HEADLINE_END = "<!-- headline:end -->"
 COLUMNS = """Each (case, pass) row gives torchkit's median time, the growth of the process's resident
 set (or, on CUDA, of the allocator's peak) during one call, and its throughput; "saves" is
 what autograd keeps for backward; "err" is the largest relative error against float64 on
-far-from-origin data (1000 + N(0, 1)). The roofline column is torchkit's time over the
-machine's own primitive for the work the op cannot avoid, timed in the same run: the GEMMs
-of the same shapes (`cdist`, `knn`, `bilinear_pool`, `covariance_pool`), a read of the
-logits, or a copy into a fresh gradient (cross-entropy), `x.clone()` (the block shuffle).
-Below 1 means that primitive paid a cost torchkit avoids (first-touch page faults of a fresh
-buffer; PyTorch's bfloat16 GEMM on a CPU without bfloat16 units). Every other column is
-peer median / torchkit median: above 1, torchkit is faster. The CPU machine is shared: single
-ratios move by up to ±30 % between runs."""
+far-from-origin data (1000 + N(0, 1)). The roofline column times the machine's own primitive
+for the work the op cannot avoid, in the same run: the GEMMs of the same shapes (`cdist`,
+`knn`, `bilinear_pool`, `covariance_pool`), a read of the logits, or a copy into a fresh
+gradient (cross-entropy), `x.clone()` (the block shuffle). Every ratio column, the roofline's
+included, is other median / torchkit median: above 1, torchkit takes less time. The roofline
+ratio is the fraction of that limit torchkit reaches (1 = at the limit); above 1 means that
+primitive paid a cost torchkit avoids (first-touch page faults of a fresh buffer; PyTorch's
+bfloat16 GEMM on a CPU without bfloat16 units). The CPU machine is shared: single ratios move
+by up to ±30 % between runs."""
 
 
 def _time(seconds: float) -> str:
@@ -94,7 +98,7 @@ def table(op: str, rows: dict) -> tuple[str, list[str], dict]:
         "case",
         "pass",
         "torchkit (median, peak extra memory, throughput)",
-        *(["torchkit ÷ roofline (roofline median, throughput)"] if has_roofline else []),
+        *(["vs roofline (roofline median, throughput)"] if has_roofline else []),
         *[f"vs {p}" for p in peers],
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -107,7 +111,7 @@ def table(op: str, rows: dict) -> tuple[str, list[str], dict]:
         if has_roofline:
             if ROOFLINE in impls:
                 rt, rextra = impls[ROOFLINE]
-                cells.append(f"**{t / rt:.2f}×** ({_time(rt)}{_rate(rt, rextra)})")
+                cells.append(f"**{rt / t:.2f}×** ({_time(rt)}{_rate(rt, rextra)})")
             else:
                 cells.append("–")
         for peer in peers:
@@ -119,22 +123,37 @@ def table(op: str, rows: dict) -> tuple[str, list[str], dict]:
                 cells.append("–")
                 ratios[peer].append(None)
         lines.append("| " + " | ".join(cells) + " |")
-    labels = [f"{c}\n{p}" for (c, p), i in rows.items() if TORCHKIT in i]
+    labels = [f"{c}, {p}" for (c, p), i in rows.items() if TORCHKIT in i]
     return "\n".join(lines), labels, ratios
 
 
 def chart(op: str, labels: list[str], ratios: dict, out: Path) -> None:
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
-    width = 0.8 / max(len(ratios), 1)
-    for k, (peer, values) in enumerate(ratios.items()):
-        xs = [i + k * width for i, v in enumerate(values) if v is not None]
-        ax.bar(xs, [v for v in values if v is not None], width, label=peer)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_yscale("log")
-    ax.set_xticks([i + width * (len(ratios) - 1) / 2 for i in range(len(labels))], labels, fontsize=7)
-    ax.set_ylabel("speed-up of torchkit (peer time / torchkit time)")
-    ax.set_title(f"torchkit.{op}")
-    ax.legend(fontsize=7)
+    """Horizontal bars, one group per (case, pass), one bar per peer with its value written at
+    its end; the logarithmic axis spans the ratios the peers reached (1× always shown)."""
+    values = [v for vs in ratios.values() for v in vs if v is not None]
+    if not values:
+        return
+    height = 0.8 / max(len(ratios), 1)
+    bars_height = 0.2 * len(labels) * max(len(ratios), 1)
+    fig, ax = plt.subplots(figsize=(9, 1.6 + bars_height))
+    for k, (peer, ratio) in enumerate(ratios.items()):
+        ys = [i + k * height for i, v in enumerate(ratio) if v is not None]
+        shown = [v for v in ratio if v is not None]
+        bars = ax.barh(ys, shown, height, label=peer)
+        ax.bar_label(bars, [f"{v:.2f}×" for v in shown], padding=2, fontsize=8)
+    low, high = min(min(values), 1.0) / 1.25, max(max(values), 1.0) * 1.6  # room for the value labels
+    ax.set_xscale("log")
+    ax.set_xlim(low, high)
+    ticks = [t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if low <= t <= high]
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda t, _: f"{t:g}×"))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks([i + height * (len(ratios) - 1) / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.set_ylim(len(labels) - 0.1, -0.3)  # the run's order, top to bottom
+    ax.set_xlabel("peer time / torchkit time (above 1×, torchkit is faster)")
+    ax.set_title(f"torchkit.{op}", pad=24)
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=min(len(ratios), 4), frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -173,9 +192,16 @@ def _runs() -> list[tuple[str, Path]]:
     return [(title, path) for title, path in runs if path.exists()]
 
 
+def headline_cases(rows: dict) -> list[str]:
+    """The op's cases marked `headline` in its benchmark file, in the run's order; its first
+    case where the run marked none (its GPU cases, or a run from before marks were recorded)."""
+    marked = [c for (c, _), impls in rows.items() if any(extra.get("headline") for _, extra in impls.values())]
+    return list(dict.fromkeys(marked)) or [next(iter(rows))[0]]
+
+
 def headline(runs: list[tuple[str, Path]]) -> str:
-    """Per op and machine: the run's first case of the op, forward+backward where it has one,
-    against every peer."""
+    """Per op and machine: the run's headline cases of the op, forward+backward where it has
+    one, against every peer."""
     lines = ["| op | machine | case | pass | torchkit | speed-up over |", "|---|---|---|---|---|---|"]
     by_op: dict = defaultdict(list)
     for title, path in runs:
@@ -185,15 +211,15 @@ def headline(runs: list[tuple[str, Path]]) -> str:
         cpu = machine.get("cpu", {})
         label = machine.get("gpu") or f"{cpu.get('brand_raw', 'CPU')}, {cpu.get('count', '?')} cores"
         for op, rows in ops.items():
-            case = next(iter(rows))[0]
-            passes = [p for c, p in rows if c == case and TORCHKIT in rows[(c, p)]]
-            pass_ = "forward+backward" if "forward+backward" in passes else passes[0]
-            impls = rows[(case, pass_)]
-            t = impls[TORCHKIT][0]
-            peers = ", ".join(
-                f"{peer} {pt / t:.2f}×" for peer, (pt, _) in impls.items() if peer not in (TORCHKIT, ROOFLINE)
-            )
-            by_op[op].append(f"| `{op}` | {label} | {case} | {pass_} | {_time(t)} | {peers} |")
+            for case in headline_cases(rows):
+                passes = [p for c, p in rows if c == case and TORCHKIT in rows[(c, p)]]
+                pass_ = "forward+backward" if "forward+backward" in passes else passes[0]
+                impls = rows[(case, pass_)]
+                t = impls[TORCHKIT][0]
+                peers = ", ".join(
+                    f"{peer} {pt / t:.2f}×" for peer, (pt, _) in impls.items() if peer not in (TORCHKIT, ROOFLINE)
+                )
+                by_op[op].append(f"| `{op}` | {label} | {case} | {pass_} | {_time(t)} | {peers} |")
     for op in sorted(by_op):
         lines += by_op[op]
     return "\n".join(lines)
