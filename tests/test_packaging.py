@@ -113,10 +113,8 @@ def test_vision_extra_keeps_the_torch(tmp_path):
     and the torchvision built for it, even when pip may choose every package afresh."""
     report = tmp_path / "report.json"
     target = f"{source_copy(tmp_path)}[vision]"
-    run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check"]
-        + ["--no-build-isolation", "--ignore-installed", "--report", str(report), target]
-    )
+    pip = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check"]
+    run([*pip, "--no-build-isolation", "--ignore-installed", "--report", str(report), target])
     chosen = {
         item["metadata"]["name"].lower(): item["metadata"]["version"]
         for item in json.loads(report.read_text())["install"]
