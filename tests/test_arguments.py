@@ -109,6 +109,18 @@ def test_int_past_int64_is_a_value_error(op, arg):
         call_with(op, arg, 2**70)
 
 
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "op,arg", [(op, arg) for op, (_, kw) in CALLS.items() for arg in kw if KIND_OF.get(arg) == "float"]
+)
+def test_int_past_float64_is_a_value_error(op, arg):
+    """float(10**400) raises Python's bare OverflowError, naming neither the op nor the argument."""
+    with pytest.raises(ValueError, match=rf"^{op}: {arg} must fit in a float \(float64\), got an int of 401 digits"):
+        call_with(op, arg, 10**400)
+    with pytest.raises(ValueError, match=rf"^{op}: {arg} must fit in a float"):
+        call_with(op, arg, -(10**400))
+
+
 def test_ints_and_floats_take_numpy_scalars_and_0d_tensors():
     expected = ops.label_smoothing_cross_entropy(x2, labels, ignore_index=1, label_smoothing=0.25)
     for ignore_index, smoothing in [(np.int32(1), np.float32(0.25)), (torch.tensor(1), torch.tensor(0.25)), (1, 0.25)]:
@@ -160,6 +172,7 @@ COMPILED = [
     ("label_smoothing_cross_entropy", lambda: ops.label_smoothing_cross_entropy(x2, labels, 0.1)),
     ("label_smoothing_cross_entropy", lambda: ops.label_smoothing_cross_entropy(x2, labels, exclude_target=1)),
     ("permute_blocks", lambda: ops.permute_blocks(x4, [0, 1, 2, 3], 2)),
+    ("bilinear_pool", lambda: ops.bilinear_pool(x4, sqrt_eps=10**400)),
 ]
 
 

@@ -18,6 +18,7 @@ from testing import (
     check_compiled_refuses_like_eager,
     check_cuda_matches_cpu,
     check_gradcheck,
+    check_meta_refuses_like_eager,
     check_opcheck,
     make_noncontiguous,
 )
@@ -425,6 +426,14 @@ def test_bad_input(call, exc, match):
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input_under_compile(monkeypatch, call, exc, match):
     check_compiled_refuses_like_eager(monkeypatch, ["bilinear_pool"], call)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_on_meta_tensors(monkeypatch, call, exc, match):
+    """The fake kernel refuses what the kernel refuses: it checked only devices, and returned
+    a shape for a 3-D input or a y of another N, H·W or dtype."""
+    check_meta_refuses_like_eager(monkeypatch, "bilinear_pool", call)
 
 
 @pytest.mark.bad_input

@@ -20,6 +20,7 @@ from testing import (
     check_compiled_refuses_like_eager,
     check_cuda_matches_cpu,
     check_gradcheck,
+    check_meta_refuses_like_eager,
     check_opcheck,
     exact_squared_distances,
     extreme_points,
@@ -559,3 +560,9 @@ def test_cuda_matches_cpu(dtype, shape1, shape2):
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input_under_compile(monkeypatch, call, exc, match):
     check_compiled_refuses_like_eager(monkeypatch, ["cdist"], call)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_on_meta_tensors(monkeypatch, call, exc, match):
+    check_meta_refuses_like_eager(monkeypatch, "cdist", call)

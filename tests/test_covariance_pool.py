@@ -17,6 +17,7 @@ from testing import (
     check_compiled_refuses_like_eager,
     check_cuda_matches_cpu,
     check_gradcheck,
+    check_meta_refuses_like_eager,
     check_opcheck,
     make_noncontiguous,
 )
@@ -348,6 +349,12 @@ def test_bad_input(call, exc, match):
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input_under_compile(monkeypatch, call, exc, match):
     check_compiled_refuses_like_eager(monkeypatch, ["covariance_pool"], call)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_on_meta_tensors(monkeypatch, call, exc, match):
+    check_meta_refuses_like_eager(monkeypatch, "covariance_pool", call)
 
 
 @pytest.mark.bad_input

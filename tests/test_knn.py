@@ -19,6 +19,7 @@ from testing import (
     check_compiled_refuses_like_eager,
     check_cuda_matches_cpu,
     check_gradcheck,
+    check_meta_refuses_like_eager,
     check_opcheck,
     exact_squared_distances,
     extreme_points,
@@ -488,6 +489,12 @@ def test_cuda_matches_cpu(dtype, shape1, shape2, k):
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input_under_compile(monkeypatch, call, exc, match):
     check_compiled_refuses_like_eager(monkeypatch, ["knn"], call)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_input_on_meta_tensors(monkeypatch, call, exc, match):
+    check_meta_refuses_like_eager(monkeypatch, "knn", call)
 
 
 # The CUDA kernel screens with a bfloat16 GEMM and recomputes, directly, every entry that its

@@ -16,6 +16,7 @@ from testing import (
     check_compiled_refuses_like_eager,
     check_cuda_matches_cpu,
     check_gradcheck,
+    check_meta_refuses_like_eager,
     check_opcheck,
     make_noncontiguous,
 )
@@ -545,6 +546,16 @@ def test_bad_input_under_compile(monkeypatch, x, t, kw, exc, match):
 
 
 @pytest.mark.bad_input
+@pytest.mark.parametrize("x,t,kw,exc,match", [case for case in BAD if case[3] is not IndexError])
+def test_bad_input_on_meta_tensors(monkeypatch, x, t, kw, exc, match):
+    """The fake kernel refuses what the kernel refuses; only class indices out of range (the
+    IndexErrors) are the kernel's alone: on meta tensors there are no values to read."""
+    check_meta_refuses_like_eager(
+        monkeypatch, "label_smoothing_cross_entropy", lambda: ops.label_smoothing_cross_entropy(x, t, **kw)
+    )
+
+
+@pytest.mark.bad_input
 @pytest.mark.cuda
 def test_device_mismatch():
     with pytest.raises(ValueError, match=r"input and target must be on the same device"):
@@ -633,3 +644,21 @@ except RuntimeError as e:
     print("raised:", e)
 """
     assert_device_side_assert(code, "target must hold class indices")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e38), (torch.bfloat16, 1e38), (torch.float16, 3e4)])
+@pytest.mark.parametrize("n", [10, 20000])  # the CPU's serial sum (up to 16,384 positions) and the tensor sum
+def test_a_sum_of_finite_losses_that_overflows_is_inf(device, dtype, scale, n):
+    """As F.cross_entropy: each loss is finite, their sum passes the dtype's range and is inf;
+    the mean stays finite. It raised 'value cannot be converted to type float without overflow'."""
+    x = torch.zeros(n, 2, dtype=dtype, device=device)
+    x[:, 0] = -scale
+    target = torch.zeros(n, dtype=torch.long, device=device)
+    losses = ops.label_smoothing_cross_entropy(x, target, reduction="none")
+    assert losses.isfinite().all()
+    total = ops.label_smoothing_cross_entropy(x, target, reduction="sum")
+    assert total.dtype == dtype and total.item() == float("inf")
+    assert F.cross_entropy(x, target, reduction="sum", label_smoothing=0.1).item() == float("inf")
+    mean = ops.label_smoothing_cross_entropy(x, target, reduction="mean")
+    torch.testing.assert_close(mean, F.cross_entropy(x.double(), target, label_smoothing=0.1).to(dtype))

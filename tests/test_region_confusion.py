@@ -1,6 +1,8 @@
 """torchkit.ops.region_confusion / permute_blocks against a slicing oracle, the cookbook
 reference and the cookbook's distribution."""
 
+import inspect
+
 import pytest
 import torch
 from testing import (
@@ -8,6 +10,7 @@ from testing import (
     assert_device_side_assert,
     check_compiled_refuses_like_eager,
     check_gradcheck,
+    check_meta_refuses_like_eager,
     check_opcheck,
     compiled,
 )
@@ -393,6 +396,17 @@ def test_bad_input(call, exc, match):
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input_under_compile(monkeypatch, call, exc, match):
     check_compiled_refuses_like_eager(monkeypatch, ["region_confusion", "permute_blocks"], call)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [c for c in BAD if callable(c[0]) and "ops.permute_blocks" in inspect.getsource(c[0]) and c[1] is not IndexError],
+)
+def test_permute_blocks_bad_input_on_meta_tensors(monkeypatch, call, exc, match):
+    """The fake kernel refuses what the kernel refuses; only out-of-range indices (the
+    IndexErrors) are the kernel's alone: on meta tensors there are no values to read."""
+    check_meta_refuses_like_eager(monkeypatch, "permute_blocks", call)
 
 
 def test_permute_blocks_is_a_gather():

@@ -131,6 +131,29 @@ def check_compiled_refuses_like_eager(monkeypatch, names: list[str], call) -> No
     assert str(graph_break.value) == str(eager.value)
 
 
+def check_meta_refuses_like_eager(monkeypatch, name: str, call) -> None:
+    """`call()` (which builds bad input eagerly and calls `torchkit.ops.<name>`) raises the
+    same exception, type and message, with its tensors moved to the meta device: there only
+    the fake kernel runs, so it must refuse what the kernel refuses (a device-mismatch case
+    is left out: on meta, every tensor shares the device)."""
+    with pytest.raises(Exception) as eager:
+        call()
+    if "must be on the same device" in str(eager.value):
+        pytest.skip("on the meta device every tensor shares the device")
+    original = getattr(ops, name)
+
+    def on_meta(*args, **kwargs):
+        def meta(v):
+            return v.to("meta") if torch.is_tensor(v) else v
+
+        return original(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+
+    monkeypatch.setattr(ops, name, on_meta)
+    with pytest.raises(type(eager.value)) as on_meta_error:
+        call()
+    assert str(on_meta_error.value) == str(eager.value)
+
+
 def check_cuda_matches_cpu(fn, *inputs, differentiable=None, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     """fn on CUDA copies of `inputs` agrees with fn on the CPU tensors: the output and, for one
     random upstream gradient, the gradients of the inputs at the positions `differentiable`

@@ -68,11 +68,18 @@ def as_int(op: str, name: str, value: Any) -> int:
     return integer
 
 
+# The smallest int that float() rounds past float64's largest value (max + half an ulp).
+_FLOAT64_OVERFLOW = 2**1024 - 2**970
+
+
 def as_float(op: str, name: str, value: Any) -> float:
     """A float argument as a Python float: any real number (ints, numpy scalars and 0-d real
     tensors included); bool, complex and anything else refused with a TypeError that names
-    the argument. Ranges (finite, >= 0, ...) are the kernels' checks."""
+    the argument; an int past float64's range with a ValueError (Python's own OverflowError
+    names neither). Ranges (finite, >= 0, ...) are the kernels' checks."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):  # first, as in as_int
+        if isinstance(value, int) and abs(value) >= _FLOAT64_OVERFLOW:  # compared, not caught: Dynamo traces it
+            raise ValueError(f"{op}: {name} must fit in a float (float64), got an int of {len(str(abs(value)))} digits")
         return float(value)
     if torch.is_tensor(value):
         if value.dim() == 0 and (value.is_floating_point() or value.dtype in _INTEGRAL):

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, as_float, check_same_device, check_tensor, register_op
+from torchkit.ops._common import (
+    acc_dtype,
+    as_float,
+    check_floating,
+    check_same_device,
+    check_tensor,
+    dtype_name,
+    register_op,
+)
 
 
 def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e-5, l2_eps: float = 1e-12) -> Tensor:
@@ -38,13 +47,44 @@ def bilinear_pool(x: Tensor, y: Optional[Tensor] = None, *, sqrt_eps: float = 1e
     check_tensor("bilinear_pool", "x", x)
     check_tensor("bilinear_pool", "y", y, optional=True)
     eps = as_float("bilinear_pool", "sqrt_eps", sqrt_eps), as_float("bilinear_pool", "l2_eps", l2_eps)
+    # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
+    # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
+    _check_inputs(x, y, *eps)
     out, _ = _forward_op(x, y, *eps)
     return out
 
 
+def _check_inputs(x: Tensor, y: Optional[Tensor], sqrt_eps: float, l2_eps: float) -> None:
+    """csrc/bilinear_pool.cpp's check_inputs, in the same order with the same messages, for
+    the Python function and the fake kernel: meta tensors and torch.compile refuse bad input
+    as the kernels do."""
+    op = "bilinear_pool"
+    check_floating(op, "x", x)
+    if x.dim() != 4:
+        raise ValueError(f"{op}: x must be a 4-D feature map (N, D, H, W), got shape {list(x.shape)}")
+    for name, eps in (("sqrt_eps", sqrt_eps), ("l2_eps", l2_eps)):
+        if not 0.0 <= eps < math.inf:  # comparisons, which Dynamo traces for a symbolic float; NaN fails
+            raise ValueError(f"{op}: {name} must be finite and >= 0, got {eps:g}")  # as C++ prints a double
+    if x.shape[2] * x.shape[3] == 0:
+        raise ValueError(
+            f"{op}: x must have at least one spatial position (H·W > 0): the pooled product is divided by H·W; "
+            f"got shape {list(x.shape)}"
+        )
+    if y is None:
+        return
+    check_same_device(op, x=x, y=y)
+    if y.dtype != x.dtype:
+        raise TypeError(f"{op}: x and y must have the same dtype, got {dtype_name(x.dtype)} and {dtype_name(y.dtype)}")
+    if y.dim() != 4 or y.shape[0] != x.shape[0] or y.shape[2:] != x.shape[2:]:
+        raise ValueError(
+            f"{op}: y must be (N, E, H, W) with x's N, H and W, got x of shape {list(x.shape)} and y of shape "
+            f"{list(y.shape)}"
+        )
+
+
 @torch.library.register_fake("torchkit::bilinear_pool")
 def _(x, y, sqrt_eps, l2_eps):
-    check_same_device("bilinear_pool", x=x, y=y)
+    _check_inputs(x, y, sqrt_eps, l2_eps)
     E = x.shape[1] if y is None else y.shape[1]
     return x.new_empty((x.shape[0], x.shape[1] * E)), x.new_empty((x.shape[0],), dtype=acc_dtype(x))
 

@@ -16,6 +16,7 @@ from torchkit.ops._common import (
     check_same_device,
     check_tensor,
     describe,
+    dtype_name,
     register_op,
 )
 
@@ -80,10 +81,10 @@ def label_smoothing_cross_entropy(
     check_bool(op, "exclude_target", exclude_target)
     # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
     # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
-    _check_inputs(input, target, weight)
-    _check_weight_constant(weight)
     if target.dtype in (torch.uint8, torch.int8, torch.int16):
         target = target.long()
+    _check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target)
+    _check_weight_constant(weight)
     loss, _, _ = _forward_op(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target)
     return loss
 
@@ -98,15 +99,72 @@ def _positions(input: Tensor) -> tuple:
     return () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
 
 
-def _check_inputs(input: Tensor, target: Tensor, weight: Optional[Tensor]) -> None:
-    """What the fake kernel's shapes need of csrc/label_smoothing_cross_entropy.cpp's checks,
-    with its messages; the rest the kernel checks when the compiled graph calls it."""
-    check_floating("label_smoothing_cross_entropy", "input", input)
+def _check_inputs(
+    input: Tensor,
+    target: Tensor,
+    weight: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    exclude_target: bool,
+) -> None:
+    """csrc/label_smoothing_cross_entropy.cpp's check_inputs, in the same order with the same
+    messages, for the Python function and the fake kernel: meta tensors and torch.compile
+    refuse bad input as the kernels do. Only the target's values (class indices in range)
+    are the kernels' alone: no shape or dtype says them."""
+    op = "label_smoothing_cross_entropy"
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{op}: reduction must be 'none', 'mean' or 'sum', got '{reduction}'")
+    check_floating(op, "input", input)
     if input.dim() == 0:
+        raise ValueError(f"{op}: input must have shape (C), (N, C) or (N, C, d1, ..., dk), got a 0-d tensor")
+    check_same_device(op, input=input, target=target)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing:g}")  # as C++ prints it
+    C = input.shape[0 if input.dim() == 1 else 1]
+    if C == 0:
+        raise ValueError(f"{op}: input must have at least one class (C > 0), got input of shape {list(input.shape)}")
+    if target.is_floating_point():
+        if target.shape != input.shape:
+            raise ValueError(
+                f"{op}: a floating target holds class probabilities and must have the input's shape "
+                f"{list(input.shape)}, got {list(target.shape)}"
+            )
+        if target.dtype != input.dtype:
+            raise TypeError(
+                f"{op}: input and a probability target must have the same dtype, got {dtype_name(input.dtype)} and "
+                f"{dtype_name(target.dtype)}"
+            )
+        if ignore_index >= 0:
+            raise ValueError(
+                f"{op}: ignore_index is not supported with probability targets, got ignore_index={ignore_index}"
+            )
+    else:
+        if target.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"{op}: target must hold class indices (int64 or int32) or class probabilities (the input's floating "
+                f"dtype), got {dtype_name(target.dtype)}"
+            )
+        positions = list(_positions(input))
+        if list(target.shape) != positions:
+            raise ValueError(
+                f"{op}: a class-index target must have shape {positions} (the input's shape {list(input.shape)} "
+                f"without the class dimension), got {list(target.shape)}"
+            )
+    if weight is not None:
+        if weight.dim() != 1 or weight.shape[0] != C:
+            raise ValueError(f"{op}: weight must have shape (C,) = ({C},), got {list(weight.shape)}")
+        if weight.dtype != input.dtype:
+            raise TypeError(
+                f"{op}: input and weight must have the same dtype, got {dtype_name(input.dtype)} and "
+                f"{dtype_name(weight.dtype)}"
+            )
+        check_same_device(op, input=input, weight=weight)
+    if exclude_target and C < 2 and label_smoothing != 0.0:
         raise ValueError(
-            "label_smoothing_cross_entropy: input must have shape (C), (N, C) or (N, C, d1, ..., dk), got a 0-d tensor"
+            f"{op}: exclude_target=True spreads label_smoothing over the C - 1 other classes and needs C >= 2, "
+            f"got C = {C}"
         )
-    check_same_device("label_smoothing_cross_entropy", input=input, target=target, weight=weight)
 
 
 def _check_weight_constant(weight: Optional[Tensor]) -> None:
@@ -120,7 +178,7 @@ def _check_weight_constant(weight: Optional[Tensor]) -> None:
 
 @torch.library.register_fake("torchkit::label_smoothing_cross_entropy")
 def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target):
-    _check_inputs(input, target, weight)
+    _check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target)
     positions = _positions(input)
     acc = acc_dtype(input)
     loss = input.new_empty(positions if reduction == "none" else ())

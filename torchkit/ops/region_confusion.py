@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import as_int, check_same_device, check_tensor, register_op
+from torchkit.ops._common import as_int, check_same_device, check_tensor, dtype_name, register_op
 
 
 def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
@@ -31,7 +31,36 @@ def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
     """
     check_tensor("permute_blocks", "x", x)
     check_tensor("permute_blocks", "permutation", permutation)
-    return _forward_op(x, permutation, as_int("permute_blocks", "num_blocks", num_blocks))
+    num_blocks = as_int("permute_blocks", "num_blocks", num_blocks)
+    # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
+    # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
+    _check_inputs(x, permutation, num_blocks)
+    return _forward_op(x, permutation, num_blocks)
+
+
+def _check_inputs(x: Tensor, permutation: Tensor, num_blocks: int) -> None:
+    """csrc/region_confusion.cpp's checks (prepare), in the same order with the same messages,
+    for the Python function and the fake kernel. The indices' range is the kernels' alone: no
+    shape or dtype says it."""
+    op = "permute_blocks"
+    if x.dim() not in (3, 4):
+        raise ValueError(f"{op}: x must be an image (C, H, W) or a batch (N, C, H, W), got shape {list(x.shape)}")
+    H, W, n = x.shape[-2], x.shape[-1], num_blocks
+    if not (n >= 1 and n <= H and n <= W):
+        raise ValueError(
+            f"{op}: num_blocks must be in [1, min(H, W)] = [1, {min(H, W)}] for x of shape {list(x.shape)}, got {n}"
+        )
+    if permutation.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"{op}: permutation must hold block indices (int64 or int32), got {dtype_name(permutation.dtype)}"
+        )
+    check_same_device(op, x=x, permutation=permutation)
+    expected = [x.shape[0], n * n] if x.dim() == 4 else [n * n]
+    if list(permutation.shape) != expected:
+        raise ValueError(
+            f"{op}: permutation must have shape {expected} (one index per block, num_blocks² per sample), got "
+            f"{list(permutation.shape)}"
+        )
 
 
 def _permute_blocks_format(x: Tensor) -> torch.memory_format:
@@ -42,7 +71,7 @@ def _permute_blocks_format(x: Tensor) -> torch.memory_format:
 
 @torch.library.register_fake("torchkit::permute_blocks")
 def _(x, permutation, num_blocks):
-    check_same_device("permute_blocks", x=x, permutation=permutation)
+    _check_inputs(x, permutation, num_blocks)
     x4 = x if x.dim() == 4 else x.unsqueeze(0)
     out = torch.empty_like(x4, memory_format=_permute_blocks_format(x))
     return out if x.dim() == 4 else out.squeeze(0)
