@@ -2,7 +2,9 @@
 torch.cdist + topk."""
 
 import importlib
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -666,3 +668,14 @@ def test_cuda_graph_capture_and_replay(self_):
     again = ops.knn(q, g, 8)
     assert torch.equal(i, again[1]) and torch.equal(d, again[0])
     assert not torch.equal(i, expected[1])
+
+
+def test_documented_workspace_is_the_kernels():
+    """knn's docstring and docs/ops.md name the CPU kernel's product tile as it is (the
+    docstring said 16 MiB of an 8 MiB tile)."""
+    root = Path(__file__).resolve().parent.parent
+    shift = re.search(r"kProductTileBytes = (\d+) << 20;", (root / "csrc" / "cpu" / "knn_cpu.cpp").read_text())
+    assert shift, "csrc/cpu/knn_cpu.cpp: kProductTileBytes"
+    tile = f"{int(shift[1])} MiB"
+    assert f"an {tile} tile" in " ".join(ops.knn.__doc__.split())
+    assert f"{tile} tile" in " ".join((root / "docs" / "ops.md").read_text().split())
