@@ -158,6 +158,9 @@ def test_sdist_installs_in_a_fresh_venv(sdist, tmp_path):
     build_path = Path(site, "development.pth")
     build_path.write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "TORCHKIT_CUDA": "0", "HOME": str(tmp_path)}
+    # A venv of Python < 3.12 carries its own setuptools (65 on 3.11), below the build's range
+    # (setup.py stops there): without it, the development environment's is found.
+    run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", "setuptools"], env=env)
     run(
         [str(python), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", str(sdist)],
         env=env,
