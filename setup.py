@@ -92,26 +92,6 @@ def torch_release(version: str) -> str:
     return version.split("+")[0]
 
 
-def torchvision_requirement(torch_version: str) -> str:
-    """The torchvision releases built for a torch release: torch 2.m pairs with torchvision
-    0.(m + 15). Unpinned for another major: torchkit's exact torch pin still leads pip's
-    resolver to the torchvision that pins the same torch."""
-    major, minor = (int(part) for part in torch_release(torch_version).split(".")[:2])
-    return f"torchvision==0.{minor + 15}.*" if major == 2 else "torchvision"
-
-
-def requirements(torch_version: str) -> tuple[list[str], dict[str, list[str]]]:
-    """install_requires and extras_require: the torch the extension is compiled against,
-    exactly (its C++ ABI changes between releases), and extras that never replace it."""
-    vision = [torchvision_requirement(torch_version), "pillow"]
-    return [f"torch=={torch_release(torch_version)}"], {
-        "vision": vision,  # torchkit.transforms
-        "example": [*vision, "tqdm"],  # examples/bcnn_finegrained.py
-        "test": ["pytest", "hypothesis", "numpy", *vision],
-        "bench": ["pytest-benchmark", "matplotlib", "timm", "kornia", "faiss-cpu"],
-    }
-
-
 def build_record(torch_version: str, in_place: bool) -> str:
     """torchkit/_build.py, written beside the extension: what torchkit/__init__.py checks
     before loading it (a mismatched torch fails there with an undefined symbol)."""
@@ -120,7 +100,6 @@ def build_record(torch_version: str, in_place: bool) -> str:
         f"TORCH = {torch_version!r}\n"
         f"SOURCE = {str(ROOT)!r}\n"
         f"IN_PLACE = {in_place!r}  # an editable (in-place) build of SOURCE\n"
-        f"VISION = {requirements(torch_version)[1]['vision']!r}  # what torchkit.transforms needs beside this torch\n"
     )
 
 
@@ -260,11 +239,11 @@ def make_extension():
 
 # Guarded so that tools/cxx17_check.py can import the flags; setuptools runs this as __main__.
 if __name__ == "__main__":
-    install_requires, extras_require = requirements(torch.__version__)
     setup(
         name=LIBRARY,
-        install_requires=install_requires,
-        extras_require=extras_require,
+        # Exactly the torch release the extension is compiled against: its C++ ABI changes from
+        # one release to the next. The extras' torchvision (pyproject.toml) follows from it.
+        install_requires=[f"torch=={torch_release(torch.__version__)}"],
         packages=find_packages(include=[LIBRARY, f"{LIBRARY}.*"]),
         package_data={LIBRARY: ["py.typed"]},
         ext_modules=[make_extension()],

@@ -83,7 +83,7 @@ def test_missing_extension_is_an_actionable_import_error(tmp_path):
 
 
 def record(torch_version: str, source: Path, in_place: bool) -> SimpleNamespace:
-    return SimpleNamespace(TORCH=torch_version, SOURCE=str(source), IN_PLACE=in_place, VISION=[])
+    return SimpleNamespace(TORCH=torch_version, SOURCE=str(source), IN_PLACE=in_place)
 
 
 def test_build_record_describes_this_build():
@@ -134,7 +134,7 @@ def import_in(src: Path, tmp_path: Path, *extra_path: Path) -> subprocess.Comple
 def test_torch_version_is_checked_before_loading_the_extension(tmp_path):
     """A record of another torch stops the import before any C++ is loaded (here there is
     none: a load would fail differently), naming both versions and the rebuild command."""
-    src = source_tree(tmp_path, f"TORCH = '2.8.0'\nSOURCE = {str(tmp_path / 'src')!r}\nIN_PLACE = True\nVISION = []\n")
+    src = source_tree(tmp_path, f"TORCH = '2.8.0'\nSOURCE = {str(tmp_path / 'src')!r}\nIN_PLACE = True\n")
     run = import_in(src, tmp_path)
     assert run.returncode != 0
     assert f"torchkit was built against torch 2.8.0, but torch {torch.__version__} is installed" in run.stderr

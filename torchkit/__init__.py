@@ -172,9 +172,8 @@ def __getattr__(name: str):
     try:
         return importlib.import_module("torchkit.transforms")
     except ImportError as err:
-        wanted = " ".join(f"'{requirement}'" for requirement in _BUILD.VISION)
         raise ImportError(
-            f"torchkit.transforms needs torchvision (and Pillow): {err}. Install the torchvision built for "
-            f"torch {torch.__version__} with: pip install {wanted} (for a CPU-only torch, from the index it came from: "
-            "add --index-url https://download.pytorch.org/whl/cpu)"
+            f"torchkit.transforms needs torchvision (and Pillow): {err}. Install them beside this torch with: "
+            f"pip install torchvision pillow 'torch=={_release(torch.__version__)}' (the torch pin stops pip from "
+            "replacing it; for a CPU-only torch, add its index: --index-url https://download.pytorch.org/whl/cpu)"
         ) from err
