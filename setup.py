@@ -138,7 +138,10 @@ class BuildExtension(cpp_extension.BuildExtension):
 
     def finalize_options(self):
         super().finalize_options()
-        if Path(self.build_temp).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve()):
+        # pip's throw-away directory: in the temporary directory and outside the source tree
+        # (a checkout may itself live in the temporary directory, with --build-temp inside it).
+        temp = Path(self.build_temp).resolve()
+        if temp.is_relative_to(Path(tempfile.gettempdir()).resolve()) and not temp.is_relative_to(ROOT):
             self.build_temp = str(ROOT / "build" / "temp")
 
     def run(self):
