@@ -78,12 +78,16 @@ IMPLS = {
     ROOFLINE: tiled_gemm,
 }
 
-# (case, query shape, gallery shape or None for leave-one-out, k, offset)
+# (case, query shape, gallery shape or None for leave-one-out, k, offset, distinct rows or
+# None). The two small leave-one-out cases differ only in their rows: every row distinct, or
+# drawn from 10 points (duplicates: every distance to one's own point ties at 0).
 CASES = [
-    pytest.param("leave-one-out P=R=20000 M=128 k=8", (20000, 128), None, 8, 0.0, marks=pytest.mark.headline),
-    pytest.param("query→gallery P=1000 R=100000 M=512 k=100", (1000, 512), (100000, 512), 100, 0.0),
-    pytest.param("leave-one-out P=R=5000 M=128 k=8", (5000, 128), None, 8, 0.0),
-    pytest.param("far from origin P=2000 R=20000 M=128 k=8", (2000, 128), (20000, 128), 8, 1000.0),
+    pytest.param("leave-one-out P=R=20000 M=128 k=8", (20000, 128), None, 8, 0.0, None, marks=pytest.mark.headline),
+    pytest.param("query→gallery P=1000 R=100000 M=512 k=100", (1000, 512), (100000, 512), 100, 0.0, None),
+    pytest.param("leave-one-out P=R=5000 M=128 k=8", (5000, 128), None, 8, 0.0, None),
+    pytest.param("far from origin P=2000 R=20000 M=128 k=8", (2000, 128), (20000, 128), 8, 1000.0, None),
+    pytest.param("leave-one-out P=R=6000 M=16 k=50", (6000, 16), None, 50, 0.0, None),
+    pytest.param("ties: 10 distinct rows, leave-one-out P=R=6000 M=16 k=50", (6000, 16), None, 50, 0.0, 10),
 ]
 
 
@@ -91,18 +95,42 @@ CASES = [
 # are built for CUDA 12 and bring their own cuBLAS and runtime, hundreds of MiB that the GPU
 # machine cannot install without a network.
 GPU_CASES = [
-    pytest.param("leave-one-out P=R=20000 M=128 k=8 fp32", (20000, 128), None, 8, 0.0, marks=pytest.mark.cuda),
+    pytest.param("leave-one-out P=R=20000 M=128 k=8 fp32", (20000, 128), None, 8, 0.0, None, marks=pytest.mark.cuda),
     pytest.param(
-        "query→gallery P=1000 R=100000 M=512 k=100 fp32", (1000, 512), (100000, 512), 100, 0.0, marks=pytest.mark.cuda
+        "query→gallery P=1000 R=100000 M=512 k=100 fp32",
+        (1000, 512),
+        (100000, 512),
+        100,
+        0.0,
+        None,
+        marks=pytest.mark.cuda,
     ),
     pytest.param(
-        "query→gallery P=1000 R=100000 M=512 k=100 bf16", (1000, 512), (100000, 512), 100, 0.0, marks=pytest.mark.cuda
+        "query→gallery P=1000 R=100000 M=512 k=100 bf16",
+        (1000, 512),
+        (100000, 512),
+        100,
+        0.0,
+        None,
+        marks=pytest.mark.cuda,
     ),
     pytest.param(
-        "far from origin P=2000 R=20000 M=128 k=8 fp32", (2000, 128), (20000, 128), 8, 1000.0, marks=pytest.mark.cuda
+        "far from origin P=2000 R=20000 M=128 k=8 fp32",
+        (2000, 128),
+        (20000, 128),
+        8,
+        1000.0,
+        None,
+        marks=pytest.mark.cuda,
     ),
     pytest.param(
-        "query→gallery P=1000 R=100000 M=128 k=1000 fp32", (1000, 128), (100000, 128), 1000, 0.0, marks=pytest.mark.cuda
+        "query→gallery P=1000 R=100000 M=128 k=1000 fp32",
+        (1000, 128),
+        (100000, 128),
+        1000,
+        0.0,
+        None,
+        marks=pytest.mark.cuda,
     ),
 ]
 GPU_IMPLS = ("torchkit", "torch.cdist + topk", ROOFLINE)
@@ -116,8 +144,8 @@ def max_rel_error(d, q, g, k):
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("case,query,gallery,k,offset", CASES + GPU_CASES)
-def test_knn(benchmark, case, query, gallery, k, offset, impl):
+@pytest.mark.parametrize("case,query,gallery,k,offset,distinct", CASES + GPU_CASES)
+def test_knn(benchmark, case, query, gallery, k, offset, distinct, impl):
     dtype = GPU_DTYPES.get(case.rsplit(" ", 1)[-1])
     device = "cpu" if dtype is None else "cuda"
     if device == "cuda" and impl not in GPU_IMPLS:
@@ -130,6 +158,8 @@ def test_knn(benchmark, case, query, gallery, k, offset, impl):
         pytest.skip("pykeops' CPU backend (no BLAS) takes tens of seconds per call here")
     g0 = torch.Generator(device).manual_seed(0)  # drawn where they live
     q = (offset + torch.randn(query, generator=g0, device=device)).to(dtype or torch.float32)
+    if distinct:
+        q = q[torch.randint(distinct, (query[0],), generator=g0, device=device)]
     g = None if gallery is None else (offset + torch.randn(gallery, generator=g0, device=device)).to(q.dtype)
     call = functools.partial(IMPLS[impl], q, g, k)
     extra = {"flops": 2 * work}

@@ -137,14 +137,25 @@ std::tuple<at::Tensor, at::Tensor> centre_aten(const Problem& p, const at::Tenso
                                                const std::optional<at::Tensor>& scale) {
   const Tensor a = positions(p, x).to(acc_type(x));
   // The mean summed and subtracted in float64, so that each centred value is rounded once
-  // (cpu/covariance_pool_cpu.cpp's centre_kernel says why); M·max|x| may overflow float32.
-  Tensor xc = (a - a.mean({2}, /*keepdim=*/true, at::kDouble)).to(a.scalar_type());
+  // (cpu/covariance_pool_cpu.cpp's ChannelStats says why); M·max|x| may overflow float32.
+  // A constant channel's mean must be exact: float32's float64 sum is (below 2^29
+  // positions); float64's is formed as the first position plus the mean of the differences
+  // from it, as the CPU's is.
+  Tensor mean;
+  if (a.scalar_type() == at::kDouble) {
+    const Tensor x0 = a.narrow(2, 0, 1);
+    mean = x0 + (a - x0).mean({2}, /*keepdim=*/true);
+  } else {
+    mean = a.mean({2}, /*keepdim=*/true, at::kDouble);
+  }
+  Tensor xc = (a - mean).to(a.scalar_type());
   Tensor s;
   if (scale.has_value()) {
     s = *scale;
   } else {
-    // Dividing by a power of two is exact; 0 (constant features), NaN and inf keep s = 1.
-    const Tensor m = at::linalg_vector_norm(xc, INFINITY, at::IntArrayRef{1, 2});
+    // Dividing by a power of two is exact; 0 (constant features) keeps s = 1. NaN and ±∞
+    // have no say in the scale of the sample's other channels.
+    const Tensor m = xc.abs().nan_to_num_(0, 0, 0).amax({1, 2});
     const auto [mantissa, exponent] = at::frexp(m);
     s = at::where(at::isfinite(m) & (m > 0), at::ldexp(at::ones_like(m), exponent - 1),
                   at::ones_like(m));

@@ -57,8 +57,8 @@ using SqrtmBackward = std::function<std::tuple<at::Tensor, at::Tensor>(
 
 // X̃c = (X − mean over the positions) / s as (N, D, M) in the accumulation type (a view of
 // (N, M, D) memory for channels_last inputs), and s (N,): a power of two per sample with
-// max|Xc| / s in [1, 2) (1 where Xc is 0 or not finite), or `scale` where it is given (the
-// backward's recomputation of the forward's X̃c).
+// max|Xc| / s in [1, 2), the max over the channels free of NaN and ±∞ (1 where it is 0), or
+// `scale` where it is given (the backward's recomputation of the forward's X̃c).
 using Centre = std::function<std::tuple<at::Tensor, at::Tensor>(
     const Problem& p, const at::Tensor& x, const std::optional<at::Tensor>& scale)>;
 

@@ -190,6 +190,42 @@ def test_the_whole_finite_range(device, dtype, scale, E, sqrt_eps, l2_eps, memor
         assert_close_per_sample(actual, expected, 10 * rtol)
 
 
+# The promise for channels of different magnitude in one sample (docs/ops.md): every product
+# of two channels is a normal number of the accumulation type where each channel's largest
+# |value| is within 2^G of the sample's largest, wherever that largest lies in the range.
+CHANNEL_GAPS = [(torch.float32, 31, (-32, -40, 0, 40)), (torch.float64, 255, (-256, -300, 0, 300))]
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype,gap,exponents", CHANNEL_GAPS)
+@pytest.mark.parametrize("E", [None, 3])
+def test_channels_of_different_magnitudes_at_the_promised_gap(device, dtype, gap, exponents, E):
+    """A sample whose first two channels are at 2^e and the others 2^gap below, with random
+    signs, beside an ordinary sample; e at the bottom of the unscaled window (2^-32 in
+    float32), below it (scaled), ordinary and large. The small channels' products are the
+    smallest normal numbers of the type: Z keeps its sign where sqrt_eps dominates (every
+    output entry's sign as the long-double one's), and the gradients are exact."""
+    for e in exponents:
+
+        def features(channels, seed, e=e):
+            t = make((2, channels, 3, 3), seed=seed)
+            t[0, :2] = (t[0, :2].abs() + 0.5) * 2.0**e
+            t[0, 2:] *= 2.0 ** (e - gap)
+            return t.to(dtype).to(device).requires_grad_()
+
+        x = features(6, 1)
+        y = None if E is None else features(E + 2, 2)
+        out = ops.bilinear_pool(x, y)
+        g = make(out.shape, seed=3).to(dtype).to(device)
+        exact = exact_bilinear_pool(x, y, g)
+        rtol = 1e-5 if dtype == torch.float32 else 1e-12
+        assert_close_per_sample(out, exact[0], rtol)
+        got = out.detach().double().cpu().numpy()
+        assert np.array_equal(np.sign(got), np.sign(exact[0].astype(np.float64))), e
+        for actual, expected in zip(grads(ops.bilinear_pool, x, y, g), exact[1:], strict=True):
+            assert_close_per_sample(actual, expected, 10 * rtol)
+
+
 @pytest.mark.parametrize("device", DEVICES_SCALED)
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e-30), (torch.float32, 1e30), (torch.float64, 1e-300)])
 def test_tiny_products_keep_their_sign(device, dtype, scale):

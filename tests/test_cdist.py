@@ -26,6 +26,7 @@ from testing import (
     extreme_points,
     make_noncontiguous,
     spanning_points,
+    spanning_points_with_nonfinite_rows,
     subnormal_points,
 )
 
@@ -198,6 +199,24 @@ def test_rows_spanning_the_whole_range(device, dtype, self_, squared):
     exact = exact_squared_distances(x, y)
     out = ops.cdist(x, y, squared=squared)
     assert_close_to_exact(out, exact if squared else np.sqrt(exact), rtol=2e-5 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("self_", [False, True])
+@pytest.mark.parametrize("squared", [False, True])
+def test_nonfinite_rows_among_rows_spanning_the_whole_range(device, dtype, self_, squared):
+    """A NaN row and a ±∞ row among rows of every magnitude: the other rows' distances are
+    exact (the non-finite rows must not decide their batch element's scale), the NaN row's
+    are NaN."""
+    x, finite = spanning_points_with_nonfinite_rows(40, 3, dtype)
+    y = None if self_ else torch.randn(30, 3, dtype=torch.float64).to(dtype)
+    out = ops.cdist(x.to(device), None if y is None else y.to(device), squared=squared).cpu()
+    clean = x[finite]
+    exact = exact_squared_distances(clean, clean if y is None else y)
+    rows = out[finite][:, finite] if self_ else out[finite]
+    assert_close_to_exact(rows, exact if squared else np.sqrt(exact), rtol=2e-5 if dtype == torch.float32 else 1e-12)
+    assert out[3].isnan().all()
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED)

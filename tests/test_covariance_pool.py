@@ -3,6 +3,7 @@ fast-MPN-COV's structure (tests/mpncov_peer.py), and the true matrix square root
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from testing import (
     REDUCED_DTYPES,
     assert_close,
     assert_close_reduced,
+    assert_close_to_exact,
     check_compile,
     check_compiled_refuses_like_eager,
     check_cuda_matches_cpu,
@@ -169,6 +171,63 @@ def test_zero_trace_is_zero_with_a_finite_gradient():
     assert (ops.covariance_pool(single_position) == 0).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_constant_samples_and_channels_at_any_magnitude(device, dtype, channels_last):
+    """A constant sample gives output 0 and gradient 0 at every magnitude, and a constant
+    channel beside ordinary ones has covariances exactly 0: its mean must be exact. A float64
+    mean summed from the values rounds (0.1 over 35 positions comes out 1e-17 off, a non-zero
+    covariance and gradient) or overflows (a constant 1e300)."""
+    big = torch.finfo(dtype).max / 4
+    tiny = torch.finfo(dtype).tiny * 3
+    for c in (0.1, -7.3, 1 / 3, big, -big, tiny, 12345.678):
+        x = torch.full((3, 4, 5, 7), c, dtype=dtype)
+        x[1] = make((4, 5, 7), dtype, relu=False)  # an ordinary sample between constant ones
+        x[1, 2] = c  # with a constant channel
+        x = x.to(device)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        for sqrt in (True, False):
+            out, grad, _ = value_and_grad(ops.covariance_pool, x, sqrt=sqrt, triu=False)
+            assert (out[0] == 0).all() and (out[2] == 0).all(), (c, sqrt)
+            assert (grad[0] == 0).all() and (grad[2] == 0).all(), (c, sqrt)
+            assert out[1].isfinite().all() and grad[1].isfinite().all(), (c, sqrt)
+            if not sqrt:
+                assert (out[1, 2] == 0).all() and (out[1, :, 2] == 0).all(), c
+
+
+# The promise for channels of different magnitude in one sample (docs/ops.md): every
+# covariance of two channels is a normal number in the sample's scaled units where each
+# channel's largest deviation is within 2^G of the sample's largest (up to 2^20 positions).
+CHANNEL_GAPS = [(torch.float32, 53, (-20, 0, 30)), (torch.float64, 500, (-10, 0, 300))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,gap,exponents", CHANNEL_GAPS)
+def test_channels_of_different_magnitudes_at_the_promised_gap(device, dtype, gap, exponents):
+    """sqrt=False: a sample whose first two channels deviate by 2^e and the others 2^gap
+    less: every covariance within the dtype's tolerance of the long-double one (rounded to
+    the dtype: the smallest are subnormal or 0 in float32 at e = -20), the small channels'
+    variances included; the gradient per sample."""
+    for e in exponents:
+        x = make((2, 5, 4, 4), relu=False)
+        x[0, :2] *= 2.0**e
+        x[0, 2:] *= 2.0 ** (e - gap)
+        x = x.to(dtype).to(device)
+        out, grad, g = value_and_grad(ops.covariance_pool, x, sqrt=False, triu=False)
+        a = x.double().cpu().numpy().astype(np.longdouble).reshape(2, 5, 16)
+        xc = a - a.mean(-1, keepdims=True)
+        sigma = xc @ xc.transpose(0, 2, 1) / 16
+        G = g.double().cpu().numpy().astype(np.longdouble)
+        exact_grad = ((G + G.transpose(0, 2, 1)) @ xc / 16).reshape(x.shape)
+        rtol = 1e-5 if dtype == torch.float32 else 1e-12
+        assert_close_to_exact(out.detach(), sigma, rtol)
+        assert (out[0, 2:, 2:].diagonal(0, -2, -1) > 0).all(), e  # the small variances are not lost
+        err = np.abs(grad.double().cpu().numpy().astype(np.longdouble) - exact_grad).reshape(2, -1).max(1)
+        assert np.all(err <= 10 * rtol * np.abs(exact_grad).reshape(2, -1).max(1)), e
+
+
 @pytest.mark.parametrize("iterations", [1, 3, 5])
 def test_rank_deficient(iterations):
     """M < D, and repeated channels: Σ has many zero and repeated eigenvalues (the CPU's
@@ -209,23 +268,32 @@ def test_far_from_origin(offset, channels_last):
 
 @pytest.mark.bad_input
 @pytest.mark.parametrize("dtype,exponent", [(torch.float32, 64), (torch.float64, 512)])
-def test_plain_covariance_near_the_overflow(dtype, exponent):
+@pytest.mark.parametrize("nan_channel", [False, True])
+def test_plain_covariance_near_the_overflow(dtype, exponent, nan_channel):
     """sqrt=False with one feature spiking past sqrt(max) of the dtype at one position: the
     per-sample scale's square overflows, yet every covariance entry is representable (the
     spike is averaged over the positions). Oracle: the reference on the input divided by a
     power of two, in float64, multiplied back one power at a time; gradients likewise
-    (d out / dx = 2^e d out / dy at y = x / 2^e)."""
+    (d out / dx = 2^e d out / dy at y = x / 2^e). With a NaN in another channel of the
+    spiking sample, only that channel's covariances are NaN: it has no say in the scale."""
     x = make((2, 3, 4, 4), relu=False).to(dtype)
     x[0, 0, 0, 0] = 1.5 * 2.0**exponent
     x[1, 2] = 7.0  # a constant channel: its covariances are 0, never 0 * inf = NaN
+    if nan_channel:
+        x[0, 1, 2, 3] = float("nan")
     out, grad, g = value_and_grad(ops.covariance_pool, x, sqrt=False)
     y = x.double() / 2.0**exponent
     exp_y, grad_y, _ = value_and_grad(reference.covariance_pool, y, g.double(), sqrt=False)
     expected = exp_y * 2.0**exponent * 2.0**exponent
-    assert out.isfinite().all() and grad.isfinite().all()
-    assert expected.abs().max() > torch.finfo(dtype).max / 16  # the test is near the overflow
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=0)
-    torch.testing.assert_close(grad.double(), grad_y * 2.0**exponent, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
+    assert expected.nan_to_num().abs().max() > torch.finfo(dtype).max / 16  # the test is near the overflow
+    assert out.isnan().sum() == expected.isnan().sum() == (3 if nan_channel else 0)
+    assert (out.isfinite() | out.isnan()).all()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=0, equal_nan=True)
+    finite = slice(1, 2) if nan_channel else slice(0, 2)  # a NaN channel's sample: NaN gradients
+    assert grad[finite].isfinite().all()
+    torch.testing.assert_close(
+        grad[finite].double(), (grad_y * 2.0**exponent)[finite], rtol=1e-4, atol=1e-6 * grad[finite].abs().max().item()
+    )
 
 
 @pytest.mark.bad_input

@@ -28,6 +28,7 @@ from testing import (
     make_noncontiguous,
     run_python,
     spanning_points,
+    spanning_points_with_nonfinite_rows,
     subnormal_points,
 )
 
@@ -244,6 +245,29 @@ def test_rows_spanning_the_whole_range(device, dtype, self_, squared):
     assert_close_to_exact(d, best if squared else np.sqrt(best), rtol=rtol)
 
 
+@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("self_", [False, True])
+def test_nonfinite_rows_among_rows_spanning_the_whole_range(device, dtype, self_):
+    """A NaN row and a ±∞ row among rows of every magnitude: the finite query rows' neighbours
+    are exact (the non-finite rows must not decide the scale), the non-finite rows last."""
+    x, finite = spanning_points_with_nonfinite_rows(40, 3, dtype)
+    g = None if self_ else torch.cat([x[:40], torch.randn(30, 3, dtype=torch.float64).to(dtype)])
+    gallery_finite = finite if self_ else g.isfinite().all(-1)
+    k = 20
+    d, i = (t.cpu() for t in ops.knn(x.to(device), None if g is None else g.to(device), k=k))
+    with np.errstate(invalid="ignore"):  # ∞ − ∞
+        exact = exact_squared_distances(x, g)
+    exact[:, ~gallery_finite.numpy()] = np.inf  # NaN or ∞ rows after every finite one
+    if self_:
+        np.fill_diagonal(exact, np.inf)
+    rtol = 2e-5 if dtype == torch.float32 else 1e-12
+    best = np.sort(exact, axis=-1)[finite.numpy(), :k]
+    chosen = np.take_along_axis(exact, i.numpy(), axis=-1)[finite.numpy()]
+    assert np.all(np.abs(chosen - best) <= 2 * rtol * best), "a neighbour that is not among the k nearest"
+    assert_close_to_exact(d[finite], np.sqrt(best), rtol=rtol)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_ties_go_to_the_lower_index(device):
     g = torch.tensor([[1.0, 0], [0, 1], [-1, 0], [0, -1], [1, 0], [2, 0]], device=device)
@@ -253,6 +277,26 @@ def test_ties_go_to_the_lower_index(device):
     _, i = ops.knn(x, k=4)
     expected = [[j for j in range(5) if j != r] for r in range(5)]
     assert i.tolist() == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("self_", [True, False])
+def test_duplicated_rows(device, dtype, self_):
+    """Rows drawn from a few points, so that most of a row's k best tie at distance 0: a row
+    takes nothing more once its k best are all 0 (later columns lose ties), in the row and the
+    column scans of leave-one-out (P = 2,500: several blocks) and in the two-set scan. Some
+    rows have fewer than k duplicates, and one point has a single copy."""
+    g = torch.Generator().manual_seed(5)
+    points = make((7, 5), dtype, seed=4)
+    x = points[torch.randint(6, (2500,), generator=g)]
+    x[1777] = points[6]
+    gallery = None if self_ else x.flip(0)[:1900]
+    for k in (1, 40, 400):
+        d, i = ops.knn(x.to(device), None if gallery is None else gallery.to(device), k)
+        rd, ri = oracle(x, gallery, k)
+        torch.testing.assert_close(d.double().cpu(), rd, rtol=2e-6, atol=0)
+        assert torch.equal(i.cpu(), ri)
 
 
 @pytest.mark.bad_input

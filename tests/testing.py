@@ -272,6 +272,19 @@ def spanning_points(n, m, dtype, seed=0):
     return (torch.randn(n, m, generator=g, dtype=torch.float64) * 10.0**decades).to(dtype)
 
 
+def spanning_points_with_nonfinite_rows(n, m, dtype, seed=0):
+    """spanning_points followed by 300 rows of magnitude 1 (a later block of the CPU's
+    per-block statistics), one row holding a NaN and one a ±∞ among the spanning ones; and
+    the mask of the finite rows. A non-finite row may change only its own distances: never the
+    power of two by which the other rows are scaled."""
+    ordinary = torch.randn(300, m, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    x = torch.cat([spanning_points(n, m, dtype, seed).double(), ordinary]).to(dtype)
+    x[3, m // 2] = float("nan")
+    x[n // 2, 0] = -float("inf")
+    finite = x.isfinite().all(-1)
+    return x, finite
+
+
 def subnormal_points(device, dtype, exponent):
     """x (1, 2) and y (2, 2), 2^exponent times small integers (exact), with distances
     2^exponent and 16·2^exponent, and the gradients of the sum of both distances: unit

@@ -33,10 +33,10 @@ using at::Tensor;
 
 constexpr int64_t kTile = 128;
 
-// s from a sample's max|Xc|: see Centre in covariance_pool.h.
+// s from the largest |Xc| of a sample's finite channels: see Centre in covariance_pool.h.
 template <typename acc_t>
-acc_t power_of_two(acc_t max_abs, bool finite) {
-  if (!finite || !(max_abs > 0) || !std::isfinite(max_abs)) return acc_t(1);
+acc_t power_of_two(acc_t max_abs) {
+  if (!(max_abs > 0) || !std::isfinite(max_abs)) return acc_t(1);
   int e = 0;
   std::frexp(max_abs, &e);
   return std::ldexp(acc_t(1), e - 1);
@@ -46,7 +46,10 @@ acc_t power_of_two(acc_t max_abs, bool finite) {
 // is finite. The means are kept in float64 and X − mean is formed in float64, so that each
 // centred value is rounded once: a mean rounded to float32 first would shift every value of
 // a channel far from the origin by up to half an ulp of its offset (0.03 at 1e6), and Σ by
-// the square of that.
+// the square of that. The mean is the channel's first value x₀ plus the mean of x − x₀:
+// exactly x₀ for a constant channel, whose plain float64 sum rounds (0.1 summed 784 times
+// and divided gives a mean 1e-17 off, a non-zero covariance and gradient) or overflows (a
+// constant 1e300), and a sum of the spread rather than of the offset otherwise.
 template <typename acc_t>
 struct ChannelStats {
   std::vector<double> mean;
@@ -71,9 +74,10 @@ void channel_stats_by_rows(const Problem& p, const Positions<scalar_t>& in, bool
   at::parallel_for(0, p.N * D, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* row = in.x + (r / D) * in.sN + (r % D) * in.sD;
+      const double x0 = static_cast<double>(row[0]);
       double sum = 0;
-      for (int64_t m = 0; m < M; ++m) sum += static_cast<double>(row[m]);
-      const double mu = sum / static_cast<double>(M);
+      for (int64_t m = 0; m < M; ++m) sum += static_cast<double>(row[m]) - x0;
+      const double mu = x0 + sum / static_cast<double>(M);
       double big = 0;
       if (deviations)
         for (int64_t m = 0; m < M; ++m) big = std::max(big, std::abs(double(row[m]) - mu));
@@ -91,14 +95,15 @@ void channel_stats_by_columns(const Problem& p, const Positions<scalar_t>& in, b
     std::vector<double> sum(D);
     for (int64_t n = begin; n < end; ++n) {
       std::fill(sum.begin(), sum.end(), 0.0);
+      const scalar_t* first = in.x + n * in.sN;  // x₀ of each channel: position 0
       for (int64_t m = 0; m < M; ++m) {
         const scalar_t* col = in.x + n * in.sN + m * in.sM;
-        for (int64_t d = 0; d < D; ++d) sum[d] += static_cast<double>(col[d]);
+        for (int64_t d = 0; d < D; ++d) sum[d] += double(col[d]) - double(first[d]);
       }
       double* mu = st.mean.data() + n * D;
       acc_t* big = st.dev.data() + n * D;
       for (int64_t d = 0; d < D; ++d) {
-        mu[d] = sum[d] / static_cast<double>(M);
+        mu[d] = double(first[d]) + sum[d] / static_cast<double>(M);
         big[d] = 0, st.finite[n * D + d] = std::isfinite(sum[d]);
       }
       if (!deviations) continue;
@@ -137,11 +142,10 @@ std::tuple<Tensor, Tensor> centre_kernel(const Problem& p, const Tensor& a,
     channel_stats_by_columns(p, x, !scale.has_value(), st);
   if (!scale.has_value()) {
     for (int64_t n = 0; n < N; ++n) {
-      acc_t big = 0;
-      bool ok = true;
+      acc_t big = 0;  // a channel holding NaN or ±∞ has no say in the others' scale
       for (int64_t d = n * D; d < (n + 1) * D; ++d)
-        big = std::max(big, st.dev[d]), ok = ok && st.finite[d];
-      sp[n] = power_of_two(big, ok);
+        if (st.finite[d]) big = std::max(big, st.dev[d]);
+      sp[n] = power_of_two(big);
     }
   }
   const int64_t rows = by_rows ? N * D : N * M;

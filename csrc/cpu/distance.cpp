@@ -142,14 +142,18 @@ cdist::Shift cpu::finite_mean(const at::Tensor& raw1, const at::Tensor& raw2) {
         largest[t] = std::isnan(big_all) ? big_all : std::max(big_tail, big_all);
       }
     });
-    // Scaling first: the sums of extreme data may have overflowed.
+    // Scaling first: the sums of extreme data may have overflowed. A block holding NaN or ±∞
+    // does not know its largest finite magnitude, so an element with one is swept again for
+    // it: a non-finite row must not decide the scale of the others.
     for (int64_t b = 0; b < B; ++b) {
       scalar_t m = 0;
+      bool finite_blocks = true;
       for (int64_t k = 0; k < blocks; ++k) {
         const scalar_t l = largest[b * blocks + k];
-        m = std::isnan(l) || std::isnan(m) ? l : std::max(m, l);
+        finite_blocks = finite_blocks && std::isfinite(l);
+        m = std::isfinite(l) ? std::max(m, l) : m;
       }
-      if (!std::isfinite(m))
+      if (!finite_blocks)
         m = std::max(largest_finite<scalar_t>(raw1, b), largest_finite<scalar_t>(raw2, b));
       exponents[b] = scale_exponent(m);
       scaled = scaled || exponents[b] != 0;

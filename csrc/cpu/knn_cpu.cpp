@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cdist.h"
@@ -104,26 +105,35 @@ struct RowHeap {
   Candidate* items;
   int64_t size, k;
 
-  void offer(const Candidate& c) {
+  // Whether c entered (and so the bar may have moved).
+  bool offer(const Candidate& c) {
     if (size < k) {
       items[size++] = c;
       std::push_heap(items, items + size, before);
-    } else if (before(c, items[0])) {  // c replaces the worst: sifted down from the top
-      int64_t i = 0;
-      for (int64_t child = 1; child < size; child = 2 * i + 1) {
-        if (child + 1 < size && before(items[child], items[child + 1])) ++child;
-        if (!before(c, items[child])) break;
-        items[i] = items[child];
-        i = child;
-      }
-      items[i] = c;
+      return true;
     }
+    if (!before(c, items[0])) return false;
+    int64_t i = 0;  // c replaces the worst: sifted down from the top
+    for (int64_t child = 1; child < size; child = 2 * i + 1) {
+      if (child + 1 < size && before(items[child], items[child + 1])) ++child;
+      if (!before(c, items[child])) break;
+      items[i] = items[child];
+      i = child;
+    }
+    items[i] = c;
+    return true;
   }
 
   // Whether every candidate must be offered: the heap is not full, or its worst is NaN
   // (then any number beats it). Otherwise a candidate needs d² below the top's to enter
   // (later columns lose ties).
   bool open() const { return size < k || items[0].d2.E == kNaN; }
+
+  // Whether nothing can enter any more: the k best are all at distance 0, and later columns
+  // lose ties. Duplicated rows reach it: their expansions cancel, so without it every
+  // duplicate would be recomputed directly and offered, at several times the cost of a row
+  // of distinct points.
+  bool closed() const { return size == k && items[0].d2.E == kZero; }
 };
 
 // Offers row i's candidates from one GEMM row g (columns j0 … j0 + n of the gallery). The
@@ -144,7 +154,7 @@ void scan_row(RowHeap& heap, const acc_t* g, acc_t na, const acc_t* nb, const ac
   const V vinv(inv_ratio), vc(na * inv_ratio - na), minus_two(-2), vsmall(tiny - na);
   auto offer = [&](int64_t l) {
     const int64_t j = j0 + l;
-    if (j != self) heap.offer({exact_d2(a, xb + j * M, M), j});
+    return j != self && heap.offer({exact_d2(a, xb + j * M, M), j});
   };
   // t must be below this (or NaN) for the entry to be looked at. In the GEMM's units: where the
   // top's d² underflows there, an entry that could beat it has cancelled or tiny norms, and
@@ -152,6 +162,7 @@ void scan_row(RowHeap& heap, const acc_t* g, acc_t na, const acc_t* nb, const ac
   auto bar = [&]() {
     return heap.open() ? kInf : static_cast<acc_t>(value(heap.items[0].d2, -2 * e) * margin - na);
   };
+  if (heap.closed()) return;
   acc_t limit = bar();
   V vlimit(limit);
   auto candidate = [&](acc_t t, acc_t nbj) {
@@ -170,15 +181,15 @@ void scan_row(RowHeap& heap, const acc_t* g, acc_t na, const acc_t* nb, const ac
     }
     t.store(lanes);
     for (int64_t q = 0; q < V::size(); ++q) {
-      if (!candidate(lanes[q], nb[j0 + l + q])) continue;
-      offer(l + q);
+      if (!candidate(lanes[q], nb[j0 + l + q]) || !offer(l + q)) continue;
+      if (heap.closed()) return;
       limit = bar();
       vlimit = V(limit);
     }
   }
   for (; l < n; ++l) {
-    if (!candidate(nb[j0 + l] - acc_t(2) * g[l], nb[j0 + l])) continue;
-    offer(l);
+    if (!candidate(nb[j0 + l] - acc_t(2) * g[l], nb[j0 + l]) || !offer(l)) continue;
+    if (heap.closed()) return;
     limit = bar();
   }
 }
@@ -194,6 +205,7 @@ void scan_columns(Candidate* heaps, int64_t* sizes, int64_t k, const acc_t* g, i
                   int64_t n, int64_t j0, int64_t c0, int64_t c1, int64_t M, acc_t margin, int e,
                   acc_t tiny) {
   using V = Vectorized<acc_t>;
+  using Bits = std::conditional_t<sizeof(acc_t) == 4, uint32_t, uint64_t>;
   constexpr int64_t W = V::size();
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
   const acc_t inv_ratio = acc_t(1) / acc_t(cdist::kRefineRatio);
@@ -201,37 +213,44 @@ void scan_columns(Candidate* heaps, int64_t* sizes, int64_t k, const acc_t* g, i
   for (int64_t c = c0; c < c1; c += W) {
     const int64_t lanes = std::min<int64_t>(W, c1 - c);
     RowHeap heap[W];
-    acc_t limit[W], own_norm[W], t[W];
+    acc_t limit[W], own_norm[W], t[W], live[W];  // live: all bits set for a lane still open
     auto bar = [&](int64_t q) {  // as scan_row's, in terms of t = na − 2g for column q
       return heap[q].open()
                  ? kInf
                  : static_cast<acc_t>(value(heap[q].items[0].d2, -2 * e) * margin - nb[j0 + c + q]);
     };
+    const acc_t all_bits = c10::bit_cast<acc_t>(~c10::bit_cast<Bits>(acc_t(0)));
     for (int64_t q = 0; q < W; ++q) {
-      const bool live = q < lanes;
-      heap[q] = {heaps + (live ? (c + q) * k : 0), live ? sizes[c + q] : k, k};
-      own_norm[q] = live ? nb[j0 + c + q] : acc_t(0);
-      limit[q] = live ? bar(q) : -kInf;  // a dead lane never takes anything
+      const bool in_range = q < lanes;
+      heap[q] = {heaps + (in_range ? (c + q) * k : 0), in_range ? sizes[c + q] : k, k};
+      own_norm[q] = in_range ? nb[j0 + c + q] : acc_t(0);
+      limit[q] = in_range ? bar(q) : -kInf;
+      // A lane past the tile or closed never takes anything.
+      live[q] = in_range && !heap[q].closed() ? all_bits : acc_t(0);
     }
     const V vown = V::loadu(own_norm), voffset = vown * vinv - vown;
-    V vlimit = V::loadu(limit);
+    V vlimit = V::loadu(limit), vlive = V::loadu(live);
     for (int64_t r = 0; r < n; ++r) {
       const acc_t nr = na[i0 + r];
       const V vt = at::vec::fmadd(minus_two, V::loadu(g + r * gs + c, lanes), V(nr));
       const V threshold = at::vec::maximum(vlimit, at::vec::fmadd(V(nr), vinv, voffset));
-      if (((vt < threshold) | (vt != vt) | (vown < V(tiny - nr))).zero_mask() == (1 << W) - 1) {
-        continue;
-      }
+      const V take = ((vt < threshold) | (vt != vt) | (vown < V(tiny - nr))) & vlive;
+      if (take.zero_mask() == (1 << W) - 1) continue;
       vt.store(t);
       for (int64_t q = 0; q < lanes; ++q) {
-        const bool take =
-            heap[q].open() ||
-            t[q] < std::max(limit[q], nr * inv_ratio + own_norm[q] * inv_ratio - own_norm[q]) ||
-            t[q] != t[q] || own_norm[q] < tiny - nr;
-        if (!take) continue;
-        heap[q].offer({exact_d2(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M), i0 + r});
+        const bool candidate =
+            live[q] != acc_t(0) &&
+            (heap[q].open() ||
+             t[q] < std::max(limit[q], nr * inv_ratio + own_norm[q] * inv_ratio - own_norm[q]) ||
+             t[q] != t[q] || own_norm[q] < tiny - nr);
+        if (!candidate ||
+            !heap[q].offer({exact_d2(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M), i0 + r})) {
+          continue;
+        }
         limit[q] = bar(q);
+        if (heap[q].closed()) live[q] = acc_t(0);
         vlimit = V::loadu(limit);
+        vlive = V::loadu(live);
       }
     }
     for (int64_t q = 0; q < lanes; ++q) sizes[c + q] = heap[q].size;
