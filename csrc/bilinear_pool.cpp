@@ -24,9 +24,11 @@ at::Tensor flat(const Problem& p, const at::Tensor& t) {
 
 }  // namespace
 
-Problem check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& y, double sqrt_eps,
-                     double l2_eps) {
+Problem check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& y,
+                     const c10::Scalar& sqrt_eps_arg, const c10::Scalar& l2_eps_arg) {
   Problem p;
+  const double sqrt_eps = p.sqrt_eps = scalar_float(kOp, "sqrt_eps", sqrt_eps_arg);
+  const double l2_eps = p.l2_eps = scalar_float(kOp, "l2_eps", l2_eps_arg);
   check_floating(kOp, "x", x);
   TK_CHECK_VALUE(kOp, x.dim() == 4, "x must be a 4-D feature map (N, D, H, W), got shape ",
                  x.sizes());
@@ -57,8 +59,6 @@ Problem check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& y, do
   p.channels_last =
       x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous() &&
       (!y.has_value() || (y->is_contiguous(at::MemoryFormat::ChannelsLast) && !y->is_contiguous()));
-  p.sqrt_eps = sqrt_eps;
-  p.l2_eps = l2_eps;
   return p;
 }
 
@@ -122,11 +122,12 @@ class BilinearPoolFunction : public torch::autograd::Function<BilinearPoolFuncti
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& x,
-                                                const std::optional<at::Tensor>& y, double sqrt_eps,
-                                                double l2_eps) {
+                                                const std::optional<at::Tensor>& y,
+                                                const c10::Scalar& sqrt_eps,
+                                                const c10::Scalar& l2_eps) {
     static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
-        const at::Tensor&, const std::optional<at::Tensor>&, double, double)>(
-        "torchkit::bilinear_pool");
+        const at::Tensor&, const std::optional<at::Tensor>&, const c10::Scalar&,
+        const c10::Scalar&)>("torchkit::bilinear_pool");
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, norm] = op.call(x, y, sqrt_eps, l2_eps);
     // Inputs, output and N norms: nothing N×D² more.
@@ -142,7 +143,7 @@ class BilinearPoolFunction : public torch::autograd::Function<BilinearPoolFuncti
                                                  torch::autograd::variable_list grads) {
     static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-        const at::Tensor&, double, double, std::array<bool, 2>)>(
+        const at::Tensor&, const c10::Scalar&, const c10::Scalar&, std::array<bool, 2>)>(
         "torchkit::_bilinear_pool_backward");
     const auto saved = ctx->get_saved_variables();
     const bool two_stream = ctx->saved_data["two_stream"].toBool();
@@ -152,15 +153,16 @@ class BilinearPoolFunction : public torch::autograd::Function<BilinearPoolFuncti
                                    two_stream && ctx->needs_input_grad(1)};
     const BackwardOpGuard guard;
     auto [gx, gy] =
-        op.call(grads[0], saved[0], y, saved[2], saved[3], ctx->saved_data["sqrt_eps"].toDouble(),
-                ctx->saved_data["l2_eps"].toDouble(), mask);
+        op.call(grads[0], saved[0], y, saved[2], saved[3], ctx->saved_data["sqrt_eps"].toScalar(),
+                ctx->saved_data["l2_eps"].toScalar(), mask);
     return {mask[0] ? gx : at::Tensor(), mask[1] ? gy : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> bilinear_pool_autograd(const at::Tensor& x,
                                                           const std::optional<at::Tensor>& y,
-                                                          double sqrt_eps, double l2_eps) {
+                                                          const c10::Scalar& sqrt_eps,
+                                                          const c10::Scalar& l2_eps) {
   auto out = BilinearPoolFunction::apply(x, y, sqrt_eps, l2_eps);
   return {out[0], out[1]};
 }
@@ -171,11 +173,11 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   // Returns (out, norm): norm is the per-sample ‖s‖ before clamping (acc type; negative for a
   // sample the CPU scaled, see bilinear_pool.h), what the backward needs besides the inputs
   // and the output.
-  m.def("bilinear_pool(Tensor x, Tensor? y, float sqrt_eps, float l2_eps) -> (Tensor, Tensor)");
+  m.def("bilinear_pool(Tensor x, Tensor? y, Scalar sqrt_eps, Scalar l2_eps) -> (Tensor, Tensor)");
   // Returns (grad_x, grad_y); one output_mask leaves out (and grad_y for y = None) is (0,).
   m.def(
-      "_bilinear_pool_backward(Tensor grad, Tensor x, Tensor? y, Tensor out, Tensor norm, float "
-      "sqrt_eps, float l2_eps, bool[2] output_mask) -> (Tensor, Tensor)");
+      "_bilinear_pool_backward(Tensor grad, Tensor x, Tensor? y, Tensor out, Tensor norm, Scalar "
+      "sqrt_eps, Scalar l2_eps, bool[2] output_mask) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchkit, Autograd, m) { m.impl("bilinear_pool", &bilinear_pool_autograd); }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 #include <c10/macros/Macros.h>
 
 #include <cmath>
@@ -27,8 +28,9 @@ struct Problem {
   double sqrt_eps = 0, l2_eps = 0;
 };
 
-Problem check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& y, double sqrt_eps,
-                     double l2_eps);
+// sqrt_eps and l2_eps as the raw op's caller passed them (checks.h's scalar_float).
+Problem check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& y,
+                     const c10::Scalar& sqrt_eps, const c10::Scalar& l2_eps);
 
 // grad and out must be (N, D·E) of x's dtype, norm (N,) of the accumulation type.
 void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& x,

@@ -88,6 +88,11 @@ Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, 
   return p;
 }
 
+Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2,
+                     const c10::Scalar& squared) {
+  return check_inputs(x1, x2, scalar_bool(kOp, "squared", squared));
+}
+
 std::pair<at::Tensor, at::Tensor> centre_rows_aten(const at::Tensor& raw, const at::Tensor& mean) {
   at::Tensor x = mean.defined() ? raw - mean : raw;
   // Σ x² over M, a slice of rows at a time, so that the squares are never a temporary as
@@ -185,10 +190,9 @@ namespace {
 class CdistFunction : public torch::autograd::Function<CdistFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x1,
-                            const std::optional<at::Tensor>& x2, bool squared) {
-    static const auto op =
-        op_handle<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, bool)>(
-            "torchkit::cdist");
+                            const std::optional<at::Tensor>& x2, const c10::Scalar& squared) {
+    static const auto op = op_handle<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                const c10::Scalar&)>("torchkit::cdist");
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor dist = op.call(x1, x2, squared);
     ctx->save_for_backward({x1, x2.value_or(at::Tensor()), dist});  // no O(P·R·M) state
@@ -201,30 +205,33 @@ class CdistFunction : public torch::autograd::Function<CdistFunction> {
                                                  torch::autograd::variable_list grads) {
     static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-        bool, std::array<bool, 2>)>("torchkit::_cdist_backward");
+        const c10::Scalar&, std::array<bool, 2>)>("torchkit::_cdist_backward");
     const auto saved = ctx->get_saved_variables();
     const bool self = ctx->saved_data["self"].toBool();
     const std::optional<at::Tensor> x2 = self ? std::nullopt : std::optional<at::Tensor>(saved[1]);
     const std::array<bool, 2> mask{ctx->needs_input_grad(0), !self && ctx->needs_input_grad(1)};
     const BackwardOpGuard guard;
     auto [g1, g2] =
-        op.call(grads[0], saved[0], x2, saved[2], ctx->saved_data["squared"].toBool(), mask);
+        op.call(grads[0], saved[0], x2, saved[2], ctx->saved_data["squared"].toScalar(), mask);
     return {mask[0] ? g1 : at::Tensor(), mask[1] ? g2 : at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor cdist_autograd(const at::Tensor& x1, const std::optional<at::Tensor>& x2, bool squared) {
+at::Tensor cdist_autograd(const at::Tensor& x1, const std::optional<at::Tensor>& x2,
+                          const c10::Scalar& squared) {
   return CdistFunction::apply(x1, x2, squared);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torchkit, m) {
-  m.def("cdist(Tensor x1, Tensor? x2, bool squared) -> Tensor");
+  // Number and flag arguments are Scalar so that the kernels see what the caller passed
+  // (checks.h's scalar_bool), as in every torchkit op.
+  m.def("cdist(Tensor x1, Tensor? x2, Scalar squared) -> Tensor");
   // Returns (grad_x1, grad_x2); an output that output_mask does not ask for (and grad_x2 when
   // x2 is None) is an empty tensor of shape (0,).
   m.def(
-      "_cdist_backward(Tensor grad, Tensor x1, Tensor? x2, Tensor dist, bool squared, bool[2] "
+      "_cdist_backward(Tensor grad, Tensor x1, Tensor? x2, Tensor dist, Scalar squared, bool[2] "
       "output_mask) -> (Tensor, Tensor)");
 }
 

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 
 #include <optional>
 #include <utility>
@@ -45,6 +46,9 @@ struct Names {
 // Validates x1 (*B1, P, M) and x2 (*B2, R, M) (or None) and broadcasts the batch shapes.
 Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2, bool squared,
                      const Names& names = Names{});
+// The same for the raw op's arguments: `squared` as the caller passed it (checks.h).
+Problem check_inputs(const at::Tensor& x1, const std::optional<at::Tensor>& x2,
+                     const c10::Scalar& squared);
 
 // x1, x2 as contiguous (B, P, M) and (B, R, M) in the accumulation type, centred on their
 // common per-batch mean (or, where the backend's Centring skips it, the raw rows themselves),

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 #include <c10/util/Exception.h>
+
+#include <string>
 
 // TORCH_CHECK_VALUE raises ValueError in Python, TORCH_CHECK_TYPE TypeError,
 // TORCH_CHECK_INDEX IndexError: users catch what they would from PyTorch's own ops.
@@ -32,6 +35,35 @@ inline void check_same_dtype(const char* op, const char* name_a, const at::Tenso
                              const char* name_b, const at::Tensor& b) {
   TK_CHECK_TYPE(op, a.scalar_type() == b.scalar_type(), name_a, " and ", name_b,
                 " must have the same dtype, got ", a.scalar_type(), " and ", b.scalar_type());
+}
+
+// A raw op declares its number and flag arguments `Scalar`, so that its kernel sees the type
+// the caller passed: for a declared `float`, `int` or `bool` the dispatcher would convert a
+// bool, a one-element tensor or None without a word (torch.ops.torchkit.bilinear_pool(x,
+// None, 1e-5, True) would run with l2_eps = 1). It refuses tensors and None itself, naming
+// the argument; these read the rest as the public functions take them (ops/_common.py's
+// as_float, as_int and check_bool, with their messages): a float from any real number but a
+// bool, an int from an integer, a flag from a bool only.
+inline std::string describe(const c10::Scalar& s) {
+  if (s.isBoolean()) return s.toBool() ? "bool True" : "bool False";
+  if (s.isComplex()) return "complex " + c10::str(s.toComplexDouble());
+  return s.isIntegral(false) ? "int " + c10::str(s.toLong()) : "float " + c10::str(s.toDouble());
+}
+
+inline double scalar_float(const char* op, const char* name, const c10::Scalar& s) {
+  TK_CHECK_TYPE(op, s.isFloatingPoint() || s.isIntegral(false), name, " must be a float, got ",
+                describe(s));
+  return s.toDouble();
+}
+
+inline int64_t scalar_int(const char* op, const char* name, const c10::Scalar& s) {
+  TK_CHECK_TYPE(op, s.isIntegral(false), name, " must be an int, got ", describe(s));
+  return s.toLong();
+}
+
+inline bool scalar_bool(const char* op, const char* name, const c10::Scalar& s) {
+  TK_CHECK_TYPE(op, s.isBoolean(), name, " must be a bool, got ", describe(s));
+  return s.toBool();
 }
 
 }  // namespace torchkit

@@ -77,8 +77,12 @@ Tensor pack(const Problem& p, const Tensor& m) {
 
 }  // namespace
 
-Problem check_inputs(const at::Tensor& x, int64_t iterations, bool sqrt, bool triu) {
+Problem check_inputs(const at::Tensor& x, const c10::Scalar& iterations_arg,
+                     const c10::Scalar& sqrt, const c10::Scalar& triu) {
   Problem p;
+  const int64_t iterations = p.iterations = scalar_int(kOp, "iterations", iterations_arg);
+  p.sqrt = scalar_bool(kOp, "sqrt", sqrt);
+  p.triu = scalar_bool(kOp, "triu", triu);
   check_floating(kOp, "x", x);
   TK_CHECK_VALUE(kOp, x.dim() == 3 || x.dim() == 4,
                  "x must be a feature map (N, D, H, W) or (N, D, M), got shape ", x.sizes());
@@ -97,9 +101,6 @@ Problem check_inputs(const at::Tensor& x, int64_t iterations, bool sqrt, bool tr
   TK_CHECK_VALUE(kOp, !c10::mul_overflows(p.D, p.D, &dd) && !c10::mul_overflows(p.N, dd, &ndd),
                  "N·D·D (the covariances' size) must fit int64 indexing, got N = ", p.N,
                  ", D = ", p.D);
-  p.iterations = iterations;
-  p.sqrt = sqrt;
-  p.triu = triu;
   p.channels_last =
       x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous();
   return p;
@@ -269,10 +270,11 @@ namespace {
 class CovariancePoolFunction : public torch::autograd::Function<CovariancePoolFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const at::Tensor& x, int64_t iterations, bool sqrt,
-                                                bool triu) {
+                                                const at::Tensor& x, const c10::Scalar& iterations,
+                                                const c10::Scalar& sqrt, const c10::Scalar& triu) {
     static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-        const at::Tensor&, int64_t, bool, bool)>("torchkit::covariance_pool");
+        const at::Tensor&, const c10::Scalar&, const c10::Scalar&, const c10::Scalar&)>(
+        "torchkit::covariance_pool");
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, sigma, scale] = op.call(x, iterations, sqrt, triu);
     ctx->save_for_backward({x, sigma, scale});     // x, one D×D matrix and one scale per sample
@@ -287,20 +289,20 @@ class CovariancePoolFunction : public torch::autograd::Function<CovariancePoolFu
                                                  torch::autograd::variable_list grads) {
     static const auto op =
         op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, int64_t, bool, bool)>(
-            "torchkit::_covariance_pool_backward");
+                             const at::Tensor&, const c10::Scalar&, const c10::Scalar&,
+                             const c10::Scalar&)>("torchkit::_covariance_pool_backward");
     const auto saved = ctx->get_saved_variables();
     const BackwardOpGuard guard;
     at::Tensor gx =
-        op.call(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["iterations"].toInt(),
-                ctx->saved_data["sqrt"].toBool(), ctx->saved_data["triu"].toBool());
+        op.call(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["iterations"].toScalar(),
+                ctx->saved_data["sqrt"].toScalar(), ctx->saved_data["triu"].toScalar());
     return {gx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> covariance_pool_autograd(const at::Tensor& x,
-                                                                        int64_t iterations,
-                                                                        bool sqrt, bool triu) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> covariance_pool_autograd(
+    const at::Tensor& x, const c10::Scalar& iterations, const c10::Scalar& sqrt,
+    const c10::Scalar& triu) {
   auto out = CovariancePoolFunction::apply(x, iterations, sqrt, triu);
   return {out[0], out[1], out[2]};
 }
@@ -311,11 +313,11 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   // Returns (out, sigma, scale): the pooled feature in x's dtype, then what the backward
   // needs besides x, in the accumulation type: Σ̃ = Σ / s² (N, D, D) and s (N,).
   m.def(
-      "covariance_pool(Tensor x, int iterations, bool sqrt, bool triu) -> (Tensor, Tensor, "
-      "Tensor)");
+      "covariance_pool(Tensor x, Scalar iterations, Scalar sqrt, Scalar triu) -> (Tensor, "
+      "Tensor, Tensor)");
   m.def(
-      "_covariance_pool_backward(Tensor grad, Tensor x, Tensor sigma, Tensor scale, int "
-      "iterations, bool sqrt, bool triu) -> Tensor");
+      "_covariance_pool_backward(Tensor grad, Tensor x, Tensor sigma, Tensor scale, Scalar "
+      "iterations, Scalar sqrt, Scalar triu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchkit, Autograd, m) { m.impl("covariance_pool", &covariance_pool_autograd); }

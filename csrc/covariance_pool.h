@@ -18,6 +18,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 
 #include <functional>
 #include <optional>
@@ -38,7 +39,8 @@ struct Problem {
   bool channels_last = false;  // a 4-D input read as (N, M, D) rows rather than (N, D, M)
 };
 
-Problem check_inputs(const at::Tensor& x, int64_t iterations, bool sqrt, bool triu);
+Problem check_inputs(const at::Tensor& x, const c10::Scalar& iterations, const c10::Scalar& sqrt,
+                     const c10::Scalar& triu);
 
 void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& x,
                            const at::Tensor& sigma, const at::Tensor& scale);

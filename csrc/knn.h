@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 
 #include <limits>
 #include <optional>
@@ -22,8 +23,12 @@ constexpr const char* kOp = "knn";
 
 // query (*B1, P, M), gallery (*B2, R, M) or None (leave-one-out within query), 1 <= k <= R
 // (R − 1 without a gallery). Messages name query and gallery.
-cdist::Problem check_inputs(const at::Tensor& query, const std::optional<at::Tensor>& gallery,
-                            int64_t k, bool squared);
+// The raw op's arguments validated (k and squared as the caller passed them: checks.h).
+struct Problem : cdist::Problem {
+  int64_t k = 0;
+};
+Problem check_inputs(const at::Tensor& query, const std::optional<at::Tensor>& gallery,
+                     const c10::Scalar& k, const c10::Scalar& squared);
 
 // How far above the k-th best (exact) d² an expanded d² may lie and still belong to a smaller
 // distance: a bound on the expansion's rounding where it did not cancel (d² >= (|a|² + |b|²)

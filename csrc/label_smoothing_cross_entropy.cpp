@@ -73,11 +73,14 @@ void set_coefficients(Problem& p, double label_smoothing, bool exclude_target) {
 }  // namespace
 
 Problem check_inputs(const at::Tensor& input, const at::Tensor& target,
-                     const std::optional<at::Tensor>& weight, int64_t ignore_index,
-                     c10::string_view reduction, double label_smoothing, bool exclude_target) {
+                     const std::optional<at::Tensor>& weight, const c10::Scalar& ignore_index_arg,
+                     c10::string_view reduction, const c10::Scalar& label_smoothing_arg,
+                     const c10::Scalar& exclude_target_arg) {
   Problem p;
+  const int64_t ignore_index = p.ignore_index = scalar_int(kOp, "ignore_index", ignore_index_arg);
+  const double label_smoothing = scalar_float(kOp, "label_smoothing", label_smoothing_arg);
+  const bool exclude_target = scalar_bool(kOp, "exclude_target", exclude_target_arg);
   p.reduction = parse_reduction(reduction);
-  p.ignore_index = ignore_index;
   check_floating(kOp, "input", input);
   TK_CHECK_VALUE(kOp, input.dim() >= 1,
                  "input must have shape (C), (N, C) or (N, C, d1, ..., dk), got a 0-d tensor");
@@ -188,11 +191,14 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& input, const at::Tensor& target,
                                                 const std::optional<at::Tensor>& weight,
-                                                int64_t ignore_index, c10::string_view reduction,
-                                                double label_smoothing, bool exclude_target) {
+                                                const c10::Scalar& ignore_index,
+                                                c10::string_view reduction,
+                                                const c10::Scalar& label_smoothing,
+                                                const c10::Scalar& exclude_target) {
     static const auto op = op_handle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-        c10::string_view, double, bool)>("torchkit::label_smoothing_cross_entropy");
+        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const c10::Scalar&,
+        c10::string_view, const c10::Scalar&, const c10::Scalar&)>(
+        "torchkit::label_smoothing_cross_entropy");
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [loss, lse, total_weight] =
         op.call(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
@@ -210,21 +216,25 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
                                                  torch::autograd::variable_list grads) {
     static const auto op = op_handle<at::Tensor(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-        const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, double, bool)>(
+        const at::Tensor&, const at::Tensor&, const c10::Scalar&, c10::string_view,
+        const c10::Scalar&, const c10::Scalar&)>(
         "torchkit::_label_smoothing_cross_entropy_backward");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &input = saved[0], &target = saved[1], &lse = saved[3], &tw = saved[4];
     const std::optional<at::Tensor> weight =
         saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
     const std::string reduction = ctx->saved_data["reduction"].toStringRef();
-    const double eps = ctx->saved_data["label_smoothing"].toDouble();
-    const bool exclude_target = ctx->saved_data["exclude_target"].toBool();
+    const c10::Scalar eps_arg = ctx->saved_data["label_smoothing"].toScalar();
+    const c10::Scalar exclude_target_arg = ctx->saved_data["exclude_target"].toScalar();
+    const double eps = eps_arg.toDouble();  // the forward's kernel checked their types
+    const bool exclude_target = exclude_target_arg.toBool();
     const at::Tensor& grad = grads[0];  // materialised: zeros where the loss got none
     at::Tensor grad_input, grad_target;
     if (ctx->needs_input_grad(0)) {
       const BackwardOpGuard guard;
-      grad_input = op.call(grad, input, target, weight, lse, tw,
-                           ctx->saved_data["ignore_index"].toInt(), reduction, eps, exclude_target);
+      grad_input =
+          op.call(grad, input, target, weight, lse, tw, ctx->saved_data["ignore_index"].toScalar(),
+                  reduction, eps_arg, exclude_target_arg);
     }
     if (ctx->needs_input_grad(1)) {
       // Probability targets only: ∂ℓ/∂p_c = a·w_c·(lse − x_c), a the target coefficient, times
@@ -250,7 +260,8 @@ class LsceFunction : public torch::autograd::Function<LsceFunction> {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> label_smoothing_cross_entropy_autograd(
     const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
-    int64_t ignore_index, c10::string_view reduction, double label_smoothing, bool exclude_target) {
+    const c10::Scalar& ignore_index, c10::string_view reduction, const c10::Scalar& label_smoothing,
+    const c10::Scalar& exclude_target) {
   // The backward gives weight no gradient; one that asks for it would silently get none.
   // Checked where a gradient is recorded (under no_grad nothing is asked).
   TK_CHECK_VALUE(kOp,
@@ -268,13 +279,13 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   // Returns (loss, lse, total_weight); lse (per position, float64) and total_weight (the
   // mean's denominator) are what the backward needs besides the inputs.
   m.def(
-      "label_smoothing_cross_entropy(Tensor input, Tensor target, Tensor? weight, int "
-      "ignore_index, str reduction, float label_smoothing, bool exclude_target) -> (Tensor, "
+      "label_smoothing_cross_entropy(Tensor input, Tensor target, Tensor? weight, Scalar "
+      "ignore_index, str reduction, Scalar label_smoothing, Scalar exclude_target) -> (Tensor, "
       "Tensor, Tensor)");
   m.def(
       "_label_smoothing_cross_entropy_backward(Tensor grad, Tensor input, Tensor target, Tensor? "
-      "weight, Tensor lse, Tensor total_weight, int ignore_index, str reduction, float "
-      "label_smoothing, bool exclude_target) -> Tensor");
+      "weight, Tensor lse, Tensor total_weight, Scalar ignore_index, str reduction, Scalar "
+      "label_smoothing, Scalar exclude_target) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchkit, Autograd, m) {

@@ -13,6 +13,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 #include <c10/macros/Macros.h>
 
 #include <algorithm>
@@ -41,8 +42,9 @@ struct Problem {
 // Validates the arguments (each message names the argument, the expectation and the value)
 // and describes the problem. Shared by both backends; index range checks are the kernels'.
 Problem check_inputs(const at::Tensor& input, const at::Tensor& target,
-                     const std::optional<at::Tensor>& weight, int64_t ignore_index,
-                     c10::string_view reduction, double label_smoothing, bool exclude_target);
+                     const std::optional<at::Tensor>& weight, const c10::Scalar& ignore_index,
+                     c10::string_view reduction, const c10::Scalar& label_smoothing,
+                     const c10::Scalar& exclude_target);
 
 // The backward's own arguments, checked against the forward's problem: grad has the loss's
 // shape (the positions for 'none', 0-d otherwise), lse the positions' shape in the

@@ -8,12 +8,13 @@
 
 namespace torchkit::region_confusion {
 
-Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, int64_t num_blocks) {
+Prepared prepare(const at::Tensor& x, const at::Tensor& permutation,
+                 const c10::Scalar& num_blocks) {
+  const int64_t n = scalar_int(kOp, "num_blocks", num_blocks);
   TK_CHECK_VALUE(kOp, x.dim() == 3 || x.dim() == 4,
                  "x must be an image (C, H, W) or a batch (N, C, H, W), got shape ", x.sizes());
   const bool batched = x.dim() == 4;
   const int64_t N = batched ? x.size(0) : 1, C = x.size(-3), H = x.size(-2), W = x.size(-1);
-  const int64_t n = num_blocks;
   TK_CHECK_VALUE(kOp, n >= 1 && n <= H && n <= W, "num_blocks must be in [1, min(H, W)] = [1, ",
                  std::min(H, W), "] for x of shape ", x.sizes(), ", got ", n);
   TK_CHECK_TYPE(
@@ -57,7 +58,7 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   // Output block b is input block permutation[..., b] (row-major block numbering); pixels
   // beyond the last full block row/column stay in place. Its gradient is the same op with
   // the inverse permutation.
-  m.def("permute_blocks(Tensor x, Tensor permutation, int num_blocks) -> Tensor");
+  m.def("permute_blocks(Tensor x, Tensor permutation, Scalar num_blocks) -> Tensor");
 }
 
 }  // namespace torchkit::region_confusion

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 
 namespace torchkit::region_confusion {
 
@@ -29,6 +30,7 @@ struct Prepared {
   at::MemoryFormat memory_format;
   Layout layout;
 };
-Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, int64_t num_blocks);
+// num_blocks as the raw op's caller passed it (checks.h's scalar_int).
+Prepared prepare(const at::Tensor& x, const at::Tensor& permutation, const c10::Scalar& num_blocks);
 
 }  // namespace torchkit::region_confusion

@@ -5,6 +5,8 @@ function nor, for None, the argument)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -220,3 +222,102 @@ def test_reduction_must_be_a_string():
         TypeError, match=r"^label_smoothing_cross_entropy: reduction must be 'none', 'mean' or 'sum', got int 1$"
     ):
         ops.label_smoothing_cross_entropy(x2, labels, reduction=1)
+
+
+# Raw ops: every number and flag argument is declared Scalar, so that the kernels see the type
+# the caller passed and refuse what the public functions refuse (a declared float, int or bool
+# would take a bool, a one-element tensor or None without a word). The dispatcher refuses a
+# tensor and None itself, naming the argument; the kernels (and on meta tensors the fake
+# kernels) refuse the rest with the public functions' TypeError.
+def _raw_calls():
+    x, target = torch.randn(5, 3), torch.tensor([0, 1, 2, 0, 1])
+    out, norm = torch.ops.torchkit.bilinear_pool(x4, None, 1e-5, 1e-12)
+    _, lse, total = torch.ops.torchkit.label_smoothing_cross_entropy(x, target, None, -100, "mean", 0.1, False)
+    cov, sigma, scale = torch.ops.torchkit.covariance_pool(x4, 5, True, True)
+    dist = torch.ops.torchkit.cdist(x, None, False)
+    R = torch.ops.torchkit
+    # (op name as its messages print it, the raw op, its valid arguments, {position: (name, kind)})
+    return [
+        ("bilinear_pool", R.bilinear_pool, [x4, None, 1e-5, 1e-12], {2: ("sqrt_eps", "float"), 3: ("l2_eps", "float")}),
+        (
+            "bilinear_pool",
+            R._bilinear_pool_backward,
+            [torch.ones_like(out), x4, None, out, norm, 1e-5, 1e-12, [True, False]],
+            {5: ("sqrt_eps", "float"), 6: ("l2_eps", "float")},
+        ),
+        ("cdist", R.cdist, [x, None, False], {2: ("squared", "bool")}),
+        (
+            "cdist",
+            R._cdist_backward,
+            [torch.ones_like(dist), x, None, dist, False, [True, False]],
+            {4: ("squared", "bool")},
+        ),
+        ("knn", R.knn, [x, None, 2, False], {2: ("k", "int"), 3: ("squared", "bool")}),
+        (
+            "covariance_pool",
+            R.covariance_pool,
+            [x4, 5, True, True],
+            {1: ("iterations", "int"), 2: ("sqrt", "bool"), 3: ("triu", "bool")},
+        ),
+        (
+            "covariance_pool",
+            R._covariance_pool_backward,
+            [torch.ones_like(cov), x4, sigma, scale, 5, True, True],
+            {4: ("iterations", "int"), 5: ("sqrt", "bool"), 6: ("triu", "bool")},
+        ),
+        (
+            "label_smoothing_cross_entropy",
+            R.label_smoothing_cross_entropy,
+            [x, target, None, -100, "mean", 0.1, False],
+            {3: ("ignore_index", "int"), 5: ("label_smoothing", "float"), 6: ("exclude_target", "bool")},
+        ),
+        (
+            "label_smoothing_cross_entropy",
+            R._label_smoothing_cross_entropy_backward,
+            [torch.tensor(1.0), x, target, None, lse, total, -100, "mean", 0.1, False],
+            {6: ("ignore_index", "int"), 8: ("label_smoothing", "float"), 9: ("exclude_target", "bool")},
+        ),
+        ("permute_blocks", R.permute_blocks, [x4, torch.arange(4).repeat(2, 1), 2], {2: ("num_blocks", "int")}),
+    ]
+
+
+# kind -> (bad value, the kernel's "must be ..." or None where the dispatcher refuses it)
+RAW_BAD_VALUES = {
+    "float": [
+        (True, "a float, got bool True"),
+        (1j, "a float, got complex"),
+        (torch.tensor([1e-5]), None),
+        (None, None),
+    ],
+    "int": [(True, "an int, got bool True"), (2.0, "an int, got float 2"), (torch.tensor(2), None), (None, None)],
+    "bool": [(1, "a bool, got int 1"), (0.5, "a bool, got float 0.5"), (torch.tensor(True), None), (None, None)],
+}
+RAW_CASES = [
+    pytest.param(i, position, value, must, device, id=f"{raw}-{name}-{type(value).__name__}-{device}")
+    for i, (_, raw, _, scalars) in enumerate(_raw_calls())
+    for position, (name, kind) in scalars.items()
+    for value, must in RAW_BAD_VALUES[kind]
+    for device in ("cpu", "meta")
+]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("index,position,value,must,device", RAW_CASES)
+def test_raw_ops_refuse_what_the_functions_refuse(index, position, value, must, device):
+    op, raw, args, scalars = _raw_calls()[index]
+    name = scalars[position][0]
+    args = [a.to(device) if torch.is_tensor(a) else a for a in args]
+    raw(*args)  # the valid call runs
+    args[position] = value
+    if must is None:
+        with pytest.raises(RuntimeError, match=rf"for argument '{name}' but instead found type"):
+            raw(*args)
+    else:
+        with pytest.raises(TypeError, match=rf"^{op}: {name} must be {re.escape(must)}"):
+            raw(*args)
+
+
+def test_raw_ops_take_an_int_for_a_float():
+    assert torch.equal(
+        torch.ops.torchkit.bilinear_pool(x4, None, 0, 1)[0], torch.ops.torchkit.bilinear_pool(x4, None, 0.0, 1.0)[0]
+    )

@@ -351,7 +351,7 @@ std::tuple<Tensor, Tensor> forward_kernel(const Problem& p, const Tensor& x,
 }
 
 std::tuple<Tensor, Tensor> forward_cpu(const Tensor& x, const std::optional<Tensor>& y,
-                                       double sqrt_eps, double l2_eps) {
+                                       const c10::Scalar& sqrt_eps, const c10::Scalar& l2_eps) {
   const Problem p = check_inputs(x, y, sqrt_eps, l2_eps);
   std::tuple<Tensor, Tensor> result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bilinear_pool_cpu",
@@ -570,7 +570,8 @@ void unscale(Tensor& grad, const std::vector<int>& e) {
 
 std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x,
                                         const std::optional<Tensor>& y, const Tensor& out,
-                                        const Tensor& norm, double sqrt_eps, double l2_eps,
+                                        const Tensor& norm, const c10::Scalar& sqrt_eps,
+                                        const c10::Scalar& l2_eps,
                                         std::array<bool, 2> output_mask) {
   const Problem p = check_inputs(x, y, sqrt_eps, l2_eps);
   check_backward_inputs(p, grad, x, out, norm);

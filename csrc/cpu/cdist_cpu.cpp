@@ -180,7 +180,7 @@ void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
   }
 }
 
-Tensor forward_cpu(const Tensor& x1, const std::optional<Tensor>& x2, bool squared) {
+Tensor forward_cpu(const Tensor& x1, const std::optional<Tensor>& x2, const c10::Scalar& squared) {
   const Problem p = check_inputs(x1, x2, squared);
   Tensor out = cpu::empty_for_writing({p.B, p.P, p.R}, x1.options());
   if (out.numel() > 0) {
@@ -455,7 +455,8 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
 
 std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& x1,
                                         const std::optional<Tensor>& x2, const Tensor& dist,
-                                        bool squared, std::array<bool, 2> output_mask) {
+                                        const c10::Scalar& squared,
+                                        std::array<bool, 2> output_mask) {
   const Problem p = check_inputs(x1, x2, squared);
   check_backward_inputs(p, grad, x1, dist);
   // For x2 = None both halves of the gradient belong to x1.

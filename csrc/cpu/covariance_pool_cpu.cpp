@@ -345,14 +345,17 @@ std::tuple<Tensor, Tensor> sqrtm_backward_cpu(const Tensor& A, const Tensor& Gf,
 
 const Backend kBackend{centre_cpu, symmetric_product_tiles, sqrtm_backward_cpu};
 
-std::tuple<Tensor, Tensor, Tensor> covariance_pool_cpu(const Tensor& x, int64_t iterations,
-                                                       bool sqrt, bool triu) {
+std::tuple<Tensor, Tensor, Tensor> covariance_pool_cpu(const Tensor& x,
+                                                       const c10::Scalar& iterations,
+                                                       const c10::Scalar& sqrt,
+                                                       const c10::Scalar& triu) {
   const Problem p = check_inputs(x, iterations, sqrt, triu);
   return forward(p, x, kBackend);
 }
 
 Tensor covariance_pool_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& sigma,
-                                    const Tensor& scale, int64_t iterations, bool sqrt, bool triu) {
+                                    const Tensor& scale, const c10::Scalar& iterations,
+                                    const c10::Scalar& sqrt, const c10::Scalar& triu) {
   const Problem p = check_inputs(x, iterations, sqrt, triu);
   check_backward_inputs(p, grad, x, sigma, scale);
   return backward(p, grad, x, sigma, scale, kBackend);

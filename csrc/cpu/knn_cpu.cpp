@@ -380,8 +380,9 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
 }
 
 std::tuple<Tensor, Tensor> knn_cpu(const Tensor& query, const std::optional<Tensor>& gallery,
-                                   int64_t k, bool squared) {
-  const cdist::Problem p = check_inputs(query, gallery, k, squared);
+                                   const c10::Scalar& k_arg, const c10::Scalar& squared) {
+  const Problem p = check_inputs(query, gallery, k_arg, squared);
+  const int64_t k = p.k;
   Tensor dist = at::empty({p.B, p.P, k}, query.options());
   Tensor index = at::empty({p.B, p.P, k}, query.options().dtype(at::kLong));
   if (p.B * p.P > 0) {

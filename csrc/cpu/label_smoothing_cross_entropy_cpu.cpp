@@ -575,8 +575,10 @@ std::tuple<Tensor, Tensor, Tensor> reduce_cpu(const Problem& p, const Tensor& in
 
 std::tuple<Tensor, Tensor, Tensor> forward_cpu(const Tensor& input, const Tensor& target,
                                                const std::optional<Tensor>& weight,
-                                               int64_t ignore_index, c10::string_view reduction,
-                                               double label_smoothing, bool exclude_target) {
+                                               const c10::Scalar& ignore_index,
+                                               c10::string_view reduction,
+                                               const c10::Scalar& label_smoothing,
+                                               const c10::Scalar& exclude_target) {
   const Problem p =
       check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
   auto [lse, losses, position_weights] = allocate_positions(p, input);
@@ -603,8 +605,9 @@ std::tuple<Tensor, Tensor, Tensor> forward_cpu(const Tensor& input, const Tensor
 
 Tensor backward_cpu(const Tensor& grad, const Tensor& input, const Tensor& target,
                     const std::optional<Tensor>& weight, const Tensor& lse,
-                    const Tensor& total_weight, int64_t ignore_index, c10::string_view reduction,
-                    double label_smoothing, bool exclude_target) {
+                    const Tensor& total_weight, const c10::Scalar& ignore_index,
+                    c10::string_view reduction, const c10::Scalar& label_smoothing,
+                    const c10::Scalar& exclude_target) {
   const Problem p =
       check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
   check_backward_inputs(p, input, grad, lse, total_weight);

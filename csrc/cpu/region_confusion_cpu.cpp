@@ -13,7 +13,7 @@ namespace torchkit::region_confusion {
 namespace {
 
 at::Tensor permute_blocks_cpu(const at::Tensor& x, const at::Tensor& permutation,
-                              int64_t num_blocks) {
+                              const c10::Scalar& num_blocks) {
   const Prepared p = prepare(x, permutation, num_blocks);
   const Layout L = p.layout;
   at::Tensor output = cpu::empty_for_writing(p.input.sizes(), p.input.options(), p.memory_format);

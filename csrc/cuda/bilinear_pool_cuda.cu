@@ -64,7 +64,7 @@ __global__ void normalise_kernel(const acc_t* s, const acc_t* norm, scalar_t* ou
 }
 
 std::tuple<Tensor, Tensor> forward_cuda(const Tensor& x, const std::optional<Tensor>& y,
-                                        double sqrt_eps, double l2_eps) {
+                                        const c10::Scalar& sqrt_eps, const c10::Scalar& l2_eps) {
   const Problem p = check_inputs(x, y, sqrt_eps, l2_eps);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto [a, b] = operands(p, x, y);
@@ -126,7 +126,8 @@ __global__ void grad_z_kernel(const scalar_t* o, const scalar_t* g, int64_t gstr
 
 std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x,
                                          const std::optional<Tensor>& y, const Tensor& out,
-                                         const Tensor& norm, double sqrt_eps, double l2_eps,
+                                         const Tensor& norm, const c10::Scalar& sqrt_eps,
+                                         const c10::Scalar& l2_eps,
                                          std::array<bool, 2> output_mask) {
   const Problem p = check_inputs(x, y, sqrt_eps, l2_eps);
   check_backward_inputs(p, grad, x, out, norm);

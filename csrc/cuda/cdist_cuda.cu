@@ -54,7 +54,7 @@ __global__ void epilogue_kernel(const acc_t* g, scalar_t* out,  // may alias
   }
 }
 
-Tensor forward_cuda(const Tensor& x1, const std::optional<Tensor>& x2, bool squared) {
+Tensor forward_cuda(const Tensor& x1, const std::optional<Tensor>& x2, const c10::Scalar& squared) {
   const Problem p = check_inputs(x1, x2, squared);
   const c10::cuda::CUDAGuard guard(x1.device());
   Tensor out = at::empty({p.B, p.P, p.R}, x1.options());
@@ -167,7 +167,8 @@ __global__ void direct_columns_kernel(
 
 std::tuple<Tensor, Tensor> backward_cuda(const Tensor& grad, const Tensor& x1,
                                          const std::optional<Tensor>& x2, const Tensor& dist,
-                                         bool squared, std::array<bool, 2> output_mask) {
+                                         const c10::Scalar& squared,
+                                         std::array<bool, 2> output_mask) {
   const Problem p = check_inputs(x1, x2, squared);
   check_backward_inputs(p, grad, x1, dist);
   const c10::cuda::CUDAGuard guard(x1.device());

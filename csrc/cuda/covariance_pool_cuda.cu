@@ -14,16 +14,18 @@ using at::Tensor;
 
 const Backend kBackend{centre_aten, symmetric_product_bmm, sqrtm_backward_chain};
 
-std::tuple<Tensor, Tensor, Tensor> covariance_pool_cuda(const Tensor& x, int64_t iterations,
-                                                        bool sqrt, bool triu) {
+std::tuple<Tensor, Tensor, Tensor> covariance_pool_cuda(const Tensor& x,
+                                                        const c10::Scalar& iterations,
+                                                        const c10::Scalar& sqrt,
+                                                        const c10::Scalar& triu) {
   const Problem p = check_inputs(x, iterations, sqrt, triu);
   const c10::cuda::CUDAGuard guard(x.device());
   return forward(p, x, kBackend);
 }
 
 Tensor covariance_pool_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& sigma,
-                                     const Tensor& scale, int64_t iterations, bool sqrt,
-                                     bool triu) {
+                                     const Tensor& scale, const c10::Scalar& iterations,
+                                     const c10::Scalar& sqrt, const c10::Scalar& triu) {
   const Problem p = check_inputs(x, iterations, sqrt, triu);
   check_backward_inputs(p, grad, x, sigma, scale);
   const c10::cuda::CUDAGuard guard(x.device());

@@ -489,8 +489,9 @@ void knn_sorted(const cdist::Problem& p, const cdist::Centred& c, int64_t b, int
 }
 
 std::tuple<Tensor, Tensor> knn_cuda(const Tensor& query, const std::optional<Tensor>& gallery,
-                                    int64_t k, bool squared) {
-  const cdist::Problem p = check_inputs(query, gallery, k, squared);
+                                    const c10::Scalar& k_arg, const c10::Scalar& squared) {
+  const Problem p = check_inputs(query, gallery, k_arg, squared);
+  const int64_t k = p.k;
   const c10::cuda::CUDAGuard guard(query.device());
   Tensor dist = at::empty({p.B, p.P, k}, query.options());
   Tensor index = at::empty({p.B, p.P, k}, query.options().dtype(at::kLong));

@@ -379,8 +379,10 @@ __global__ void __launch_bounds__(kPositionThreads)
 
 std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& input, const Tensor& target,
                                                 const std::optional<Tensor>& weight,
-                                                int64_t ignore_index, c10::string_view reduction,
-                                                double label_smoothing, bool exclude_target) {
+                                                const c10::Scalar& ignore_index,
+                                                c10::string_view reduction,
+                                                const c10::Scalar& label_smoothing,
+                                                const c10::Scalar& exclude_target) {
   const Problem p =
       check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
   const c10::cuda::CUDAGuard guard(input.device());
@@ -457,8 +459,9 @@ Tensor target_weights(const Problem& p, const Tensor& input, const Tensor& t, co
 
 Tensor backward_cuda(const Tensor& grad, const Tensor& input, const Tensor& target,
                      const std::optional<Tensor>& weight, const Tensor& lse,
-                     const Tensor& total_weight, int64_t ignore_index, c10::string_view reduction,
-                     double label_smoothing, bool exclude_target) {
+                     const Tensor& total_weight, const c10::Scalar& ignore_index,
+                     c10::string_view reduction, const c10::Scalar& label_smoothing,
+                     const c10::Scalar& exclude_target) {
   const Problem p =
       check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target);
   check_backward_inputs(p, input, grad, lse, total_weight);

@@ -52,7 +52,7 @@ void launch(const Prepared& p, at::Tensor& output, int64_t total_bytes) {
 }
 
 at::Tensor permute_blocks_cuda(const at::Tensor& x, const at::Tensor& permutation,
-                               int64_t num_blocks) {
+                               const c10::Scalar& num_blocks) {
   const c10::cuda::CUDAGuard guard(x.device());
   const Prepared p = prepare(x, permutation, num_blocks);
   at::Tensor output = at::empty(p.input.sizes(), p.input.options(), p.memory_format);

@@ -95,6 +95,25 @@ def check_bool(op: str, name: str, value: Any) -> None:
         raise TypeError(f"{op}: {name} must be a bool, got {describe(value)}")
 
 
+def check_scalars(op: str, *args: tuple[str, str, Any]) -> None:
+    """A raw op's Scalar arguments, (kind, name, value) with kind "float", "int" or "bool", as
+    its kernels read them (csrc/checks.h's scalar_float, scalar_int, scalar_bool, with their
+    messages), for its fake kernels: a float from any real number but a bool, an int from an
+    integer, a flag from a bool only. Symbolic values under torch.compile pass by their kind."""
+    for kind, name, value in args:
+        if kind == "bool":
+            ok = isinstance(value, (bool, torch.SymBool))
+        elif isinstance(value, bool):
+            ok = False
+        else:
+            ok = isinstance(value, (int, torch.SymInt)) or (
+                kind == "float" and isinstance(value, (float, torch.SymFloat))
+            )
+        if not ok:
+            expected = {"float": "a float", "int": "an int", "bool": "a bool"}[kind]
+            raise TypeError(f"{op}: {name} must be {expected}, got {describe(value)}")
+
+
 def check_tensor(op: str, name: str, value: Any, *, optional: bool = False) -> None:
     """A tensor argument must be a Tensor (or None where optional). Anything else would reach
     the dispatcher, whose error names neither the function nor, for None, the argument."""

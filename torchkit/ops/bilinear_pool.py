@@ -13,6 +13,7 @@ from torchkit.ops._common import (
     as_float,
     check_floating,
     check_same_device,
+    check_scalars,
     check_tensor,
     dtype_name,
     register_op,
@@ -84,6 +85,7 @@ def _check_inputs(x: Tensor, y: Optional[Tensor], sqrt_eps: float, l2_eps: float
 
 @torch.library.register_fake("torchkit::bilinear_pool")
 def _(x, y, sqrt_eps, l2_eps):
+    check_scalars("bilinear_pool", ("float", "sqrt_eps", sqrt_eps), ("float", "l2_eps", l2_eps))
     _check_inputs(x, y, sqrt_eps, l2_eps)
     E = x.shape[1] if y is None else y.shape[1]
     return x.new_empty((x.shape[0], x.shape[1] * E)), x.new_empty((x.shape[0],), dtype=acc_dtype(x))
@@ -102,6 +104,7 @@ def _bilinear_channels_last(x: Tensor, y: Optional[Tensor]) -> bool:
 
 @torch.library.register_fake("torchkit::_bilinear_pool_backward")
 def _(grad, x, y, out, norm, sqrt_eps, l2_eps, output_mask):
+    check_scalars("bilinear_pool", ("float", "sqrt_eps", sqrt_eps), ("float", "l2_eps", l2_eps))
     check_same_device("bilinear_pool", x=x, y=y, grad=grad, out=out, norm=norm)
     cl = _bilinear_channels_last(x, y)
     gx = _bilinear_grad_like(x, cl) if output_mask[0] else x.new_empty(0)

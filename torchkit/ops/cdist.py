@@ -7,7 +7,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import check_bool, check_floating, check_same_device, check_tensor, dtype_name, register_op
+from torchkit.ops._common import (
+    check_bool,
+    check_floating,
+    check_same_device,
+    check_scalars,
+    check_tensor,
+    dtype_name,
+    register_op,
+)
 
 
 def cdist(x1: Tensor, x2: Optional[Tensor] = None, *, squared: bool = False) -> Tensor:
@@ -82,12 +90,14 @@ def check_distance_inputs(op: str, name1: str, x1: Tensor, name2: str, x2: Optio
 
 @torch.library.register_fake("torchkit::cdist")
 def _(x1, x2, squared):
+    check_scalars("cdist", ("bool", "squared", squared))
     check_distance_inputs("cdist", "x1", x1, "x2", x2)
     return x1.new_empty(_cdist_shape(x1, x2))
 
 
 @torch.library.register_fake("torchkit::_cdist_backward")
 def _(grad, x1, x2, dist, squared, output_mask):
+    check_scalars("cdist", ("bool", "squared", squared))
     check_same_device("cdist", x1=x1, x2=x2, grad=grad, dist=dist)
 
     def grad_like(x, wanted):

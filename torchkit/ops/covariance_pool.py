@@ -11,6 +11,7 @@ from torchkit.ops._common import (
     check_bool,
     check_floating,
     check_same_device,
+    check_scalars,
     check_tensor,
     register_op,
 )
@@ -106,6 +107,7 @@ def _check_inputs(x: Tensor, iterations: int) -> None:
 
 @torch.library.register_fake("torchkit::covariance_pool")
 def _(x, iterations, sqrt, triu):
+    check_scalars("covariance_pool", ("int", "iterations", iterations), ("bool", "sqrt", sqrt), ("bool", "triu", triu))
     _check_inputs(x, iterations)
     N, D = x.shape[0], x.shape[1]
     acc = acc_dtype(x)
@@ -114,6 +116,7 @@ def _(x, iterations, sqrt, triu):
 
 @torch.library.register_fake("torchkit::_covariance_pool_backward")
 def _(grad, x, sigma, scale, iterations, sqrt, triu):
+    check_scalars("covariance_pool", ("int", "iterations", iterations), ("bool", "sqrt", sqrt), ("bool", "triu", triu))
     check_same_device("covariance_pool", x=x, grad=grad, sigma=sigma, scale=scale)
     if _channels_last(x):
         return torch.empty_like(x, memory_format=torch.channels_last)

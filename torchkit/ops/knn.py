@@ -11,6 +11,7 @@ from torchkit.ops._common import (
     acc_dtype,
     as_int,
     check_bool,
+    check_scalars,
     check_tensor,
     register_op,
     transform_or_forward_ad_active,
@@ -81,6 +82,7 @@ def _check_inputs(query: Tensor, gallery: Optional[Tensor], k: int) -> None:
 
 @torch.library.register_fake("torchkit::knn")
 def _(query, gallery, k, squared):
+    check_scalars("knn", ("int", "k", k), ("bool", "squared", squared))
     _check_inputs(query, gallery, k)
     shape = _knn_shape(query, gallery, k)
     return query.new_empty(shape), query.new_empty(shape, dtype=torch.long)

@@ -14,6 +14,7 @@ from torchkit.ops._common import (
     check_bool,
     check_floating,
     check_same_device,
+    check_scalars,
     check_tensor,
     describe,
     dtype_name,
@@ -99,6 +100,16 @@ def _positions(input: Tensor) -> tuple:
     return () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
 
 
+def _check_scalars(ignore_index: Any, label_smoothing: Any, exclude_target: Any) -> None:
+    """The raw op's Scalar arguments as its kernels read them (the fake kernels' part)."""
+    check_scalars(
+        "label_smoothing_cross_entropy",
+        ("int", "ignore_index", ignore_index),
+        ("float", "label_smoothing", label_smoothing),
+        ("bool", "exclude_target", exclude_target),
+    )
+
+
 def _check_inputs(
     input: Tensor,
     target: Tensor,
@@ -178,6 +189,7 @@ def _check_weight_constant(weight: Optional[Tensor]) -> None:
 
 @torch.library.register_fake("torchkit::label_smoothing_cross_entropy")
 def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target):
+    _check_scalars(ignore_index, label_smoothing, exclude_target)
     _check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, exclude_target)
     positions = _positions(input)
     acc = acc_dtype(input)
@@ -190,6 +202,7 @@ def _(input, target, weight, ignore_index, reduction, label_smoothing, exclude_t
 
 @torch.library.register_fake("torchkit::_label_smoothing_cross_entropy_backward")
 def _(grad, input, target, weight, lse, total_weight, ignore_index, reduction, label_smoothing, exclude_target):
+    _check_scalars(ignore_index, label_smoothing, exclude_target)
     check_same_device(
         "label_smoothing_cross_entropy",
         input=input,

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchkit.ops._common import as_int, check_same_device, check_tensor, dtype_name, register_op
+from torchkit.ops._common import as_int, check_same_device, check_scalars, check_tensor, dtype_name, register_op
 
 
 def permute_blocks(x: Tensor, permutation: Tensor, num_blocks: int) -> Tensor:
@@ -71,6 +71,7 @@ def _permute_blocks_format(x: Tensor) -> torch.memory_format:
 
 @torch.library.register_fake("torchkit::permute_blocks")
 def _(x, permutation, num_blocks):
+    check_scalars("permute_blocks", ("int", "num_blocks", num_blocks))
     _check_inputs(x, permutation, num_blocks)
     x4 = x if x.dim() == 4 else x.unsqueeze(0)
     out = torch.empty_like(x4, memory_format=_permute_blocks_format(x))
