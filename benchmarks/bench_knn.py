@@ -80,7 +80,9 @@ IMPLS = {
 
 # (case, query shape, gallery shape or None for leave-one-out, k, offset, distinct rows or
 # None). The two small leave-one-out cases differ only in their rows: every row distinct, or
-# drawn from 10 points (duplicates: every distance to one's own point ties at 0).
+# drawn from 10 points (duplicates: every distance to one's own point ties at 0). The
+# collapsed case is a model whose embeddings collapsed: every query one point, every gallery
+# row another, every distance a tie.
 CASES = [
     pytest.param("leave-one-out P=R=20000 M=128 k=8", (20000, 128), None, 8, 0.0, None, marks=pytest.mark.headline),
     pytest.param("query→gallery P=1000 R=100000 M=512 k=100", (1000, 512), (100000, 512), 100, 0.0, None),
@@ -88,6 +90,8 @@ CASES = [
     pytest.param("far from origin P=2000 R=20000 M=128 k=8", (2000, 128), (20000, 128), 8, 1000.0, None),
     pytest.param("leave-one-out P=R=6000 M=16 k=50", (6000, 16), None, 50, 0.0, None),
     pytest.param("ties: 10 distinct rows, leave-one-out P=R=6000 M=16 k=50", (6000, 16), None, 50, 0.0, 10),
+    pytest.param("query→gallery P=2000 R=20000 M=16 k=50", (2000, 16), (20000, 16), 50, 0.0, None),
+    pytest.param("ties: collapsed, query→gallery P=2000 R=20000 M=16 k=50", (2000, 16), (20000, 16), 50, 0.0, 1),
 ]
 
 
@@ -158,9 +162,10 @@ def test_knn(benchmark, case, query, gallery, k, offset, distinct, impl):
         pytest.skip("pykeops' CPU backend (no BLAS) takes tens of seconds per call here")
     g0 = torch.Generator(device).manual_seed(0)  # drawn where they live
     q = (offset + torch.randn(query, generator=g0, device=device)).to(dtype or torch.float32)
-    if distinct:
-        q = q[torch.randint(distinct, (query[0],), generator=g0, device=device)]
     g = None if gallery is None else (offset + torch.randn(gallery, generator=g0, device=device)).to(q.dtype)
+    if distinct:  # each set's rows drawn from its first `distinct` rows
+        q = q[torch.randint(distinct, (query[0],), generator=g0, device=device)]
+        g = None if g is None else g[torch.randint(distinct, (gallery[0],), generator=g0, device=device)]
     call = functools.partial(IMPLS[impl], q, g, k)
     extra = {"flops": 2 * work}
     if offset and impl != ROOFLINE:

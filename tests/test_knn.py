@@ -286,13 +286,24 @@ def test_duplicated_rows(device, dtype, self_):
     """Rows drawn from a few points, so that most of a row's k best tie at distance 0: a row
     takes nothing more once its k best are all 0 (later columns lose ties), in the row and the
     column scans of leave-one-out (P = 2,500: several blocks) and in the two-set scan. Some
-    rows have fewer than k duplicates, and one point has a single copy."""
+    rows have fewer than k duplicates, and one point has a single copy. Then runs of repeated
+    rows, each repeat skipped where the row before it stayed out of a heap."""
     g = torch.Generator().manual_seed(5)
     points = make((7, 5), dtype, seed=4)
     x = points[torch.randint(6, (2500,), generator=g)]
     x[1777] = points[6]
     gallery = None if self_ else x.flip(0)[:1900]
     for k in (1, 40, 400):
+        d, i = ops.knn(x.to(device), None if gallery is None else gallery.to(device), k)
+        rd, ri = oracle(x, gallery, k)
+        torch.testing.assert_close(d.double().cpu(), rd, rtol=2e-6, atol=0)
+        assert torch.equal(i.cpu(), ri)
+    # Runs of repeated rows (a sorted draw), ties at non-zero distances: a query among them
+    # or apart, the query's own row inside a run, runs across blocks and chunks.
+    x = points[torch.randint(6, (2500,), generator=g).sort().values]
+    x[1300:1310] = make((10, 5), dtype, seed=9)  # distinct rows inside a run
+    gallery = None if self_ else x[::2]
+    for k in (1, 3, 40, 500):
         d, i = ops.knn(x.to(device), None if gallery is None else gallery.to(device), k)
         rd, ri = oracle(x, gallery, k)
         torch.testing.assert_close(d.double().cpu(), rd, rtol=2e-6, atol=0)

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -136,6 +137,20 @@ struct RowHeap {
   bool closed() const { return size == k && items[0].d2.E == kZero; }
 };
 
+// repeated[j]: gallery row j equals row j − 1 bit for bit, and so has its d² to every query.
+// Where row j − 1 stayed out of a heap (filtered, or offered and refused: it was no better
+// than the heap's worst, and the worst only improves), row j, a later column, stays out too
+// and is not recomputed: a run of duplicated rows costs one direct sum per heap, not one per
+// row (queries against a gallery of identical rows would otherwise recompute every entry,
+// every one a tie within the filter's margin).
+template <typename acc_t>
+std::vector<uint8_t> repeated_rows(const acc_t* x, int64_t R, int64_t M) {
+  std::vector<uint8_t> repeated(R, 0);
+  for (int64_t j = 1; j < R; ++j)
+    repeated[j] = std::memcmp(x + j * M, x + (j - 1) * M, M * sizeof(acc_t)) == 0;
+  return repeated;
+}
+
 // Offers row i's candidates from one GEMM row g (columns j0 … j0 + n of the gallery). The
 // heap holds directly computed d² only; the expansion is a filter: an entry is a candidate
 // if its expanded d² = na + nb − 2g is below the heap's worst within the margin, or below
@@ -146,15 +161,20 @@ struct RowHeap {
 // entry got in.
 template <typename acc_t>
 void scan_row(RowHeap& heap, const acc_t* g, acc_t na, const acc_t* nb, const acc_t* a,
-              const acc_t* xb, int64_t j0, int64_t n, int64_t M, int64_t self, acc_t margin, int e,
-              acc_t tiny) {
+              const acc_t* xb, const uint8_t* repeated, int64_t j0, int64_t n, int64_t M,
+              int64_t self, acc_t margin, int e, acc_t tiny) {
   using V = Vectorized<acc_t>;
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
   const acc_t inv_ratio = acc_t(1) / acc_t(cdist::kRefineRatio);
   const V vinv(inv_ratio), vc(na * inv_ratio - na), minus_two(-2), vsmall(tiny - na);
+  int64_t entered = -1;  // the last column that entered the heap in this call
   auto offer = [&](int64_t l) {
     const int64_t j = j0 + l;
-    return j != self && heap.offer({exact_d2(a, xb + j * M, M), j});
+    // j − 1 stayed out (not for being the query itself, whose repeat is at distance 0).
+    const bool stays_out = l > 0 && repeated[j] && j - 1 != self && entered != j - 1;
+    if (j == self || stays_out || !heap.offer({exact_d2(a, xb + j * M, M), j})) return false;
+    entered = j;
+    return true;
   };
   // t must be below this (or NaN) for the entry to be looked at. In the GEMM's units: where the
   // top's d² underflows there, an entry that could beat it has cancelled or tiny norms, and
@@ -201,9 +221,9 @@ void scan_row(RowHeap& heap, const acc_t* g, acc_t na, const acc_t* nb, const ac
 // vector holding one bar per column.
 template <typename acc_t>
 void scan_columns(Candidate* heaps, int64_t* sizes, int64_t k, const acc_t* g, int64_t gs,
-                  const acc_t* na, const acc_t* nb, const acc_t* xa, const acc_t* xb, int64_t i0,
-                  int64_t n, int64_t j0, int64_t c0, int64_t c1, int64_t M, acc_t margin, int e,
-                  acc_t tiny) {
+                  const acc_t* na, const acc_t* nb, const acc_t* xa, const acc_t* xb,
+                  const uint8_t* repeated, int64_t i0, int64_t n, int64_t j0, int64_t c0,
+                  int64_t c1, int64_t M, acc_t margin, int e, acc_t tiny) {
   using V = Vectorized<acc_t>;
   using Bits = std::conditional_t<sizeof(acc_t) == 4, uint32_t, uint64_t>;
   constexpr int64_t W = V::size();
@@ -214,6 +234,8 @@ void scan_columns(Candidate* heaps, int64_t* sizes, int64_t k, const acc_t* g, i
     const int64_t lanes = std::min<int64_t>(W, c1 - c);
     RowHeap heap[W];
     acc_t limit[W], own_norm[W], t[W], live[W];  // live: all bits set for a lane still open
+    int64_t entered[W];                          // as scan_row's, per lane
+    std::fill(entered, entered + W, int64_t(-1));
     auto bar = [&](int64_t q) {  // as scan_row's, in terms of t = na − 2g for column q
       return heap[q].open()
                  ? kInf
@@ -243,10 +265,12 @@ void scan_columns(Candidate* heaps, int64_t* sizes, int64_t k, const acc_t* g, i
             (heap[q].open() ||
              t[q] < std::max(limit[q], nr * inv_ratio + own_norm[q] * inv_ratio - own_norm[q]) ||
              t[q] != t[q] || own_norm[q] < tiny - nr);
-        if (!candidate ||
+        const bool stays_out = r > 0 && repeated[i0 + r] && entered[q] != i0 + r - 1;
+        if (!candidate || stays_out ||
             !heap[q].offer({exact_d2(xb + (j0 + c + q) * M, xa + (i0 + r) * M, M), i0 + r})) {
           continue;
         }
+        entered[q] = i0 + r;
         limit[q] = bar(q);
         if (heap[q].closed()) live[q] = acc_t(0);
         vlimit = V::loadu(limit);
@@ -300,6 +324,7 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
     const int e = c.exponent(b);
     const acc_t* x = c.raw1[b].const_data_ptr<acc_t>();
     const acc_t* norms = c.n1[b].const_data_ptr<acc_t>();
+    const std::vector<uint8_t> repeated = repeated_rows(x, p.P, p.M);
     std::fill(sizes.begin(), sizes.end(), 0);
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const int64_t i0 = bi * S, n = std::min(S, p.P - i0);
@@ -313,15 +338,16 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
           for (int64_t r = begin; r < end; ++r) {
             const int64_t i = i0 + r;
             RowHeap heap{heaps.data() + i * k, sizes[i], k};
-            scan_row<acc_t>(heap, g + r * gs, norms[i], norms, x + i * p.M, x, j0, w, p.M, i,
-                            margin, e, tiny);
+            scan_row<acc_t>(heap, g + r * gs, norms[i], norms, x + i * p.M, x, repeated.data(), j0,
+                            w, p.M, i, margin, e, tiny);
             sizes[i] = heap.size;
           }
         });
         if (bj == bi) continue;  // the diagonal block's rows scanned it whole
         at::parallel_for(0, (w + W - 1) / W, 1, [&](int64_t begin, int64_t end) {
           scan_columns<acc_t>(heaps.data() + j0 * k, sizes.data() + j0, k, g, gs, norms, norms, x,
-                              x, i0, n, j0, begin * W, std::min(w, end * W), p.M, margin, e, tiny);
+                              x, repeated.data(), i0, n, j0, begin * W, std::min(w, end * W), p.M,
+                              margin, e, tiny);
         });
       }
     }
@@ -353,6 +379,7 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
     const acc_t* xb = c.raw2[b].const_data_ptr<acc_t>();
     const acc_t* na = c.n1[b].const_data_ptr<acc_t>();
     const acc_t* nb = c.n2[b].const_data_ptr<acc_t>();
+    const std::vector<uint8_t> repeated = repeated_rows(xb, p.R, p.M);
     for (int64_t i0 = 0; i0 < p.P; i0 += rows) {
       const int64_t n = std::min(rows, p.P - i0);
       std::fill(sizes.begin(), sizes.end(), 0);
@@ -366,8 +393,8 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
           for (int64_t r = begin; r < end; ++r) {
             const int64_t i = i0 + r;
             RowHeap heap{heaps.data() + r * k, sizes[r], k};
-            scan_row<acc_t>(heap, g + r * gs, na[i], nb, xa + i * p.M, xb, j0, w, p.M,
-                            p.self ? i : -1, margin, e, tiny);
+            scan_row<acc_t>(heap, g + r * gs, na[i], nb, xa + i * p.M, xb, repeated.data(), j0, w,
+                            p.M, p.self ? i : -1, margin, e, tiny);
             sizes[r] = heap.size;
           }
         });
