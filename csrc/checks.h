@@ -7,6 +7,7 @@
 #include <c10/core/Scalar.h>
 #include <c10/util/Exception.h>
 
+#include <charconv>
 #include <string>
 
 // TORCH_CHECK_VALUE raises ValueError in Python, TORCH_CHECK_TYPE TypeError,
@@ -44,10 +45,16 @@ inline void check_same_dtype(const char* op, const char* name_a, const at::Tenso
 // the argument; these read the rest as the public functions take them (ops/_common.py's
 // as_float, as_int and check_bool, with their messages): a float from any real number but a
 // bool, an int from an integer, a flag from a bool only.
+// A value as the Python side's describe() prints it: "bool True", "int 3", "float 5.0".
 inline std::string describe(const c10::Scalar& s) {
   if (s.isBoolean()) return s.toBool() ? "bool True" : "bool False";
   if (s.isComplex()) return "complex " + c10::str(s.toComplexDouble());
-  return s.isIntegral(false) ? "int " + c10::str(s.toLong()) : "float " + c10::str(s.toDouble());
+  if (s.isIntegral(false)) return "int " + std::to_string(s.toLong());
+  char text[32];  // the shortest digits that read back as the double, as Python's repr
+  const auto written = std::to_chars(text, text + sizeof(text), s.toDouble());
+  std::string digits(text, written.ptr);
+  if (digits.find_first_of(".en") == std::string::npos) digits += ".0";  // 5 → 5.0; not inf, 1e+16
+  return "float " + digits;
 }
 
 inline double scalar_float(const char* op, const char* name, const c10::Scalar& s) {

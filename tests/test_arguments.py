@@ -289,7 +289,7 @@ RAW_BAD_VALUES = {
         (torch.tensor([1e-5]), None),
         (None, None),
     ],
-    "int": [(True, "an int, got bool True"), (2.0, "an int, got float 2"), (torch.tensor(2), None), (None, None)],
+    "int": [(True, "an int, got bool True"), (2.0, "an int, got float 2.0"), (torch.tensor(2), None), (None, None)],
     "bool": [(1, "a bool, got int 1"), (0.5, "a bool, got float 0.5"), (torch.tensor(True), None), (None, None)],
 }
 RAW_CASES = [
