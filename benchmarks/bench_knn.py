@@ -98,44 +98,16 @@ CASES = [
 # On the GPU (names end in the dtype). faiss-gpu and cuVS are not peers here: their wheels
 # are built for CUDA 12 and bring their own cuBLAS and runtime, hundreds of MiB that the GPU
 # machine cannot install without a network.
+def gpu_case(case, query, gallery, k, offset=0.0):
+    return pytest.param(case, query, gallery, k, offset, None, marks=pytest.mark.cuda)
+
+
 GPU_CASES = [
-    pytest.param("leave-one-out P=R=20000 M=128 k=8 fp32", (20000, 128), None, 8, 0.0, None, marks=pytest.mark.cuda),
-    pytest.param(
-        "query→gallery P=1000 R=100000 M=512 k=100 fp32",
-        (1000, 512),
-        (100000, 512),
-        100,
-        0.0,
-        None,
-        marks=pytest.mark.cuda,
-    ),
-    pytest.param(
-        "query→gallery P=1000 R=100000 M=512 k=100 bf16",
-        (1000, 512),
-        (100000, 512),
-        100,
-        0.0,
-        None,
-        marks=pytest.mark.cuda,
-    ),
-    pytest.param(
-        "far from origin P=2000 R=20000 M=128 k=8 fp32",
-        (2000, 128),
-        (20000, 128),
-        8,
-        1000.0,
-        None,
-        marks=pytest.mark.cuda,
-    ),
-    pytest.param(
-        "query→gallery P=1000 R=100000 M=128 k=1000 fp32",
-        (1000, 128),
-        (100000, 128),
-        1000,
-        0.0,
-        None,
-        marks=pytest.mark.cuda,
-    ),
+    gpu_case("leave-one-out P=R=20000 M=128 k=8 fp32", (20000, 128), None, 8),
+    gpu_case("query→gallery P=1000 R=100000 M=512 k=100 fp32", (1000, 512), (100000, 512), 100),
+    gpu_case("query→gallery P=1000 R=100000 M=512 k=100 bf16", (1000, 512), (100000, 512), 100),
+    gpu_case("far from origin P=2000 R=20000 M=128 k=8 fp32", (2000, 128), (20000, 128), 8, 1000.0),
+    gpu_case("query→gallery P=1000 R=100000 M=128 k=1000 fp32", (1000, 128), (100000, 128), 1000),
 ]
 GPU_IMPLS = ("torchkit", "torch.cdist + topk", ROOFLINE)
 GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
