@@ -1,6 +1,7 @@
 """torchkit's ops under DistributedDataParallel: 2 processes (gloo, loopback) give the same
 gradients as one process on the same global batch, eagerly and under torch.compile."""
 
+import faulthandler
 import tempfile
 from pathlib import Path
 
@@ -46,6 +47,13 @@ def grads(model):
 
 
 def worker(rank, init_file, out_dir, compile_):
+    # Where a rank dies of a signal, its Python stacks at that moment (see run()).
+    crash_log = open(Path(out_dir) / f"rank{rank}.stacks", "w")  # noqa: SIM115  (open until the process ends)
+    faulthandler.enable(crash_log, all_threads=True)
+    if compile_:
+        # Each rank compiles in its own process, without Inductor's pool of compile workers:
+        # two ranks each starting one on a 2-core machine only contend.
+        torch._inductor.config.compile_threads = 1
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     model = nn.parallel.DistributedDataParallel(Model())
     net = torch.compile(model) if compile_ else model
@@ -59,7 +67,11 @@ def worker(rank, init_file, out_dir, compile_):
 
 def run(compile_):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(str(Path(tmp) / "init"), tmp, compile_), nprocs=WORLD, join=True)
+        try:
+            mp.spawn(worker, args=(str(Path(tmp) / "init"), tmp, compile_), nprocs=WORLD, join=True)
+        except mp.ProcessExitedException as err:
+            stacks = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(Path(tmp).glob("*.stacks")))
+            raise AssertionError(f"{err}\nthe ranks' Python stacks at the signal:\n{stacks}") from err
         return torch.load(Path(tmp) / "grads.pt")
 
 
