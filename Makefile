@@ -21,7 +21,7 @@ BENCH_JSON  := benchmarks/results/$(BENCH_NAME).json
 BENCH_SEL   := $(if $(QUICK)$(CONTENDED),-m headline,)
 # -v: one line per case as it finishes (op, case, implementation, pass).
 
-.PHONY: build test bench cuda-build cxx17 asan gpu-check compat lint clean
+.PHONY: build test bench cuda-build triton-check cxx17 asan gpu-check compat lint clean
 
 build: $(BUILD_STAMP)
 
@@ -50,13 +50,22 @@ bench: build
 
 # CUDA build check, no GPU needed: compile and link every .cu with the nvcc that matches
 # torch's CUDA, in build/cuda (the default .venv's extension is left alone), then ask the
-# dispatcher for each op's CUDA kernel and run a representative CPU test subset on that build.
+# dispatcher for each op's CUDA kernel and run a representative CPU test subset on that build
+# (not the tests through the Triton kernels: they do not depend on the build, and make test
+# runs them).
 cuda-build: $(DEPS_STAMP)
 	mkdir -p build && $(PY) tools/cuda_toolkit.py > build/cuda_home
 	CUDA_HOME=$$(cat build/cuda_home) TORCHKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" \
 		$(PY) setup.py --quiet build --build-base build/cuda --build-lib build/cuda/lib --build-temp build/cuda/temp
 	cd build && PYTHONPATH=$(CURDIR)/build/cuda/lib ../$(PY) ../tools/check_cuda_build.py
-	TORCHKIT_EXPECT_CUDA_BUILD=1 PYTHONPATH=$(CURDIR)/build/cuda/lib $(VENV)/bin/pytest tests -m "not slow" -q -p no:cacheprovider
+	TORCHKIT_EXPECT_CUDA_BUILD=1 PYTHONPATH=$(CURDIR)/build/cuda/lib $(VENV)/bin/pytest tests -m "not slow and not triton" -q -p no:cacheprovider
+
+# Triton compile check, no GPU needed: every Triton kernel and launch configuration compiled for
+# sm_80 and sm_90 (tools/triton_check.py: registers, spills, shared memory, mma/wgmma), cached
+# in build/triton-cache. Fails on a compile error, spills past 512 bytes, or a tensor-core
+# kernel without mma/wgmma. Never under the interpreter, which replaces the compiler.
+triton-check: build
+	env -u TRITON_INTERPRET TRITON_CACHE_DIR=$(CURDIR)/build/triton-cache $(PY) tools/triton_check.py
 
 # C++17, the standard torch 2.8 (the oldest supported) builds extensions with; later torch builds
 # them as C++20, so C++20 in csrc passes `make test` and `make cuda-build` and breaks 2.8's build.
@@ -68,7 +77,8 @@ cxx17: $(DEPS_STAMP)
 
 # AddressSanitizer over the CPU kernels' input checks: a CPU build with -fsanitize=address in
 # build/asan, then the bad-input tests (every test that hands an op arguments it must refuse,
-# and the raw backward ops' checks) with libasan preloaded into the interpreter. Leak
+# and the raw backward ops' checks; not those through the Triton kernels, which are Python) with
+# libasan preloaded into the interpreter. Leak
 # checking is off: CPython and torch keep allocations alive until exit by design.
 # libstdc++ is preloaded too: ASan must find the real __cxa_throw when it intercepts it.
 ASAN_CXX   := $(or $(CXX),g++)
@@ -77,7 +87,7 @@ ASAN_RUN   = LD_PRELOAD="$$($(ASAN_CXX) -print-file-name=libasan.so) $$($(ASAN_C
 asan: $(DEPS_STAMP)
 	SANITIZE=address TORCHKIT_CUDA=0 $(PY) setup.py --quiet build --build-base build/asan --build-lib build/asan/lib --build-temp build/asan/temp
 	cd build && $(ASAN_RUN) ../$(PY) -c "import torchkit._C as c; assert '/build/asan/' in c.__file__, c.__file__"
-	$(ASAN_RUN) $(VENV)/bin/pytest tests -q -p no:cacheprovider -m "bad_input and not slow"
+	$(ASAN_RUN) $(VENV)/bin/pytest tests -q -p no:cacheprovider -m "bad_input and not slow and not triton"
 
 # On a machine with a CUDA GPU (no network needed, its own torch): build for the local GPU,
 # the whole suite with CUDA and compute-sanitizer over every kernel, then the GPU benchmarks

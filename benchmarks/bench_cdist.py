@@ -12,6 +12,7 @@ from common import ROOFLINE, run  # benchmarks/ is on sys.path (rootdir-less tes
 from torchkit import ops, reference
 
 EXACT = "donot_use_mm_for_euclid_dist"
+TRITON = "torchkit (triton)"  # GPU cases only: its kernels are staged until a GPU run measures them
 REFERENCE_MAX_ELEMENTS = 2**28  # the reference's (B, P, R, M) temporary: 1 GiB of float32
 
 
@@ -37,8 +38,29 @@ def gemm_roofline(a, b, backward=False):
     return d
 
 
+class TritonCdist(torch.autograd.Function):
+    """cdist through its Triton kernels (torchkit/triton/cdist.py) in a process whose CUDA
+    slot holds the C++ kernels: the two side by side in one run."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        from torchkit.triton import cdist as kernels
+
+        d = kernels.forward(a, b, False)
+        ctx.save_for_backward(a, b, d)
+        return d
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torchkit.triton import cdist as kernels
+
+        a, b, d = ctx.saved_tensors
+        return kernels.backward(grad, a, b, d, False, [True, True])
+
+
 IMPLS = {
     "torchkit": lambda a, b: ops.cdist(a, b),
+    TRITON: lambda a, b: TritonCdist.apply(a, b),
     "torch.cdist": lambda a, b: torch.cdist(a, b),
     "torch.cdist exact": lambda a, b: torch.cdist(a, b, compute_mode=EXACT),
     "torch.compile(torch.cdist)": lambda a, b: compiled_cdist()(a, b),
@@ -60,6 +82,11 @@ CPU_CASES = [
 GPU_CASES = [
     pytest.param(f"P=R=8192 M=128 {name}", (8192, 128), (8192, 128), 0.0, dtype, "cuda", marks=pytest.mark.cuda)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+] + [
+    # A metric-learning loss's call on the GPU, where the launches of the prefix count.
+    pytest.param(
+        "batch P=R=256 M=128 fp32", (256, 128), (256, 128), 0.0, torch.float32, "cuda", marks=pytest.mark.cuda
+    ),
 ]
 
 
@@ -75,6 +102,8 @@ def max_rel_error(d, a, b):
 def test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, impl, pass_):
     batch = shape1[0] if len(shape1) == 3 else 1
     R = (shape2 or shape1)[-2]
+    if impl == TRITON and device != "cuda":
+        pytest.skip("the Triton kernels run on CUDA tensors (the tests run them under the interpreter)")
     if impl == "faiss" and (pass_ != "forward" or device != "cpu" or len(shape1) != 2 or shape2 is None):
         pytest.skip("faiss: forward only, two 2-D float32 sets on the CPU")
     if impl == "reference" and batch * shape1[-2] * R * shape1[-1] > REFERENCE_MAX_ELEMENTS:
@@ -85,7 +114,7 @@ def test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, impl, pas
     a = (offset + torch.randn(shape1, generator=g, device=device)).to(dtype)
     b = None if shape2 is None else (offset + torch.randn(shape2, generator=g, device=device)).to(dtype)
     fn = IMPLS[impl]
-    if impl == "torchkit":
+    if impl in ("torchkit", TRITON):
         call = functools.partial(fn, a, b)
     elif impl == ROOFLINE:
         call = functools.partial(fn, a, a if b is None else b)

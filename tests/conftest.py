@@ -1,7 +1,14 @@
 """pytest hooks. The tests' shared helpers are in testing.py."""
 
+import os
+
 import pytest
 import torch
+
+# Triton's kernels run under its interpreter where no GPU is visible. Read when a kernel module
+# is imported (each is imported lazily, on its first call), so it is set before any test runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -12,3 +19,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _triton_kernels(request):
+    """A test marked `triton(op)` runs with op's Triton kernels in the slot of its `device`
+    parameter (triton_testing.installed)."""
+    marker = request.node.get_closest_marker("triton")
+    if marker is None:
+        yield
+        return
+    import triton_testing
+
+    device = request.node.callspec.params.get("device", "cpu")
+    with triton_testing.installed(marker.args[0], device):
+        if triton_testing.INTERPRETING:
+            triton_testing.poison_masked_loads()
+        yield

@@ -35,7 +35,7 @@ def test_version():
 
 def test_build_info_describes_this_build():
     info = torchkit.build_info()
-    assert set(info) == {"torch", "cuda", "architectures", "compiler", "cuda_compiler"}
+    assert set(info) == {"torch", "cuda", "architectures", "compiler", "cuda_compiler", "cuda_kernels"}
     assert Version(info["torch"]).release[:2] == Version(torch.__version__).release[:2]
     assert info["compiler"].split()[0] in {"gcc", "clang"}
     if info["cuda"] is None:

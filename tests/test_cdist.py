@@ -28,6 +28,7 @@ from testing import (
     spanning_points,
     spanning_points_with_nonfinite_rows,
     subnormal_points,
+    with_triton,
 )
 
 import torchkit
@@ -46,6 +47,16 @@ SHAPES = [
     ((3, 1, 6, 5), (4, 8, 5)),  # batch (3, 1) with (4,) → (3, 4)
     ((1, 6, 5), (2, 3, 4, 5)),
 ]
+
+DEVICES_TRITON = with_triton("cdist")
+
+
+def as_param(device):
+    """A DEVICES entry as a pytest.param (a plain string becomes one without marks)."""
+    return device if hasattr(device, "values") else pytest.param(device, id=device)
+
+
+DEVICES_SCALED_TRITON = with_triton("cdist", DEVICES_SCALED)
 
 
 def ground_truth(x1, x2=None, squared=False):
@@ -66,7 +77,7 @@ def make(shape, dtype=torch.float64, device="cpu", seed=0, offset=0.0):
     return (offset + torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).to(device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shapes", SHAPES)
 @pytest.mark.parametrize("squared", [False, True])
@@ -84,7 +95,7 @@ def test_matches_exact_cdist(device, dtype, shapes, squared, contiguous):
     assert max_rel_error(out, ground_truth(x1, x2, squared)) < (2e-5 if dtype == torch.float32 else 1e-12)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("dtype", REDUCED_DTYPES)
 @pytest.mark.parametrize("shapes", SHAPES[:4])
 def test_reduced_precision(device, dtype, shapes):
@@ -106,6 +117,7 @@ def test_reduced_precision(device, dtype, shapes):
         assert_close_reduced(actual, b_.to(dtype), r)
 
 
+# Not through the Triton kernels: 2048 × 512 × 128 takes the interpreter half a minute.
 @pytest.mark.parametrize("device", DEVICES)
 def test_far_from_origin(device):
     """The case torch.cdist's default mode gets wrong (PyTorch #42479): 1000 + N(0, 1)."""
@@ -123,7 +135,7 @@ def test_far_from_origin(device):
         assert (actual.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 def test_near_duplicates_far_from_centre(device):
     """Tight clusters far apart: centring cannot help inside a cluster; the epilogue's direct
     recomputation must, down to distances of 1e-4 between points at distance ~1e3."""
@@ -137,7 +149,7 @@ def test_near_duplicates_far_from_centre(device):
     assert ((out.double() - truth).abs() / truth)[keep].max() < 2e-5
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("scale", [1e3, 1e4])
 @pytest.mark.parametrize("self_", [False, True])
 @pytest.mark.parametrize("squared", [False, True])
@@ -160,7 +172,7 @@ def test_gradients_of_near_duplicates_in_far_apart_clusters(device, scale, self_
         torch.testing.assert_close(actual.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
 @pytest.mark.parametrize("dtype,scale", EXTREMES)
 @pytest.mark.parametrize("layout", ["random", "clusters", "spread"])
 @pytest.mark.parametrize("self_", [False, True])
@@ -177,7 +189,7 @@ def test_the_whole_finite_range(device, dtype, scale, layout, self_, squared):
     assert_close_to_exact(out, exact if squared else np.sqrt(exact), rtol=2e-5 if dtype == torch.float32 else 1e-12)
 
 
-@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
 @pytest.mark.parametrize("dtype,exponent", [(torch.float32, -130), (torch.float64, -1060)])
 def test_gradient_at_subnormal_distances(device, dtype, exponent):
     """(a - b)/d is a unit vector at any distance (testing.subnormal_points)."""
@@ -187,7 +199,7 @@ def test_gradient_at_subnormal_distances(device, dtype, exponent):
     assert gx.tolist() == expected_x and gy.tolist() == expected_y
 
 
-@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("self_", [False, True])
 @pytest.mark.parametrize("squared", [False, True])
@@ -201,7 +213,7 @@ def test_rows_spanning_the_whole_range(device, dtype, self_, squared):
     assert_close_to_exact(out, exact if squared else np.sqrt(exact), rtol=2e-5 if dtype == torch.float32 else 1e-12)
 
 
-@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("self_", [False, True])
 @pytest.mark.parametrize("squared", [False, True])
@@ -219,7 +231,7 @@ def test_nonfinite_rows_among_rows_spanning_the_whole_range(device, dtype, self_
     assert out[3].isnan().all()
 
 
-@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("self_", [False, True])
 @pytest.mark.parametrize("squared", [False, True])
@@ -254,7 +266,7 @@ def test_gradients_of_rows_spanning_the_whole_range(device, dtype, self_, square
         assert ok.all(), f"{(~ok).sum()} gradient entries off by more than {tol} of their rows' scale"
 
 
-@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_squared_gradient_where_the_square_overflows(device, dtype):
     """A squared distance past the dtype's range comes out ∞ but has the finite gradient
@@ -274,7 +286,7 @@ def test_squared_gradient_where_the_square_overflows(device, dtype):
     torch.testing.assert_close(gy.double().cpu(), (-2 * (pair + far) - 4 * pair).unsqueeze(0), **tol)
 
 
-@pytest.mark.parametrize("device", DEVICES_SCALED)
+@pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
 @pytest.mark.parametrize("dtype,scale", EXTREMES)
 @pytest.mark.parametrize("layout", ["random", "spread"])
 @pytest.mark.parametrize("self_", [False, True])
@@ -304,6 +316,7 @@ def test_gradients_over_the_whole_finite_range(device, dtype, scale, layout, sel
         )
 
 
+# Not through the Triton kernels: 140 calls of 70 batch elements take the interpreter 20 s.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("self_", [False, True])
@@ -326,7 +339,7 @@ def test_many_small_batch_elements(device, dtype, self_):
 
 
 @pytest.mark.bad_input
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e30])
 @pytest.mark.parametrize("self_", [False, True])
 def test_non_finite_rows_poison_only_their_distances(device, bad, self_):
@@ -348,7 +361,7 @@ def test_non_finite_rows_poison_only_their_distances(device, bad, self_):
     torch.testing.assert_close(out, exact, equal_nan=True, rtol=2e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_self_distance(device, dtype):
     x = make((3, 40, 9), dtype, device).requires_grad_()
@@ -365,7 +378,7 @@ def test_self_distance(device, dtype):
     assert (g.double() - g64).abs().max() <= 2e-2 * g64.abs().max()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 def test_self_distance_equals_two_set_form(device):
     x = make((30, 7), device=device).requires_grad_()
     y = x.detach().clone().requires_grad_()
@@ -375,7 +388,7 @@ def test_self_distance_equals_two_set_form(device):
     assert_close(gs, gy)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("squared", [False, True])
 def test_duplicates_have_zero_gradient(device, squared):
     x = make((6, 4), device=device)
@@ -392,8 +405,20 @@ def test_duplicates_have_zero_gradient(device, squared):
     assert_close(gy, ty)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shapes", [((4, 3), (5, 3)), ((2, 1, 3, 2), (3, 4, 2))])
+GRADCHECK_SHAPES = [((4, 3), (5, 3)), ((2, 1, 3, 2), (3, 4, 2))]
+
+
+# Through the Triton kernels the unbatched shapes only: gradcheck of the broadcast batch takes
+# the interpreter 100 s.
+@pytest.mark.parametrize(
+    "device,shapes",
+    [
+        pytest.param(*d.values, s, marks=d.marks, id=f"{d.id or d.values[0]}-{i}")
+        for d in map(as_param, DEVICES)
+        for i, s in enumerate(GRADCHECK_SHAPES)
+    ]
+    + [pytest.param(*d.values, GRADCHECK_SHAPES[0], marks=d.marks, id=f"{d.id}-0") for d in DEVICES_TRITON[2:]],
+)
 @pytest.mark.parametrize("squared", [False, True])
 def test_gradcheck(device, shapes, squared):
     x1 = make(shapes[0], device=device, seed=1).requires_grad_()
@@ -402,7 +427,7 @@ def test_gradcheck(device, shapes, squared):
     check_gradcheck(lambda a: ops.cdist(a, squared=squared), (x1,))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_opcheck(device, dtype):
     x1 = make((2, 5, 3), dtype, device, seed=1).requires_grad_()
@@ -415,7 +440,7 @@ def test_opcheck(device, dtype):
     check_opcheck(BACKWARD, (grad, x1.detach(), x2.detach(), d, False, [False, True]))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 def test_compile_dynamic(device):
     for P, R in ((8, 5), (13, 9)):  # a second shape exercises the dynamic graph
         x1 = make((2, P, 4), torch.float32, device, seed=P).requires_grad_()
@@ -424,7 +449,7 @@ def test_compile_dynamic(device):
         check_compile(lambda a: ops.cdist(a, squared=True), x1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("P,R,M", [(0, 5, 3), (5, 0, 3), (4, 5, 0), (0, 0, 0)])
 def test_empty(device, P, R, M):
     x1 = make((P, M), device=device).requires_grad_()
@@ -438,7 +463,7 @@ def test_empty(device, P, R, M):
     assert (gx1 == 0).all() and (gx2 == 0).all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 def test_only_requested_gradients(device):
     x1 = make((5, 3), device=device).requires_grad_()
     x2 = make((4, 3), device=device)
@@ -528,7 +553,7 @@ def test_device_mismatch():
         ops.cdist(torch.randn(3, 5, device="cuda"), torch.randn(4, 5))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("squared", [False, True])
 def test_broadcast_upstream_gradient(device, squared):
     """d.sum() hands backward an expanded gradient (all strides 0), read without a copy."""

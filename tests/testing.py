@@ -28,6 +28,18 @@ from torchkit import ops
 # `cuda` tests are skipped, not dropped, where no GPU is visible (conftest.py), so a CPU run
 # reports what it left out.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def with_triton(op: str, devices: list | None = None) -> list:
+    """`devices` (DEVICES by default), and the same tests through op's Triton kernels: under
+    the interpreter on CPU tensors (id "triton") and compiled on CUDA tensors (id "triton-cuda")."""
+    return [
+        *(DEVICES if devices is None else devices),
+        pytest.param("cpu", id="triton", marks=pytest.mark.triton(op)),
+        pytest.param("cuda", id="triton-cuda", marks=[pytest.mark.triton(op), pytest.mark.cuda]),
+    ]
+
+
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 REDUCED_DTYPES = [torch.float16, torch.bfloat16]
 
@@ -187,14 +199,16 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_python(code: str, *args: str, cwd=None, timeout: float | None = 600) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *args: str, cwd=None, timeout: float | None = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python -c code args...` in a fresh interpreter that imports the same torchkit as this
-    process (child_env), run outside the repository so that the checkout's own torchkit/ cannot
-    shadow the build under test."""
+    process (child_env, updated with `env`), run outside the repository so that the checkout's
+    own torchkit/ cannot shadow the build under test."""
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         cwd=cwd or tempfile.gettempdir(),
-        env=child_env(),
+        env={**child_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

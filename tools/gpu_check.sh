@@ -5,12 +5,16 @@
 #   2. the whole test suite with CUDA, and at the same time compute-sanitizer over each op's
 #      CUDA kernels (tools/sanitize_cases.py): memcheck for all, racecheck and synccheck for
 #      the kernels with shared memory and warp reductions, initcheck for the forward ops;
+#      The suite runs each op's Triton kernels compiled too (the tests' "triton-cuda"
+#      parameter), and the sanitizers go over them as well (triton:<op>);
 #   3. tools/gpu_profile.py: each headline case's kernels by device time, and whether the
-#      device or the host (launches, ATen calls) bounds it;
-#   4. the GPU benchmarks against the peers and the rooflines, and their report.
+#      device or the host (launches, ATen calls) bounds it; tools/triton_sweep.py: each Triton
+#      kernel's configurations timed per shape class, the best recorded (triton-configs.json);
+#   4. the GPU benchmarks against the peers and the rooflines, the Triton kernels beside the
+#      CUDA C++ ones ("torchkit (triton)"), and their report.
 # Results go to benchmarks/results/<gpu>/ (gpu.json, gpu.md, charts), logs to build/gpu-check/.
 # Exits non-zero if the build, a test or a sanitizer run fails. STEPS="test bench" (say) runs
-# only some of steps 2 to 4 ("test", "sanitize", "profile", "bench"); TESTS (test files) and
+# only some of steps 2 to 4 ("test", "sanitize", "profile", "sweep", "bench"); TESTS (test files) and
 # SANITIZE_OPS (op names) narrow step 2 to a re-check of some ops, PROFILE_CASES (names from
 # tools/gpu_profile.py) step 3 and BENCHES (benchmark files) step 4.
 set -uo pipefail
@@ -19,7 +23,8 @@ PY=${GPU_PY:-python3}
 LOGS=build/gpu-check
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
-STEPS=${STEPS:-test sanitize profile bench}
+STEPS=${STEPS:-test sanitize profile sweep bench}
+TRITON_OPS=$($PY -c "from torchkit import triton as t; print(' '.join(t.TRITON_KERNELS))" 2>/dev/null)
 TESTS=${TESTS:-tests}
 SANITIZE_OPS=${SANITIZE_OPS:-cdist bilinear_pool covariance_pool knn label_smoothing_cross_entropy region_confusion}
 status=0
@@ -52,6 +57,9 @@ SECONDS=0
 if [[ $STEPS == *sanitize* ]]; then
   {
     for op in $SANITIZE_OPS; do echo "memcheck $op"; echo "initcheck $op"; done
+    for op in $TRITON_OPS; do
+      [[ " $SANITIZE_OPS " == *" $op "* ]] && { echo "memcheck triton:$op"; echo "initcheck triton:$op"; }
+    done
     for op in $SANITIZE_OPS; do  # the kernels with shared memory and warp reductions
       case $op in bilinear_pool | knn | label_smoothing_cross_entropy) echo "racecheck $op"; echo "synccheck $op" ;; esac
     done
@@ -75,6 +83,12 @@ if [[ $STEPS == *profile* ]]; then
   PYTHONPATH=$PWD $PY tools/gpu_profile.py ${PROFILE_CASES:-} > "$LOGS/profile.log" 2>&1 || status=1
   echo "profile ($SECONDS s, $LOGS/profile.log):"
   tail -8 "$LOGS/profile.log"
+fi
+if [[ $STEPS == *sweep* ]]; then
+  SECONDS=0
+  PYTHONPATH=$PWD $PY tools/triton_sweep.py --out "$RESULTS/triton-configs.json" > "$LOGS/sweep.log" 2>&1 || status=1
+  echo "Triton configuration sweep ($SECONDS s, $RESULTS/triton-configs.json):"
+  tail -12 "$LOGS/sweep.log"
 fi
 [[ $STEPS == *bench* ]] || exit $status
 

@@ -1,6 +1,10 @@
 """A few small CUDA calls of one op, forward and backward, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python tools/sanitize_cases.py cdist
+    compute-sanitizer --tool memcheck python tools/sanitize_cases.py triton:cdist
+
+(triton:<op>: the same calls with the op's Triton kernels serving CUDA tensors,
+TORCHKIT_CUDA_KERNELS=triton.)
 
 The test suite under a sanitizer takes too long (each launch is instrumented), so this runs
 every kernel of the op once or twice, over the layouts and dtypes that pick different code:
@@ -12,7 +16,11 @@ Exits non-zero if a result disagrees with the op on the CPU.
 
 from __future__ import annotations
 
+import os
 import sys
+
+if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1].startswith("triton:"):
+    os.environ["TORCHKIT_CUDA_KERNELS"] = "triton"  # read when torchkit is imported
 
 import torch
 
@@ -45,6 +53,7 @@ def cdist():
         check(ops.cdist, 1000 + torch.randn(50, 9, dtype=dtype))
         check(ops.cdist, torch.randn(5, 3, dtype=dtype), torch.randn(6, 3, dtype=dtype), squared=True)
     check(ops.cdist, torch.randn(33, 8).half(), torch.randn(17, 8).half(), grad=False)
+    check(ops.cdist, torch.randn(70, 40).bfloat16(), torch.randn(129, 40).bfloat16(), grad=False)
 
 
 def bilinear_pool():
@@ -121,9 +130,10 @@ def covariance_pool():
 OPS = ("cdist", "bilinear_pool", "covariance_pool", "knn", "label_smoothing_cross_entropy", "region_confusion")
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in OPS:
+    name = sys.argv[1].removeprefix("triton:") if len(sys.argv) == 2 else ""
+    if name not in OPS:
         sys.exit(__doc__)
     torch.manual_seed(0)
-    globals()[sys.argv[1]]()
+    globals()[name]()
     torch.cuda.synchronize()
     print(f"{sys.argv[1]}: CUDA agrees with the CPU")

@@ -112,6 +112,10 @@ def _check_cuda_version(built: int, installed_cuda: str | None) -> None:
 _BUILD = _load_extension()
 _check_cuda_version(torch.ops.torchkit._cuda_version(), torch.version.cuda)
 
+from torchkit import triton as _triton_path  # noqa: E402  (needs the ops registered above)
+
+_triton_path.register()
+
 
 def kernels(device: str | torch.device = "cpu") -> dict[str, bool | None]:
     """Each ``torchkit::`` op the dispatcher knows and whether it has a kernel for ``device``'s
@@ -136,7 +140,9 @@ def build_info() -> dict:
 
     Returns a dict with ``torch`` (the version compiled against), ``cuda`` (e.g. ``"13.2"``,
     or ``None`` for a CPU-only build), ``architectures`` (list of GPU architectures, empty
-    for CPU-only), ``compiler`` (the C++ compiler) and ``cuda_compiler`` (nvcc or ``None``).
+    for CPU-only), ``compiler`` (the C++ compiler), ``cuda_compiler`` (nvcc or ``None``) and
+    ``cuda_kernels``: each op → what serves its CUDA tensors, ``"cuda"`` (the build's CUDA C++
+    kernel), ``"triton"`` (a Triton kernel: see ``TORCHKIT_CUDA_KERNELS`` in README) or ``None``.
     """
     raw = json.loads(torch.ops.torchkit._build_info())
     cuda = raw["cuda"]
@@ -146,6 +152,7 @@ def build_info() -> dict:
         "architectures": [a for a in raw["architectures"].replace(" ", ";").split(";") if a],
         "compiler": raw["compiler"],
         "cuda_compiler": raw["cuda_compiler"] or None,
+        "cuda_kernels": _triton_path.serving(),
     }
 
 

@@ -1,0 +1,276 @@
+"""The Triton path: which kernel serves each op's CUDA tensors, the kernels' launch
+configurations one by one, and the shared exact arithmetic. The ops' own tests run through
+the Triton kernels too (their "triton" parameter: tests/triton_testing.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import triton_testing
+from testing import run_python
+
+import torchkit
+from torchkit import triton as triton_path
+
+if triton_testing.available() is None:
+    import triton
+    import triton.language as tl
+
+    from torchkit.triton import _math
+
+    @triton.jit
+    def _pow2_kernel(x_ptr, e_ptr, out_ptr, log_ptr, N: tl.constexpr, IS64: tl.constexpr):
+        i = tl.arange(0, N)
+        v = tl.load(x_ptr + i)
+        tl.store(out_ptr + i, _math.ldexp(v, tl.load(e_ptr + i), IS64))
+        tl.store(log_ptr + i, _math.ilogb(v, IS64))
+
+    @triton.jit
+    def _unmasked_sum_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        """Sums a block's masked load without `other`: wrong wherever masked lanes are not 0."""
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr, tl.sum(tl.load(x_ptr + i, mask=i < N)))
+
+
+needs_triton = pytest.mark.skipif(triton_testing.available() is not None, reason=str(triton_testing.available()))
+interpreted = pytest.mark.skipif(not triton_testing.INTERPRETING, reason="a GPU is visible: no interpreter")
+
+
+@pytest.mark.parametrize(
+    "op,has_cpp,selected,expected",
+    [
+        # Staged (never measured on a GPU): the C++ kernel by default, nothing without one.
+        ("cdist", True, "auto", "cuda"),
+        ("cdist", False, "auto", None),
+        ("cdist", True, "triton", "triton"),
+        ("cdist", False, "triton", "triton"),
+        ("cdist", True, "cuda", "cuda"),
+        ("cdist", False, "cuda", None),
+        # An op without Triton kernels keeps its C++ kernel whatever is selected.
+        ("knn", True, "triton", "cuda"),
+        ("knn", False, "triton", None),
+    ],
+)
+def test_which_kernel_serves_cuda_tensors(op, has_cpp, selected, expected):
+    assert triton_path.decide(op, has_cpp, selected) == expected
+
+
+def test_a_measured_triton_kernel_serves_by_default(monkeypatch):
+    monkeypatch.setattr(triton_path, "MEASURED", frozenset({"cdist"}))
+    assert triton_path.decide("cdist", True, "auto") == "triton"
+    assert triton_path.decide("cdist", True, "cuda") == "cuda"
+
+
+def test_every_triton_kernel_is_named_after_an_op_and_exists():
+    ops = set(torchkit.kernels("cpu"))
+    for op, names in triton_path.TRITON_KERNELS.items():
+        assert f"torchkit::{op}" in ops
+        for name in names:
+            assert name in ops
+
+
+def test_build_info_reports_what_serves_each_op():
+    serving = torchkit.build_info()["cuda_kernels"]
+    assert set(serving) == {name for name, has in torchkit.kernels("cuda").items() if has is not None}
+    cpp = torchkit.build_info()["cuda"] is not None
+    selected = triton_path.choice()
+    for name, what in serving.items():
+        op = next((o for o, names in triton_path.TRITON_KERNELS.items() if name in names), None)
+        assert what == (triton_path.decide(op, cpp, selected) if op else ("cuda" if cpp else None)), (name, what)
+        assert torchkit.kernels("cuda")[name] == (what is not None), name
+
+
+@needs_triton
+def test_selecting_triton_registers_its_kernels_for_cuda():
+    out = run_python(
+        "import torch, torchkit\n"
+        "from torch._C import DispatchKey, DispatchKeySet\n"
+        "info = torchkit.build_info()['cuda_kernels']\n"
+        "print(info['torchkit::cdist'], info['torchkit::_cdist_backward'], info['torchkit::knn'])\n"
+        "print(torchkit.kernels('cuda')['torchkit::cdist'])\n"
+        "x = torch.randn(7, 3, dtype=torch.float64)\n"
+        "d = torch.ops.torchkit.cdist.default.redispatch(DispatchKeySet(DispatchKey.CUDA), x, None, False)\n"
+        "print(torch.equal(d, torch.ops.torchkit.cdist(x, None, False)) or (d - torch.cdist(x, x)).abs().max().item() < 1e-12)\n",
+        env={"TORCHKIT_CUDA_KERNELS": "triton", "TRITON_INTERPRET": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    cpp = torchkit.build_info()["cuda"] is not None
+    assert lines[0].split() == ["triton", "triton", "cuda" if cpp else "None"]
+    assert lines[1:3] == ["True", "True"]
+
+
+@pytest.mark.parametrize("value", ["tritn", "1", "cuda,triton"])
+def test_a_bad_kernel_selection_names_the_variable(value):
+    out = run_python("import torchkit", env={"TORCHKIT_CUDA_KERNELS": value})
+    assert out.returncode != 0
+    assert f"TORCHKIT_CUDA_KERNELS must be one of auto, triton, cuda (or unset), got {value!r}" in out.stderr
+
+
+def test_importing_torchkit_does_not_import_triton():
+    out = run_python("import sys, torchkit, torchkit.ops\nprint('triton' in sys.modules)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- shared arithmetic
+
+
+@needs_triton
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ldexp_and_ilogb_are_exact(dtype):
+    """Against numpy's ldexp and frexp over the whole range: subnormals, over- and underflowing
+    results, 0, ±inf and NaN."""
+    is64 = dtype == torch.float64
+    g = torch.Generator().manual_seed(0)
+    n = 2048
+    top = 1030 if is64 else 130
+    low = -1080 if is64 else -155
+    x = torch.ldexp(
+        torch.rand(n, generator=g, dtype=torch.float64) + 0.5, torch.randint(low, top, (n,), generator=g).double()
+    )
+    x = (x * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()).to(dtype)
+    x[:5] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan"), torch.finfo(dtype).tiny / 8], dtype=dtype)
+    reach = 2 * top + 100
+    e = torch.randint(-reach, reach, (n,), generator=g, dtype=torch.int32)
+    e[::5] = torch.randint(-40, 40, (len(e[::5]),), generator=g, dtype=torch.int32)
+    out = torch.empty_like(x)
+    log = torch.empty(n, dtype=torch.int32)
+    with np.errstate(all="ignore"):
+        _pow2_kernel[(1,)](x, e, out, log, N=n, IS64=is64)
+        expected = torch.from_numpy(np.ldexp(x.numpy(), e.numpy()).astype(x.numpy().dtype))
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
+    finite = x.isfinite() & (x != 0)
+    assert torch.equal(log[finite], torch.from_numpy(np.frexp(x[finite].numpy())[1] - 1).to(torch.int32))
+
+
+# --------------------------------------------------------------------------- cdist, every configuration
+
+
+def _points(shape, dtype, seed, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (offset + torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+
+
+def _device():
+    return "cpu" if triton_testing.INTERPRETING else "cuda"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("config", range(3))
+@pytest.mark.parametrize("prefix", range(2))
+def test_cdist_forward_in_every_configuration(dtype, config, prefix):
+    """Ragged shapes (37 × 51 × 19 covers every edge of each block size), a NaN row, a
+    near-duplicate pair far from the origin, x2=None and squared, against the C++ kernels."""
+    from torchkit.triton import cdist as kernels
+
+    triton_testing.poison_masked_loads() if triton_testing.INTERPRETING else None
+    x = _points((37, 19), dtype, 1, offset=30.0)
+    y = _points((51, 19), dtype, 2, offset=30.0)
+    y[5] = x[3] + 1e-3
+    x[10, 4] = float("nan")
+    tol = dict(rtol=2e-2, atol=0.25) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
+    for x2, squared in ((y, False), (None, True)):
+        got = kernels.forward(
+            x.to(_device()),
+            None if x2 is None else x2.to(_device()),
+            squared,
+            config=kernels.FORWARD_CONFIGS[config],
+            prefix_config=kernels.PREFIX_CONFIGS[prefix],
+        ).cpu()
+        expected = torch.ops.torchkit.cdist(x, x2, squared)
+        torch.testing.assert_close(got, expected, equal_nan=True, **tol)
+        assert torch.equal(got.isnan(), expected.isnan())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale,gemm", list(itertools.product(range(2), range(2))))
+@pytest.mark.parametrize("self_", [False, True])
+def test_cdist_backward_in_every_configuration(dtype, scale, gemm, self_):
+    """The backward's kernels with each configuration, near-duplicates (whose gradient is taken
+    directly) and a zero distance included, against the C++ kernels."""
+    from torchkit.triton import cdist as kernels
+
+    x = _points((37, 19), dtype, 3, offset=30.0)
+    y = None if self_ else _points((51, 19), dtype, 4, offset=30.0)
+    if self_:
+        x[7] = x[2]  # distance 0: zero gradient
+        x[9] = x[2] + 1e-4
+    else:
+        y[5] = x[3] + 1e-4
+    for squared in (False, True):
+        d = torch.ops.torchkit.cdist(x, y, squared)
+        grad = _points(d.shape, dtype, 5)
+        to = _device()
+        got = kernels.backward(
+            grad.to(to),
+            x.to(to),
+            None if y is None else y.to(to),
+            d.to(to),
+            squared,
+            [True, True],
+            scale_config=kernels.GRAD_SCALE_CONFIGS[scale],
+            gemm_config=kernels.GRAD_GEMM_CONFIGS[gemm],
+        )
+        expected = torch.ops.torchkit._cdist_backward(grad, x, y, d, squared, [True, True])
+        for a, b in zip(got, expected, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5 if dtype == torch.float32 else 1e-10, atol=1e-4)
+
+
+@needs_triton
+@interpreted
+def test_poisoned_lanes_catch_a_kernel_that_reads_them():
+    """The harness itself: a masked load without `other` reads NaN under the patch."""
+    triton_testing.poison_masked_loads()
+    out = torch.empty(1)
+    _unmasked_sum_kernel[(1,)](torch.ones(5), out, 5, BLOCK=8)
+    assert out.isnan().all()
+
+
+@needs_triton
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.randn(3), None, False),
+        (torch.randn(4, 3), torch.randn(4, 2), False),
+        (torch.randn(4, 3), torch.randn(4, 3, dtype=torch.float64), False),
+        (torch.randint(5, (4, 3)), None, False),
+        (torch.randn(2, 4, 3), torch.randn(3, 5, 3), False),
+        (torch.randn(4, 3), None, 1),
+        (torch.randn(4, 3), None, 0.5),
+    ],
+)
+def test_cdist_kernels_refuse_what_the_cpp_kernels_refuse(args):
+    """The raw op's CUDA kernel validates everything it reads, as the C++ kernels do, with the
+    same exception and message."""
+    from torchkit.triton import cdist as kernels
+
+    with pytest.raises(Exception) as cpp:
+        torch.ops.torchkit.cdist(*args)
+    with pytest.raises(type(cpp.value)) as triton_err:
+        kernels.forward(*args)
+    assert str(triton_err.value) == str(cpp.value).split("\n")[0]
+
+
+@needs_triton
+@pytest.mark.bad_input
+def test_cdist_backward_kernel_checks_grad_and_dist():
+    from torchkit.triton import cdist as kernels
+
+    x1, x2 = torch.randn(4, 3), torch.randn(5, 3)
+    d = torch.ops.torchkit.cdist(x1, x2, False)
+    for grad, dist in ((torch.randn(4, 4), d), (torch.randn_like(d), d.double()), (torch.randn_like(d), d[:3])):
+        with pytest.raises(Exception) as cpp:
+            torch.ops.torchkit._cdist_backward(grad, x1, x2, dist, False, [True, True])
+        with pytest.raises(type(cpp.value)) as triton_err:
+            kernels.backward(grad, x1, x2, dist, False, [True, True])
+        assert str(triton_err.value) == str(cpp.value).split("\n")[0]

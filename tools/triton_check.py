@@ -1,0 +1,151 @@
+"""Compile every Triton kernel of torchkit for sm_80 and sm_90 without a GPU (make triton-check).
+
+For each kernel module of torchkit.triton (its compile_cases()), each case and configuration:
+triton.compile to PTX and cubin, ptxas -v for registers and spills, the shared memory the
+kernel asks for, and the matrix instruction its tl.dot became. Fails on a compile error, on
+spills above --max-spill bytes, on shared memory past the architecture's limit, and where a
+case meant for tensor cores has no mma/wgmma. Prints a table. Compiled kernels are cached
+under build/triton-cache (TRITON_CACHE_DIR), so a rerun with nothing changed takes seconds.
+Must run without TRITON_INTERPRET (the interpreter replaces @triton.jit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHS = (80, 90)
+# The most shared memory one block may use: 163 KB on sm_80 (A100), 227 KB on sm_90 (H100).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+
+def compile_one(job):
+    """Compile case `index` of module `module` with configuration `c` for `arch`: a row of
+    the table, or the error."""
+    module, index, c, arch = job
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    case = importlib.import_module(module).compile_cases()[index]
+    config = case.configs[c]
+    fn = case.kernel
+    constants = {**case.constexprs, **config.kwargs}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = constants[name]
+        else:
+            signature[name] = case.types[name]
+            if case.types[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are 16-byte aligned
+    row = dict(case=case.name, config=repr(config).removeprefix("Config(").removesuffix(")"), arch=f"sm_{arch}")
+    started = time.time()
+    try:
+        source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+        )
+    except Exception as err:  # reported in the table, then fails the check
+        row["error"] = f"{type(err).__name__}: {err}"
+        return row
+    ptx = compiled.asm["ptx"]
+    row["seconds"] = time.time() - started
+    row["shared"] = int(compiled.metadata.shared)
+    row["instruction"] = "wgmma" if "wgmma.mma_async" in ptx else ("mma" if re.search(r"\bmma\.sync", ptx) else "fma")
+    row.update(ptxas_usage(ptx, arch))
+    return row
+
+
+def ptxas_usage(ptx: str, arch: int) -> dict:
+    """Registers and spill bytes from `ptxas -v` on the PTX, for the architecture it targets."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        ptxas = get_ptxas(arch)
+    except TypeError:  # Triton before 3.5 takes no architecture
+        ptxas = get_ptxas()
+    ptxas = getattr(ptxas, "path", ptxas)
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.ptx")
+        src.write_text(ptx)
+        out = subprocess.run(
+            [ptxas, "-v", f"-arch={target}", str(src), "-o", str(Path(tmp, "k.cubin"))],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    text = out.stderr + out.stdout
+    registers = max((int(m) for m in re.findall(r"Used (\d+) registers", text)), default=0)
+    spills = sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text))
+    return {"registers": registers, "spill": spills}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--max-spill",
+        type=int,
+        default=512,
+        help="spill bytes (stores + loads) per kernel above which the check fails (default 512)",
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("triton_check: TRITON_INTERPRET=1 replaces @triton.jit by the interpreter; unset it", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / "build" / "triton-cache"))
+    from torchkit import triton as triton_path
+
+    jobs = []
+    for op in triton_path.TRITON_KERNELS:
+        module = f"torchkit.triton.{op}"
+        for index, case in enumerate(importlib.import_module(module).compile_cases()):
+            jobs += [(module, index, c, arch) for c in range(len(case.configs)) for arch in ARCHS]
+    started = time.time()
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = list(pool.map(compile_one, jobs))
+    failures = []
+    header = (
+        f"{'kernel':<34} {'configuration':<58} {'arch':<6} {'regs':>5} {'spill':>6} {'smem':>7} {'instr':<6} {'s':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for (module, index, _, arch), row in zip(jobs, rows, strict=True):
+        if "error" in row:
+            print(f"{row['case']:<34} {row['config']:<58} {row['arch']:<6} ERROR")
+            failures.append(f"{row['case']} [{row['config']}] {row['arch']}: {row['error']}")
+            continue
+        print(
+            f"{row['case']:<34} {row['config']:<58} {row['arch']:<6} {row['registers']:>5} {row['spill']:>6} "
+            f"{row['shared']:>7} {row['instruction']:<6} {row['seconds']:>5.1f}"
+        )
+        case = importlib.import_module(module).compile_cases()[index]
+        where = f"{row['case']} [{row['config']}] {row['arch']}"
+        if row["spill"] > args.max_spill:
+            failures.append(f"{where}: {row['spill']} bytes of spills > {args.max_spill}")
+        if row["shared"] > SHARED_LIMIT[arch]:
+            failures.append(f"{where}: {row['shared']} bytes of shared memory > the {SHARED_LIMIT[arch]} an SM has")
+        if case.tensor_cores and row["instruction"] == "fma":
+            failures.append(f"{where}: meant for tensor cores, but its PTX has no mma or wgmma")
+    print(f"\n{len(rows)} compilations in {time.time() - started:.0f} s (cache: {os.environ['TRITON_CACHE_DIR']})")
+    for failure in failures:
+        print("FAIL", failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

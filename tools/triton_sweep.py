@@ -1,0 +1,118 @@
+"""Time every launch configuration of each Triton kernel per shape class on the local GPU and
+record the fastest (make gpu-check's "sweep" step).
+
+    python tools/triton_sweep.py --out benchmarks/results/h100/triton-configs.json
+
+The kernels' default configuration is the first of their lists (torchkit/triton/<op>.py); a
+GPU session reads this file to reorder them. Each configuration is checked against the op on
+the CPU before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+# op -> shape classes: (name, x1 shape, x2 shape or None, dtype)
+SHAPES = {
+    "cdist": [
+        ("batch P=R=256 M=128 fp32", (256, 128), (256, 128), torch.float32),
+        ("P=R=8192 M=128 fp32", (8192, 128), (8192, 128), torch.float32),
+        ("P=R=8192 M=128 bf16", (8192, 128), (8192, 128), torch.bfloat16),
+        ("self P=4096 M=512 fp32", (4096, 512), None, torch.float32),
+    ],
+}
+
+
+def milliseconds(fn, repeat: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_cdist(results: dict) -> None:
+    from torchkit.triton import cdist as kernels
+
+    for name, s1, s2, dtype in SHAPES["cdist"]:
+        g = torch.Generator("cuda").manual_seed(0)
+        a = torch.randn(s1, generator=g, device="cuda").to(dtype)
+        b = None if s2 is None else torch.randn(s2, generator=g, device="cuda").to(dtype)
+        expected = torch.ops.torchkit.cdist(a[:512].cpu(), None if b is None else b[:512].cpu(), False)
+        rows = []
+        for i, config in enumerate(kernels.FORWARD_CONFIGS):
+            got = kernels.forward(a[:512], None if b is None else b[:512], False, config=config).cpu()
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=1e-2)
+            rows.append(
+                (
+                    "forward",
+                    i,
+                    repr(config),
+                    milliseconds(lambda c=config, a=a, b=b: kernels.forward(a, b, False, config=c)),
+                )
+            )
+        d = kernels.forward(a, b, False)
+        grad = torch.randn_like(d)
+        for i, config in enumerate(kernels.GRAD_SCALE_CONFIGS):
+            rows.append(
+                (
+                    "grad_scale",
+                    i,
+                    repr(config),
+                    milliseconds(
+                        lambda c=config, a=a, b=b, d=d, grad=grad: kernels.backward(
+                            grad, a, b, d, False, [True, True], scale_config=c
+                        )
+                    ),
+                )
+            )
+        for i, config in enumerate(kernels.GRAD_GEMM_CONFIGS):
+            rows.append(
+                (
+                    "grad_gemm",
+                    i,
+                    repr(config),
+                    milliseconds(
+                        lambda c=config, a=a, b=b, d=d, grad=grad: kernels.backward(
+                            grad, a, b, d, False, [True, True], gemm_config=c
+                        )
+                    ),
+                )
+            )
+        best = {}
+        for kernel, i, text, ms in rows:
+            print(f"cdist {name:<28} {kernel:<10} {text:<70} {ms:8.3f} ms")
+            if kernel not in best or ms < best[kernel]["ms"]:
+                best[kernel] = {"index": i, "config": text, "ms": ms}
+        results.setdefault("cdist", {})[name] = {
+            "best": best,
+            "all": [dict(zip(("kernel", "index", "config", "ms"), r, strict=True)) for r in rows],
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("triton_sweep: no CUDA device", file=sys.stderr)
+        return 2
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    sweep_cdist(results)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

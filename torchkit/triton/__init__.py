@@ -1,0 +1,139 @@
+"""Which kernel serves each op's CUDA tensors: the build's CUDA C++ kernel or a Triton kernel.
+
+An op with Triton kernels has a module here named after it (``torchkit/triton/cdist.py``),
+imported only when a tensor reaches one of its kernels: torch alone still imports torchkit,
+and Triton is needed only where it runs. The schema, the CPU kernel and autograd stay in C++;
+a Triton kernel is registered from Python as the op's CUDA kernel, and the C++ autograd
+kernel redispatches into it.
+
+A Python kernel registered for a dispatch key silently replaces a C++ one, so which kernel
+holds the CUDA slot is decided here, once, at import:
+
+- ``TORCHKIT_CUDA_KERNELS`` unset (or ``auto``): the CUDA C++ kernel of the build, except for
+  the ops in ``MEASURED``, whose Triton kernels a recorded GPU run (``benchmarks/results/<gpu>/``)
+  showed correct and at least as fast. A Triton kernel that has never run on a GPU is staged:
+  it serves nothing by default, not even in a build without CUDA C++ kernels, where such an
+  op's CUDA tensors then have no kernel (the dispatcher says so).
+- ``TORCHKIT_CUDA_KERNELS=triton``: the Triton kernel wherever an op has one (staged or not);
+  the other ops keep the build's CUDA C++ kernels.
+- ``TORCHKIT_CUDA_KERNELS=cuda``: the build's CUDA C++ kernels only.
+
+``torchkit.build_info()["cuda_kernels"]`` reports the outcome per op.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import torch
+
+VARIABLE = "TORCHKIT_CUDA_KERNELS"
+CHOICES = ("auto", "triton", "cuda")
+
+# op -> its module here, and the ops whose CUDA kernels that module provides (module functions
+# of the same names without the namespace, leading underscore and op prefix: forward, backward).
+TRITON_KERNELS: dict[str, dict[str, str]] = {
+    "cdist": {"torchkit::cdist": "forward", "torchkit::_cdist_backward": "backward"},
+}
+
+# Ops whose Triton kernels a recorded GPU run measured correct and at least as fast as their
+# CUDA C++ kernels (none yet: cdist's wait for a GPU session).
+MEASURED: frozenset[str] = frozenset()
+
+# The oldest Triton this path is tested with: torch 2.14's 3.8. Torch 2.8 pins Triton 3.4 and
+# torch 2.9 3.5, whose interpreters fail with numpy >= 2.3 ("only 0-dimensional arrays can be
+# converted to Python scalars"), so the kernels cannot be tested there as they are here. Below
+# it the Triton tests skip and TORCHKIT_CUDA_KERNELS=triton is refused; the CUDA C++ kernels
+# serve every supported torch.
+MIN_TRITON = (3, 8)
+
+_library: torch.library.Library | None = None
+_serving: dict[str, str | None] = {}
+
+
+def choice() -> str:
+    """TORCHKIT_CUDA_KERNELS's value, checked."""
+    value = os.environ.get(VARIABLE, "").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(
+            f"torchkit: {VARIABLE} must be one of {', '.join(CHOICES)} (or unset), got {os.environ[VARIABLE]!r}"
+        )
+    return value
+
+
+def triton_version() -> tuple[int, ...] | None:
+    """The installed Triton's version as a tuple, or None if Triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("triton")
+    except PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def decide(op: str, has_cuda_cpp: bool, selected: str) -> str | None:
+    """What serves ``op``'s CUDA tensors: "triton", "cuda" (the C++ kernel) or None."""
+    cpp = "cuda" if has_cuda_cpp else None
+    if op not in TRITON_KERNELS or selected == "cuda":
+        return cpp
+    if selected == "triton" or op in MEASURED:
+        return "triton"
+    return cpp
+
+
+def _kernel(op: str, function: str):
+    """The CUDA kernel for the dispatcher: imports the op's Triton module on the first call."""
+
+    def kernel(*args):
+        module = importlib.import_module(f"torchkit.triton.{op}")
+        return getattr(module, function)(*args)
+
+    kernel.__name__ = f"{op}_{function}_triton"
+    return kernel
+
+
+def register() -> None:
+    """Decide each op's CUDA kernel and register the Triton ones (torchkit's import calls it)."""
+    global _library
+    selected = choice()
+    chosen = {}
+    for op, names in TRITON_KERNELS.items():
+        has_cpp = all(torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") for name in names)
+        chosen[op] = decide(op, has_cpp, selected)
+    if any(v == "triton" for v in chosen.values()):
+        found = triton_version()
+        if found is None or found < MIN_TRITON:
+            have = "not installed" if found is None else ".".join(map(str, found))
+            raise ImportError(
+                f"torchkit: {VARIABLE}={os.environ.get(VARIABLE, 'auto')} selects Triton kernels, which need "
+                f"triton >= {'.'.join(map(str, MIN_TRITON))} (installed: {have}). pip install 'triton>="
+                f"{'.'.join(map(str, MIN_TRITON))}', or unset {VARIABLE}."
+            )
+        _library = torch.library.Library("torchkit", "IMPL")
+        for op, names in TRITON_KERNELS.items():
+            if chosen[op] == "triton":
+                for name, function in names.items():
+                    _library.impl(name.split("::")[1], _kernel(op, function), "CUDA")
+    _serving.clear()
+    _serving.update(chosen)
+
+
+def serving() -> dict[str, str | None]:
+    """Each op with tensor arguments → what serves its CUDA tensors: "triton", "cuda" (the
+    build's CUDA C++ kernel) or None."""
+    out = {}
+    for name in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchkit::")):
+        schema = torch._C._get_schema(name, "")
+        if not any("Tensor" in str(arg.type) for arg in schema.arguments):
+            continue
+        op = next((o for o, names in TRITON_KERNELS.items() if name in names), None)
+        if op is not None:
+            out[name] = _serving.get(op)
+        else:
+            out[name] = "cuda" if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") else None
+    return out

@@ -1,0 +1,60 @@
+"""What every Triton kernel module shares: launch configurations and whether the kernels run
+under Triton's interpreter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration: the kernel's block sizes (constexpr arguments) and the
+    compiler's num_warps and num_stages. Tests run every configuration under the interpreter;
+    tools/triton_check.py compiles every one for sm_80 and sm_90."""
+
+    kwargs: dict = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __init__(self, num_warps: int = 4, num_stages: int = 2, **kwargs: int):
+        object.__setattr__(self, "kwargs", dict(kwargs))
+        object.__setattr__(self, "num_warps", num_warps)
+        object.__setattr__(self, "num_stages", num_stages)
+
+    @property
+    def launch(self) -> dict:
+        """Keyword arguments of a launch: the block sizes, num_warps and num_stages."""
+        return {**self.kwargs, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def __repr__(self) -> str:
+        blocks = ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
+        return f"Config({blocks}, num_warps={self.num_warps}, num_stages={self.num_stages})"
+
+
+def interpreting() -> bool:
+    """Whether @triton.jit kernels run under Triton's interpreter (TRITON_INTERPRET=1 when the
+    kernel modules were imported): the kernels then take the interpreter's branches, such as
+    upcasting bfloat16 operands before tl.dot."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime"):
+        return bool(knobs.runtime.interpret)
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """One kernel as tools/triton_check.py compiles it: its argument types as a launch would
+    give them (pointers "*fp32", ints "i32"), its constexpr values, the configurations to
+    compile, and whether its products are meant for tensor cores (then the PTX must hold
+    mma or wgmma)."""
+
+    name: str
+    kernel: object
+    types: dict
+    constexprs: dict
+    configs: tuple
+    tensor_cores: bool = False

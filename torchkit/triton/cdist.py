@@ -1,0 +1,964 @@
+"""cdist's Triton kernels: the op's CUDA kernel where torchkit.triton selects it.
+
+The semantics are the CPU kernel's (csrc/cdist.h, csrc/cpu/cdist_cpu.cpp), computed in tiles
+without any copy of the inputs in another type:
+
+- Prefix: each row's finiteness and largest finite magnitude (row_stats_kernel); per batch
+  element the power-of-two exponent e that brings its largest finite magnitude into [1/2, 1)
+  where it lies outside [2^-H, 2^H] (H = 32 for float32 accumulation, 256 for float64: past
+  that |x|² and the products under- or overflow), else 0; the mean of the finite rows of both
+  sets after that scaling (column_sums_kernel: a NaN or ±inf row would make every distance of
+  the element non-finite); each row's squared norm after scaling and centring (norms_kernel).
+- Forward (forward_kernel): one output tile per program. The centred, scaled rows are formed
+  from the raw inputs as they are loaded and multiplied by tl.dot (float32 and float64: IEEE
+  products; float16 and bfloat16: each centred value split into two bfloat16 halves, three
+  tensor-core products with float32 accumulation, which keeps ~16 bits where the inputs have 8
+  or 11). The epilogue forms d² = |a|² + |b|² - 2a·b, clamps, takes the correctly rounded root
+  and multiplies by 2^e (2^2e squared) exactly. Entries where the expansion cancelled (d² <
+  (|a|² + |b|²) / 16: near-duplicates), is NaN (a non-finite row) or may have underflowed are
+  recomputed as Σ(a - b)² from the unscaled inputs, with the differences scaled by the power of
+  two nearest their largest, so that a distance whose square leaves the type's range is still
+  exact. The diagonal of x2=None is exactly 0 (NaN for a non-finite row).
+- Backward: grad_scale_kernel forms G' = grad / dist (2·grad squared; 0 at distance 0) once,
+  with its row sums and, in a second pass over columns, its column sums (each program owns its
+  rows or columns: deterministic, no atomics). The entries the forward recomputed directly take
+  their gradient directly, G'·(a - b) from the unscaled inputs, and are left out of G'. Then
+  grad_gemm_kernel: grad_x1 = rowsum(G')·x1 - G'·x2 and grad_x2 = colsum(G')·x2 - G'ᵀ·x1 over
+  the centred, scaled rows (times 2^e for squared distances), plus the direct entries.
+
+Kernels never index past what the wrapper checked; offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from torchkit.ops._common import acc_dtype, check_scalars
+from torchkit.ops.cdist import check_distance_inputs
+from torchkit.triton import _math as tm
+from torchkit.triton._launch import CompileCase, Config, interpreting
+
+REFINE_RATIO = tl.constexpr(16.0)  # csrc/cdist.h's kRefineRatio
+
+# Launch configurations. Each is run by the tests (every masking path) and compiled by
+# tools/triton_check.py; `config` arguments pick one, the default being the first.
+FORWARD_CONFIGS = (
+    Config(BLOCK_P=64, BLOCK_R=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    Config(BLOCK_P=128, BLOCK_R=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    Config(BLOCK_P=32, BLOCK_R=32, BLOCK_K=16, num_warps=4, num_stages=2),
+)
+# refine_kernel recomputes a flagged tile in REFINE_SUB × REFINE_SUB pieces.
+REFINE_SUB = 32
+GRAD_SCALE_CONFIGS = (
+    Config(BLOCK_OWN=16, BLOCK_OTHER=64, num_warps=4, num_stages=2),
+    Config(BLOCK_OWN=16, BLOCK_OTHER=32, num_warps=4, num_stages=2),
+)
+GRAD_GEMM_CONFIGS = (
+    Config(BLOCK_OWN=64, BLOCK_OTHER=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    Config(BLOCK_OWN=32, BLOCK_OTHER=16, BLOCK_K=32, num_warps=4, num_stages=2),
+)
+PREFIX_CONFIGS = (
+    Config(BLOCK_ROWS=32, BLOCK_M=64, num_warps=4, num_stages=2),
+    Config(BLOCK_ROWS=16, BLOCK_M=16, num_warps=2, num_stages=2),
+)
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _scale_in(e, IS64: tl.constexpr):
+    """The two factors whose product is 2^-e (|e| may pass the normal exponents: a subnormal
+    largest value has e = -148 in float32)."""
+    h = (0 - e) // 2
+    return tm.pow2(h, IS64), tm.pow2(0 - e - h, IS64)
+
+
+@triton.jit
+def _centred(x_ptr, rows, ks, row_mask, k_mask, stride_row, mean_ptr, f1, f2, ACC: tl.constexpr):
+    """Rows `rows`, features `ks` of one batch element, scaled by f1·f2 = 2^-e and centred, in
+    ACC; 0 in masked lanes (so that they add nothing to a product)."""
+    mask = row_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+    mu = tl.load(mean_ptr + ks, mask=k_mask, other=0.0)
+    return tl.where(mask, x * f1 * f2 - mu[None, :], 0.0)
+
+
+@triton.jit
+def _mma(a, b, acc, IS64: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a·bᵀ. SPLIT (float16 and bfloat16 inputs): a and b are float32 values split into
+    bfloat16 hi + lo, three tensor-core products accumulated in float32 (lo·lo, 2^-16 of the
+    rest, dropped). bfloat16 × bfloat16 products are exact in float32, so the interpreter,
+    whose bfloat16 arithmetic works on the raw bits, multiplies the halves upcast to float32:
+    the same products, summed in another order."""
+    bt = tl.trans(b)
+    if SPLIT:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        b_hi = bt.to(tl.bfloat16)
+        b_lo = (bt - b_hi.to(tl.float32)).to(tl.bfloat16)
+        if INTERPRET:
+            a_hi = a_hi.to(tl.float32)
+            a_lo = a_lo.to(tl.float32)
+            b_hi = b_hi.to(tl.float32)
+            b_lo = b_lo.to(tl.float32)
+        acc = tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
+    elif IS64:
+        acc = tl.dot(a, bt, acc, out_dtype=tl.float64)
+    else:
+        acc = tl.dot(a, bt, acc, input_precision="ieee", out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _direct_sq(
+    a_ptr, b_ptr, rows, cols, row_mask, col_mask, stride_a, stride_b, M, ACC: tl.constexpr, IS64: tl.constexpr
+):
+    """Σ(a - b)² for every pair of the tile from the unscaled rows, as m·2^E: t = the largest
+    |a - b| (0, inf or NaN: returned as m with E = 0), else the differences times 2^-E/2,
+    E/2 = frexp's exponent of t, so that no square over- or underflows (cpu::direct_sq_exact)."""
+    t = tl.zeros((rows.shape[0], cols.shape[0]), ACC)
+    for k in range(0, M):
+        a = tl.load(a_ptr + rows * stride_a + k, mask=row_mask, other=0.0).to(ACC)
+        b = tl.load(b_ptr + cols * stride_b + k, mask=col_mask, other=0.0).to(ACC)
+        t = tl.maximum(t, tl.abs(a[:, None] - b[None, :]), propagate_nan=tl.PropagateNan.ALL)
+    plain = (t == 0) | (t != t) | (t == float("inf"))
+    half = tl.where(plain, 0, tm.ilogb(t, IS64) + 1)
+    s = tl.zeros((rows.shape[0], cols.shape[0]), ACC)
+    for k in range(0, M):
+        a = tl.load(a_ptr + rows * stride_a + k, mask=row_mask, other=0.0).to(ACC)
+        b = tl.load(b_ptr + cols * stride_b + k, mask=col_mask, other=0.0).to(ACC)
+        q = tm.ldexp(a[:, None] - b[None, :], 0 - half, IS64)
+        s += q * q
+    return tl.where(plain, t, s), 2 * half
+
+
+# --------------------------------------------------------------------------- prefix
+
+
+@triton.jit
+def row_stats_kernel(
+    x_ptr,
+    finite_ptr,
+    largest_ptr,
+    N,
+    M,
+    stride_batch,
+    stride_row,
+    tiles,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Per row of a (B, N, M) set: whether every value is finite (int8) and the largest finite
+    magnitude (ACC), into (B, N) arrays."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // tiles
+    rows = (pid % tiles) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    finite = tl.full((BLOCK_ROWS,), 1, tl.int32)
+    largest = tl.zeros((BLOCK_ROWS,), ACC)
+    for k0 in range(0, M, BLOCK_M):
+        ks = k0 + tl.arange(0, BLOCK_M)
+        mask = row_mask[:, None] & (ks < M)[None, :]
+        x = tl.load(x_ptr + b * stride_batch + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+        ok = (x == x) & (tl.abs(x) != float("inf"))
+        finite = finite & tl.min(tl.where(mask, ok.to(tl.int32), 1), axis=1)
+        largest = tl.maximum(largest, tl.max(tl.where(ok & mask, tl.abs(x), 0.0), axis=1))
+    tl.store(finite_ptr + b * N + rows, finite.to(tl.int8), mask=row_mask)
+    tl.store(largest_ptr + b * N + rows, largest, mask=row_mask)
+
+
+@triton.jit
+def column_sums_kernel(
+    x_ptr,
+    finite_ptr,
+    exp_ptr,
+    sums_ptr,
+    N,
+    M,
+    stride_batch,
+    stride_row,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Per (batch element, block of features): the sum over the element's finite rows of the
+    rows times 2^-e, added in row order (the same bits on any GPU)."""
+    b = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_mask = ks < M
+    f1, f2 = _scale_in(tl.load(exp_ptr + b), IS64)
+    total = tl.zeros((BLOCK_M,), ACC)
+    for r0 in range(0, N, BLOCK_ROWS):
+        rows = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        row_mask = rows < N
+        keep = tl.load(finite_ptr + b * N + rows, mask=row_mask, other=0) != 0
+        mask = (row_mask & keep)[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + b * stride_batch + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+        total += tl.sum(tl.where(mask, x * f1 * f2, 0.0), axis=0)
+    tl.store(sums_ptr + b * M + ks, total, mask=k_mask)
+
+
+@triton.jit
+def norms_kernel(
+    x_ptr,
+    exp_ptr,
+    mean_ptr,
+    norms_ptr,
+    N,
+    M,
+    stride_batch,
+    stride_row,
+    tiles,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Squared norms of the scaled, centred rows: Σ_k (x·2^-e - mean)²."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // tiles
+    rows = (pid % tiles) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    f1, f2 = _scale_in(tl.load(exp_ptr + b), IS64)
+    total = tl.zeros((BLOCK_ROWS,), ACC)
+    for k0 in range(0, M, BLOCK_M):
+        ks = k0 + tl.arange(0, BLOCK_M)
+        c = _centred(x_ptr + b * stride_batch, rows, ks, row_mask, ks < M, stride_row, mean_ptr + b * M, f1, f2, ACC)
+        total += tl.sum(c * c, axis=1)
+    tl.store(norms_ptr + b * N + rows, total, mask=row_mask)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _zero_diagonal(na, rows, cols, SELF: tl.constexpr):
+    """x2=None: where a finite row meets itself (its distance is exactly 0; a non-finite row's
+    is Σ(a - a)² = NaN, recomputed)."""
+    if SELF:
+        finite_row = (na == na) & (na != float("inf"))
+        return (rows[:, None] == cols[None, :]) & finite_row[:, None]
+    else:
+        return tl.zeros((rows.shape[0], cols.shape[0]), tl.int1)
+
+
+@triton.jit
+def forward_kernel(
+    x1_ptr,
+    x2_ptr,
+    mean_ptr,
+    n1_ptr,
+    n2_ptr,
+    exp_ptr,
+    out_ptr,
+    flag_ptr,
+    P,
+    R,
+    M,
+    s1b,
+    s1p,
+    s2b,
+    s2r,
+    tiles_r,
+    tiles,
+    SELF: tl.constexpr,
+    SQUARED: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One output tile from the expansion; flag[tile] = 1 where an entry of it is to be
+    recomputed (refine_kernel), so that this kernel carries none of that path's registers."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // tiles
+    tile = pid % tiles
+    tiny = tm.tiny_norms(M, IS64)
+    rows = (tile // tiles_r) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = (tile % tiles_r) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < P
+    col_mask = cols < R
+    e = tl.load(exp_ptr + b)
+    f1, f2 = _scale_in(e, IS64)
+    mean = mean_ptr + b * M
+    acc = tl.zeros((BLOCK_P, BLOCK_R), ACC)
+    for k0 in range(0, M, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < M
+        a = _centred(x1_ptr + b * s1b, rows, ks, row_mask, k_mask, s1p, mean, f1, f2, ACC)
+        c = _centred(x2_ptr + b * s2b, cols, ks, col_mask, k_mask, s2r, mean, f1, f2, ACC)
+        acc = _mma(a, c, acc, IS64, SPLIT, INTERPRET)
+
+    na = tl.load(n1_ptr + b * P + rows, mask=row_mask, other=0.0)
+    nb = tl.load(n2_ptr + b * R + cols, mask=col_mask, other=0.0)
+    norms = na[:, None] + nb[None, :]
+    d2 = norms - 2.0 * acc
+    valid = row_mask[:, None] & col_mask[None, :]
+    zero_diagonal = _zero_diagonal(na, rows, cols, SELF)
+    refine = (~(d2 * REFINE_RATIO >= norms) | ~(norms >= tiny)) & valid & ~zero_diagonal
+    value = tl.maximum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN kept: refine_kernel sees it
+    if not SQUARED:
+        value = tm.sqrt_rn(value, IS64)
+    if e != 0:
+        value = tm.ldexp(value, e if not SQUARED else 2 * e, IS64)
+    value = tl.where(zero_diagonal, 0.0, value)
+    out = out_ptr + (b * P + rows[:, None]) * R + cols[None, :]
+    tl.store(out, value.to(out_ptr.dtype.element_ty), mask=valid)
+    tl.store(flag_ptr + pid, tl.max(refine.to(tl.int8)))
+
+
+@triton.jit
+def refine_kernel(
+    x1_ptr,
+    x2_ptr,
+    n1_ptr,
+    n2_ptr,
+    exp_ptr,
+    out_ptr,
+    flag_ptr,
+    P,
+    R,
+    M,
+    s1b,
+    s1p,
+    s2b,
+    s2r,
+    tiles_r,
+    tiles,
+    SELF: tl.constexpr,
+    SQUARED: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """For each tile forward_kernel flagged, in SUB × SUB pieces: the entries whose distance
+    (from the output, as the backward decides) shows that the expansion cancelled, is NaN or
+    infinite, or may have underflowed, recomputed directly (_direct_sq) from the unscaled
+    inputs."""
+    pid = tl.program_id(0).to(tl.int64)
+    if tl.load(flag_ptr + pid) != 0:
+        b = pid // tiles
+        tile = pid % tiles
+        tiny = tm.tiny_norms(M, IS64)
+        e = tl.load(exp_ptr + b)
+        for i0 in range(0, BLOCK_P, SUB):
+            rows = (tile // tiles_r) * BLOCK_P + i0 + tl.arange(0, SUB)
+            row_mask = rows < P
+            na = tl.load(n1_ptr + b * P + rows, mask=row_mask, other=0.0)
+            for j0 in range(0, BLOCK_R, SUB):
+                cols = (tile % tiles_r) * BLOCK_R + j0 + tl.arange(0, SUB)
+                col_mask = cols < R
+                valid = row_mask[:, None] & col_mask[None, :]
+                out = out_ptr + (b * P + rows[:, None]) * R + cols[None, :]
+                d = tl.load(out, mask=valid, other=0.0).to(ACC)
+                nb = tl.load(n2_ptr + b * R + cols, mask=col_mask, other=0.0)
+                norms = na[:, None] + nb[None, :]
+                if SQUARED:
+                    d2 = tm.ldexp(d, -2 * e, IS64)
+                else:
+                    ds = tm.ldexp(d, 0 - e, IS64)
+                    d2 = ds * ds
+                # An infinite output too: an expansion that cancelled can come out large enough
+                # that times 2^e it overflows (rows scaled down far beside much larger ones).
+                refine = ~(d2 * REFINE_RATIO >= norms) | ~(norms >= tiny) | (d == float("inf"))
+                refine = refine & valid & ~_zero_diagonal(na, rows, cols, SELF)
+                if tl.max(refine.to(tl.int32)) > 0:
+                    m, E = _direct_sq(
+                        x1_ptr + b * s1b, x2_ptr + b * s2b, rows, cols, row_mask, col_mask, s1p, s2r, M, ACC, IS64
+                    )
+                    if SQUARED:
+                        direct = tm.ldexp(m, E, IS64)
+                    else:
+                        direct = tm.ldexp(tm.sqrt_rn(m, IS64), E // 2, IS64)
+                    tl.store(out, direct.to(out_ptr.dtype.element_ty), mask=refine)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def grad_scale_kernel(
+    grad_ptr,
+    dist_ptr,
+    own_ptr,
+    other_ptr,
+    n_own_ptr,
+    n_other_ptr,
+    exp_ptr,
+    gp_ptr,
+    sums_ptr,
+    direct_ptr,
+    N_OWN,
+    N_OTHER,
+    M,
+    s_own_b,
+    s_own_r,
+    s_other_b,
+    s_other_r,
+    sg_b,
+    sg_own,
+    sg_other,
+    sd_b,
+    sd_own,
+    sd_other,
+    sgp_own,
+    sgp_other,
+    tiles,
+    SQUARED: tl.constexpr,
+    WRITE_GP: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_OWN: tl.constexpr,
+    BLOCK_OTHER: tl.constexpr,
+):
+    """For a block of `own` rows (x1's rows with grad and dist as they are, or x2's rows with
+    them transposed through the strides), across all `other` rows: G' = grad / dist (2·grad
+    squared), with the entries the forward recomputed directly taken out (0 in G'); G''s sums
+    along `other` into sums; the direct entries' gradient Σ g·((own - other) / d) into direct
+    (own's rows, zero-filled by the caller); G' itself into gp when WRITE_GP."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // tiles
+    rows = (pid % tiles) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
+    row_mask = rows < N_OWN
+    tiny = tm.tiny_norms(M, IS64)
+    e = tl.load(exp_ptr + b)
+    n_own = tl.load(n_own_ptr + b * N_OWN + rows, mask=row_mask, other=0.0)
+    own = own_ptr + b * s_own_b
+    other = other_ptr + b * s_other_b
+    total = tl.zeros((BLOCK_OWN,), ACC)
+    for c0 in range(0, N_OTHER, BLOCK_OTHER):
+        cols = (c0 + tl.arange(0, BLOCK_OTHER)).to(tl.int64)
+        col_mask = cols < N_OTHER
+        valid = row_mask[:, None] & col_mask[None, :]
+        g = tl.load(grad_ptr + b * sg_b + rows[:, None] * sg_own + cols[None, :] * sg_other, mask=valid, other=0.0).to(
+            ACC
+        )
+        d = tl.load(dist_ptr + b * sd_b + rows[:, None] * sd_own + cols[None, :] * sd_other, mask=valid, other=1.0).to(
+            ACC
+        )
+        n_other = tl.load(n_other_ptr + b * N_OTHER + cols, mask=col_mask, other=0.0)
+        norms = n_own[:, None] + n_other[None, :]
+        # The forward's refinement test on d² in the scaled rows' units, from the output; where
+        # a squared output overflowed, from the rows themselves.
+        if SQUARED:
+            ds2 = tm.ldexp(d, -2 * e, IS64)
+            if tl.max(((d == float("inf")) & valid).to(tl.int32)) > 0:
+                m, E = _direct_sq(own, other, rows, cols, row_mask, col_mask, s_own_r, s_other_r, M, ACC, IS64)
+                ds2 = tl.where(d == float("inf"), tm.ldexp(m, E - 2 * e, IS64), ds2)
+            v = 2.0 * g
+        else:
+            ds = tm.ldexp(d, 0 - e, IS64)
+            ds2 = ds * ds
+            v = tl.where(ds == 0, 0.0, tm.div_rn(g, tl.where(ds == 0, 1.0, ds), IS64))
+        refined = ((ds2 * REFINE_RATIO < norms) | (norms < tiny)) & valid
+        v = tl.where(refined | ~valid, 0.0, v)
+        total += tl.sum(v, axis=1)
+        if WRITE_GP:
+            tl.store(gp_ptr + b * N_OWN * N_OTHER + rows[:, None] * sgp_own + cols[None, :] * sgp_other, v, mask=valid)
+        # Direct entries: g·((own - other) / d), d = 1 and 2·grad for squared; none at d = 0.
+        if SQUARED:
+            take = refined
+        else:
+            take = refined & (d != 0)
+        if tl.max(take.to(tl.int32)) > 0:
+            if SQUARED:
+                gd = tl.where(take, 2.0 * g, 0.0)
+                dd = tl.full(g.shape, 1.0, ACC)
+            else:
+                gd = tl.where(take, g, 0.0)
+                dd = tl.where(take, d, 1.0)
+            for k in range(0, M):
+                a = tl.load(own + rows * s_own_r + k, mask=row_mask, other=0.0).to(ACC)
+                c = tl.load(other + cols * s_other_r + k, mask=col_mask, other=0.0).to(ACC)
+                term = tl.where(take, gd * tm.div_rn(a[:, None] - c[None, :], dd, IS64), 0.0)
+                slot = direct_ptr + (b * N_OWN + rows) * M + k
+                tl.store(slot, tl.load(slot, mask=row_mask, other=0.0) + tl.sum(term, axis=1), mask=row_mask)
+    tl.store(sums_ptr + b * N_OWN + rows, total, mask=row_mask)
+
+
+@triton.jit
+def grad_gemm_kernel(
+    gp_ptr,
+    own_ptr,
+    other_ptr,
+    mean_ptr,
+    exp_ptr,
+    sums_ptr,
+    direct_ptr,
+    out_ptr,
+    N_OWN,
+    N_OTHER,
+    M,
+    s_own_b,
+    s_own_r,
+    s_other_b,
+    s_other_r,
+    sgp_own,
+    sgp_other,
+    tiles_k,
+    tiles,
+    SQUARED: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_OWN: tl.constexpr,
+    BLOCK_OTHER: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[own rows, features] = s·(sums·own - G'·other) + direct over the scaled, centred rows,
+    s = 2^e for squared distances of a scaled element, else 1 (the direct part is in the
+    inputs' units already)."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // tiles
+    tile = pid % tiles
+    rows = (tile // tiles_k) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
+    ks = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_mask = rows < N_OWN
+    k_mask = ks < M
+    e = tl.load(exp_ptr + b)
+    f1, f2 = _scale_in(e, IS64)
+    mean = mean_ptr + b * M
+    acc = tl.zeros((BLOCK_OWN, BLOCK_K), ACC)
+    for c0 in range(0, N_OTHER, BLOCK_OTHER):
+        cols = (c0 + tl.arange(0, BLOCK_OTHER)).to(tl.int64)
+        col_mask = cols < N_OTHER
+        g = tl.load(
+            gp_ptr + b * N_OWN * N_OTHER + rows[:, None] * sgp_own + cols[None, :] * sgp_other,
+            mask=row_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        c = _centred(other_ptr + b * s_other_b, cols, ks, col_mask, k_mask, s_other_r, mean, f1, f2, ACC)
+        if IS64:
+            acc = tl.dot(g, c, acc, out_dtype=tl.float64)
+        else:
+            acc = tl.dot(g, c, acc, input_precision="ieee", out_dtype=tl.float32)
+    own = _centred(own_ptr + b * s_own_b, rows, ks, row_mask, k_mask, s_own_r, mean, f1, f2, ACC)
+    sums = tl.load(sums_ptr + b * N_OWN + rows, mask=row_mask, other=0.0)
+    value = sums[:, None] * own - acc
+    if SQUARED:
+        if e != 0:
+            value = tm.ldexp(value, e, IS64)
+    mask = row_mask[:, None] & k_mask[None, :]
+    offsets = (b * N_OWN + rows[:, None]) * M + ks[None, :]
+    value += tl.load(direct_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, value, mask=mask)
+
+
+# --------------------------------------------------------------------------- the op's kernels
+
+
+def _batched(x: Tensor, batch: tuple, B: int) -> Tensor:
+    """(*B_i, rows, M) → (B, rows, M) with unit feature stride: a view where the layout allows,
+    a copy in the input's own dtype otherwise (broadcast batch dimensions, a strided last one)."""
+    x = x.expand(*batch, *x.shape[-2:]).reshape(B, *x.shape[-2:])
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _grid_tiles(n: int, block: int) -> int:
+    return max(1, -(-n // block))
+
+
+class _Centring:
+    """The prefix: per batch element the exponent (int32, (B,)) and the mean (ACC, (B, M));
+    per row the squared norm of the scaled, centred row."""
+
+    def __init__(self, sets: list[Tensor], B: int, M: int, acc: torch.dtype, config: Config):
+        is64 = acc == torch.float64
+        H = 256 if is64 else 32
+        rows = config.kwargs["BLOCK_ROWS"]
+        finite, largest = [], []
+        for x in sets:
+            N = x.shape[1]
+            fin = torch.empty(B, N, dtype=torch.int8, device=x.device)
+            big = torch.empty(B, N, dtype=acc, device=x.device)
+            tiles = _grid_tiles(N, rows)
+            row_stats_kernel[(B * tiles,)](
+                x, fin, big, N, M, x.stride(0), x.stride(1), tiles, ACC=_tl(acc), **config.launch
+            )
+            finite.append(fin)
+            largest.append(big.amax(1) if N > 0 else big.new_zeros(B))
+        top = torch.stack(largest).amax(0)
+        outside = (top > 2.0**H) | ((top < 2.0**-H) & (top > 0))
+        self.exponents = torch.where(outside, torch.frexp(top).exponent, 0).to(torch.int32)
+        sums = torch.zeros(B, M, dtype=acc, device=top.device)
+        count = torch.zeros(B, dtype=acc, device=top.device)
+        for x, fin in zip(sets, finite, strict=True):
+            part = torch.empty(B, M, dtype=acc, device=top.device)
+            column_sums_kernel[(B, _grid_tiles(M, config.kwargs["BLOCK_M"]))](
+                x,
+                fin,
+                self.exponents,
+                part,
+                x.shape[1],
+                M,
+                x.stride(0),
+                x.stride(1),
+                ACC=_tl(acc),
+                IS64=is64,
+                **config.launch,
+            )
+            sums += part
+            count += fin.sum(1, dtype=acc)
+        self.mean = sums / count.clamp_min(1)[:, None]
+        self.norms = []
+        for x in sets:
+            n = torch.empty(B, x.shape[1], dtype=acc, device=x.device)
+            tiles = _grid_tiles(x.shape[1], rows)
+            norms_kernel[(B * tiles,)](
+                x,
+                self.exponents,
+                self.mean,
+                n,
+                x.shape[1],
+                M,
+                x.stride(0),
+                x.stride(1),
+                tiles,
+                ACC=_tl(acc),
+                IS64=is64,
+                **config.launch,
+            )
+            self.norms.append(n)
+
+
+def _tl(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _problem(x1: Tensor, x2: Tensor | None):
+    batch = tuple(x1.shape[:-2]) if x2 is None else tuple(torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2]))
+    B = 1
+    for s in batch:
+        B *= s
+    return batch, B
+
+
+def forward(
+    x1: Tensor, x2: Tensor | None, squared, *, config: Config | None = None, prefix_config: Config | None = None
+) -> Tensor:
+    """torchkit::cdist's CUDA kernel (any device under the interpreter)."""
+    check_scalars("cdist", ("bool", "squared", squared))
+    check_distance_inputs("cdist", "x1", x1, "x2", x2)
+    config = config or FORWARD_CONFIGS[0]
+    batch, B = _problem(x1, x2)
+    P, M = x1.shape[-2], x1.shape[-1]
+    R = P if x2 is None else x2.shape[-2]
+    out = torch.empty(B, P, R, dtype=x1.dtype, device=x1.device)
+    if out.numel() > 0:
+        acc = acc_dtype(x1)
+        a = _batched(x1, batch, B)
+        c = a if x2 is None else _batched(x2, batch, B)
+        pre = _Centring([a] if x2 is None else [a, c], B, M, acc, prefix_config or PREFIX_CONFIGS[0])
+        n1 = pre.norms[0]
+        n2 = n1 if x2 is None else pre.norms[1]
+        k = config.kwargs
+        tiles_r = _grid_tiles(R, k["BLOCK_R"])
+        tiles = _grid_tiles(P, k["BLOCK_P"]) * tiles_r
+        flags = torch.empty(B * tiles, dtype=torch.int8, device=x1.device)
+        common = (P, R, M, a.stride(0), a.stride(1), c.stride(0), c.stride(1), tiles_r, tiles)
+        variant = dict(SELF=x2 is None, SQUARED=bool(squared), ACC=_tl(acc), IS64=acc == torch.float64)
+        forward_kernel[(B * tiles,)](
+            a,
+            c,
+            pre.mean,
+            n1,
+            n2,
+            pre.exponents,
+            out,
+            flags,
+            *common,
+            **variant,
+            SPLIT=x1.dtype in (torch.float16, torch.bfloat16),
+            INTERPRET=interpreting(),
+            **config.launch,
+        )
+        refine_kernel[(B * tiles,)](
+            a,
+            c,
+            n1,
+            n2,
+            pre.exponents,
+            out,
+            flags,
+            *common,
+            **variant,
+            BLOCK_P=k["BLOCK_P"],
+            BLOCK_R=k["BLOCK_R"],
+            SUB=REFINE_SUB,
+            num_warps=4,
+        )
+    return out.view(*batch, P, R)
+
+
+def _check_backward(x1: Tensor, x2: Tensor | None, grad: Tensor, dist: Tensor, shape: tuple) -> None:
+    """csrc/cdist.cpp's check_backward_inputs, same order and messages."""
+    if tuple(dist.shape) != shape or tuple(grad.shape) != shape:
+        raise ValueError(
+            f"cdist: backward: grad and dist must have the output's shape {list(shape)}, got "
+            f"{list(grad.shape)} and {list(dist.shape)}"
+        )
+    from torchkit.ops._common import check_same_device, dtype_name
+
+    for name, t in (("grad", grad), ("dist", dist)):
+        if t.dtype != x1.dtype:
+            raise TypeError(
+                f"cdist: x1 and {name} must have the same dtype, got {dtype_name(x1.dtype)} and {dtype_name(t.dtype)}"
+            )
+    check_same_device("cdist", x1=x1, grad=grad, dist=dist)
+
+
+def backward(
+    grad: Tensor,
+    x1: Tensor,
+    x2: Tensor | None,
+    dist: Tensor,
+    squared,
+    output_mask,
+    *,
+    scale_config: Config | None = None,
+    gemm_config: Config | None = None,
+    prefix_config: Config | None = None,
+) -> tuple[Tensor, Tensor]:
+    """torchkit::_cdist_backward's CUDA kernel."""
+    check_scalars("cdist", ("bool", "squared", squared))
+    check_distance_inputs("cdist", "x1", x1, "x2", x2)
+    batch, B = _problem(x1, x2)
+    P, M = x1.shape[-2], x1.shape[-1]
+    R = P if x2 is None else x2.shape[-2]
+    _check_backward(x1, x2, grad, dist, (*batch, P, R))
+    self_ = x2 is None
+    want1 = bool(output_mask[0])
+    want2 = want1 if self_ else bool(output_mask[1])
+    acc = acc_dtype(x1)
+    g1 = g2 = None
+    if (want1 or want2) and B * P * R * M > 0:
+        is64 = acc == torch.float64
+        a = _batched(x1, batch, B)
+        c = a if self_ else _batched(x2, batch, B)
+        pre = _Centring([a] if self_ else [a, c], B, M, acc, prefix_config or PREFIX_CONFIGS[0])
+        n1 = pre.norms[0]
+        n2 = n1 if self_ else pre.norms[1]
+        g = grad.expand(*batch, P, R).reshape(B, P, R)
+        d = dist.reshape(B, P, R)
+        gp = torch.empty(B, P, R, dtype=acc, device=x1.device)
+        sc = scale_config or GRAD_SCALE_CONFIGS[0]
+        gm = gemm_config or GRAD_GEMM_CONFIGS[0]
+        flags = dict(SQUARED=bool(squared), ACC=_tl(acc), IS64=is64)
+
+        def scale(own, other, n_own, n_other, N_own, N_other, transposed, write_gp):
+            sums = torch.empty(B, N_own, dtype=acc, device=x1.device)
+            direct = torch.zeros(B, N_own, M, dtype=acc, device=x1.device)
+            sg = (g.stride(0), g.stride(2), g.stride(1)) if transposed else g.stride()
+            sd = (d.stride(0), d.stride(2), d.stride(1)) if transposed else d.stride()
+            sgp = (1, R) if transposed else (R, 1)
+            tiles = _grid_tiles(N_own, sc.kwargs["BLOCK_OWN"])
+            grad_scale_kernel[(B * tiles,)](
+                g,
+                d,
+                own,
+                other,
+                n_own,
+                n_other,
+                pre.exponents,
+                gp,
+                sums,
+                direct,
+                N_own,
+                N_other,
+                M,
+                own.stride(0),
+                own.stride(1),
+                other.stride(0),
+                other.stride(1),
+                *sg,
+                *sd,
+                *sgp,
+                tiles,
+                WRITE_GP=write_gp,
+                **flags,
+                **sc.launch,
+            )
+            return sums, direct
+
+        def gemm(own, other, sums, direct, N_own, N_other, transposed):
+            out = torch.empty(B, N_own, M, dtype=acc, device=x1.device)
+            tiles_k = _grid_tiles(M, gm.kwargs["BLOCK_K"])
+            tiles = _grid_tiles(N_own, gm.kwargs["BLOCK_OWN"]) * tiles_k
+            sgp = (1, R) if transposed else (R, 1)
+            grad_gemm_kernel[(B * tiles,)](
+                gp,
+                own,
+                other,
+                pre.mean,
+                pre.exponents,
+                sums,
+                direct,
+                out,
+                N_own,
+                N_other,
+                M,
+                own.stride(0),
+                own.stride(1),
+                other.stride(0),
+                other.stride(1),
+                *sgp,
+                tiles_k,
+                tiles,
+                **flags,
+                **gm.launch,
+            )
+            return out
+
+        rows = scale(a, c, n1, n2, P, R, False, True)
+        if want2:
+            columns = scale(c, a, n2, n1, R, P, True, False)
+        if want1:
+            g1 = gemm(a, c, *rows, P, R, False)
+        if want2:
+            g2 = gemm(c, a, *columns, R, P, True)
+    elif want1 or want2:
+        g1 = torch.zeros(B, P, M, dtype=acc, device=x1.device) if want1 else None
+        g2 = torch.zeros(B, R, M, dtype=acc, device=x1.device) if want2 else None
+
+    def to_input(gr: Tensor, x: Tensor) -> Tensor:
+        return gr.view(*batch, x.shape[-2], M).sum_to_size(x.shape).to(x.dtype)
+
+    empty = x1.new_empty(0)
+    if self_:
+        total = g1 if g2 is None else (g2 if g1 is None else g1 + g2)
+        return (to_input(total, x1) if total is not None else empty), empty
+    return (to_input(g1, x1) if g1 is not None else empty), (to_input(g2, x2) if g2 is not None else empty)
+
+
+def compile_cases() -> list[CompileCase]:
+    """Every kernel for tools/triton_check.py: each configuration in float32, the tensor-core
+    path of float16 and bfloat16, and float64 with the first configuration; the SELF and
+    SQUARED branches with the first."""
+    cases = []
+    for dtype, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp64", "fp64")):
+        is64 = acc == "fp64"
+        split = dtype in ("bf16", "fp16")
+        every = dtype in ("fp32", "bf16")
+        flags = dict(ACC=tl.float64 if is64 else tl.float32, IS64=is64)
+        ints = dict.fromkeys(("P", "R", "M", "N", "N_OWN", "N_OTHER", "tiles", "tiles_r", "tiles_k"), "i32")
+        strides = dict.fromkeys(
+            (
+                "s1b",
+                "s1p",
+                "s2b",
+                "s2r",
+                "stride_batch",
+                "stride_row",
+                "s_own_b",
+                "s_own_r",
+                "s_other_b",
+                "s_other_r",
+                "sg_b",
+                "sg_own",
+                "sg_other",
+                "sd_b",
+                "sd_own",
+                "sd_other",
+                "sgp_own",
+                "sgp_other",
+            ),
+            "i32",
+        )
+        data = dict.fromkeys(
+            ("x_ptr", "x1_ptr", "x2_ptr", "own_ptr", "other_ptr", "out_ptr", "grad_ptr", "dist_ptr"), "*" + dtype
+        )
+        accs = dict.fromkeys(
+            (
+                "mean_ptr",
+                "n1_ptr",
+                "n2_ptr",
+                "largest_ptr",
+                "sums_ptr",
+                "norms_ptr",
+                "n_own_ptr",
+                "n_other_ptr",
+                "gp_ptr",
+                "direct_ptr",
+            ),
+            "*" + acc,
+        )
+        types = {**ints, **strides, **data, **accs, "exp_ptr": "*i32", "finite_ptr": "*i8", "flag_ptr": "*i8"}
+        for variant in ((False, False), (True, True)) if dtype == "fp32" else ((False, False),):
+            self_, squared = variant
+            cases.append(
+                CompileCase(
+                    f"cdist.forward {dtype}{' self squared' if self_ else ''}",
+                    forward_kernel,
+                    types,
+                    dict(SELF=self_, SQUARED=squared, SPLIT=split, INTERPRET=False, **flags),
+                    FORWARD_CONFIGS if every and not self_ else FORWARD_CONFIGS[:1],
+                    tensor_cores=split,
+                )
+            )
+        for self_, squared in ((False, False), (True, True)):
+            block = FORWARD_CONFIGS[0].kwargs
+            cases.append(
+                CompileCase(
+                    f"cdist.refine {dtype}{' self squared' if self_ else ''}",
+                    refine_kernel,
+                    types,
+                    dict(
+                        SELF=self_,
+                        SQUARED=squared,
+                        BLOCK_P=block["BLOCK_P"],
+                        BLOCK_R=block["BLOCK_R"],
+                        SUB=REFINE_SUB,
+                        **flags,
+                    ),
+                    (Config(num_warps=4),),
+                )
+            )
+        if split and dtype == "fp16":
+            continue  # the prefix and the backward do not depend on float16 against bfloat16
+        backward_types = {**types, "out_ptr": "*" + acc}
+        for squared in (False, True) if not is64 else (False,):
+            cases.append(
+                CompileCase(
+                    f"cdist.grad_scale {dtype}{' squared' if squared else ''}",
+                    grad_scale_kernel,
+                    backward_types,
+                    dict(SQUARED=squared, WRITE_GP=True, **flags),
+                    GRAD_SCALE_CONFIGS if every and not squared else GRAD_SCALE_CONFIGS[:1],
+                )
+            )
+        cases.append(
+            CompileCase(
+                f"cdist.grad_gemm {dtype}",
+                grad_gemm_kernel,
+                backward_types,
+                dict(SQUARED=True, **flags),
+                GRAD_GEMM_CONFIGS if every else GRAD_GEMM_CONFIGS[:1],
+            )
+        )
+        for kernel, extra in (
+            (row_stats_kernel, {}),
+            (column_sums_kernel, {"IS64": is64}),
+            (norms_kernel, {"IS64": is64}),
+        ):
+            cases.append(
+                CompileCase(
+                    f"cdist.{kernel.fn.__name__.removesuffix('_kernel')} {dtype}",
+                    kernel,
+                    types,
+                    {"ACC": flags["ACC"], **extra},
+                    PREFIX_CONFIGS if every else PREFIX_CONFIGS[:1],
+                )
+            )
+    return cases
