@@ -152,7 +152,7 @@ def build_info() -> dict:
         "architectures": [a for a in raw["architectures"].replace(" ", ";").split(";") if a],
         "compiler": raw["compiler"],
         "cuda_compiler": raw["cuda_compiler"] or None,
-        "cuda_kernels": _triton_path.serving(),
+        "cuda_kernels": _triton_path.serving(kernels("cuda")),
     }
 
 

@@ -123,17 +123,13 @@ def register() -> None:
     _serving.update(chosen)
 
 
-def serving() -> dict[str, str | None]:
-    """Each op with tensor arguments → what serves its CUDA tensors: "triton", "cuda" (the
-    build's CUDA C++ kernel) or None."""
+def serving(has_cuda_kernel: dict[str, bool | None]) -> dict[str, str | None]:
+    """What serves each op's CUDA tensors: "triton", "cuda" (the build's CUDA C++ kernel) or
+    None, from torchkit.kernels("cuda") (ops without tensor arguments are left out)."""
     out = {}
-    for name in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchkit::")):
-        schema = torch._C._get_schema(name, "")
-        if not any("Tensor" in str(arg.type) for arg in schema.arguments):
+    for name, has in has_cuda_kernel.items():
+        if has is None:
             continue
         op = next((o for o, names in TRITON_KERNELS.items() if name in names), None)
-        if op is not None:
-            out[name] = _serving.get(op)
-        else:
-            out[name] = "cuda" if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") else None
+        out[name] = _serving.get(op) if op is not None else ("cuda" if has else None)
     return out

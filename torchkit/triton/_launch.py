@@ -3,23 +3,18 @@ under Triton's interpreter."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class Config:
     """One launch configuration: the kernel's block sizes (constexpr arguments) and the
     compiler's num_warps and num_stages. Tests run every configuration under the interpreter;
     tools/triton_check.py compiles every one for sm_80 and sm_90."""
 
-    kwargs: dict = field(default_factory=dict)
-    num_warps: int = 4
-    num_stages: int = 2
-
     def __init__(self, num_warps: int = 4, num_stages: int = 2, **kwargs: int):
-        object.__setattr__(self, "kwargs", dict(kwargs))
-        object.__setattr__(self, "num_warps", num_warps)
-        object.__setattr__(self, "num_stages", num_stages)
+        self.kwargs = dict(kwargs)
+        self.num_warps = num_warps
+        self.num_stages = num_stages
 
     @property
     def launch(self) -> dict:
@@ -37,12 +32,7 @@ def interpreting() -> bool:
     upcasting bfloat16 operands before tl.dot."""
     import triton
 
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None and hasattr(knobs, "runtime"):
-        return bool(knobs.runtime.interpret)
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return bool(triton.knobs.runtime.interpret)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ without any copy of the inputs in another type:
   (|a|² + |b|²) / 16: near-duplicates), is NaN (a non-finite row) or may have underflowed are
   recomputed as Σ(a - b)² from the unscaled inputs, with the differences scaled by the power of
   two nearest their largest, so that a distance whose square leaves the type's range is still
-  exact. The diagonal of x2=None is exactly 0 (NaN for a non-finite row).
+  exact: by refine_kernel, over the tiles forward_kernel flagged (the GEMM kernel then carries
+  none of that path's registers), deciding per entry from the output as the backward does.
+  The diagonal of x2=None is exactly 0 (NaN for a non-finite row).
 - Backward: grad_scale_kernel forms G' = grad / dist (2·grad squared; 0 at distance 0) once,
   with its row sums and, in a second pass over columns, its column sums (each program owns its
   rows or columns: deterministic, no atomics). The entries the forward recomputed directly take
