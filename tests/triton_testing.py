@@ -54,22 +54,28 @@ def installed(op: str, device: str):
         library._destroy()
 
 
-def poison_masked_loads() -> None:
-    """Patch the interpreter's masked load (version-guarded: a private class)."""
+def poison_masked_loads() -> bool:
+    """Patch the interpreter's masked load; False where this Triton's private interpreter
+    classes are not the ones the patch knows (it then changes nothing)."""
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "InterpreterBuilder", None)
     original = getattr(builder, "create_masked_load", None)
-    if original is None or getattr(original, "_poisoned", False):
-        return
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    if original is None or np_dtype is None or handle is None:
+        return False
+    if getattr(original, "_poisoned", False):
+        return True
 
     def create_masked_load(self, ptrs, mask, other, *args, **kwargs):
         if other is None:
             dtype_tt = ptrs.get_element_ty()
-            dtype_np = interpreter._get_np_dtype(dtype_tt)
+            dtype_np = np_dtype(dtype_tt)
             fill = np.nan if np.issubdtype(dtype_np, np.floating) else np.iinfo(dtype_np).max
-            other = interpreter.TensorHandle(np.full(ptrs.data.shape, fill, dtype=dtype_np), dtype_tt)
+            other = handle(np.full(ptrs.data.shape, fill, dtype=dtype_np), dtype_tt)
         return original(self, ptrs, mask, other, *args, **kwargs)
 
     create_masked_load._poisoned = True
     builder.create_masked_load = create_masked_load
+    return True
