@@ -281,3 +281,23 @@ def test_cdist_backward_kernel_checks_grad_and_dist():
         with pytest.raises(type(cpp.value)) as triton_err:
             kernels.backward(grad, x1, x2, dist, False, [True, True])
         assert str(triton_err.value) == str(cpp.value).split("\n")[0]
+
+
+@needs_triton
+@pytest.mark.cuda
+def test_cdist_triton_forward_needs_no_memory_beyond_its_output():
+    """Peak extra memory of the Triton forward: the output, plus per-row and per-tile
+    statistics (no P×R scratch, no copy of the inputs), bfloat16 included."""
+    from torchkit.triton import cdist as kernels
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4096, 128, device="cuda").to(dtype)
+        y = torch.randn(4096, 128, device="cuda").to(dtype)
+        kernels.forward(x, y, False)  # compiled before measuring
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = kernels.forward(x, y, False)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before - out.numel() * out.element_size()
+        assert extra <= 2 * (x.shape[0] + y.shape[0]) * 16 + 64 * 1024, extra
