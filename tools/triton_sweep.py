@@ -63,32 +63,18 @@ def sweep_cdist(results: dict) -> None:
             )
         d = kernels.forward(a, b, False)
         grad = torch.randn_like(d)
-        for i, config in enumerate(kernels.GRAD_SCALE_CONFIGS):
-            rows.append(
-                (
-                    "grad_scale",
-                    i,
-                    repr(config),
-                    milliseconds(
-                        lambda c=config, a=a, b=b, d=d, grad=grad: kernels.backward(
-                            grad, a, b, d, False, [True, True], scale_config=c
-                        )
-                    ),
+        for kernel, configs, option in (
+            ("grad_scale", kernels.GRAD_SCALE_CONFIGS, "scale_config"),
+            ("grad_gemm", kernels.GRAD_GEMM_CONFIGS, "gemm_config"),
+        ):
+            for i, config in enumerate(configs):
+                options = {option: config}
+                ms = milliseconds(
+                    lambda a=a, b=b, d=d, grad=grad, o=options: kernels.backward(
+                        grad, a, b, d, False, [True, True], **o
+                    )
                 )
-            )
-        for i, config in enumerate(kernels.GRAD_GEMM_CONFIGS):
-            rows.append(
-                (
-                    "grad_gemm",
-                    i,
-                    repr(config),
-                    milliseconds(
-                        lambda c=config, a=a, b=b, d=d, grad=grad: kernels.backward(
-                            grad, a, b, d, False, [True, True], gemm_config=c
-                        )
-                    ),
-                )
-            )
+                rows.append((kernel, i, repr(config), ms))
         best = {}
         for kernel, i, text, ms in rows:
             print(f"cdist {name:<28} {kernel:<10} {text:<70} {ms:8.3f} ms")

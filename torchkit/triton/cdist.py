@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_scalars
+from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
 from torchkit.ops.cdist import check_distance_inputs
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, interpreting
@@ -455,14 +455,19 @@ def grad_scale_kernel(
         norms = n_own[:, None] + n_other[None, :]
         # The forward's refinement test on d² in the scaled rows' units, from the output; where
         # a squared output overflowed, from the rows themselves.
+        # ldexp only for a scaled element: ordinary data pays nothing for it.
         if SQUARED:
-            ds2 = tm.ldexp(d, -2 * e, IS64)
+            ds2 = d
+            if e != 0:
+                ds2 = tm.ldexp(d, -2 * e, IS64)
             if tl.max(((d == float("inf")) & valid).to(tl.int32)) > 0:
                 m, E = _direct_sq(own, other, rows, cols, row_mask, col_mask, s_own_r, s_other_r, M, ACC, IS64)
                 ds2 = tl.where(d == float("inf"), tm.ldexp(m, E - 2 * e, IS64), ds2)
             v = 2.0 * g
         else:
-            ds = tm.ldexp(d, 0 - e, IS64)
+            ds = d
+            if e != 0:
+                ds = tm.ldexp(d, 0 - e, IS64)
             ds2 = ds * ds
             v = tl.where(ds == 0, 0.0, tm.div_rn(g, tl.where(ds == 0, 1.0, ds), IS64))
         refined = ((ds2 * REFINE_RATIO < norms) | (norms < tiny)) & valid
@@ -590,7 +595,7 @@ class _Centring:
                 x, fin, big, N, M, x.stride(0), x.stride(1), tiles, ACC=_tl(acc), **config.launch
             )
             finite.append(fin)
-            largest.append(big.amax(1) if N > 0 else big.new_zeros(B))
+            largest.append(big.amax(1))  # N > 0: the kernels run only where there is output
         top = torch.stack(largest).amax(0)
         outside = (top > 2.0**H) | ((top < 2.0**-H) & (top > 0))
         self.exponents = torch.where(outside, torch.frexp(top).exponent, 0).to(torch.int32)
@@ -711,8 +716,6 @@ def _check_backward(x1: Tensor, x2: Tensor | None, grad: Tensor, dist: Tensor, s
             f"cdist: backward: grad and dist must have the output's shape {list(shape)}, got "
             f"{list(grad.shape)} and {list(dist.shape)}"
         )
-    from torchkit.ops._common import check_same_device, dtype_name
-
     for name, t in (("grad", grad), ("dist", dist)):
         if t.dtype != x1.dtype:
             raise TypeError(
