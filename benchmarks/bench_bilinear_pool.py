@@ -11,6 +11,8 @@ from common import ROOFLINE, run  # benchmarks/ is on sys.path (rootdir-less tes
 
 from torchkit import ops, reference
 
+TRITON = "torchkit (triton)"  # GPU cases only: its kernels are staged until a GPU run measures them
+
 
 @functools.cache
 def compiled_reference():
@@ -29,8 +31,31 @@ def gemm_roofline(x, y=None, backward=False):
     return z
 
 
+class TritonBilinearPool(torch.autograd.Function):
+    """bilinear_pool through its Triton kernels (torchkit/triton/bilinear_pool.py) in a process
+    whose CUDA slot holds the C++ kernels: the two side by side in one run."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        from torchkit.triton import bilinear_pool as kernels
+
+        out, norm = kernels.forward(x, y, 1e-5, 1e-12)
+        ctx.save_for_backward(x, y, out, norm)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torchkit.triton import bilinear_pool as kernels
+
+        x, y, out, norm = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], y is not None and ctx.needs_input_grad[1]]
+        gx, gy = kernels.backward(grad, x, y, out, norm, 1e-5, 1e-12, mask)
+        return (gx if mask[0] else None), (gy if mask[1] else None)
+
+
 IMPLS = {
     "torchkit": ops.bilinear_pool,
+    TRITON: lambda x, y=None: TritonBilinearPool.apply(x, y),
     "reference": reference.bilinear_pool,
     "torch.compile(reference)": lambda x, y=None: compiled_reference()(x, y),
     ROOFLINE: gemm_roofline,
@@ -67,6 +92,8 @@ def saved_bytes(fn, *args) -> int:
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("case,N,D,E,side,dtype,device", CPU_CASES + GPU_CASES)
 def test_bilinear_pool(benchmark, case, N, D, E, side, dtype, device, impl, pass_):
+    if impl == TRITON and device != "cuda":
+        pytest.skip("the Triton kernels run on CUDA tensors (the tests run them under the interpreter)")
     g = torch.Generator(device).manual_seed(0)  # drawn where they live: GB-sized inputs in ms on a GPU
     x = torch.randn(N, D, side, side, generator=g, device=device).relu_().to(dtype)  # post-ReLU features
     y = None if E is None else torch.randn(N, E, side, side, generator=g, device=device).relu_().to(dtype)

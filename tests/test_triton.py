@@ -56,6 +56,8 @@ interpreted = pytest.mark.skipif(not triton_testing.INTERPRETING, reason="a GPU 
         ("cdist", False, "triton", "triton"),
         ("cdist", True, "cuda", "cuda"),
         ("cdist", False, "cuda", None),
+        ("bilinear_pool", True, "auto", "cuda"),
+        ("bilinear_pool", True, "triton", "triton"),
         # An op without Triton kernels keeps its C++ kernel whatever is selected.
         ("knn", True, "triton", "cuda"),
         ("knn", False, "triton", None),
@@ -96,7 +98,8 @@ def test_selecting_triton_registers_its_kernels_for_cuda():
         "import torch, torchkit\n"
         "from torch._C import DispatchKey, DispatchKeySet\n"
         "info = torchkit.build_info()['cuda_kernels']\n"
-        "print(info['torchkit::cdist'], info['torchkit::_cdist_backward'], info['torchkit::knn'])\n"
+        "print(info['torchkit::cdist'], info['torchkit::_cdist_backward'], info['torchkit::knn'],\n"
+        "      info['torchkit::bilinear_pool'], info['torchkit::_bilinear_pool_backward'])\n"
         "print(torchkit.kernels('cuda')['torchkit::cdist'])\n"
         "x = torch.randn(7, 3, dtype=torch.float64)\n"
         "d = torch.ops.torchkit.cdist.default.redispatch(DispatchKeySet(DispatchKey.CUDA), x, None, False)\n"
@@ -106,7 +109,7 @@ def test_selecting_triton_registers_its_kernels_for_cuda():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split("\n")
     cpp = torchkit.build_info()["cuda"] is not None
-    assert lines[0].split() == ["triton", "triton", "cuda" if cpp else "None"]
+    assert lines[0].split() == ["triton", "triton", "cuda" if cpp else "None", "triton", "triton"]
     assert lines[1:3] == ["True", "True"]
 
 
@@ -231,6 +234,99 @@ def test_cdist_backward_in_every_configuration(dtype, scale, gemm, self_):
             torch.testing.assert_close(a.cpu(), b, rtol=1e-5 if dtype == torch.float32 else 1e-10, atol=1e-4)
 
 
+# --------------------------------------------------------------------------- bilinear_pool, every configuration
+
+
+def _feature_maps(dtype, E, scale=1.0):
+    """Ragged sizes (37 and 19 channels, 5 × 7 positions: every edge of each block size), three
+    samples: ordinary, one with a NaN (NaN output, and its own only) and one at `scale` (scaled
+    where it leaves the unscaled window)."""
+    x = _points((3, 37, 5, 7), torch.float64, 1).relu()
+    y = None if E is None else _points((3, E, 5, 7), torch.float64, 2)
+    x[1, 4, 2, 3] = float("nan")
+    x[2] *= scale
+    if y is not None:
+        y[2] *= scale
+    return x.to(dtype), None if y is None else y.to(dtype)
+
+
+def _bilinear_tolerance(dtype):
+    return {
+        torch.float64: dict(rtol=1e-12, atol=1e-14),
+        torch.float32: dict(rtol=1e-5, atol=1e-6),
+        torch.bfloat16: dict(rtol=2e-2, atol=1e-2),
+    }[dtype]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1.0), (torch.float64, 1e200), (torch.bfloat16, 1e25)])
+@pytest.mark.parametrize("config", range(3))
+@pytest.mark.parametrize("elementwise", range(2))
+def test_bilinear_pool_forward_in_every_configuration(dtype, scale, config, elementwise):
+    """y = None and y given, channels_last too, against the C++ kernels: output and norm (negated
+    for the scaled sample)."""
+    from torchkit.triton import bilinear_pool as kernels
+
+    for E, channels_last in ((None, False), (19, False), (19, True)):
+        x, y = _feature_maps(dtype, E, scale)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+            y = y.to(memory_format=torch.channels_last)
+        out, norm = kernels.forward(
+            x.to(_device()),
+            None if y is None else y.to(_device()),
+            1e-5,
+            1e-12,
+            config=kernels.FORWARD_CONFIGS[config],
+            elementwise_config=kernels.ELEMENTWISE_CONFIGS[elementwise],
+        )
+        expected, expected_norm = torch.ops.torchkit.bilinear_pool(x, y, 1e-5, 1e-12)
+        torch.testing.assert_close(out.cpu(), expected, equal_nan=True, **_bilinear_tolerance(dtype))
+        assert torch.equal(out.cpu().isnan(), expected.isnan())
+        torch.testing.assert_close(norm.cpu(), expected_norm, equal_nan=True, rtol=1e-5, atol=0)
+        assert (norm[2] < 0).item() == (scale != 1.0 and dtype != torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e-30), (torch.float64, 1.0), (torch.bfloat16, 1.0)])
+@pytest.mark.parametrize("config", range(2))
+@pytest.mark.parametrize("elementwise", range(2))
+def test_bilinear_pool_backward_in_every_configuration(dtype, scale, config, elementwise):
+    """Both gradients, y = None and y given, channels_last (gradients in the inputs' layout) and
+    an expanded upstream gradient, against the C++ kernels given the same output and norm."""
+    from torchkit.triton import bilinear_pool as kernels
+
+    for E, channels_last, expanded in ((None, False, False), (19, False, True), (19, True, False)):
+        x, y = _feature_maps(dtype, E, scale)
+        x[1] = x[0]  # no NaN here: the backward's comparison is over every entry
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+            y = y.to(memory_format=torch.channels_last)
+        out, norm = torch.ops.torchkit.bilinear_pool(x, y, 1e-5, 1e-12)
+        grad = torch.full((), 0.5, dtype=dtype).expand_as(out) if expanded else _points(out.shape, dtype, 5)
+        mask = [True, y is not None]
+        to = _device()
+        got = kernels.backward(
+            grad.to(to),
+            x.to(to),
+            None if y is None else y.to(to),
+            out.to(to),
+            norm.to(to),
+            1e-5,
+            1e-12,
+            mask,
+            config=kernels.GRAD_CONFIGS[config],
+            elementwise_config=kernels.ELEMENTWISE_CONFIGS[elementwise],
+        )
+        expected = torch.ops.torchkit._bilinear_pool_backward(grad, x, y, out, norm, 1e-5, 1e-12, mask)
+        for a, b in zip(got, expected, strict=True):
+            assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            if b.numel():
+                scale_of = b.double().abs().amax((1, 2, 3), keepdim=True)  # per sample: a GEMM's accuracy
+                err = (a.cpu().double() - b.double()).abs() / scale_of
+                assert err.max() <= _bilinear_tolerance(dtype)["rtol"] * 2, err.max()
+
+
 @needs_triton
 @interpreted
 def test_poisoned_lanes_catch_a_kernel_that_reads_them():
@@ -283,6 +379,56 @@ def test_cdist_backward_kernel_checks_grad_and_dist():
         assert str(triton_err.value) == str(cpp.value).split("\n")[0]
 
 
+_X4 = torch.randn(2, 3, 4, 4)
+
+
+@needs_triton
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.randn(3, 4, 4), None, 1e-5, 1e-12),
+        (_X4, torch.randn(3, 2, 4, 4), 1e-5, 1e-12),
+        (_X4, torch.randn(2, 2, 4, 4, dtype=torch.float64), 1e-5, 1e-12),
+        (_X4.long(), None, 1e-5, 1e-12),
+        (_X4, None, -1.0, 1e-12),
+        (_X4, None, 1e-5, float("nan")),
+        (_X4, None, True, 1e-12),
+        (torch.randn(2, 3, 0, 4), None, 1e-5, 1e-12),
+    ],
+)
+def test_bilinear_pool_kernels_refuse_what_the_cpp_kernels_refuse(args):
+    from torchkit.triton import bilinear_pool as kernels
+
+    with pytest.raises(Exception) as cpp:
+        torch.ops.torchkit.bilinear_pool(*args)
+    with pytest.raises(type(cpp.value)) as triton_err:
+        kernels.forward(*args)
+    assert str(triton_err.value) == str(cpp.value).split("\n")[0]
+
+
+@needs_triton
+@pytest.mark.bad_input
+def test_bilinear_pool_backward_kernel_checks_its_inputs():
+    from torchkit.triton import bilinear_pool as kernels
+
+    out, norm = torch.ops.torchkit.bilinear_pool(_X4, None, 1e-5, 1e-12)
+    g = torch.randn_like(out)
+    for args in (
+        (torch.randn(2, 8), _X4, None, out, norm),
+        (g, _X4, None, out[:1], norm),
+        (g, _X4, None, out, norm.double()),
+        (g, _X4, None, out, norm[:1]),
+        (g.double(), _X4, None, out, norm),
+        (g, _X4, None, out.double(), norm),
+    ):
+        with pytest.raises(Exception) as cpp:
+            torch.ops.torchkit._bilinear_pool_backward(*args, 1e-5, 1e-12, [True, False])
+        with pytest.raises(type(cpp.value)) as triton_err:
+            kernels.backward(*args, 1e-5, 1e-12, [True, False])
+        assert str(triton_err.value) == str(cpp.value).split("\n")[0]
+
+
 @needs_triton
 @pytest.mark.cuda
 def test_cdist_triton_forward_needs_no_memory_beyond_its_output():
@@ -301,3 +447,24 @@ def test_cdist_triton_forward_needs_no_memory_beyond_its_output():
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - before - out.numel() * out.element_size()
         assert extra <= 2 * (x.shape[0] + y.shape[0]) * 16 + 64 * 1024, extra
+
+
+@needs_triton
+@pytest.mark.cuda
+def test_bilinear_pool_triton_forward_needs_no_memory_beyond_its_output():
+    """Peak extra memory of the Triton forward: the output (plus, for bfloat16, the float32 s it
+    normalises from, as the CPU kernel keeps), and per-sample and per-tile statistics; no copy
+    of the inputs, channels_last read in place."""
+    from torchkit.triton import bilinear_pool as kernels
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(16, 256, 14, 14, device="cuda").to(dtype).to(memory_format=torch.channels_last)
+        kernels.forward(x, None, 1e-5, 1e-12)  # compiled before measuring
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out, _ = kernels.forward(x, None, 1e-5, 1e-12)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before - out.numel() * out.element_size()
+        scratch = 0 if dtype == torch.float32 else out.numel() * 4
+        assert extra <= scratch + 256 * 1024, extra

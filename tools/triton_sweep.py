@@ -16,8 +16,13 @@ import sys
 
 import torch
 
-# op -> shape classes: (name, x1 shape, x2 shape or None, dtype)
+# op -> shape classes: (name, first input's shape, second's or None, dtype)
 SHAPES = {
+    "bilinear_pool": [
+        ("N=32 D=512 28x28 fp32", (32, 512, 28, 28), None, torch.float32),
+        ("N=32 D=512 28x28 bf16", (32, 512, 28, 28), None, torch.bfloat16),
+        ("two-stream N=32 D=E=256 28x28 bf16", (32, 256, 28, 28), (32, 256, 28, 28), torch.bfloat16),
+    ],
     "cdist": [
         ("batch P=R=256 M=128 fp32", (256, 128), (256, 128), torch.float32),
         ("P=R=8192 M=128 fp32", (8192, 128), (8192, 128), torch.float32),
@@ -75,15 +80,42 @@ def sweep_cdist(results: dict) -> None:
                     )
                 )
                 rows.append((kernel, i, repr(config), ms))
-        best = {}
-        for kernel, i, text, ms in rows:
-            print(f"cdist {name:<28} {kernel:<10} {text:<70} {ms:8.3f} ms")
-            if kernel not in best or ms < best[kernel]["ms"]:
-                best[kernel] = {"index": i, "config": text, "ms": ms}
-        results.setdefault("cdist", {})[name] = {
-            "best": best,
-            "all": [dict(zip(("kernel", "index", "config", "ms"), r, strict=True)) for r in rows],
-        }
+        report("cdist", name, rows, results)
+
+
+def sweep_bilinear_pool(results: dict) -> None:
+    from torchkit.triton import bilinear_pool as kernels
+
+    for name, s1, s2, dtype in SHAPES["bilinear_pool"]:
+        g = torch.Generator("cuda").manual_seed(0)
+        x = torch.randn(s1, generator=g, device="cuda").relu_().to(dtype)
+        y = None if s2 is None else torch.randn(s2, generator=g, device="cuda").relu_().to(dtype)
+        expected, _ = torch.ops.torchkit.bilinear_pool(x[:2].cpu(), None if y is None else y[:2].cpu(), 1e-5, 1e-12)
+        rows = []
+        for i, config in enumerate(kernels.FORWARD_CONFIGS):
+            got, _ = kernels.forward(x[:2], None if y is None else y[:2], 1e-5, 1e-12, config=config)
+            torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=2e-2, atol=1e-3)
+            ms = milliseconds(lambda c=config, x=x, y=y: kernels.forward(x, y, 1e-5, 1e-12, config=c))
+            rows.append(("forward", i, repr(config), ms))
+        out, norm = kernels.forward(x, y, 1e-5, 1e-12)
+        args = (torch.randn_like(out), x, y, out, norm, 1e-5, 1e-12, [True, y is not None])
+        for i, config in enumerate(kernels.GRAD_CONFIGS):
+            ms = milliseconds(lambda c=config, args=args: kernels.backward(*args, config=c))
+            rows.append(("backward", i, repr(config), ms))
+        report("bilinear_pool", name, rows, results)
+
+
+def report(op: str, name: str, rows: list, results: dict) -> None:
+    """Print each configuration's time and record the fastest per kernel."""
+    best = {}
+    for kernel, i, text, ms in rows:
+        print(f"{op} {name:<28} {kernel:<10} {text:<70} {ms:8.3f} ms")
+        if kernel not in best or ms < best[kernel]["ms"]:
+            best[kernel] = {"index": i, "config": text, "ms": ms}
+    results.setdefault(op, {})[name] = {
+        "best": best,
+        "all": [dict(zip(("kernel", "index", "config", "ms"), r, strict=True)) for r in rows],
+    }
 
 
 def main() -> int:
@@ -95,6 +127,7 @@ def main() -> int:
         return 2
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     sweep_cdist(results)
+    sweep_bilinear_pool(results)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0

@@ -36,10 +36,11 @@ CHOICES = ("auto", "triton", "cuda")
 # of the same names without the namespace, leading underscore and op prefix: forward, backward).
 TRITON_KERNELS: dict[str, dict[str, str]] = {
     "cdist": {"torchkit::cdist": "forward", "torchkit::_cdist_backward": "backward"},
+    "bilinear_pool": {"torchkit::bilinear_pool": "forward", "torchkit::_bilinear_pool_backward": "backward"},
 }
 
 # Ops whose Triton kernels a recorded GPU run measured correct and at least as fast as their
-# CUDA C++ kernels (none yet: cdist's wait for a GPU session).
+# CUDA C++ kernels (none yet: cdist's and bilinear_pool's wait for a GPU session).
 MEASURED: frozenset[str] = frozenset()
 
 # The oldest Triton this path is tested with: torch 2.14's 3.8. Torch 2.8 pins Triton 3.4 and
