@@ -24,15 +24,17 @@ def main() -> None:
 
     coverage = torchkit.kernels("cuda")
     for name, has in coverage.items():
-        print(
-            f"  {name:45s} "
-            + ("catch-all (no tensor arguments)" if has is None else f"CUDA kernel: {'yes' if has else 'MISSING'}")
-        )
-    missing = [name for name, has in coverage.items() if has is False]
+        if has is None:
+            what = "catch-all (no tensor arguments)"
+        else:
+            what = "yes" if has else ("none yet (CPU_ONLY)" if name in torchkit.CPU_ONLY else "MISSING")
+            what = f"CUDA kernel: {what}"
+        print(f"  {name:45s} {what}")
+    missing = [name for name, has in coverage.items() if has is False and name not in torchkit.CPU_ONLY]
     if missing:
         sys.exit(f"FAIL: no CUDA kernel for {', '.join(missing)}")
     assert torchkit.has_ops("cuda")
-    print(f"OK: {len(coverage)} torchkit ops, every tensor op has a CUDA kernel")
+    print(f"OK: {len(coverage)} torchkit ops, every tensor op but the CPU_ONLY ones has a CUDA kernel")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -13,7 +14,7 @@ from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.label_smoothing_cross_entropy import check_reduction
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
-__all__ = ["BilinearPool2d", "CDist", "CovariancePool2d", "LabelSmoothingCrossEntropy", "RegionConfusion"]
+__all__ = ["BilinearPool2d", "CDist", "CovariancePool2d", "LabelSmoothingCrossEntropy", "RegionConfusion", "SupConLoss"]
 
 
 class LabelSmoothingCrossEntropy(nn.Module):
@@ -247,3 +248,29 @@ class CovariancePool2d(nn.Module):
     def extra_repr(self) -> str:
         channels = "" if self.in_channels is None else f", in_channels={self.in_channels}"
         return f"iterations={self.iterations}, sqrt={self.sqrt}, triu={self.triu}{channels}"
+
+
+class SupConLoss(nn.Module):
+    """pytorch-metric-learning's ``SupConLoss(temperature)`` on the fused kernel; see
+    :func:`torchkit.ops.supcon_loss`. ``forward(embeddings, labels, ref_embeddings=None,
+    ref_labels=None)``, as PML's ``(embeddings, labels, ref_emb=, ref_labels=)``."""
+
+    def __init__(self, temperature: float = 0.1) -> None:
+        super().__init__()
+        self.temperature = as_float("SupConLoss", "temperature", temperature)
+        if not 0.0 < self.temperature < math.inf:
+            raise ValueError(f"SupConLoss: temperature must be finite and > 0, got {self.temperature:g}")
+
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        ref_embeddings: Optional[Tensor] = None,
+        ref_labels: Optional[Tensor] = None,
+    ) -> Tensor:
+        return ops.supcon_loss(
+            embeddings, labels, self.temperature, ref_embeddings=ref_embeddings, ref_labels=ref_labels
+        )
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}"

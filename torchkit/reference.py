@@ -19,6 +19,7 @@ __all__ = [
     "label_smoothing_cross_entropy",
     "permute_blocks",
     "region_confusion",
+    "supcon_loss",
 ]
 
 
@@ -178,3 +179,31 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
         rows, cols = torch.triu_indices(out.shape[-1], out.shape[-1], device=out.device)
         out = out[:, rows, cols]
     return out.to(x.dtype)
+
+
+def supcon_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    temperature: float = 0.1,
+    *,
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> Tensor:
+    """pytorch-metric-learning's SupConLoss with its defaults, on the full N×M matrix."""
+    e = F.normalize(embeddings, dim=1)
+    if ref_embeddings is None:
+        r, ref_labels = e, labels
+        pairs = ~torch.eye(len(e), dtype=torch.bool, device=e.device)
+    else:
+        r = F.normalize(ref_embeddings, dim=1)
+        pairs = torch.ones(len(e), len(r), dtype=torch.bool, device=e.device)
+    x = e @ r.T / temperature
+    positive = (labels[:, None] == ref_labels[None, :]) & pairs
+    zero = (embeddings * 0).sum()
+    if not positive.any() or not (pairs & ~positive).any():
+        return zero
+    lse = torch.logsumexp(x.masked_fill(~pairs, float("-inf")), dim=1)
+    count = positive.sum(1)
+    loss = torch.where(count > 0, lse - (x * positive).sum(1) / count.clamp_min(1), 0.0)
+    counted = (loss > 0) | loss.isnan()
+    return loss[counted].mean() if counted.any() else zero

@@ -10,6 +10,7 @@ from torchkit.ops.covariance_pool import covariance_pool
 from torchkit.ops.knn import knn
 from torchkit.ops.label_smoothing_cross_entropy import label_smoothing_cross_entropy
 from torchkit.ops.region_confusion import permute_blocks, region_confusion
+from torchkit.ops.supcon_loss import supcon_loss
 
 __all__ = [
     "bilinear_pool",
@@ -19,4 +20,5 @@ __all__ = [
     "label_smoothing_cross_entropy",
     "permute_blocks",
     "region_confusion",
+    "supcon_loss",
 ]

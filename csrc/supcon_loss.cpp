@@ -1,0 +1,89 @@
+// Supervised contrastive loss (SupCon): schemas and input checks. The autograd formula is a
+// call of the backward op (torchkit/ops/supcon_loss.py).
+#include "supcon_loss.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "checks.h"
+
+namespace torchkit::supcon_loss {
+
+namespace {
+
+void check_labels(const char* name, const at::Tensor& labels, const char* of, const at::Tensor& e) {
+  TK_CHECK_TYPE(kOp, at::isIntegralType(labels.scalar_type(), /*includeBool=*/false), name,
+                " must have an integer dtype, got ", labels.scalar_type());
+  TK_CHECK_VALUE(kOp, labels.dim() == 1 && labels.size(0) == e.size(0), name,
+                 " must be 1-D with one label per row of ", of, " (", e.size(0), "), got shape ",
+                 labels.sizes());
+}
+
+}  // namespace
+
+Problem check_inputs(const at::Tensor& embeddings, const at::Tensor& labels,
+                     const std::optional<at::Tensor>& ref_embeddings,
+                     const std::optional<at::Tensor>& ref_labels, const c10::Scalar& temperature) {
+  Problem p;
+  p.temperature = scalar_float(kOp, "temperature", temperature);
+  check_floating(kOp, "embeddings", embeddings);
+  TK_CHECK_VALUE(kOp, embeddings.dim() == 2, "embeddings must be 2-D (N, D), got shape ",
+                 embeddings.sizes());
+  check_same_device(kOp, "embeddings", embeddings, "labels", labels);
+  check_labels("labels", labels, "embeddings", embeddings);
+  TK_CHECK_VALUE(kOp, std::isfinite(p.temperature) && p.temperature > 0,
+                 "temperature must be finite and > 0, got ", p.temperature);
+  TK_CHECK_VALUE(kOp, ref_embeddings.has_value() == ref_labels.has_value(),
+                 "ref_embeddings and ref_labels must be given together, got ",
+                 ref_embeddings.has_value() ? "ref_embeddings alone" : "ref_labels alone");
+  p.N = embeddings.size(0);
+  p.D = embeddings.size(1);
+  p.M = p.N;
+  p.self = !ref_embeddings.has_value();
+  if (!p.self) {
+    const at::Tensor& r = *ref_embeddings;
+    check_same_device(kOp, "embeddings", embeddings, "ref_embeddings", r);
+    check_same_dtype(kOp, "embeddings", embeddings, "ref_embeddings", r);
+    TK_CHECK_VALUE(kOp, r.dim() == 2 && r.size(1) == p.D,
+                   "ref_embeddings must be 2-D (M, D) with embeddings' D, got embeddings of shape ",
+                   embeddings.sizes(), " and ref_embeddings of shape ", r.sizes());
+    check_same_device(kOp, "embeddings", embeddings, "ref_labels", *ref_labels);
+    check_labels("ref_labels", *ref_labels, "ref_embeddings", r);
+    p.M = r.size(0);
+  }
+  return p;
+}
+
+void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& embeddings,
+                           const at::Tensor& stats) {
+  TK_CHECK_VALUE(kOp, grad.dim() == 0, "backward: grad must be a scalar (the loss's), got shape ",
+                 grad.sizes());
+  check_same_dtype(kOp, "embeddings", embeddings, "grad", grad);
+  check_same_device(kOp, "embeddings", embeddings, "grad", grad);
+  const auto acc = embeddings.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TK_CHECK_VALUE(kOp,
+                 stats.dim() == 2 && stats.size(0) == p.N && stats.size(1) == kStats &&
+                     stats.scalar_type() == acc,
+                 "backward: stats must be (N, ", kStats, ") = (", p.N, ", ", kStats, ") of ", acc,
+                 ", got ", stats.sizes(), " of ", stats.scalar_type());
+  check_same_device(kOp, "embeddings", embeddings, "stats", stats);
+}
+
+TORCH_LIBRARY_FRAGMENT(torchkit, m) {
+  // Returns (loss, stats): the loss (a scalar of embeddings' dtype) and per anchor what the
+  // backward needs, (N, 2) of the accumulation type: the log-sum-exp of its pairs and its
+  // weight in the loss (supcon_loss.h).
+  m.def(
+      "supcon_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? ref_labels, "
+      "Scalar temperature) -> (Tensor, Tensor)");
+  // Returns (grad_embeddings, grad_ref_embeddings); one output_mask leaves out (and the
+  // second for ref_embeddings = None) is (0,).
+  m.def(
+      "_supcon_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
+      "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar temperature, bool[2] "
+      "output_mask) -> (Tensor, Tensor)");
+}
+
+}  // namespace torchkit::supcon_loss
