@@ -198,16 +198,27 @@ std::tuple<Tensor, Tensor> forward_cpu(const Tensor& embeddings, const Tensor& l
 }
 
 // ∂loss/∂s for anchor i and pair j from x = s/τ: w_i·(n_i·exp(x − L_i) − [positive]), with
-// w_i·n_i = c = 1/(K·τ) for every counted anchor (0 for the others, whose w_i is 0).
+// w_i·n_i = c = 1/(K·τ) for every counted anchor and 0 for the others (w_i = 0): per anchor,
+// cw_i = c or 0, w_i, and L_i (+∞ where cw_i = 0, so that the exponential is 0 there).
 template <typename acc_t>
 struct PairGrad {
-  const acc_t* stats;
-  acc_t c, inv_tau;
+  std::vector<acc_t> lse, w, cw;
+  acc_t inv_tau;
 
-  acc_t operator()(int64_t i, acc_t s, bool positive) const {
-    const acc_t w = stats[i * kStats + 1];
-    if (w == acc_t(0)) return acc_t(0);
-    return c * std::exp(s * inv_tau - stats[i * kStats]) - (positive ? w : acc_t(0));
+  PairGrad(const acc_t* stats, int64_t N, double temperature) : lse(N), w(N), cw(N) {
+    int64_t counted = 0;
+    for (int64_t i = 0; i < N; ++i) counted += stats[i * kStats + 1] != acc_t(0);
+    const acc_t c =
+        counted ? static_cast<acc_t>(1.0 / (static_cast<double>(counted) * temperature)) : acc_t(0);
+    for (int64_t i = 0; i < N; ++i) {
+      w[i] = stats[i * kStats + 1];
+      cw[i] = w[i] != acc_t(0) ? c : acc_t(0);
+      lse[i] = w[i] != acc_t(0) ? stats[i * kStats] : std::numeric_limits<acc_t>::infinity();
+    }
+    inv_tau = static_cast<acc_t>(1.0 / temperature);
+  }
+  bool any() const {
+    return std::any_of(w.begin(), w.end(), [](acc_t v) { return v != acc_t(0); });
   }
 };
 
@@ -251,23 +262,49 @@ Tensor rows_grad(const Problem& p, const Tensor& own, const Tensor& other, const
   const int64_t* lb = other_lab.const_data_ptr<int64_t>();
   const acc_t* io = inv_own.const_data_ptr<acc_t>();
   const acc_t* ib = inv_other.const_data_ptr<acc_t>();
+  using V = Vectorized<acc_t>;
+  const acc_t* lse = pg.lse.data();
+  const acc_t* cw = pg.cw.data();
+  const acc_t* w = pg.w.data();
   for_each_tile(own, other, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
+    // The exponential terms, vectorised: per column (the anchors there: lse, cw at b0) and, for
+    // the row's own anchor, one factor per row.
+    auto column_term = [&](V x, int64_t c) {
+      const V cwv = V::loadu(cw + b0 + c);
+      return V::blendv(cwv * (x - V::loadu(lse + b0 + c)).exp(), V(0), cwv == V(0));
+    };
     for (int64_t r = 0; r < di; ++r) {
       const int64_t i = a0 + r;
       acc_t* row = base + r * stride;
-      for (int64_t c = 0; c < dj; ++c) {
+      const acc_t scale = io[i] * pg.inv_tau;
+      const bool row_anchor = anchors_own && cw[i] != acc_t(0);
+      int64_t c = 0;
+      for (; c + V::size() <= dj; c += V::size()) {
+        const V x = V::loadu(row + c) * V::loadu(ib + b0 + c) * V(scale);  // s_ij / τ
+        V g(0);
+        if (row_anchor) g = V(cw[i]) * (x - V(lse[i])).exp();
+        if (!anchors_own || symmetric) g = g + column_term(x, c);
+        g.store(row + c);
+      }
+      for (; c < dj; ++c) {
+        const int64_t j = b0 + c;
+        const acc_t x = row[c] * ib[j] * scale;
+        acc_t g = row_anchor ? cw[i] * std::exp(x - lse[i]) : acc_t(0);
+        if ((!anchors_own || symmetric) && cw[j] != acc_t(0)) g += cw[j] * std::exp(x - lse[j]);
+        row[c] = g;
+      }
+      // The positives' −w terms, the diagonal of the batch with itself, and inv_j (the GEMM
+      // takes other's raw rows).
+      for (c = 0; c < dj; ++c) {
         const int64_t j = b0 + c;
         if (p.self && i == j) {
           row[c] = 0;
           continue;
         }
-        const bool positive = la[i] == lb[j];
-        const acc_t sv = row[c] * io[i] * ib[j];
-        acc_t g = anchors_own ? pg(i, sv, positive) : pg(j, sv, positive);
-        if (symmetric) g += pg(j, sv, positive);
-        row[c] = g * ib[j];
+        if (la[i] == lb[j]) row[c] -= (anchors_own ? w[i] : w[j]) + (symmetric ? w[j] : acc_t(0));
+        row[c] *= ib[j];
       }
     }
     Tensor dst = out.narrow(0, a0, di);
@@ -296,13 +333,9 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, embeddings.scalar_type(), "supcon_loss_backward_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const acc_t* sp = st.const_data_ptr<acc_t>();
-        int64_t counted = 0;
-        for (int64_t i = 0; i < p.N; ++i) counted += sp[i * kStats + 1] != acc_t(0);
-        if (counted == 0) return;
+        const PairGrad<acc_t> pg(st.const_data_ptr<acc_t>(), p.N, p.temperature);
+        if (!pg.any()) return;
         const double g = grad.item<double>();
-        const acc_t c = static_cast<acc_t>(1.0 / (static_cast<double>(counted) * p.temperature));
-        const PairGrad<acc_t> pg{sp, c, static_cast<acc_t>(1.0 / p.temperature)};
         const acc_t gv = static_cast<acc_t>(g);
         const auto dtype = embeddings.scalar_type();
         if (p.self) {
