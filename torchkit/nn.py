@@ -14,7 +14,15 @@ from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.label_smoothing_cross_entropy import check_reduction
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
-__all__ = ["BilinearPool2d", "CDist", "CovariancePool2d", "LabelSmoothingCrossEntropy", "RegionConfusion", "SupConLoss"]
+__all__ = [
+    "BilinearPool2d",
+    "CDist",
+    "CovariancePool2d",
+    "LabelSmoothingCrossEntropy",
+    "NTXentLoss",
+    "RegionConfusion",
+    "SupConLoss",
+]
 
 
 class LabelSmoothingCrossEntropy(nn.Module):
@@ -269,6 +277,32 @@ class SupConLoss(nn.Module):
         ref_labels: Optional[Tensor] = None,
     ) -> Tensor:
         return ops.supcon_loss(
+            embeddings, labels, self.temperature, ref_embeddings=ref_embeddings, ref_labels=ref_labels
+        )
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}"
+
+
+class NTXentLoss(nn.Module):
+    """pytorch-metric-learning's ``NTXentLoss(temperature)`` on the fused kernel; see
+    :func:`torchkit.ops.ntxent_loss`. ``forward(embeddings, labels, ref_embeddings=None,
+    ref_labels=None)``, as PML's ``(embeddings, labels, ref_emb=, ref_labels=)``."""
+
+    def __init__(self, temperature: float = 0.07) -> None:
+        super().__init__()
+        self.temperature = as_float("NTXentLoss", "temperature", temperature)
+        if not 0.0 < self.temperature < math.inf:
+            raise ValueError(f"NTXentLoss: temperature must be finite and > 0, got {self.temperature:g}")
+
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        ref_embeddings: Optional[Tensor] = None,
+        ref_labels: Optional[Tensor] = None,
+    ) -> Tensor:
+        return ops.ntxent_loss(
             embeddings, labels, self.temperature, ref_embeddings=ref_embeddings, ref_labels=ref_labels
         )
 

@@ -17,6 +17,7 @@ __all__ = [
     "covariance_pool",
     "knn",
     "label_smoothing_cross_entropy",
+    "ntxent_loss",
     "permute_blocks",
     "region_confusion",
     "supcon_loss",
@@ -207,3 +208,30 @@ def supcon_loss(
     loss = torch.where(count > 0, lse - (x * positive).sum(1) / count.clamp_min(1), 0.0)
     counted = (loss > 0) | loss.isnan()
     return loss[counted].mean() if counted.any() else zero
+
+
+def ntxent_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    temperature: float = 0.07,
+    *,
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> Tensor:
+    """pytorch-metric-learning's NTXentLoss with its defaults, on the full N×M matrix."""
+    e = F.normalize(embeddings, dim=1)
+    if ref_embeddings is None:
+        r, ref_labels = e, labels
+        pairs = ~torch.eye(len(e), dtype=torch.bool, device=e.device)
+    else:
+        r = F.normalize(ref_embeddings, dim=1)
+        pairs = torch.ones(len(e), len(r), dtype=torch.bool, device=e.device)
+    x = e @ r.T / temperature
+    same = labels[:, None] == ref_labels[None, :]
+    positive, negative = same & pairs, ~same & pairs
+    if not positive.any() or not negative.any():
+        return (embeddings * 0).sum()
+    log_s = torch.logsumexp(x.masked_fill(~negative, float("-inf")), dim=1, keepdim=True)
+    q = torch.exp(x - torch.logaddexp(x, log_s))  # per pair: its softmax against i's negatives
+    pair_loss = -torch.log(q + torch.finfo(x.dtype).tiny)
+    return pair_loss[positive].mean()

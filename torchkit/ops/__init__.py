@@ -9,8 +9,8 @@ from torchkit.ops.cdist import cdist
 from torchkit.ops.covariance_pool import covariance_pool
 from torchkit.ops.knn import knn
 from torchkit.ops.label_smoothing_cross_entropy import label_smoothing_cross_entropy
+from torchkit.ops.pair_losses import ntxent_loss, supcon_loss
 from torchkit.ops.region_confusion import permute_blocks, region_confusion
-from torchkit.ops.supcon_loss import supcon_loss
 
 __all__ = [
     "bilinear_pool",
@@ -18,6 +18,7 @@ __all__ = [
     "covariance_pool",
     "knn",
     "label_smoothing_cross_entropy",
+    "ntxent_loss",
     "permute_blocks",
     "region_confusion",
     "supcon_loss",

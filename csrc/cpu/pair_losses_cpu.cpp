@@ -1,0 +1,507 @@
+// The pair losses on the CPU (the losses: pair_losses.h), one engine for the family.
+//
+// Forward: anchors in blocks of kRows, spread over the threads; per block, the similarity
+// tiles a_blk·b_tileᵀ (one BLAS call each, kRows × kCols, in a per-thread scratch) are folded
+// into each anchor's running log-sum-exps, sums and counts while in cache; nothing N×M
+// exists. NT-Xent's positive pairs, which need their anchor's whole negative sum first, are
+// then taken one by one (a dot product each, never a tile). Totals are summed in anchor
+// order: the same bits on any number of threads.
+// Backward: the tiles again, each turned into ∂loss/∂s (a tile) and multiplied into the
+// other side's rows. Every loss here has ∂loss/∂x_ij = coef_i·exp(x_ij − shift_i) for every
+// pair, plus a correction for positive pairs (rare: scalar), x = s/τ; the exponentials are
+// vectorised. Without refs the similarity is symmetric, so one pass over anchor blocks forms
+// ∂/∂s_ij + ∂/∂s_ji per tile and one GEMM per tile gives each row's whole gradient; with
+// refs, a second pass over ref blocks forms the refs' gradient (each block owns its rows: no
+// atomics). Then the normalisation's Jacobian per row.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+#include "pair_losses.h"
+
+namespace torchkit::pair_losses {
+namespace {
+
+using at::Tensor;
+using at::vec::Vectorized;
+
+constexpr int64_t kRows = 64;       // anchors per task
+constexpr int64_t kCols = 256;      // ref rows per tile
+constexpr double kNormEps = 1e-12;  // F.normalize's, as PML's CosineSimilarity uses it
+
+// The rows as the GEMMs take them: the inputs themselves where they are contiguous rows of the
+// accumulation type (a float32 copy of float16/bfloat16 ones), with 1 / max(‖row‖, eps) per
+// row: the tiles are scaled by it (s_ij = a_i·b_j·inv_i·inv_j, F.normalize's cosine), so that
+// no normalised copy of the embeddings exists.
+struct Inputs {
+  Tensor a, b;                  // anchors' and refs' rows; b is a without refs
+  Tensor inv_a, inv_b;          // (rows,) of the accumulation type
+  Tensor clamped_a, clamped_b;  // (rows,) bool: ‖row‖ < eps (F.normalize's clamp holds)
+  Tensor lab, ref_lab;          // int64, contiguous
+};
+
+Inputs prepare(const Problem& p, const Tensor& embeddings, const Tensor& labels,
+               const std::optional<Tensor>& ref_embeddings,
+               const std::optional<Tensor>& ref_labels) {
+  const auto acc = acc_type(embeddings);
+  auto rows = [&](const Tensor& x, Tensor& inv, Tensor& clamped) {
+    const Tensor a = x.to(acc).contiguous();
+    const Tensor norm = at::linalg_vector_norm(a, 2, {1});
+    clamped = (norm < kNormEps).contiguous();
+    inv = norm.clamp_min(kNormEps).reciprocal_();
+    return a;
+  };
+  Inputs in;
+  in.a = rows(embeddings, in.inv_a, in.clamped_a);
+  in.lab = labels.to(at::kLong).contiguous();
+  if (p.self) {
+    in.b = in.a;
+    in.inv_b = in.inv_a;
+    in.clamped_b = in.clamped_a;
+    in.ref_lab = in.lab;
+  } else {
+    in.b = rows(*ref_embeddings, in.inv_b, in.clamped_b);
+    in.ref_lab = ref_labels->to(at::kLong).contiguous();
+  }
+  return in;
+}
+
+// A running log-sum-exp: max and Σ exp(x − max), in double.
+struct LogSumExp {
+  double max = -std::numeric_limits<double>::infinity();
+  double sum = 0;
+
+  // Folds in a block of n values of x (−∞ for those left out), NaN-propagating.
+  template <typename acc_t>
+  void add(const acc_t* x, int64_t n) {
+    using V = Vectorized<acc_t>;
+    const acc_t block_max =
+        at::vec::reduce_all<acc_t>([](V u, V v) { return at::vec::maximum(u, v); }, x, n);
+    const double top = std::isnan(block_max) || block_max > max ? block_max : max;
+    if (top == -std::numeric_limits<double>::infinity()) return;  // nothing in yet
+    const acc_t shift = static_cast<acc_t>(top);
+    const acc_t block_sum = at::vec::map_reduce_all<acc_t>(
+        [shift](V v) { return (v - V(shift)).exp(); }, [](V u, V v) { return u + v; }, x, n);
+    sum = sum * std::exp(max - top) + block_sum;
+    max = top;
+  }
+  void add(double x) {
+    const double top = std::isnan(x) || x > max ? x : max;
+    if (top == -std::numeric_limits<double>::infinity()) return;
+    sum = sum * std::exp(max - top) + std::exp(x - top);
+    max = top;
+  }
+  double value() const { return sum > 0 || std::isnan(sum) ? max + std::log(sum) : max; }
+};
+
+// Per anchor, what the forwards fold their tiles into: the log-sum-exp over the pairs (over
+// the negatives for NT-Xent), the positives' sum of x and the counts.
+struct RowSums {
+  LogSumExp lse;
+  double positive = 0;
+  int64_t positives = 0, pairs = 0;
+};
+
+// Runs fn(thread scratch, tile of s = rows_a · rows_bᵀ (di × dj, acc type), a0, b0) over
+// a's blocks of kRows (the tasks) and b's blocks of kCols within each, in order.
+template <typename Fn>
+void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
+  const int64_t A = a.size(0), B = b.size(0);
+  const int64_t blocks = (A + kRows - 1) / kRows;
+  // The tasks call ATen (the tile's GEMM): OpenMP's worker threads must see this thread's
+  // dispatcher state (below autograd), or mm_out would refuse inputs that require grad.
+  const at::ThreadLocalState state;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
+    Tensor scratch = at::empty({kRows, kCols}, a.options());
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t a0 = blk * kRows, di = std::min(kRows, A - a0);
+      for (int64_t b0 = 0; b0 < B; b0 += kCols) {
+        const int64_t dj = std::min(kCols, B - b0);
+        Tensor s = scratch.narrow(0, 0, di).narrow(1, 0, dj);
+        at::mm_out(s, a.narrow(0, a0, di), b.narrow(0, b0, dj).t());
+        fn(s, a0, b0);
+      }
+    }
+  });
+}
+
+// x = s/τ for the tile's row r (anchor i) in place, with the batch's own pair (i, i) set to
+// −∞ (not a pair); returns its column or −1.
+template <typename acc_t>
+int64_t scaled_row(const Problem& p, const Inputs& in, acc_t* x, int64_t i, int64_t b0,
+                   int64_t dj) {
+  using V = Vectorized<acc_t>;
+  const acc_t scale = in.inv_a.const_data_ptr<acc_t>()[i] * static_cast<acc_t>(1.0 / p.temperature);
+  at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, x,
+                in.inv_b.const_data_ptr<acc_t>() + b0, dj);
+  const int64_t self_col = p.self && i >= b0 && i < b0 + dj ? i - b0 : -1;
+  if (self_col >= 0) x[self_col] = -std::numeric_limits<acc_t>::infinity();
+  return self_col;
+}
+
+// Per anchor: the log-sum-exp over its pairs (NEGATIVES_ONLY: over its negatives), the sum of
+// x over its positives and the counts.
+template <typename acc_t, bool NEGATIVES_ONLY>
+std::vector<RowSums> row_sums(const Problem& p, const Inputs& in) {
+  std::vector<RowSums> rows(p.N);
+  if (p.N == 0 || p.M == 0) return rows;
+  const int64_t* lab = in.lab.const_data_ptr<int64_t>();
+  const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
+  for_each_tile(in.a, in.b, [&](Tensor& s, int64_t a0, int64_t b0) {
+    const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
+    acc_t* base = s.data_ptr<acc_t>();
+    for (int64_t r = 0; r < di; ++r) {
+      const int64_t i = a0 + r;
+      acc_t* x = base + r * stride;
+      const int64_t self_col = scaled_row<acc_t>(p, in, x, i, b0, dj);
+      RowSums& row = rows[i];
+      row.pairs += dj - (self_col >= 0 ? 1 : 0);
+      for (int64_t c = 0; c < dj; ++c) {
+        if (c != self_col && ref_lab[b0 + c] == lab[i]) {
+          row.positive += x[c];
+          ++row.positives;
+          if (NEGATIVES_ONLY) x[c] = -std::numeric_limits<acc_t>::infinity();
+        }
+      }
+      row.lse.add(x, dj);
+    }
+  });
+  return rows;
+}
+
+// ---------------------------------------------------------------------------- SupCon
+
+template <typename scalar_t>
+std::tuple<Tensor, Tensor> supcon_forward(const Problem& p, const Inputs& in,
+                                          const Tensor& embeddings) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kStats = kSupConStats;
+  const std::vector<RowSums> rows = row_sums<acc_t, false>(p, in);
+  Tensor stats = at::zeros({p.N, kStats}, in.a.options());
+  acc_t* st = stats.data_ptr<acc_t>();
+  std::vector<double> loss(p.N, 0.0);
+  int64_t positives = 0, negatives = 0, counted = 0;
+  for (int64_t i = 0; i < p.N; ++i) {
+    const RowSums& row = rows[i];
+    const double lse = row.pairs > 0 ? row.lse.value() : 0.0;
+    st[i * kStats] = static_cast<acc_t>(lse);
+    positives += row.positives;
+    negatives += row.pairs - row.positives;
+    if (row.positives > 0) loss[i] = lse - row.positive / static_cast<double>(row.positives);
+    if (loss[i] > 0 || std::isnan(loss[i])) ++counted;  // PML's AvgNonZero, keeping NaN
+  }
+  double total = 0;
+  if (positives > 0 && negatives > 0 && counted > 0) {
+    for (int64_t i = 0; i < p.N; ++i) {
+      if (!(loss[i] > 0 || std::isnan(loss[i]))) continue;
+      total += loss[i];
+      st[i * kStats + 1] = static_cast<acc_t>(
+          1.0 / (static_cast<double>(rows[i].positives) * static_cast<double>(counted)));
+    }
+    total /= static_cast<double>(counted);
+  }
+  return {at::scalar_tensor(total, embeddings.options()), stats};
+}
+
+// ---------------------------------------------------------------------------- NT-Xent
+
+// Per anchor, its positive pairs' terms, from the log-sum-exp of its negatives: Σ_p loss_ip
+// and log R_i (pair_losses.h). The positives are found through a map from label to ref rows
+// and their similarities taken one dot product each (an anchor's positives are few; the
+// negatives' sum had to be complete first).
+template <typename acc_t>
+void ntxent_positives(const Problem& p, const Inputs& in, const std::vector<RowSums>& rows,
+                      std::vector<double>& loss, std::vector<double>& log_r) {
+  using V = Vectorized<acc_t>;
+  const int64_t* lab = in.lab.const_data_ptr<int64_t>();
+  const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
+  std::unordered_map<int64_t, std::vector<int64_t>> members;
+  for (int64_t j = 0; j < p.M; ++j) members[ref_lab[j]].push_back(j);
+  const acc_t* a = in.a.const_data_ptr<acc_t>();
+  const acc_t* b = in.b.const_data_ptr<acc_t>();
+  const acc_t* inv_a = in.inv_a.const_data_ptr<acc_t>();
+  const acc_t* inv_b = in.inv_b.const_data_ptr<acc_t>();
+  const double tiny = std::numeric_limits<acc_t>::min();
+  at::parallel_for(0, p.N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (rows[i].positives == 0) continue;
+      const double log_s = rows[i].lse.value();  // −∞ without negatives
+      LogSumExp r;
+      double total = 0;
+      for (const int64_t j : members.at(lab[i])) {
+        if (p.self && j == i) continue;
+        const acc_t dot = at::vec::map2_reduce_all<acc_t>([](V u, V v) { return u * v; },
+                                                          [](V u, V v) { return u + v; },
+                                                          a + i * p.D, b + j * p.D, p.D);
+        const double x = static_cast<double>(dot * inv_a[i] * inv_b[j]) / p.temperature;
+        const double top = std::max(x, log_s);  // log(exp(x) + S_i)
+        const double lse = std::isinf(log_s) ? x : top + std::log1p(std::exp(-std::abs(x - log_s)));
+        const double q = std::exp(x - lse);
+        total += -std::log(q + tiny);
+        r.add(std::log(q / (q + tiny)) - lse);
+      }
+      loss[i] = total;
+      log_r[i] = r.value();
+    }
+  });
+}
+
+template <typename scalar_t>
+std::tuple<Tensor, Tensor> ntxent_forward(const Problem& p, const Inputs& in,
+                                          const Tensor& embeddings) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kStats = kNTXentStats;
+  const std::vector<RowSums> rows = row_sums<acc_t, true>(p, in);
+  Tensor stats = at::zeros({p.N, kStats}, in.a.options());
+  acc_t* st = stats.data_ptr<acc_t>();
+  int64_t positives = 0, negatives = 0;
+  for (const RowSums& row : rows) {
+    positives += row.positives;
+    negatives += row.pairs - row.positives;
+  }
+  if (positives == 0 || negatives == 0) return {at::zeros({}, embeddings.options()), stats};
+  std::vector<double> loss(p.N, 0.0), log_r(p.N, -std::numeric_limits<double>::infinity());
+  ntxent_positives<acc_t>(p, in, rows, loss, log_r);
+  double total = 0;
+  for (int64_t i = 0; i < p.N; ++i) {
+    total += loss[i];
+    st[i * kStats] = static_cast<acc_t>(rows[i].lse.value());
+    st[i * kStats + 1] = static_cast<acc_t>(log_r[i]);
+    st[i * kStats + 2] = static_cast<acc_t>(1.0 / static_cast<double>(positives));
+  }
+  return {at::scalar_tensor(total / static_cast<double>(positives), embeddings.options()), stats};
+}
+
+// ---------------------------------------------------------------------------- the ops
+
+template <bool NTXENT>
+std::tuple<Tensor, Tensor> forward_cpu(const Tensor& embeddings, const Tensor& labels,
+                                       const std::optional<Tensor>& ref_embeddings,
+                                       const std::optional<Tensor>& ref_labels,
+                                       const c10::Scalar& temperature) {
+  const Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
+                                 ref_embeddings, ref_labels, temperature);
+  const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
+  std::tuple<Tensor, Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embeddings.scalar_type(),
+                                  "pair_loss_cpu", [&] {
+                                    result = NTXENT ? ntxent_forward<scalar_t>(p, in, embeddings)
+                                                    : supcon_forward<scalar_t>(p, in, embeddings);
+                                  });
+  return result;
+}
+
+// ∂loss/∂x_ij for anchor i and pair j, x = s/τ, from the forward's per-anchor stats: for a
+// negative pair coef_i·exp(x − shift_i) (vectorised over tiles; shift_i = +∞ where coef_i = 0,
+// so that the term is exactly 0), for a positive pair positive(i, x).
+// SupCon: coef_i = 1/K (w_i·n_i) for the K anchors in the mean, shift_i = L_i, and a positive
+//   pair's term has −w_i more.
+// NT-Xent: coef_i = 1/P (P positive pairs), shift_i = −log R_i; a positive pair's term is
+//   −q(1 − q)/(q + tiny)/P, q from x and log S_i.
+template <typename acc_t>
+struct PairGrad {
+  bool ntxent = false;
+  std::vector<acc_t> coef, shift, w, log_s;
+  double tiny = 0;
+
+  PairGrad(bool ntxent_, const acc_t* stats, int64_t N)
+      : ntxent(ntxent_), coef(N), shift(N, std::numeric_limits<acc_t>::infinity()), w(N, 0) {
+    if (ntxent) {
+      log_s.resize(N);
+      tiny = std::numeric_limits<acc_t>::min();
+      for (int64_t i = 0; i < N; ++i) {
+        const acc_t* row = stats + i * kNTXentStats;
+        log_s[i] = row[0];
+        coef[i] = std::isinf(row[1]) && row[1] < 0 ? acc_t(0) : row[2];  // no positives: R_i = 0
+        if (coef[i] != acc_t(0)) shift[i] = -row[1];
+      }
+      return;
+    }
+    int64_t counted = 0;
+    for (int64_t i = 0; i < N; ++i) counted += stats[i * kSupConStats + 1] != acc_t(0);
+    const acc_t c = counted ? static_cast<acc_t>(1.0 / static_cast<double>(counted)) : acc_t(0);
+    for (int64_t i = 0; i < N; ++i) {
+      w[i] = stats[i * kSupConStats + 1];
+      if (w[i] == acc_t(0)) continue;
+      coef[i] = c;
+      shift[i] = stats[i * kSupConStats];
+    }
+  }
+
+  bool any() const {
+    return std::any_of(coef.begin(), coef.end(), [](acc_t v) { return v != acc_t(0); });
+  }
+
+  acc_t positive(int64_t i, acc_t x) const {
+    if (!ntxent) return coef[i] == acc_t(0) ? acc_t(0) : coef[i] * std::exp(x - shift[i]) - w[i];
+    if (coef[i] == acc_t(0)) return acc_t(0);
+    const double xd = x, ls = log_s[i];
+    const double lse =
+        std::isinf(ls) ? xd : std::max(xd, ls) + std::log1p(std::exp(-std::abs(xd - ls)));
+    const double q = std::exp(xd - lse);
+    return static_cast<acc_t>(-q * (1 - q) / (q + tiny)) * coef[i];
+  }
+};
+
+// g ← grad·∂/∂x of g·e for e = x / max(‖x‖, eps), in place, per row: with inv = 1/max(‖x‖,
+// eps), inv·(g − inv²·(x·g)·x) where ‖x‖ > eps, inv·g elsewhere (the clamp's constant).
+template <typename acc_t>
+void through_normalisation(Tensor& g, const Tensor& x, const Tensor& inv, const Tensor& clamped,
+                           acc_t grad) {
+  using V = Vectorized<acc_t>;
+  const int64_t rows = g.size(0), D = g.size(1);
+  acc_t* gp = g.data_ptr<acc_t>();
+  const acc_t* xp = x.const_data_ptr<acc_t>();
+  const acc_t* ip = inv.const_data_ptr<acc_t>();
+  const bool* cp = clamped.const_data_ptr<bool>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      acc_t* gi = gp + i * D;
+      const acc_t* xi = xp + i * D;
+      const acc_t dot = at::vec::map2_reduce_all<acc_t>([](V u, V v) { return u * v; },
+                                                        [](V u, V v) { return u + v; }, xi, gi, D);
+      const acc_t scale = grad * ip[i];
+      const acc_t along = cp[i] ? acc_t(0) : ip[i] * ip[i] * dot;
+      at::vec::map2([scale, along](V gv, V xv) { return (gv - xv * V(along)) * V(scale); }, gi, gi,
+                    xi, D);
+    }
+  });
+}
+
+// ∂loss/∂E for the rows of `own` (anchors or refs) against `other`, times grad: per tile,
+// ∂loss/∂s_ij from the recomputed cosine, times inv_j (the GEMM takes other's raw rows), into
+// Σ_j ·other_j; then through own's normalisation. anchors_own says which side holds the
+// anchors (their stats); symmetric adds ∂/∂s_ji (no refs: s is symmetric, and both
+// directions are one row's gradient).
+template <typename acc_t>
+Tensor rows_grad(const Problem& p, const Tensor& own, const Tensor& other, const Tensor& inv_own,
+                 const Tensor& clamped_own, const Tensor& inv_other, const Tensor& own_lab,
+                 const Tensor& other_lab, const PairGrad<acc_t>& pg, bool anchors_own,
+                 bool symmetric, acc_t grad) {
+  using V = Vectorized<acc_t>;
+  Tensor out = at::zeros_like(own);
+  const int64_t* la = own_lab.const_data_ptr<int64_t>();
+  const int64_t* lb = other_lab.const_data_ptr<int64_t>();
+  const acc_t* io = inv_own.const_data_ptr<acc_t>();
+  const acc_t* ib = inv_other.const_data_ptr<acc_t>();
+  const acc_t* coef = pg.coef.data();
+  const acc_t* shift = pg.shift.data();
+  const acc_t inv_tau = static_cast<acc_t>(1.0 / p.temperature);
+  const bool columns = !anchors_own || symmetric;  // terms of the anchors in the columns
+  for_each_tile(own, other, [&](Tensor& s, int64_t a0, int64_t b0) {
+    const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
+    acc_t* base = s.data_ptr<acc_t>();
+    acc_t x[kCols];
+    for (int64_t r = 0; r < di; ++r) {
+      const int64_t i = a0 + r;
+      acc_t* row = base + r * stride;
+      const acc_t scale = io[i] * inv_tau;
+      at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, row, ib + b0, dj);
+      const bool row_terms = anchors_own && coef[i] != acc_t(0);
+      int64_t c = 0;
+      for (; c + V::size() <= dj; c += V::size()) {
+        const V xv = V::loadu(x + c);
+        V g(0);
+        if (row_terms) g = V(coef[i]) * (xv - V(shift[i])).exp();
+        if (columns) {
+          const V cv = V::loadu(coef + b0 + c);
+          g = g + V::blendv(cv * (xv - V::loadu(shift + b0 + c)).exp(), V(0), cv == V(0));
+        }
+        g.store(row + c);
+      }
+      for (; c < dj; ++c) {
+        const int64_t j = b0 + c;
+        acc_t g = row_terms ? coef[i] * std::exp(x[c] - shift[i]) : acc_t(0);
+        if (columns && coef[j] != acc_t(0)) g += coef[j] * std::exp(x[c] - shift[j]);
+        row[c] = g;
+      }
+      // The positive pairs' own terms, the batch's pair of a row with itself (none), and inv_j
+      // with τ's 1/τ (∂x/∂s).
+      for (c = 0; c < dj; ++c) {
+        const int64_t j = b0 + c;
+        if (p.self && i == j) {
+          row[c] = 0;
+          continue;
+        }
+        if (la[i] == lb[j]) {
+          acc_t g = anchors_own ? pg.positive(i, x[c]) : acc_t(0);
+          if (columns) g += pg.positive(j, x[c]);
+          row[c] = g;
+        }
+        row[c] *= ib[j] * inv_tau;
+      }
+    }
+    Tensor dst = out.narrow(0, a0, di);
+    dst.addmm_(s, other.narrow(0, b0, dj));
+  });
+  through_normalisation<acc_t>(out, own, inv_own, clamped_own, grad);
+  return out;
+}
+
+template <bool NTXENT>
+std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embeddings,
+                                        const Tensor& labels,
+                                        const std::optional<Tensor>& ref_embeddings,
+                                        const std::optional<Tensor>& ref_labels,
+                                        const Tensor& stats, const c10::Scalar& temperature,
+                                        std::array<bool, 2> output_mask) {
+  const Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
+                                 ref_embeddings, ref_labels, temperature);
+  check_backward_inputs(p, grad, embeddings, stats, NTXENT ? kNTXentStats : kSupConStats);
+  const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
+  Tensor ge = want_e ? at::zeros_like(embeddings, at::MemoryFormat::Contiguous)
+                     : at::empty({0}, embeddings.options());
+  Tensor gr = want_r ? at::zeros_like(*ref_embeddings, at::MemoryFormat::Contiguous)
+                     : at::empty({0}, embeddings.options());
+  if ((!want_e && !want_r) || p.N == 0 || p.M == 0 || p.D == 0) return {ge, gr};
+  const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
+  const Tensor st = stats.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, embeddings.scalar_type(), "pair_loss_backward_cpu", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const PairGrad<acc_t> pg(NTXENT, st.const_data_ptr<acc_t>(), p.N);
+        if (!pg.any()) return;
+        const double g = grad.item<double>();
+        const acc_t gv = static_cast<acc_t>(g);
+        const auto dtype = embeddings.scalar_type();
+        if (p.self) {
+          ge = rows_grad<acc_t>(p, in.a, in.a, in.inv_a, in.clamped_a, in.inv_a, in.lab, in.lab, pg,
+                                true, true, gv)
+                   .to(dtype);
+          return;
+        }
+        if (want_e)
+          ge = rows_grad<acc_t>(p, in.a, in.b, in.inv_a, in.clamped_a, in.inv_b, in.lab, in.ref_lab,
+                                pg, true, false, gv)
+                   .to(dtype);
+        if (want_r)
+          gr = rows_grad<acc_t>(p, in.b, in.a, in.inv_b, in.clamped_b, in.inv_a, in.ref_lab, in.lab,
+                                pg, false, false, gv)
+                   .to(dtype);
+      });
+  return {ge, gr};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
+  m.impl("supcon_loss", &forward_cpu<false>);
+  m.impl("_supcon_loss_backward", &backward_cpu<false>);
+  m.impl("ntxent_loss", &forward_cpu<true>);
+  m.impl("_ntxent_loss_backward", &backward_cpu<true>);
+}
+
+}  // namespace torchkit::pair_losses

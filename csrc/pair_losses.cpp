@@ -1,0 +1,98 @@
+// The pair losses: schemas and input checks. Their autograd formulas call the backward ops
+// (torchkit/ops/pair_losses.py).
+#include "pair_losses.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "checks.h"
+
+namespace torchkit::pair_losses {
+
+namespace {
+
+void check_labels(const char* op, const char* name, const at::Tensor& labels, const char* of,
+                  const at::Tensor& e) {
+  TK_CHECK_TYPE(op, at::isIntegralType(labels.scalar_type(), /*includeBool=*/false), name,
+                " must have an integer dtype, got ", labels.scalar_type());
+  TK_CHECK_VALUE(op, labels.dim() == 1 && labels.size(0) == e.size(0), name,
+                 " must be 1-D with one label per row of ", of, " (", e.size(0), "), got shape ",
+                 labels.sizes());
+}
+
+}  // namespace
+
+Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Tensor& labels,
+                     const std::optional<at::Tensor>& ref_embeddings,
+                     const std::optional<at::Tensor>& ref_labels, const c10::Scalar& temperature) {
+  Problem p;
+  p.op = op;
+  p.temperature = scalar_float(op, "temperature", temperature);
+  check_floating(op, "embeddings", embeddings);
+  TK_CHECK_VALUE(op, embeddings.dim() == 2, "embeddings must be 2-D (N, D), got shape ",
+                 embeddings.sizes());
+  check_same_device(op, "embeddings", embeddings, "labels", labels);
+  check_labels(op, "labels", labels, "embeddings", embeddings);
+  TK_CHECK_VALUE(op, std::isfinite(p.temperature) && p.temperature > 0,
+                 "temperature must be finite and > 0, got ", p.temperature);
+  TK_CHECK_VALUE(op, ref_embeddings.has_value() == ref_labels.has_value(),
+                 "ref_embeddings and ref_labels must be given together, got ",
+                 ref_embeddings.has_value() ? "ref_embeddings alone" : "ref_labels alone");
+  p.N = embeddings.size(0);
+  p.D = embeddings.size(1);
+  p.M = p.N;
+  p.self = !ref_embeddings.has_value();
+  if (!p.self) {
+    const at::Tensor& r = *ref_embeddings;
+    check_same_device(op, "embeddings", embeddings, "ref_embeddings", r);
+    check_same_dtype(op, "embeddings", embeddings, "ref_embeddings", r);
+    TK_CHECK_VALUE(op, r.dim() == 2 && r.size(1) == p.D,
+                   "ref_embeddings must be 2-D (M, D) with embeddings' D, got embeddings of shape ",
+                   embeddings.sizes(), " and ref_embeddings of shape ", r.sizes());
+    check_same_device(op, "embeddings", embeddings, "ref_labels", *ref_labels);
+    check_labels(op, "ref_labels", *ref_labels, "ref_embeddings", r);
+    p.M = r.size(0);
+  }
+  return p;
+}
+
+void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& embeddings,
+                           const at::Tensor& stats, int64_t columns) {
+  const char* op = p.op;
+  TK_CHECK_VALUE(op, grad.dim() == 0, "backward: grad must be a scalar (the loss's), got shape ",
+                 grad.sizes());
+  check_same_dtype(op, "embeddings", embeddings, "grad", grad);
+  check_same_device(op, "embeddings", embeddings, "grad", grad);
+  const auto acc = embeddings.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TK_CHECK_VALUE(op,
+                 stats.dim() == 2 && stats.size(0) == p.N && stats.size(1) == columns &&
+                     stats.scalar_type() == acc,
+                 "backward: stats must be (N, ", columns, ") = (", p.N, ", ", columns, ") of ", acc,
+                 ", got ", stats.sizes(), " of ", stats.scalar_type());
+  check_same_device(op, "embeddings", embeddings, "stats", stats);
+}
+
+TORCH_LIBRARY_FRAGMENT(torchkit, m) {
+  // Each loss returns (loss, stats): the loss (a scalar of embeddings' dtype) and per anchor
+  // what the backward needs, of the accumulation type (pair_losses.h). Each backward returns
+  // (grad_embeddings, grad_ref_embeddings); one output_mask leaves out (and the second for
+  // ref_embeddings = None) is (0,).
+  m.def(
+      "supcon_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? ref_labels, "
+      "Scalar temperature) -> (Tensor, Tensor)");
+  m.def(
+      "_supcon_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
+      "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar temperature, bool[2] "
+      "output_mask) -> (Tensor, Tensor)");
+  m.def(
+      "ntxent_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? ref_labels, "
+      "Scalar temperature) -> (Tensor, Tensor)");
+  m.def(
+      "_ntxent_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
+      "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar temperature, bool[2] "
+      "output_mask) -> (Tensor, Tensor)");
+}
+
+}  // namespace torchkit::pair_losses
