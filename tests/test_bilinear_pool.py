@@ -129,7 +129,9 @@ def test_reduced_precision(device, dtype, E):
         strict=False,
     ):
         assert actual.dtype == dtype
-        assert_close_reduced(actual, base.to(dtype), exp)
+        # The backward recovers s from the output as autograd saved it, rounded to the input's
+        # dtype, where the float32 baseline keeps s in float32: its floor is two units.
+        assert_close_reduced(actual, base.to(dtype), exp, ulps=2)
 
 
 def exact_bilinear_pool(x, y, grad, sqrt_eps=1e-5, l2_eps=1e-12):
