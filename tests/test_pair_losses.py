@@ -497,3 +497,52 @@ def test_ntxent_anchor_without_negatives_counts_zero_pairs():
     got = ops.ntxent_loss(e, labels, 0.1, ref_embeddings=ref, ref_labels=ref_labels)
     torch.testing.assert_close(got, pml("ntxent_loss")(e, labels, 0.1, ref, ref_labels))
     assert abs(got.item()) < 1e-300
+
+
+@pytest.mark.parametrize("loss", NAMES)
+@pytest.mark.parametrize(
+    "dtype,scales", [(torch.float32, (1e-11, 1e20, 1e30, 1e38)), (torch.float64, (1e-11, 1e200, 1e300))]
+)
+def test_the_whole_finite_range(loss, dtype, scales):
+    """Cosine similarity does not see a row's scale: above F.normalize's clamp (norms >= 1e-12)
+    the loss is the unit rows' and the gradient scales as 1/scale, where the embeddings'
+    squares overflow (F.normalize divides by ∞ there, and PML returns log(#pairs)); below it,
+    the clamp's own result, as the float64 reference computes it."""
+    e, labels = make((40, 6), dtype, seed=11), make_labels(40, 4)
+    ref, ref_labels = make((17, 6), dtype, seed=12), make_labels(17, 4, seed=1)
+    for r in (None, ref):
+        rl = None if r is None else ref_labels
+        base, (g_base, *_) = loss_and_grads(ours(loss), e, labels, 0.1, r, rl)
+        for scale in scales:
+            got, (g, *_) = loss_and_grads(ours(loss), e * scale, labels, 0.1, None if r is None else r * scale, rl)
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got, base, **tol)
+            torch.testing.assert_close(g.double() * scale, g_base.double(), **tol)
+    for scale in (1e-20, 1e-30) if dtype == torch.float32 else (1e-200, 1e-300):
+        x = e * scale
+        got, (g,) = loss_and_grads(ours(loss), x, labels, 0.1)
+        exp, (g64,) = loss_and_grads(ref_fn(loss), x.double(), labels, 0.1)
+        torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-6 * g64.abs().max().item())
+
+
+@pytest.mark.parametrize("loss", NAMES)
+def test_non_finite_embedding_makes_the_loss_nan(loss):
+    e, labels = make((20, 5)), make_labels(20, 3)
+    e[7, 1] = float("inf")
+    assert getattr(ops, loss)(e, labels).isnan()
+
+
+@pytest.mark.parametrize("loss", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 1e300])
+def test_inputs_are_never_written(loss, dtype, scale):
+    """Rows of the accumulation type are read in place (no copy): the kernels must not write
+    into them, on the ordinary path nor where rows are normalised first."""
+    e = (make((30, 5)) * min(scale, torch.finfo(dtype).max / 10)).to(dtype).requires_grad_()
+    ref = make((9, 5), dtype, seed=1).requires_grad_()
+    labels, ref_labels = make_labels(30, 3), make_labels(9, 3, seed=1)
+    before = e.detach().clone(), ref.detach().clone()
+    getattr(ops, loss)(e, labels, ref_embeddings=ref, ref_labels=ref_labels).backward()
+    getattr(ops, loss)(e, labels).backward()
+    assert torch.equal(e.detach(), before[0]) and torch.equal(ref.detach(), before[1])

@@ -41,40 +41,93 @@ constexpr int64_t kRows = 64;       // anchors per task
 constexpr int64_t kCols = 256;      // ref rows per tile
 constexpr double kNormEps = 1e-12;  // F.normalize's, as PML's CosineSimilarity uses it
 
-// The rows as the GEMMs take them: the inputs themselves where they are contiguous rows of the
-// accumulation type (a float32 copy of float16/bfloat16 ones), with 1 / max(‖row‖, eps) per
-// row: the tiles are scaled by it (s_ij = a_i·b_j·inv_i·inv_j, F.normalize's cosine), so that
-// no normalised copy of the embeddings exists.
+// Each row's L2 norm in double, without over- or underflow (scaled by the power of two of its
+// largest |entry| first): F.normalize's norm, also where the accumulation type's own sum of
+// squares would leave its range (float32 rows past ~1e19, where F.normalize divides by ∞).
+template <typename acc_t>
+std::vector<double> row_norms(const Tensor& a) {
+  const int64_t N = a.size(0), D = a.size(1);
+  std::vector<double> out(N);
+  const acc_t* base = a.const_data_ptr<acc_t>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const acc_t* row = base + i * D;
+      double top = 0;
+      for (int64_t k = 0; k < D; ++k) {
+        const double v = std::abs(static_cast<double>(row[k]));
+        if (std::isnan(v) || v > top) top = v;
+      }
+      if (!(top > 0) || std::isinf(top)) {  // 0, ∞ or NaN
+        out[i] = top;
+        continue;
+      }
+      int e = 0;
+      std::frexp(top, &e);
+      double sum = 0;
+      for (int64_t k = 0; k < D; ++k) {
+        const double v = std::ldexp(static_cast<double>(row[k]), -e);
+        sum += v * v;
+      }
+      out[i] = std::ldexp(std::sqrt(sum), e);
+    }
+  });
+  return out;
+}
+
+// The rows as the GEMMs take them, with the factor each tile's entries are scaled by: where
+// every row's norm lies in an ordinary window ([2^-40, 2^40] in float32, [2^-400, 2^400] in
+// float64, or 0), the inputs themselves (a float32 copy of float16/bfloat16 ones) and
+// 1 / max(‖row‖, eps) (s_ij = a_i·b_j·scale_i·scale_j, F.normalize's cosine), so that no
+// normalised copy exists; elsewhere a copy of the rows normalised in double, scale 1.
+struct Side {
+  Tensor rows;     // (rows, D) of the accumulation type, contiguous
+  Tensor scale;    // (rows,): what multiplies its rows in a tile's entries
+  Tensor inv;      // (rows,): 1 / max(‖x‖, eps), F.normalize's factor
+  Tensor clamped;  // (rows,) bool: ‖x‖ < eps (F.normalize's clamp holds)
+};
+
+Side side(const Tensor& x) {
+  const auto acc = acc_type(x);
+  Side out;
+  out.rows = x.to(acc).contiguous();
+  std::vector<double> norm;
+  AT_DISPATCH_FLOATING_TYPES(acc, "row_norms", [&] { norm = row_norms<scalar_t>(out.rows); });
+  const int64_t n = out.rows.size(0);
+  const double window = acc == at::kDouble ? std::ldexp(1.0, 400) : std::ldexp(1.0, 40);
+  Tensor inv = at::empty({n}, out.rows.options().dtype(at::kDouble));
+  out.clamped = at::empty({n}, out.rows.options().dtype(at::kBool));
+  double* ip = inv.data_ptr<double>();
+  bool* cp = out.clamped.data_ptr<bool>();
+  bool ordinary = true;
+  for (int64_t i = 0; i < n; ++i) {
+    cp[i] = norm[i] < kNormEps;
+    ip[i] = 1.0 / (cp[i] ? kNormEps : norm[i]);  // NaN stays NaN
+    ordinary = ordinary && (norm[i] == 0 || (norm[i] >= 1 / window && norm[i] <= window));
+  }
+  out.inv = inv.to(acc);
+  if (ordinary) {
+    out.scale = out.inv;
+  } else {
+    // Out of place: for float64 rows, out.rows may be the caller's tensor itself.
+    out.rows = out.rows.to(at::kDouble).mul(inv.unsqueeze(1)).to(acc).contiguous();
+    out.scale = at::ones({n}, out.rows.options());
+  }
+  return out;
+}
+
 struct Inputs {
-  Tensor a, b;                  // anchors' and refs' rows; b is a without refs
-  Tensor inv_a, inv_b;          // (rows,) of the accumulation type
-  Tensor clamped_a, clamped_b;  // (rows,) bool: ‖row‖ < eps (F.normalize's clamp holds)
-  Tensor lab, ref_lab;          // int64, contiguous
+  Side a, b;            // anchors' and refs' rows; b is a without refs
+  Tensor lab, ref_lab;  // int64, contiguous
 };
 
 Inputs prepare(const Problem& p, const Tensor& embeddings, const Tensor& labels,
                const std::optional<Tensor>& ref_embeddings,
                const std::optional<Tensor>& ref_labels) {
-  const auto acc = acc_type(embeddings);
-  auto rows = [&](const Tensor& x, Tensor& inv, Tensor& clamped) {
-    const Tensor a = x.to(acc).contiguous();
-    const Tensor norm = at::linalg_vector_norm(a, 2, {1});
-    clamped = (norm < kNormEps).contiguous();
-    inv = norm.clamp_min(kNormEps).reciprocal_();
-    return a;
-  };
   Inputs in;
-  in.a = rows(embeddings, in.inv_a, in.clamped_a);
+  in.a = side(embeddings);
   in.lab = labels.to(at::kLong).contiguous();
-  if (p.self) {
-    in.b = in.a;
-    in.inv_b = in.inv_a;
-    in.clamped_b = in.clamped_a;
-    in.ref_lab = in.lab;
-  } else {
-    in.b = rows(*ref_embeddings, in.inv_b, in.clamped_b);
-    in.ref_lab = ref_labels->to(at::kLong).contiguous();
-  }
+  in.b = p.self ? in.a : side(*ref_embeddings);
+  in.ref_lab = p.self ? in.lab : ref_labels->to(at::kLong).contiguous();
   return in;
 }
 
@@ -144,9 +197,10 @@ template <typename acc_t>
 int64_t scaled_row(const Problem& p, const Inputs& in, acc_t* x, int64_t i, int64_t b0,
                    int64_t dj) {
   using V = Vectorized<acc_t>;
-  const acc_t scale = in.inv_a.const_data_ptr<acc_t>()[i] * static_cast<acc_t>(1.0 / p.temperature);
+  const acc_t scale =
+      in.a.scale.const_data_ptr<acc_t>()[i] * static_cast<acc_t>(1.0 / p.temperature);
   at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, x,
-                in.inv_b.const_data_ptr<acc_t>() + b0, dj);
+                in.b.scale.const_data_ptr<acc_t>() + b0, dj);
   const int64_t self_col = p.self && i >= b0 && i < b0 + dj ? i - b0 : -1;
   if (self_col >= 0) x[self_col] = -std::numeric_limits<acc_t>::infinity();
   return self_col;
@@ -160,7 +214,7 @@ std::vector<RowSums> row_sums(const Problem& p, const Inputs& in) {
   if (p.N == 0 || p.M == 0) return rows;
   const int64_t* lab = in.lab.const_data_ptr<int64_t>();
   const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
-  for_each_tile(in.a, in.b, [&](Tensor& s, int64_t a0, int64_t b0) {
+  for_each_tile(in.a.rows, in.b.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
     for (int64_t r = 0; r < di; ++r) {
@@ -190,7 +244,7 @@ std::tuple<Tensor, Tensor> supcon_forward(const Problem& p, const Inputs& in,
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int64_t kStats = kSupConStats;
   const std::vector<RowSums> rows = row_sums<acc_t, false>(p, in);
-  Tensor stats = at::zeros({p.N, kStats}, in.a.options());
+  Tensor stats = at::zeros({p.N, kStats}, in.a.rows.options());
   acc_t* st = stats.data_ptr<acc_t>();
   std::vector<double> loss(p.N, 0.0);
   int64_t positives = 0, negatives = 0, counted = 0;
@@ -230,10 +284,10 @@ void ntxent_positives(const Problem& p, const Inputs& in, const std::vector<RowS
   const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
   std::unordered_map<int64_t, std::vector<int64_t>> members;
   for (int64_t j = 0; j < p.M; ++j) members[ref_lab[j]].push_back(j);
-  const acc_t* a = in.a.const_data_ptr<acc_t>();
-  const acc_t* b = in.b.const_data_ptr<acc_t>();
-  const acc_t* inv_a = in.inv_a.const_data_ptr<acc_t>();
-  const acc_t* inv_b = in.inv_b.const_data_ptr<acc_t>();
+  const acc_t* a = in.a.rows.const_data_ptr<acc_t>();
+  const acc_t* b = in.b.rows.const_data_ptr<acc_t>();
+  const acc_t* inv_a = in.a.scale.const_data_ptr<acc_t>();
+  const acc_t* inv_b = in.b.scale.const_data_ptr<acc_t>();
   const double tiny = std::numeric_limits<acc_t>::min();
   at::parallel_for(0, p.N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -265,7 +319,7 @@ std::tuple<Tensor, Tensor> ntxent_forward(const Problem& p, const Inputs& in,
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int64_t kStats = kNTXentStats;
   const std::vector<RowSums> rows = row_sums<acc_t, true>(p, in);
-  Tensor stats = at::zeros({p.N, kStats}, in.a.options());
+  Tensor stats = at::zeros({p.N, kStats}, in.a.rows.options());
   acc_t* st = stats.data_ptr<acc_t>();
   int64_t positives = 0, negatives = 0;
   for (const RowSums& row : rows) {
@@ -356,27 +410,28 @@ struct PairGrad {
   }
 };
 
-// g ← grad·∂/∂x of g·e for e = x / max(‖x‖, eps), in place, per row: with inv = 1/max(‖x‖,
-// eps), inv·(g − inv²·(x·g)·x) where ‖x‖ > eps, inv·g elsewhere (the clamp's constant).
+// g ← grad·∂/∂x of g·e for e = x / max(‖x‖, eps), in place, per row, from the side's rows r
+// (x, or e itself) and their tile scale (e = r·scale): inv·(g − e·(e·g)) where ‖x‖ > eps,
+// inv·g where the clamp holds (its constant).
 template <typename acc_t>
-void through_normalisation(Tensor& g, const Tensor& x, const Tensor& inv, const Tensor& clamped,
-                           acc_t grad) {
+void through_normalisation(Tensor& g, const Side& own, acc_t grad) {
   using V = Vectorized<acc_t>;
   const int64_t rows = g.size(0), D = g.size(1);
   acc_t* gp = g.data_ptr<acc_t>();
-  const acc_t* xp = x.const_data_ptr<acc_t>();
-  const acc_t* ip = inv.const_data_ptr<acc_t>();
-  const bool* cp = clamped.const_data_ptr<bool>();
+  const acc_t* rp = own.rows.const_data_ptr<acc_t>();
+  const acc_t* sp = own.scale.const_data_ptr<acc_t>();
+  const acc_t* ip = own.inv.const_data_ptr<acc_t>();
+  const bool* cp = own.clamped.const_data_ptr<bool>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       acc_t* gi = gp + i * D;
-      const acc_t* xi = xp + i * D;
+      const acc_t* ri = rp + i * D;
       const acc_t dot = at::vec::map2_reduce_all<acc_t>([](V u, V v) { return u * v; },
-                                                        [](V u, V v) { return u + v; }, xi, gi, D);
-      const acc_t scale = grad * ip[i];
-      const acc_t along = cp[i] ? acc_t(0) : ip[i] * ip[i] * dot;
-      at::vec::map2([scale, along](V gv, V xv) { return (gv - xv * V(along)) * V(scale); }, gi, gi,
-                    xi, D);
+                                                        [](V u, V v) { return u + v; }, ri, gi, D);
+      const acc_t factor = grad * ip[i];
+      const acc_t along = cp[i] ? acc_t(0) : sp[i] * sp[i] * dot;
+      at::vec::map2([factor, along](V gv, V rv) { return (gv - rv * V(along)) * V(factor); }, gi,
+                    gi, ri, D);
     }
   });
 }
@@ -387,21 +442,20 @@ void through_normalisation(Tensor& g, const Tensor& x, const Tensor& inv, const 
 // anchors (their stats); symmetric adds ∂/∂s_ji (no refs: s is symmetric, and both
 // directions are one row's gradient).
 template <typename acc_t>
-Tensor rows_grad(const Problem& p, const Tensor& own, const Tensor& other, const Tensor& inv_own,
-                 const Tensor& clamped_own, const Tensor& inv_other, const Tensor& own_lab,
+Tensor rows_grad(const Problem& p, const Side& own, const Side& other, const Tensor& own_lab,
                  const Tensor& other_lab, const PairGrad<acc_t>& pg, bool anchors_own,
                  bool symmetric, acc_t grad) {
   using V = Vectorized<acc_t>;
-  Tensor out = at::zeros_like(own);
+  Tensor out = at::zeros_like(own.rows);
   const int64_t* la = own_lab.const_data_ptr<int64_t>();
   const int64_t* lb = other_lab.const_data_ptr<int64_t>();
-  const acc_t* io = inv_own.const_data_ptr<acc_t>();
-  const acc_t* ib = inv_other.const_data_ptr<acc_t>();
+  const acc_t* io = own.scale.const_data_ptr<acc_t>();
+  const acc_t* ib = other.scale.const_data_ptr<acc_t>();
   const acc_t* coef = pg.coef.data();
   const acc_t* shift = pg.shift.data();
   const acc_t inv_tau = static_cast<acc_t>(1.0 / p.temperature);
   const bool columns = !anchors_own || symmetric;  // terms of the anchors in the columns
-  for_each_tile(own, other, [&](Tensor& s, int64_t a0, int64_t b0) {
+  for_each_tile(own.rows, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
     acc_t x[kCols];
@@ -445,9 +499,9 @@ Tensor rows_grad(const Problem& p, const Tensor& own, const Tensor& other, const
       }
     }
     Tensor dst = out.narrow(0, a0, di);
-    dst.addmm_(s, other.narrow(0, b0, dj));
+    dst.addmm_(s, other.rows.narrow(0, b0, dj));
   });
-  through_normalisation<acc_t>(out, own, inv_own, clamped_own, grad);
+  through_normalisation<acc_t>(out, own, grad);
   return out;
 }
 
@@ -478,19 +532,13 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
         const acc_t gv = static_cast<acc_t>(g);
         const auto dtype = embeddings.scalar_type();
         if (p.self) {
-          ge = rows_grad<acc_t>(p, in.a, in.a, in.inv_a, in.clamped_a, in.inv_a, in.lab, in.lab, pg,
-                                true, true, gv)
-                   .to(dtype);
+          ge = rows_grad<acc_t>(p, in.a, in.a, in.lab, in.lab, pg, true, true, gv).to(dtype);
           return;
         }
         if (want_e)
-          ge = rows_grad<acc_t>(p, in.a, in.b, in.inv_a, in.clamped_a, in.inv_b, in.lab, in.ref_lab,
-                                pg, true, false, gv)
-                   .to(dtype);
+          ge = rows_grad<acc_t>(p, in.a, in.b, in.lab, in.ref_lab, pg, true, false, gv).to(dtype);
         if (want_r)
-          gr = rows_grad<acc_t>(p, in.b, in.a, in.inv_b, in.clamped_b, in.inv_a, in.ref_lab, in.lab,
-                                pg, false, false, gv)
-                   .to(dtype);
+          gr = rows_grad<acc_t>(p, in.b, in.a, in.ref_lab, in.lab, pg, false, false, gv).to(dtype);
       });
   return {ge, gr};
 }
