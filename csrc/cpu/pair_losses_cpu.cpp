@@ -167,8 +167,8 @@ struct RowSums {
   int64_t positives = 0, pairs = 0;
 };
 
-// Runs fn(thread scratch, tile of s = rows_a · rows_bᵀ (di × dj, acc type), a0, b0) over
-// a's blocks of kRows (the tasks) and b's blocks of kCols within each, in order.
+// Runs fn(s, a0, b0) for each tile s = a[a0:a0+di] · b[b0:b0+dj]ᵀ (di × dj, in a per-thread
+// scratch): a's blocks of kRows are the tasks, b's blocks of kCols are taken in order.
 template <typename Fn>
 void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
   const int64_t A = a.size(0), B = b.size(0);
