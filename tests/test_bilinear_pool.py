@@ -12,6 +12,7 @@ from testing import (
     EXTREMES,
     FLOAT_DTYPES,
     REDUCED_DTYPES,
+    as_param,
     assert_close,
     assert_close_reduced,
     check_compile,
@@ -327,11 +328,6 @@ def test_memory_formats(device, E, layout):
         assert got[0].is_contiguous(memory_format=torch.channels_last)
 
 
-def _device_param(device):
-    """A DEVICES entry as a pytest.param (a plain string becomes one without marks)."""
-    return device if hasattr(device, "values") else pytest.param(device, id=device)
-
-
 # The Triton kernels take the smallest of each case under the interpreter (gradcheck calls
 # the op twice per input entry: ~0.3 s a call).
 GRADCHECK = [((2, 3, 2, 3), None), ((2, 3, 2, 2), 2), ((1, 4, 1, 3), None)]
@@ -343,7 +339,7 @@ GRADCHECK_TRITON = [((1, 3, 1, 2), None), ((1, 2, 1, 2), 2)]
     [
         pytest.param(*d.values, *case, marks=d.marks, id=f"{d.id}-{i}")
         for devices, cases in ((DEVICES, GRADCHECK), (DEVICES_TRITON[2:], GRADCHECK_TRITON))
-        for d in map(_device_param, devices)
+        for d in map(as_param, devices)
         for i, case in enumerate(cases)
     ],
 )

@@ -13,6 +13,7 @@ from testing import (
     EXTREMES,
     FLOAT_DTYPES,
     REDUCED_DTYPES,
+    as_param,
     assert_close,
     assert_close_reduced,
     assert_close_to_exact,
@@ -49,11 +50,6 @@ SHAPES = [
 ]
 
 DEVICES_TRITON = with_triton("cdist")
-
-
-def as_param(device):
-    """A DEVICES entry as a pytest.param (a plain string becomes one without marks)."""
-    return device if hasattr(device, "values") else pytest.param(device, id=device)
 
 
 DEVICES_SCALED_TRITON = with_triton("cdist", DEVICES_SCALED)

@@ -40,6 +40,12 @@ def with_triton(op: str, devices: list | None = None) -> list:
     ]
 
 
+def as_param(device):
+    """A DEVICES entry as a pytest.param (a plain string becomes one without marks), for
+    parametrize lists that combine devices with other values."""
+    return device if hasattr(device, "values") else pytest.param(device, id=device)
+
+
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 REDUCED_DTYPES = [torch.float16, torch.bfloat16]
 

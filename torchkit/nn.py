@@ -258,53 +258,50 @@ class CovariancePool2d(nn.Module):
         return f"iterations={self.iterations}, sqrt={self.sqrt}, triu={self.triu}{channels}"
 
 
-class SupConLoss(nn.Module):
-    """pytorch-metric-learning's ``SupConLoss(temperature)`` on the fused kernel; see
-    :func:`torchkit.ops.supcon_loss`. ``forward(embeddings, labels, ref_embeddings=None,
-    ref_labels=None)``, as PML's ``(embeddings, labels, ref_emb=, ref_labels=)``."""
+class _PairLoss(nn.Module):
+    """A pair loss of torchkit.ops as PML's module: the temperature at construction,
+    ``forward(embeddings, labels, ref_embeddings=None, ref_labels=None)`` as PML's
+    ``(embeddings, labels, ref_emb=, ref_labels=)``."""
+
+    _op: str
+
+    def __init__(self, temperature: float) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.temperature = as_float(name, "temperature", temperature)
+        if not 0.0 < self.temperature < math.inf:
+            raise ValueError(f"{name}: temperature must be finite and > 0, got {self.temperature:g}")
+
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        ref_embeddings: Optional[Tensor] = None,
+        ref_labels: Optional[Tensor] = None,
+    ) -> Tensor:
+        return getattr(ops, self._op)(
+            embeddings, labels, self.temperature, ref_embeddings=ref_embeddings, ref_labels=ref_labels
+        )
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}"
+
+
+class SupConLoss(_PairLoss):
+    """pytorch-metric-learning's ``SupConLoss(temperature=0.1)`` on the fused kernel; see
+    :func:`torchkit.ops.supcon_loss`."""
+
+    _op = "supcon_loss"
 
     def __init__(self, temperature: float = 0.1) -> None:
-        super().__init__()
-        self.temperature = as_float("SupConLoss", "temperature", temperature)
-        if not 0.0 < self.temperature < math.inf:
-            raise ValueError(f"SupConLoss: temperature must be finite and > 0, got {self.temperature:g}")
-
-    def forward(
-        self,
-        embeddings: Tensor,
-        labels: Tensor,
-        ref_embeddings: Optional[Tensor] = None,
-        ref_labels: Optional[Tensor] = None,
-    ) -> Tensor:
-        return ops.supcon_loss(
-            embeddings, labels, self.temperature, ref_embeddings=ref_embeddings, ref_labels=ref_labels
-        )
-
-    def extra_repr(self) -> str:
-        return f"temperature={self.temperature}"
+        super().__init__(temperature)
 
 
-class NTXentLoss(nn.Module):
-    """pytorch-metric-learning's ``NTXentLoss(temperature)`` on the fused kernel; see
-    :func:`torchkit.ops.ntxent_loss`. ``forward(embeddings, labels, ref_embeddings=None,
-    ref_labels=None)``, as PML's ``(embeddings, labels, ref_emb=, ref_labels=)``."""
+class NTXentLoss(_PairLoss):
+    """pytorch-metric-learning's ``NTXentLoss(temperature=0.07)`` on the fused kernel; see
+    :func:`torchkit.ops.ntxent_loss`."""
+
+    _op = "ntxent_loss"
 
     def __init__(self, temperature: float = 0.07) -> None:
-        super().__init__()
-        self.temperature = as_float("NTXentLoss", "temperature", temperature)
-        if not 0.0 < self.temperature < math.inf:
-            raise ValueError(f"NTXentLoss: temperature must be finite and > 0, got {self.temperature:g}")
-
-    def forward(
-        self,
-        embeddings: Tensor,
-        labels: Tensor,
-        ref_embeddings: Optional[Tensor] = None,
-        ref_labels: Optional[Tensor] = None,
-    ) -> Tensor:
-        return ops.ntxent_loss(
-            embeddings, labels, self.temperature, ref_embeddings=ref_embeddings, ref_labels=ref_labels
-        )
-
-    def extra_repr(self) -> str:
-        return f"temperature={self.temperature}"
+        super().__init__(temperature)

@@ -182,6 +182,20 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
     return out.to(x.dtype)
 
 
+def _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels):
+    """The pair losses' matrices, as PML forms them: x = cos/τ of F.normalize'd rows, and which
+    entries are pairs (every ref row; every other row without refs), positives and negatives."""
+    e = F.normalize(embeddings, dim=1)
+    if ref_embeddings is None:
+        r, ref_labels = e, labels
+        pairs = ~torch.eye(len(e), dtype=torch.bool, device=e.device)
+    else:
+        r = F.normalize(ref_embeddings, dim=1)
+        pairs = torch.ones(len(e), len(r), dtype=torch.bool, device=e.device)
+    same = labels[:, None] == ref_labels[None, :]
+    return e @ r.T / temperature, pairs, same & pairs, ~same & pairs
+
+
 def supcon_loss(
     embeddings: Tensor,
     labels: Tensor,
@@ -191,17 +205,9 @@ def supcon_loss(
     ref_labels: Optional[Tensor] = None,
 ) -> Tensor:
     """pytorch-metric-learning's SupConLoss with its defaults, on the full N×M matrix."""
-    e = F.normalize(embeddings, dim=1)
-    if ref_embeddings is None:
-        r, ref_labels = e, labels
-        pairs = ~torch.eye(len(e), dtype=torch.bool, device=e.device)
-    else:
-        r = F.normalize(ref_embeddings, dim=1)
-        pairs = torch.ones(len(e), len(r), dtype=torch.bool, device=e.device)
-    x = e @ r.T / temperature
-    positive = (labels[:, None] == ref_labels[None, :]) & pairs
+    x, pairs, positive, negative = _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels)
     zero = (embeddings * 0).sum()
-    if not positive.any() or not (pairs & ~positive).any():
+    if not positive.any() or not negative.any():
         return zero
     lse = torch.logsumexp(x.masked_fill(~pairs, float("-inf")), dim=1)
     count = positive.sum(1)
@@ -219,16 +225,7 @@ def ntxent_loss(
     ref_labels: Optional[Tensor] = None,
 ) -> Tensor:
     """pytorch-metric-learning's NTXentLoss with its defaults, on the full N×M matrix."""
-    e = F.normalize(embeddings, dim=1)
-    if ref_embeddings is None:
-        r, ref_labels = e, labels
-        pairs = ~torch.eye(len(e), dtype=torch.bool, device=e.device)
-    else:
-        r = F.normalize(ref_embeddings, dim=1)
-        pairs = torch.ones(len(e), len(r), dtype=torch.bool, device=e.device)
-    x = e @ r.T / temperature
-    same = labels[:, None] == ref_labels[None, :]
-    positive, negative = same & pairs, ~same & pairs
+    x, _, positive, negative = _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels)
     if not positive.any() or not negative.any():
         return (embeddings * 0).sum()
     log_s = torch.logsumexp(x.masked_fill(~negative, float("-inf")), dim=1, keepdim=True)

@@ -92,6 +92,16 @@ def _scale_factors(e, IS64: tl.constexpr):
 
 
 @triton.jit
+def _runs_on(scale_ptr, n, SCALED: tl.constexpr):
+    """Whether the launch for SCALED (scaled samples or ordinary ones) computes sample n."""
+    flag = tl.load(scale_ptr + n * 4 + 3)
+    if SCALED:
+        return flag != 0
+    else:
+        return flag == 0
+
+
+@triton.jit
 def _halves(v):
     """A float32 tile as bfloat16 hi + lo (16 of its 24 bits; exact for float16 and bfloat16
     values)."""
@@ -295,12 +305,7 @@ def forward_kernel(
     pid = tl.program_id(0).to(tl.int64)
     n = pid // tiles
     tile = pid % tiles
-    flag = tl.load(scale_ptr + n * 4 + 3)
-    if SCALED:
-        mine = flag != 0
-    else:
-        mine = flag == 0
-    if mine:
+    if _runs_on(scale_ptr, n, SCALED):
         ti = tile // tiles_j
         tj = tile % tiles_j
         if SELF:
@@ -564,12 +569,7 @@ def grad_kernel(
     pid = tl.program_id(0).to(tl.int64)
     n = pid // tiles
     tile = pid % tiles
-    flag = tl.load(scale_ptr + n * 4 + 3)
-    if SCALED:
-        mine = flag != 0
-    else:
-        mine = flag == 0
-    if mine:
+    if _runs_on(scale_ptr, n, SCALED):
         rows = (tile // tiles_k) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
         ks = (tile % tiles_k) * BLOCK_HW + tl.arange(0, BLOCK_HW)
         row_mask = rows < C_OWN
