@@ -1,22 +1,50 @@
-"""The pair losses (supcon_loss, ntxent_loss) vs pytorch-metric-learning (the library our users
-run), the full-matrix references and their torch.compile; forward and forward+backward, with
-each one's peak extra memory, against the GEMM roofline: the N×N similarity product (forward),
-plus the backward's product of the same shape. PML cases it cannot run in this machine's
-memory are skipped with the size it asks for."""
+"""The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss with each
+mining) vs pytorch-metric-learning (the library our users run, with its miners), the
+full-matrix references and their torch.compile; forward and forward+backward, with each one's
+peak extra memory, against the GEMM roofline: the N×N similarity product (forward), plus the
+backward's product of the same shape. Peers' cases that cannot run in this machine's memory
+are skipped with the size they ask for."""
 
 import functools
 
 import pytest
 import torch
 from common import ROOFLINE, run  # benchmarks/ is on sys.path (rootdir-less test folder)
-from pytorch_metric_learning import losses
+from pytorch_metric_learning import losses, miners
 
 from torchkit import ops, reference
 
 PML = "pytorch-metric-learning"
-TEMPERATURE = {"supcon_loss": 0.1, "ntxent_loss": 0.07}
-PML_LOSS = {"supcon_loss": losses.SupConLoss, "ntxent_loss": losses.NTXentLoss}
-PML_BUDGET = 8 * 2**30  # bytes a peer may ask for on this machine (24 GiB, shared)
+# Each loss with its default parameters, and the triplet loss with each mining.
+VARIANTS = {
+    "supcon_loss": ("supcon_loss", {"temperature": 0.1}),
+    "ntxent_loss": ("ntxent_loss", {"temperature": 0.07}),
+    "contrastive_loss": ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0}),
+    "triplet all": ("triplet_margin_loss", {"margin": 0.05, "mining": "all"}),
+    "triplet semi_hard": ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard"}),
+    "triplet batch_hard": ("triplet_margin_loss", {"margin": 0.05, "mining": "batch_hard"}),
+}
+BUDGET = 8 * 2**30  # bytes a peer may ask for on this machine (24 GiB, shared)
+
+
+def pml_fn(variant):
+    """PML's loss with the miner the mining names, as fn(embeddings, labels)."""
+    loss, params = VARIANTS[variant]
+    if loss == "supcon_loss":
+        return losses.SupConLoss(**params)
+    if loss == "ntxent_loss":
+        return losses.NTXentLoss(**params)
+    if loss == "contrastive_loss":
+        return losses.ContrastiveLoss(**params)
+    triplet = losses.TripletMarginLoss(margin=params["margin"])
+    if params["mining"] == "all":
+        return triplet
+    miner = (
+        miners.BatchHardMiner()
+        if params["mining"] == "batch_hard"
+        else miners.TripletMarginMiner(margin=params["margin"], type_of_triplets="semihard")
+    )
+    return lambda e, labels: triplet(e, labels, miner(e, labels))
 
 
 @functools.cache
@@ -32,21 +60,23 @@ def gemm_roofline(e, backward=False):
     return s
 
 
-def pml_bytes(loss, N, per_class):
-    """At least what PML's loss allocates at once: N×N float32 masks and similarities for
-    SupCon; for NT-Xent, its (positive pairs × negative pairs) float32 matrix."""
-    if loss == "supcon_loss":
-        return 6 * N * N * 4
-    positives, negatives = N * (per_class - 1), N * (N - per_class)
-    return positives * negatives * 4
+def peer_bytes(impl, variant, N, per_class):
+    """At least what a full-matrix peer allocates at once: N×N float32 masks and matrices; for
+    PML's NT-Xent, its (positive pairs × negative pairs) float32 matrix; for all (and
+    semi-hard) triplets, an N×N×N byte mask, and PML's three int64 index lists per triplet."""
+    loss, params = VARIANTS[variant]
+    if loss == "ntxent_loss" and impl == PML:
+        return N * (per_class - 1) * N * (N - per_class) * 4
+    if params.get("mining") in ("all", "semi_hard"):
+        return N**3 + (24 * N * (per_class - 1) * (N - per_class) if impl == PML else 0)
+    return 6 * N * N * 4
 
 
 IMPLS = {
-    "torchkit": lambda loss: functools.partial(getattr(ops, loss), temperature=TEMPERATURE[loss]),
-    PML: lambda loss: PML_LOSS[loss](temperature=TEMPERATURE[loss]),
-    "reference": lambda loss: functools.partial(getattr(reference, loss), temperature=TEMPERATURE[loss]),
-    "torch.compile(reference)": lambda loss: functools.partial(compiled_reference(loss), temperature=TEMPERATURE[loss]),
-    ROOFLINE: lambda loss: gemm_roofline,
+    "torchkit": lambda loss, params: functools.partial(getattr(ops, loss), **params),
+    "reference": lambda loss, params: functools.partial(getattr(reference, loss), **params),
+    "torch.compile(reference)": lambda loss, params: functools.partial(compiled_reference(loss), **params),
+    ROOFLINE: lambda loss, params: gemm_roofline,
 }
 
 # (case, N, D, samples per class, dtype, device)
@@ -57,17 +87,18 @@ CASES = [
 
 
 @pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", [*IMPLS, PML])
 @pytest.mark.parametrize("case,N,D,per_class,dtype,device", CASES)
-@pytest.mark.parametrize("loss", ["supcon_loss", "ntxent_loss"])
-def test_pair_loss(benchmark, loss, case, N, D, per_class, dtype, device, impl, pass_):
-    if impl == PML and pml_bytes(loss, N, per_class) > PML_BUDGET:
-        gib = pml_bytes(loss, N, per_class) / 2**30
-        pytest.skip(f"{PML} would need at least {gib:.0f} GiB here")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, impl, pass_):
+    loss, params = VARIANTS[variant]
+    if impl in (PML, "reference", "torch.compile(reference)") and peer_bytes(impl, variant, N, per_class) > BUDGET:
+        gib = peer_bytes(impl, variant, N, per_class) / 2**30
+        pytest.skip(f"{impl} would need at least {gib:.0f} GiB here")
     g = torch.Generator(device).manual_seed(0)
     e = torch.randn(N, D, generator=g, device=device).to(dtype)
     labels = torch.arange(N, device=device) // per_class
-    fn = IMPLS[impl](loss)
+    fn = pml_fn(variant) if impl == PML else IMPLS[impl](loss, params)
     extra = {"flops": 2 * N * N * D * (1 if pass_ == "forward" else 2)}
     if impl == ROOFLINE:
 
@@ -85,4 +116,6 @@ def test_pair_loss(benchmark, loss, case, N, D, per_class, dtype, device, impl, 
             fn(e, labels).backward()
             e.grad = None
 
+    if loss == "triplet_margin_loss":
+        case = f"{case} {params['mining']}"
     run(benchmark, step, op=loss, case=case, pass_=pass_, impl=impl, device=device, **extra)

@@ -26,17 +26,14 @@ void check_labels(const char* op, const char* name, const at::Tensor& labels, co
 
 Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Tensor& labels,
                      const std::optional<at::Tensor>& ref_embeddings,
-                     const std::optional<at::Tensor>& ref_labels, const c10::Scalar& temperature) {
+                     const std::optional<at::Tensor>& ref_labels) {
   Problem p;
   p.op = op;
-  p.temperature = scalar_float(op, "temperature", temperature);
   check_floating(op, "embeddings", embeddings);
   TK_CHECK_VALUE(op, embeddings.dim() == 2, "embeddings must be 2-D (N, D), got shape ",
                  embeddings.sizes());
   check_same_device(op, "embeddings", embeddings, "labels", labels);
   check_labels(op, "labels", labels, "embeddings", embeddings);
-  TK_CHECK_VALUE(op, std::isfinite(p.temperature) && p.temperature > 0,
-                 "temperature must be finite and > 0, got ", p.temperature);
   TK_CHECK_VALUE(op, ref_embeddings.has_value() == ref_labels.has_value(),
                  "ref_embeddings and ref_labels must be given together, got ",
                  ref_embeddings.has_value() ? "ref_embeddings alone" : "ref_labels alone");
@@ -58,20 +55,52 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
   return p;
 }
 
+double check_temperature(const char* op, const c10::Scalar& temperature) {
+  const double t = scalar_float(op, "temperature", temperature);
+  TK_CHECK_VALUE(op, std::isfinite(t) && t > 0, "temperature must be finite and > 0, got ", t);
+  return t;
+}
+
+double check_margin(const char* op, const char* name, const c10::Scalar& margin) {
+  const double m = scalar_float(op, name, margin);
+  TK_CHECK_VALUE(op, std::isfinite(m) && m >= 0, name, " must be finite and >= 0, got ", m);
+  return m;
+}
+
+Mining check_mining(const char* op, c10::string_view mining) {
+  if (mining == "all") return Mining::All;
+  if (mining == "batch_hard") return Mining::BatchHard;
+  TK_CHECK_VALUE(op, mining == "semi_hard",
+                 "mining must be 'all', 'batch_hard' or 'semi_hard', got '", mining, "'");
+  return Mining::SemiHard;
+}
+
 void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& embeddings,
-                           const at::Tensor& stats, int64_t columns) {
+                           const at::Tensor& stats, int64_t columns,
+                           std::optional<at::ScalarType> stats_type) {
   const char* op = p.op;
   TK_CHECK_VALUE(op, grad.dim() == 0, "backward: grad must be a scalar (the loss's), got shape ",
                  grad.sizes());
   check_same_dtype(op, "embeddings", embeddings, "grad", grad);
   check_same_device(op, "embeddings", embeddings, "grad", grad);
-  const auto acc = embeddings.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc =
+      stats_type.value_or(embeddings.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   TK_CHECK_VALUE(op,
                  stats.dim() == 2 && stats.size(0) == p.N && stats.size(1) == columns &&
                      stats.scalar_type() == acc,
                  "backward: stats must be (N, ", columns, ") = (", p.N, ", ", columns, ") of ", acc,
                  ", got ", stats.sizes(), " of ", stats.scalar_type());
   check_same_device(op, "embeddings", embeddings, "stats", stats);
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_outputs(
+    const at::Tensor& ge, const at::Tensor& gr, bool want_e, bool want_r,
+    const at::Tensor& embeddings, const std::optional<at::Tensor>& ref_embeddings) {
+  auto out = [&](const at::Tensor& g, bool want, const at::Tensor& like) {
+    if (!want) return at::empty({0}, embeddings.options());
+    return g.defined() ? g : at::zeros_like(like, at::MemoryFormat::Contiguous);
+  };
+  return {out(ge, want_e, embeddings), out(gr, want_r, want_r ? *ref_embeddings : embeddings)};
 }
 
 TORCH_LIBRARY_FRAGMENT(torchkit, m) {
@@ -92,6 +121,20 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   m.def(
       "_ntxent_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar temperature, bool[2] "
+      "output_mask) -> (Tensor, Tensor)");
+  m.def(
+      "contrastive_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
+      "ref_labels, Scalar pos_margin, Scalar neg_margin) -> (Tensor, Tensor)");
+  m.def(
+      "_contrastive_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
+      "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar pos_margin, Scalar neg_margin, "
+      "bool[2] output_mask) -> (Tensor, Tensor)");
+  m.def(
+      "triplet_margin_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
+      "ref_labels, Scalar margin, str mining) -> (Tensor, Tensor)");
+  m.def(
+      "_triplet_margin_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
+      "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar margin, str mining, bool[2] "
       "output_mask) -> (Tensor, Tensor)");
 }
 

@@ -1,7 +1,8 @@
 // The metric-learning losses over pairs of embeddings, as pytorch-metric-learning 2.x computes
-// them with its defaults (cosine similarity of rows L2-normalised as F.normalize does), without
-// the N×M similarity matrix: the CPU kernels (cpu/pair_losses_cpu.cpp) fold similarity tiles
-// into per-anchor statistics and recompute them in the backward.
+// them with its defaults (rows L2-normalised as F.normalize does; cosine similarity for SupCon
+// and NT-Xent, Euclidean distance for the contrastive and triplet losses), without the N×M
+// matrix: the CPU kernels (cpu/pair_losses_cpu.cpp, cpu/pair_losses_euclidean_cpu.cpp) fold
+// similarity or distance tiles into per-anchor statistics and recompute them in the backward.
 //
 // Pairs: anchor i (a row of embeddings) with every row j of ref_embeddings, or, without refs,
 // with every other row of embeddings; positives have equal labels, negatives different ones.
@@ -17,10 +18,22 @@
 //   loss = mean over every positive pair, 0 if the batch has no positive or no negative pair.
 //   stats (N, 3): log S_i, log R_i = log Σ_p (q_ip / (q_ip + tiny)) / (exp(x_ip) + S_i), and
 //   1/(number of positive pairs) (0 for a zero loss).
+// contrastive_loss (ContrastiveLoss + AvgNonZeroReducer), d_ij the Euclidean distance:
+//   loss = mean of the positive pairs' relu(d − pos_margin) > 0 + mean of the negative pairs'
+//   relu(neg_margin − d) > 0 (a mean over nothing is 0); 0 when the batch has at most one
+//   positive and one negative pair (PML's check). stats (N, 2): 1/(positive terms counted),
+//   1/(negative terms counted), the same in every row (0 for none).
+// triplet_margin_loss (TripletMarginLoss + AvgNonZeroReducer, with the miner of `mining`):
+//   per triplet (a, p, n) loss relu(d_ap − d_an + margin), the mean of those > 0 over the
+//   triplets: "all" of them, "semi_hard" ones (d_ap < d_an, TripletMarginMiner's semihard),
+//   "batch_hard" one per anchor with positives and negatives (its farthest positive and
+//   nearest negative, BatchHardMiner). stats (N, 3) int64: the anchor's hardest positive and
+//   negative (batch_hard; −1 otherwise or without), and its number of triplets in the mean.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Scalar.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 
@@ -28,21 +41,41 @@ namespace torchkit::pair_losses {
 
 constexpr int64_t kSupConStats = 2;
 constexpr int64_t kNTXentStats = 3;
+constexpr int64_t kContrastiveStats = 2;
+constexpr int64_t kTripletStats = 3;
+
+enum class Mining { All, BatchHard, SemiHard };
 
 struct Problem {
   const char* op = nullptr;
-  int64_t N = 0, M = 0, D = 0;  // anchors, ref rows (M = N without refs), features
-  bool self = true;             // ref_embeddings = None: the pairs of the batch itself
-  double temperature = 0;
+  int64_t N = 0, M = 0, D = 0;            // anchors, ref rows (M = N without refs), features
+  bool self = true;                       // ref_embeddings = None: the pairs of the batch itself
+  double temperature = 0;                 // supcon_loss, ntxent_loss
+  double pos_margin = 0, neg_margin = 0;  // contrastive_loss
+  double margin = 0;                      // triplet_margin_loss
+  Mining mining = Mining::All;            // triplet_margin_loss
 };
 
+// The tensors' checks, common to the family; then each loss checks its own parameters.
 Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Tensor& labels,
                      const std::optional<at::Tensor>& ref_embeddings,
-                     const std::optional<at::Tensor>& ref_labels, const c10::Scalar& temperature);
+                     const std::optional<at::Tensor>& ref_labels);
+double check_temperature(const char* op, const c10::Scalar& temperature);
+// A margin: finite and >= 0.
+double check_margin(const char* op, const char* name, const c10::Scalar& margin);
+Mining check_mining(const char* op, c10::string_view mining);
 
 // grad is the loss's gradient (a scalar of embeddings' dtype), stats the forward's, with
-// `columns` per anchor.
+// `columns` per anchor, of stats_type (the accumulation type if undefined).
 void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& embeddings,
-                           const at::Tensor& stats, int64_t columns);
+                           const at::Tensor& stats, int64_t columns,
+                           std::optional<at::ScalarType> stats_type = std::nullopt);
+
+// A backward's outputs from the gradients it computed (undefined: zero, allocated only here,
+// so that a backward never holds a gradient twice): zeros where wanted but not computed, (0,)
+// where output_mask leaves them out.
+std::tuple<at::Tensor, at::Tensor> backward_outputs(
+    const at::Tensor& ge, const at::Tensor& gr, bool want_e, bool want_r,
+    const at::Tensor& embeddings, const std::optional<at::Tensor>& ref_embeddings);
 
 }  // namespace torchkit::pair_losses

@@ -1,12 +1,13 @@
-"""The pair losses (supcon_loss, ntxent_loss) against pytorch-metric-learning (the oracle), the
-float64 references (torchkit.reference) and their own edge cases."""
+"""The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss with each
+mining) against pytorch-metric-learning (the oracle, with its miners), the float64 references
+(torchkit.reference) and their own edge cases."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
-from pytorch_metric_learning import losses
+from pytorch_metric_learning import losses, miners
 from testing import (
     check_compile,
     check_compiled_refuses_like_eager,
@@ -18,9 +19,32 @@ from testing import (
 import torchkit
 from torchkit import ops, reference
 
-# loss -> (PML's class, stats columns per anchor)
-LOSSES = {"supcon_loss": (losses.SupConLoss, 2), "ntxent_loss": (losses.NTXentLoss, 3)}
-NAMES = list(LOSSES)
+# loss -> stats columns per anchor (csrc/pair_losses.h)
+COLUMNS = {"supcon_loss": 2, "ntxent_loss": 3, "contrastive_loss": 2, "triplet_margin_loss": 3}
+NAMES = list(COLUMNS)
+# Each loss with its default parameters, and the triplet loss with each mining.
+VARIANTS = [
+    ("supcon_loss", {"temperature": 0.1}),
+    ("ntxent_loss", {"temperature": 0.07}),
+    ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0}),
+    ("triplet_margin_loss", {"margin": 0.05, "mining": "all"}),
+    ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard"}),
+    ("triplet_margin_loss", {"margin": 0.05, "mining": "batch_hard"}),
+]
+VARIANT_IDS = [loss if loss != "triplet_margin_loss" else f"triplet-{p['mining']}" for loss, p in VARIANTS]
+# ... and with other parameters, for the comparisons with PML.
+CONFIGS = [
+    *VARIANTS,
+    ("supcon_loss", {"temperature": 0.5}),
+    ("ntxent_loss", {"temperature": 0.5}),
+    ("contrastive_loss", {"pos_margin": 0.3, "neg_margin": 1.2}),
+    ("triplet_margin_loss", {"margin": 0.3, "mining": "all"}),
+    ("triplet_margin_loss", {"margin": 0.3, "mining": "semi_hard"}),
+    ("triplet_margin_loss", {"margin": 0.0, "mining": "batch_hard"}),
+]
+CONFIG_IDS = ["-".join([loss.removesuffix("_loss"), *map(str, p.values())]) for loss, p in CONFIGS]
+variants = pytest.mark.parametrize("loss,params", VARIANTS, ids=VARIANT_IDS)
+configs = pytest.mark.parametrize("loss,params", CONFIGS, ids=CONFIG_IDS)
 
 
 def raw(loss):
@@ -37,30 +61,48 @@ def make_labels(n, classes, seed=0, dtype=torch.int64):
     return torch.randint(classes, (n,), generator=g).to(dtype)
 
 
-def pml(loss):
-    def fn(embeddings, labels, temperature, ref=None, ref_labels=None):
-        return LOSSES[loss][0](temperature=temperature)(embeddings, labels, ref_emb=ref, ref_labels=ref_labels)
+def pml(loss, params):
+    """PML's loss (with the miner the parameters name) as a function of the inputs."""
+
+    def fn(embeddings, labels, ref=None, ref_labels=None):
+        kw = dict(ref_emb=ref, ref_labels=ref_labels)
+        if loss == "supcon_loss":
+            return losses.SupConLoss(**params)(embeddings, labels, **kw)
+        if loss == "ntxent_loss":
+            return losses.NTXentLoss(**params)(embeddings, labels, **kw)
+        if loss == "contrastive_loss":
+            return losses.ContrastiveLoss(**params)(embeddings, labels, **kw)
+        margin, mining = params["margin"], params["mining"]
+        triplet = losses.TripletMarginLoss(margin=margin)
+        if mining == "all":
+            return triplet(embeddings, labels, **kw)
+        miner = (
+            miners.BatchHardMiner()
+            if mining == "batch_hard"
+            else miners.TripletMarginMiner(margin=margin, type_of_triplets="semihard")
+        )
+        return triplet(embeddings, labels, miner(embeddings, labels, ref, ref_labels), **kw)
 
     return fn
 
 
-def loss_and_grads(fn, e, labels, temperature, ref=None, ref_labels=None):
+def loss_and_grads(fn, e, labels, ref=None, ref_labels=None):
     leaves = [t.detach().clone().requires_grad_() for t in (e, ref) if t is not None]
-    out = fn(leaves[0], labels, temperature, *(leaves[1:2] or [None]), ref_labels)
+    out = fn(leaves[0], labels, *(leaves[1:2] or [None]), ref_labels)
     grads = torch.autograd.grad(out, leaves, allow_unused=True) if out.requires_grad else [None] * len(leaves)
     return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
 
 
-def ours(loss):
-    def fn(e, labels, temperature, ref=None, ref_labels=None):
-        return getattr(ops, loss)(e, labels, temperature, ref_embeddings=ref, ref_labels=ref_labels)
+def ours(loss, params):
+    def fn(e, labels, ref=None, ref_labels=None):
+        return getattr(ops, loss)(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels)
 
     return fn
 
 
-def ref_fn(loss):
-    def fn(e, labels, temperature, ref=None, ref_labels=None):
-        return getattr(reference, loss)(e, labels, temperature, ref_embeddings=ref, ref_labels=ref_labels)
+def ref_fn(loss, params):
+    def fn(e, labels, ref=None, ref_labels=None):
+        return getattr(reference, loss)(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels)
 
     return fn
 
@@ -77,17 +119,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@configs
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("N,C,D,M", CASES)
-@pytest.mark.parametrize("temperature", [0.07, 0.5])
-def test_matches_pytorch_metric_learning(loss, dtype, N, C, D, M, temperature):
+def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M):
     e = make((N, D), dtype, seed=1)
     labels = make_labels(N, C)
     ref = None if M is None else make((M, D), dtype, seed=2)
     ref_labels = None if M is None else make_labels(M, C, seed=3)
-    got, got_grads = loss_and_grads(ours(loss), e, labels, temperature, ref, ref_labels)
-    exp, exp_grads = loss_and_grads(pml(loss), e, labels, temperature, ref, ref_labels)
+    got, got_grads = loss_and_grads(ours(loss, params), e, labels, ref, ref_labels)
+    exp, exp_grads = loss_and_grads(pml(loss, params), e, labels, ref, ref_labels)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
     assert got.dtype == dtype
     torch.testing.assert_close(got, exp, **tol)
@@ -95,66 +136,87 @@ def test_matches_pytorch_metric_learning(loss, dtype, N, C, D, M, temperature):
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@variants
 @pytest.mark.parametrize("M", [None, 90])
-def test_float32_is_within_1e5_of_float64(loss, M):
+def test_float32_is_within_1e5_of_float64(loss, params, M):
     """Loss and gradients of float32 inputs against the float64 reference on the same values,
     relative to the largest gradient entry."""
     e = make((200, 64), torch.float32, seed=4, offset=0.3)
     labels = make_labels(200, 10)
     ref = None if M is None else make((M, 64), torch.float32, seed=5)
     ref_labels = None if M is None else make_labels(M, 10, seed=6)
-    got, got_grads = loss_and_grads(ours(loss), e, labels, 0.1, ref, ref_labels)
+    got, got_grads = loss_and_grads(ours(loss, params), e, labels, ref, ref_labels)
     exp, exp_grads = loss_and_grads(
-        ref_fn(loss), e.double(), labels, 0.1, None if ref is None else ref.double(), ref_labels
+        ref_fn(loss, params), e.double(), labels, None if ref is None else ref.double(), ref_labels
     )
     assert abs(got.double() - exp).item() <= 1e-5 * exp.abs().item()
     for a, b in zip(got_grads, exp_grads, strict=True):
         assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@variants
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_reduced_precision_accumulates_in_float32(loss, dtype):
+def test_reduced_precision_accumulates_in_float32(loss, params, dtype):
     e = make((100, 32), torch.float64, seed=7).to(dtype)
     labels = make_labels(100, 8)
-    got, (g,) = loss_and_grads(ours(loss), e, labels, 0.1)
-    exp, (g64,) = loss_and_grads(ref_fn(loss), e.double(), labels, 0.1)
+    got, (g,) = loss_and_grads(ours(loss, params), e, labels)
+    exp, (g64,) = loss_and_grads(ref_fn(loss, params), e.double(), labels)
     assert got.dtype == g.dtype == dtype
     eps = torch.finfo(dtype).eps
     assert abs(got.double() - exp).item() <= 2 * eps * exp.abs().item()
     assert (g.double() - g64).abs().max() <= 4 * eps * g64.abs().max()
 
 
-@pytest.mark.parametrize("loss", NAMES)
-def test_real_embeddings(loss):
-    """sklearn's digits (64 pixel features, 10 classes) as embeddings, against PML (NT-Xent on
-    fewer: PML's (positive pairs × negative pairs) matrix for 600 digits is 46 GB)."""
+@variants
+def test_real_embeddings(loss, params):
+    """sklearn's digits (64 pixel features, 10 classes) as embeddings, against PML (NT-Xent and
+    all triplets on fewer: PML's (positive pairs × negative pairs) matrix for 600 digits is
+    46 GB, and its N×N×N triplet mask 216 MB)."""
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits()
-    n = 600 if loss == "supcon_loss" else 150
+    n = 150 if loss == "ntxent_loss" or params.get("mining") in ("all", "semi_hard") else 600
     e = torch.tensor(digits.data[:n], dtype=torch.float32)
     labels = torch.tensor(digits.target[:n])
     for ref_rows in (None, slice(n, n + n // 2)):
         ref = None if ref_rows is None else torch.tensor(digits.data[ref_rows], dtype=torch.float32)
         ref_labels = None if ref_rows is None else torch.tensor(digits.target[ref_rows])
-        got, got_grads = loss_and_grads(ours(loss), e, labels, 0.1, ref, ref_labels)
-        exp, exp_grads = loss_and_grads(pml(loss), e, labels, 0.1, ref, ref_labels)
+        got, got_grads = loss_and_grads(ours(loss, params), e, labels, ref, ref_labels)
+        exp, exp_grads = loss_and_grads(pml(loss, params), e, labels, ref, ref_labels)
         torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
         for a, b in zip(got_grads, exp_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@pytest.mark.parametrize("loss", ["contrastive_loss", "triplet_margin_loss"])
+def test_near_duplicates_far_from_the_origin(loss):
+    """Tight clusters (spread 1e-4 around 8 far-apart centres): the normalised rows' distances
+    come from their differences, where PML's torch.cdist takes |a|² + |b|² − 2a·b and loses
+    them to cancellation (its float32 loss is off by a factor of 3 here); torchkit's float32
+    loss and gradients are float64's."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(8, 64, generator=g, dtype=torch.float64).repeat_interleave(8, 0)
+    x = centres + 1e-4 * torch.randn(64, 64, generator=g, dtype=torch.float64)
+    labels = torch.arange(8).repeat_interleave(8)
+    params = {"pos_margin": 0.0, "neg_margin": 1.0} if loss == "contrastive_loss" else {"margin": 1.0, "mining": "all"}
+    e = x.float()
+    got, (g32,) = loss_and_grads(ours(loss, params), e, labels)
+    exp, (g64,) = loss_and_grads(ref_fn(loss, params), e.double(), labels)
+    assert abs(got.double() - exp).item() <= 1e-5 * exp.abs().item()
+    assert (g32.double() - g64).abs().max() <= 1e-5 * g64.abs().max()
+    if loss == "contrastive_loss":  # PML's float32 value, wrong
+        assert abs(pml(loss, params)(e, labels).double() - exp).item() > 0.5 * exp.abs().item()
+
+
+@variants
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
-def test_any_integer_label_dtype(loss, dtype):
+def test_any_integer_label_dtype(loss, params, dtype):
     e = make((40, 6), torch.float32)
     labels = make_labels(40, 5)
     fn = getattr(ops, loss)
-    assert torch.equal(fn(e, labels.to(dtype)), fn(e, labels))
+    assert torch.equal(fn(e, labels.to(dtype), **params), fn(e, labels, **params))
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@variants
 @pytest.mark.parametrize(
     "labels,why",
     [
@@ -164,13 +226,32 @@ def test_any_integer_label_dtype(loss, dtype):
         (torch.zeros(0, dtype=torch.long), "an empty batch"),
     ],
 )
-def test_no_pairs_of_one_kind_is_zero_with_zero_gradient(loss, labels, why):
-    """PML's convention (its zero_losses): 0 and zero gradients, not NaN."""
+def test_no_pairs_of_one_kind_is_pmls_value(loss, params, labels, why):
+    """PML's convention: 0 with zero gradients (its zero_losses), not NaN; the contrastive loss's
+    other kind of pair still counts."""
     e = make((len(labels), 4)).requires_grad_()
-    out = getattr(ops, loss)(e, labels)
-    assert out.item() == 0 == pml(loss)(e, labels, 0.1).item(), why
-    (g,) = torch.autograd.grad(out, e, allow_unused=True, materialize_grads=True)
-    assert torch.equal(g, torch.zeros_like(e))
+    out = getattr(ops, loss)(e, labels, **params)
+    if len(labels) == 0 and params.get("mining") == "batch_hard":
+        with pytest.raises(IndexError):  # PML's BatchHardMiner fails on an empty batch
+            pml(loss, params)(e, labels)
+        exp = torch.zeros((), dtype=e.dtype)
+    else:
+        exp = pml(loss, params)(e, labels)
+    torch.testing.assert_close(out.detach(), exp.detach(), rtol=1e-12, atol=0)
+    if exp.item() == 0:
+        (g,) = torch.autograd.grad(out, e, allow_unused=True, materialize_grads=True)
+        assert torch.equal(g, torch.zeros_like(e)), why
+
+
+@pytest.mark.parametrize("loss", ["supcon_loss", "ntxent_loss", "contrastive_loss"])
+def test_one_positive_and_one_negative_pair_is_zero_as_in_pml(loss):
+    """PML's pair losses return 0 when every index list has at most one entry: one anchor, two
+    refs, one of each kind."""
+    e, labels = make((1, 4)), torch.tensor([0])
+    ref, ref_labels = make((2, 4), seed=1), torch.tensor([0, 1])
+    params = dict(VARIANTS)[loss]
+    assert getattr(ops, loss)(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels).item() == 0
+    assert pml(loss, params)(e, labels, ref, ref_labels).item() == 0
 
 
 def test_supcon_anchor_without_positives_adds_nothing():
@@ -178,7 +259,7 @@ def test_supcon_anchor_without_positives_adds_nothing():
     the two anchors with a positive."""
     e = make((3, 4))
     labels = torch.tensor([0, 0, 1])
-    torch.testing.assert_close(ops.supcon_loss(e, labels), pml("supcon_loss")(e, labels, 0.1))
+    torch.testing.assert_close(ops.supcon_loss(e, labels), pml("supcon_loss", {"temperature": 0.1})(e, labels))
     x = torch.nn.functional.normalize(e, dim=1)
     s = x @ x.T / 0.1
     per = [torch.logsumexp(s[i, [j for j in range(3) if j != i]], 0) - s[i, 1 - i] for i in (0, 1)]
@@ -203,36 +284,98 @@ def test_ntxent_a_pair_loss_is_bounded_as_in_pml():
     e = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [1.0, 0.0]])  # the positive pair is opposite
     labels = torch.tensor([0, 0, 1])
     got = ops.ntxent_loss(e, labels, 0.01)
-    exp = pml("ntxent_loss")(e, labels, 0.01)
+    exp = pml("ntxent_loss", {"temperature": 0.01})(e, labels)
     torch.testing.assert_close(got, exp)
     assert torch.isfinite(got)
 
 
-@pytest.mark.parametrize("loss", NAMES)
-def test_nan_embedding_makes_the_loss_nan(loss):
+def test_contrastive_each_kind_is_a_mean_of_its_terms_above_zero():
+    """Four points on a line: the positive pairs' d − 0.1 and the negative pairs' 1 − d that are
+    > 0, each kind averaged on its own, then added."""
+    e = torch.tensor([[1.0, 0.0], [1.0, 0.2], [1.0, 0.5], [1.0, 3.0]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 1])
+    x = torch.nn.functional.normalize(e, dim=1)
+    d = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist")
+    pos = torch.stack([d[0, 1], d[1, 0], d[2, 3], d[3, 2]]) - 0.1
+    neg = 1 - torch.stack([d[i, j] for i in range(4) for j in range(4) if (i < 2) != (j < 2)])
+    expected = pos[pos > 0].mean() + neg[neg > 0].mean()
+    torch.testing.assert_close(ops.contrastive_loss(e, labels, 0.1, 1.0), expected)
+
+
+def test_triplet_minings_pick_pmls_triplets():
+    """Five points on a circle's arc, two classes: every triplet by hand, then the semi-hard ones
+    (d_ap < d_an < d_ap + margin) and the batch-hard one per anchor (farthest positive, nearest
+    negative)."""
+    angles = torch.tensor([0.0, 0.3, 0.5, 0.9, 1.6], dtype=torch.float64)
+    e = torch.stack([angles.cos(), angles.sin()], 1)
+    labels = torch.tensor([0, 1, 0, 1, 0])
+    d = torch.cdist(e, e)
+    margin = 0.4
+    triplets = [
+        (a, p, n)
+        for a in range(5)
+        for p in range(5)
+        for n in range(5)
+        if a != p and labels[a] == labels[p] and labels[a] != labels[n]
+    ]
+
+    def mean_of(ts):
+        v = torch.stack([d[a, p] - d[a, n] + margin for a, p, n in ts])
+        return v[v > 0].mean()
+
+    torch.testing.assert_close(ops.triplet_margin_loss(e, labels, margin), mean_of(triplets))
+    semi = [(a, p, n) for a, p, n in triplets if d[a, p] < d[a, n] < d[a, p] + margin]
+    torch.testing.assert_close(ops.triplet_margin_loss(e, labels, margin, mining="semi_hard"), mean_of(semi))
+    hard = []
+    for a in range(5):
+        pos = [j for j in range(5) if j != a and labels[j] == labels[a]]
+        neg = [j for j in range(5) if labels[j] != labels[a]]
+        hard.append((a, max(pos, key=lambda j: d[a, j]), min(neg, key=lambda j: d[a, j])))
+    torch.testing.assert_close(ops.triplet_margin_loss(e, labels, margin, mining="batch_hard"), mean_of(hard))
+
+
+def test_triplet_batch_hard_ties_go_to_the_lower_index():
+    """Anchor 0's positives 1 and 2 coincide, as do its negatives 3 and 4: the gradient reaches
+    rows 1 and 3 only (refs 0 and 2)."""
+    e = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.6, 0.8], [0.6, 0.8]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 0, 1, 1])
+    ref = e[1:].clone().requires_grad_()  # anchor 0 against the other four
+    out = ops.triplet_margin_loss(
+        e[:1], labels[:1], 1.0, mining="batch_hard", ref_embeddings=ref, ref_labels=labels[1:]
+    )
+    (g,) = torch.autograd.grad(out, ref)
+    assert g[0].abs().sum() > 0 and g[2].abs().sum() > 0
+    assert g[1].abs().sum() == 0 and g[3].abs().sum() == 0
+
+
+@variants
+def test_nan_embedding_makes_the_loss_nan(loss, params):
     """A NaN embedding among pairs of anchors with positives: NaN, never a finite value computed
-    without it (PML's AvgNonZeroReducer drops NaN anchors from SupCon's mean)."""
+    without it (PML's AvgNonZeroReducer drops NaN terms)."""
     e = make((20, 5))
     labels = make_labels(20, 3)
     e[4, 2] = float("nan")
-    assert getattr(ops, loss)(e, labels).isnan()
-    assert getattr(reference, loss)(e, labels).isnan()
+    assert getattr(ops, loss)(e, labels, **params).isnan()
+    assert getattr(reference, loss)(e, labels, **params).isnan()
 
 
-@pytest.mark.parametrize("loss", NAMES)
-def test_zero_embedding_is_normalised_as_f_normalize(loss):
-    """An all-zero row stays 0 after F.normalize's clamp: similarities 0, as PML computes."""
+@variants
+def test_zero_embedding_is_normalised_as_f_normalize(loss, params):
+    """An all-zero row stays 0 after F.normalize's clamp, as PML computes. (Its distance to
+    every other row is then exactly 1: the Euclidean losses meet ties there, on their margins
+    and between candidates, which rounding breaks; only their values are compared.)"""
     e = make((12, 4))
     e[3] = 0
     labels = make_labels(12, 3)
-    got, (g,) = loss_and_grads(ours(loss), e, labels, 0.2)
-    exp, (g_exp,) = loss_and_grads(pml(loss), e, labels, 0.2)
+    got, (g,) = loss_and_grads(ours(loss, params), e, labels)
+    exp, (g_exp,) = loss_and_grads(pml(loss, params), e, labels)
     torch.testing.assert_close(got, exp)
-    torch.testing.assert_close(g, g_exp)
+    if loss in ("supcon_loss", "ntxent_loss"):
+        torch.testing.assert_close(g, g_exp)
 
 
-@pytest.mark.parametrize("loss", NAMES)
-def test_deterministic_on_any_number_of_threads(loss):
+@variants
+def test_deterministic_on_any_number_of_threads(loss, params):
     e = make((300, 40), torch.float32, seed=8)
     labels = make_labels(300, 12)
     results = []
@@ -240,53 +383,56 @@ def test_deterministic_on_any_number_of_threads(loss):
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            results.append(loss_and_grads(ours(loss), e, labels, 0.1))
+            results.append(loss_and_grads(ours(loss, params), e, labels))
         finally:
             torch.set_num_threads(before)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1][0], results[1][1][0])
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@variants
 @pytest.mark.parametrize("M", [None, 5])
-def test_gradcheck(loss, M):
+def test_gradcheck(loss, params, M):
     fn = getattr(ops, loss)
+    if loss == "supcon_loss" or loss == "ntxent_loss":
+        params = {"temperature": 0.5}
     e = make((7, 3), seed=9).requires_grad_()
     labels = torch.tensor([0, 1, 0, 2, 1, 0, 2])
     if M is None:
-        check_gradcheck(lambda a: fn(a, labels, 0.5), (e,))
+        check_gradcheck(lambda a: fn(a, labels, **params), (e,))
     else:
         ref = make((M, 3), seed=10).requires_grad_()
         ref_labels = torch.tensor([1, 0, 2, 2, 0])
-        check_gradcheck(lambda a, b: fn(a, labels, 0.5, ref_embeddings=b, ref_labels=ref_labels), (e, ref))
+        check_gradcheck(lambda a, b: fn(a, labels, **params, ref_embeddings=b, ref_labels=ref_labels), (e, ref))
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@variants
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck(loss, dtype):
+def test_opcheck(loss, params, dtype):
     op, backward = raw(loss)
+    values = list(params.values())
     e = make((10, 4), dtype).requires_grad_()
     labels = make_labels(10, 3)
     ref = make((6, 4), dtype, seed=1).requires_grad_()
     ref_labels = make_labels(6, 3, seed=1)
-    check_opcheck(op, (e, labels, None, None, 0.1))
-    check_opcheck(op, (e, labels, ref, ref_labels, 0.1))
-    value, stats = op(e.detach(), labels, ref.detach(), ref_labels, 0.1)
+    check_opcheck(op, (e, labels, None, None, *values))
+    check_opcheck(op, (e, labels, ref, ref_labels, *values))
+    value, stats = op(e.detach(), labels, ref.detach(), ref_labels, *values)
     g = torch.ones_like(value)
-    check_opcheck(backward, (g, e.detach(), labels, ref.detach(), ref_labels, stats, 0.1, [True, True]))
-    _, stats = op(e.detach(), labels, None, None, 0.1)
-    check_opcheck(backward, (g, e.detach(), labels, None, None, stats, 0.1, [True, False]))
+    check_opcheck(backward, (g, e.detach(), labels, ref.detach(), ref_labels, stats, *values, [True, True]))
+    _, stats = op(e.detach(), labels, None, None, *values)
+    check_opcheck(backward, (g, e.detach(), labels, None, None, stats, *values, [True, False]))
 
 
-@pytest.mark.parametrize("loss", NAMES)
-def test_compile_dynamic(loss):
+@variants
+def test_compile_dynamic(loss, params):
     fn = getattr(ops, loss)
     for N in (20, 33):
         e = make((N, 8), torch.float32).requires_grad_()
         labels = make_labels(N, 4)
-        check_compile(fn, e, labels, 0.1)
+        check_compile(lambda a, lab: fn(a, lab, **params), e, labels)
         ref = make((N + 3, 8), torch.float32, seed=1).requires_grad_()
         check_compile(
-            lambda a, b, lab, rl: fn(a, lab, ref_embeddings=b, ref_labels=rl),
+            lambda a, b, lab, rl: fn(a, lab, **params, ref_embeddings=b, ref_labels=rl),
             e,
             ref,
             labels,
@@ -294,21 +440,42 @@ def test_compile_dynamic(loss):
         )
 
 
-@pytest.mark.parametrize("loss,module", [("supcon_loss", "SupConLoss"), ("ntxent_loss", "NTXentLoss")])
-def test_module(loss, module):
-    m = getattr(torchkit.nn, module)(temperature=0.2)
-    e, labels = make((10, 4)), make_labels(10, 3)
-    ref, ref_labels = make((7, 4), seed=1), make_labels(7, 3, seed=1)
-    fn = getattr(ops, loss)
-    assert m(e, labels).item() == fn(e, labels, 0.2).item()
-    assert m(e, labels, ref, ref_labels).item() == fn(e, labels, 0.2, ref_embeddings=ref, ref_labels=ref_labels).item()
-    assert "temperature=0.2" in repr(m)
-    with pytest.raises(ValueError, match=f"{module}: temperature must be finite and > 0, got 0"):
-        getattr(torchkit.nn, module)(temperature=0.0)
+MODULES = {
+    "supcon_loss": "SupConLoss",
+    "ntxent_loss": "NTXentLoss",
+    "contrastive_loss": "ContrastiveLoss",
+    "triplet_margin_loss": "TripletMarginLoss",
+}
+OTHER_PARAMS = {
+    "supcon_loss": {"temperature": 0.2},
+    "ntxent_loss": {"temperature": 0.2},
+    "contrastive_loss": {"pos_margin": 0.1, "neg_margin": 0.8},
+    "triplet_margin_loss": {"margin": 0.2, "mining": "semi_hard"},
+}
 
 
 @pytest.mark.parametrize("loss", NAMES)
-def test_saved_for_backward_is_inputs_and_a_few_numbers_per_anchor(loss):
+def test_module(loss):
+    module, params = MODULES[loss], OTHER_PARAMS[loss]
+    m = getattr(torchkit.nn, module)(**params)
+    e, labels = make((10, 4)), make_labels(10, 3)
+    ref, ref_labels = make((7, 4), seed=1), make_labels(7, 3, seed=1)
+    fn = getattr(ops, loss)
+    assert m(e, labels).item() == fn(e, labels, **params).item()
+    assert (
+        m(e, labels, ref, ref_labels).item()
+        == fn(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels).item()
+    )
+    assert repr(m) == f"{module}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
+    assert getattr(torchkit.nn, module)()(e, labels).item() == fn(e, labels).item()  # the defaults
+    name = next(iter(params))
+    bad = 0.0 if name == "temperature" else -1.0
+    with pytest.raises(ValueError, match=f"{module}: {name} must be finite and"):
+        getattr(torchkit.nn, module)(**{**params, name: bad})
+
+
+@variants
+def test_saved_for_backward_is_inputs_and_a_few_numbers_per_anchor(loss, params):
     e = make((64, 16), torch.float32).requires_grad_()
     labels = make_labels(64, 4)
     saved = []
@@ -318,14 +485,17 @@ def test_saved_for_backward_is_inputs_and_a_few_numbers_per_anchor(loss):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        getattr(ops, loss)(e, labels)
+        getattr(ops, loss)(e, labels, **params)
     total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}.values())
-    assert total <= e.nbytes + labels.nbytes + LOSSES[loss][1] * 4 * 64
+    assert total <= e.nbytes + labels.nbytes + COLUMNS[loss] * 8 * 64
 
 
 def peak_growth_mib(call: str, N: int, D: int, classes: int) -> float:
-    """Peak resident-set growth of one forward and backward in a fresh process (allocator caches
-    and thread pools warmed on a small batch first), in MiB."""
+    """Peak resident-set growth of one forward and backward of ``ops.<call>`` (a loss and its
+    keyword arguments) in a fresh process (allocator caches and thread pools warmed on a small
+    batch first), in MiB."""
+    loss, _, kwargs = call.partition("(")
+    args = f"(e, labels{', ' + kwargs.rstrip(')') if kwargs.rstrip(')') else ''})"
     code = (
         "import torch, torchkit\n"
         "from torchkit import ops\n"
@@ -333,13 +503,15 @@ def peak_growth_mib(call: str, N: int, D: int, classes: int) -> float:
         "    with open('/proc/self/status') as f:\n"
         "        return next(int(l.split()[1]) for l in f if l.startswith(key)) / 1024\n"
         "g = torch.Generator().manual_seed(0)\n"
-        f"e = torch.randn({N}, {D}, generator=g).requires_grad_()\n"
-        f"labels = torch.randint({classes}, ({N},), generator=g)\n"
-        f"ops.{call}(e[:300], labels[:300]).backward()\n"
-        "e.grad = None\n"
+        f"E = torch.randn({N}, {D}, generator=g).requires_grad_()\n"
+        f"L = torch.randint({classes}, ({N},), generator=g)\n"
+        "e, labels = E[:300], L[:300]\n"
+        f"ops.{loss}{args}.backward()\n"
+        "E.grad = None\n"
+        "e, labels = E, L\n"
         "base = status('VmRSS:')\n"
         "open('/proc/self/clear_refs', 'w').write('5')\n"
-        f"ops.{call}(e, labels).backward()\n"
+        f"ops.{loss}{args}.backward()\n"
         "print(status('VmHWM:') - base)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -348,11 +520,13 @@ def peak_growth_mib(call: str, N: int, D: int, classes: int) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("loss", NAMES)
-def test_memory_is_linear_in_the_batch(loss):
-    """N = 8192, D = 128 float32, forward and backward: the peak resident set grows by less than
-    16 MiB (the gradient itself is 4), where one N×N float32 matrix is 256 MiB."""
-    growth = peak_growth_mib(loss, 8192, 128, 100)
+@variants
+def test_memory_is_linear_in_the_batch(loss, params):
+    """N = 8192, D = 128 float32, 100 classes (82 samples each: 0.7 million positive pairs, 5
+    billion triplets), forward and backward: the peak resident set grows by less than 16 MiB
+    (the gradient itself is 4), where one N×N float32 matrix is 256 MiB."""
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in params.items())
+    growth = peak_growth_mib(f"{loss}({kwargs})", 8192, 128, 100)
     assert growth < 16, f"peak grew by {growth:.1f} MiB"
 
 
@@ -360,7 +534,7 @@ def test_memory_is_linear_in_the_batch(loss):
 def test_ntxent_at_pml_547s_batch_needs_under_8_mib():
     """PML #547: NT-Xent at N = 1,200 with 10 classes asked for 120 GB there (its (positive pairs
     × negative pairs) matrix)."""
-    growth = peak_growth_mib("ntxent_loss", 1200, 128, 10)
+    growth = peak_growth_mib("ntxent_loss()", 1200, 128, 10)
     assert growth < 8, f"peak grew by {growth:.1f} MiB"
 
 
@@ -370,7 +544,7 @@ l6 = torch.tensor([0, 1, 0, 1, 2, 2])
 
 def bad_cases(loss):
     fn = getattr(ops, loss)
-    return [
+    cases = [
         (lambda: fn(e4[0], l6), ValueError, r"embeddings must be 2-D \(N, D\), got shape \[4\]"),
         (lambda: fn(e4.long(), l6), TypeError, r"embeddings must be float32, float64, float16 or bfloat16"),
         (lambda: fn(e4, l6.float()), TypeError, r"labels must have an integer dtype, got Float"),
@@ -381,10 +555,6 @@ def bad_cases(loss):
             r"labels must be 1-D with one label per row of embeddings \(6\), got shape \[5\]",
         ),
         (lambda: fn(e4, l6[None]), ValueError, r"labels must be 1-D"),
-        (lambda: fn(e4, l6, 0.0), ValueError, r"temperature must be finite and > 0, got 0"),
-        (lambda: fn(e4, l6, -0.1), ValueError, r"temperature must be finite and > 0, got -0.1"),
-        (lambda: fn(e4, l6, float("inf")), ValueError, r"temperature must be finite and > 0, got inf"),
-        (lambda: fn(e4, l6, float("nan")), ValueError, r"temperature must be finite and > 0, got nan"),
         (lambda: fn(e4, l6, ref_embeddings=e4), ValueError, r"must be given together, got ref_embeddings alone"),
         (lambda: fn(e4, l6, ref_labels=l6), ValueError, r"must be given together, got ref_labels alone"),
         (
@@ -403,6 +573,31 @@ def bad_cases(loss):
             r"ref_labels must be 1-D with one label per row of ref_embeddings \(6\), got shape \[4\]",
         ),
     ]
+    if loss in ("supcon_loss", "ntxent_loss"):
+        for value, shown in ((0.0, "0"), (-0.1, "-0.1"), (float("inf"), "inf"), (float("nan"), "nan")):
+            cases.append(
+                (lambda v=value: fn(e4, l6, v), ValueError, rf"temperature must be finite and > 0, got {shown}")
+            )
+        return cases
+    names = ("pos_margin", "neg_margin") if loss == "contrastive_loss" else ("margin",)
+    for name in names:
+        for value, shown in ((-0.1, "-0.1"), (float("inf"), "inf"), (float("nan"), "nan")):
+            cases.append(
+                (
+                    lambda n=name, v=value: fn(e4, l6, **{n: v}),
+                    ValueError,
+                    rf"{name} must be finite and >= 0, got {shown}",
+                )
+            )
+    if loss == "triplet_margin_loss":
+        cases.append(
+            (
+                lambda: fn(e4, l6, mining="hard"),
+                ValueError,
+                r"mining must be 'all', 'batch_hard' or 'semi_hard', got 'hard'",
+            )
+        )
+    return cases
 
 
 BAD = [pytest.param(loss, *case, id=f"{loss}-{i}") for loss in NAMES for i, case in enumerate(bad_cases(loss))]
@@ -433,41 +628,64 @@ def test_bad_input_on_meta_tensors(monkeypatch, loss, call, exc, match):
 def test_raw_op_refuses_like_the_function(monkeypatch, loss, call, exc, match):
     """torch.ops.torchkit.<loss> validates what it reads: the same exception and message."""
     op, _ = raw(loss)
-    monkeypatch.setattr(
-        ops,
-        loss,
-        lambda e, labels, temperature=0.1, *, ref_embeddings=None, ref_labels=None: op(
-            e, labels, ref_embeddings, ref_labels, temperature
-        ),
-    )
+    defaults = dict(dict(VARIANTS)[loss])
+
+    def call_raw(e, labels, *args, ref_embeddings=None, ref_labels=None, **kwargs):
+        params = {**defaults, **dict(zip(defaults, args, strict=False)), **kwargs}
+        return op(e, labels, ref_embeddings, ref_labels, *params.values())
+
+    monkeypatch.setattr(ops, loss, call_raw)
     with pytest.raises(exc, match=match):
         call()
 
 
 @pytest.mark.bad_input
 @pytest.mark.parametrize("loss", NAMES)
-def test_raw_op_refuses_a_bool_temperature(loss):
+def test_raw_op_refuses_a_bool_parameter(loss):
     op, _ = raw(loss)
-    with pytest.raises(TypeError, match=rf"{loss}: temperature must be a float, got bool True"):
-        op(e4, l6, None, None, True)
+    name, *others = dict(VARIANTS)[loss].items()
+    with pytest.raises(TypeError, match=rf"{loss}: {name[0]} must be a float, got bool True"):
+        op(e4, l6, None, None, True, *(value for _, value in others))
+
+
+@pytest.mark.bad_input
+def test_mining_must_be_a_string():
+    with pytest.raises(
+        TypeError,
+        match=r"triplet_margin_loss: mining must be a str, one of 'all', 'batch_hard', 'semi_hard'; got int 1",
+    ):
+        ops.triplet_margin_loss(e4, l6, mining=1)
 
 
 @pytest.mark.bad_input
 @pytest.mark.parametrize("loss", NAMES)
 def test_backward_checks_its_inputs(loss):
     op, backward = raw(loss)
-    columns = LOSSES[loss][1]
-    value, stats = op(e4, l6, None, None, 0.1)
+    columns = COLUMNS[loss]
+    values = list(dict(VARIANTS)[loss].values())
+    value, stats = op(e4, l6, None, None, *values)
     g = torch.ones_like(value)
+    kind = "Long" if loss == "triplet_margin_loss" else "Float"
     with pytest.raises(ValueError, match=r"backward: grad must be a scalar"):
-        backward(torch.ones(2), e4, l6, None, None, stats, 0.1, [True, False])
+        backward(torch.ones(2), e4, l6, None, None, stats, *values, [True, False])
     with pytest.raises(
         ValueError,
-        match=rf"backward: stats must be \(N, {columns}\) = \(6, {columns}\) of Float, got \[6, 7\] of Float",
+        match=rf"backward: stats must be \(N, {columns}\) = \(6, {columns}\) of {kind}, got \[6, 7\] of {kind}",
     ):
-        backward(g, e4, l6, None, None, torch.zeros(6, 7), 0.1, [True, False])
+        backward(g, e4, l6, None, None, stats.new_zeros(6, 7), *values, [True, False])
     with pytest.raises(TypeError, match=r"embeddings and grad must have the same dtype"):
-        backward(g.double(), e4, l6, None, None, stats, 0.1, [True, False])
+        backward(g.double(), e4, l6, None, None, stats, *values, [True, False])
+
+
+@pytest.mark.bad_input
+def test_triplet_backward_refuses_stats_pointing_outside_the_rows():
+    """batch_hard's stats hold row indices the backward reads embeddings at: checked."""
+    op, backward = raw("triplet_margin_loss")
+    value, stats = op(e4, l6, None, None, 0.05, "batch_hard")
+    bad = stats.clone()
+    bad[0] = torch.tensor([6, 1, 1])
+    with pytest.raises(ValueError, match=r"backward: stats row 0 is not the forward's .* got \[6, 1, 1\]"):
+        backward(torch.ones_like(value), e4, l6, None, None, bad, 0.05, "batch_hard", [True, False])
 
 
 @pytest.mark.parametrize("loss", NAMES)
@@ -478,15 +696,13 @@ def test_cuda_tensors_are_refused_with_a_reason(loss):
         getattr(ops, loss)(e4.cuda(), l6.cuda())
 
 
-@pytest.mark.parametrize("loss", NAMES)
-def test_reference_is_pml(loss):
+@configs
+def test_reference_is_pml(loss, params):
     e, labels = make((30, 6)), make_labels(30, 4)
     ref, ref_labels = make((11, 6), seed=1), make_labels(11, 4, seed=1)
-    fn = getattr(reference, loss)
-    torch.testing.assert_close(fn(e, labels), pml(loss)(e, labels, 0.1 if loss == "supcon_loss" else 0.07))
-    torch.testing.assert_close(
-        fn(e, labels, 0.3, ref_embeddings=ref, ref_labels=ref_labels), pml(loss)(e, labels, 0.3, ref, ref_labels)
-    )
+    fn = ref_fn(loss, params)
+    torch.testing.assert_close(fn(e, labels), pml(loss, params)(e, labels))
+    torch.testing.assert_close(fn(e, labels, ref, ref_labels), pml(loss, params)(e, labels, ref, ref_labels))
 
 
 def test_ntxent_anchor_without_negatives_counts_zero_pairs():
@@ -495,54 +711,54 @@ def test_ntxent_anchor_without_negatives_counts_zero_pairs():
     e, labels = make((2, 3)), torch.tensor([0, 1])
     ref, ref_labels = make((2, 3), seed=1), torch.tensor([0, 0])
     got = ops.ntxent_loss(e, labels, 0.1, ref_embeddings=ref, ref_labels=ref_labels)
-    torch.testing.assert_close(got, pml("ntxent_loss")(e, labels, 0.1, ref, ref_labels))
+    torch.testing.assert_close(got, pml("ntxent_loss", {"temperature": 0.1})(e, labels, ref, ref_labels))
     assert abs(got.item()) < 1e-300
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@variants
 @pytest.mark.parametrize(
     "dtype,scales", [(torch.float32, (1e-11, 1e20, 1e30, 1e38)), (torch.float64, (1e-11, 1e200, 1e300))]
 )
-def test_the_whole_finite_range(loss, dtype, scales):
-    """Cosine similarity does not see a row's scale: above F.normalize's clamp (norms >= 1e-12)
-    the loss is the unit rows' and the gradient scales as 1/scale, where the embeddings'
-    squares overflow (F.normalize divides by ∞ there, and PML returns log(#pairs)); below it,
-    the clamp's own result, as the float64 reference computes it."""
+def test_the_whole_finite_range(loss, params, dtype, scales):
+    """Normalised rows do not see a row's scale: above F.normalize's clamp (norms >= 1e-12) the
+    loss is the unit rows' and the gradient scales as 1/scale, where the embeddings' squares
+    overflow (F.normalize divides by ∞ there, and PML returns a constant); below it, the
+    clamp's own result, as the float64 reference computes it."""
     e, labels = make((40, 6), dtype, seed=11), make_labels(40, 4)
     ref, ref_labels = make((17, 6), dtype, seed=12), make_labels(17, 4, seed=1)
     for r in (None, ref):
         rl = None if r is None else ref_labels
-        base, (g_base, *_) = loss_and_grads(ours(loss), e, labels, 0.1, r, rl)
+        base, (g_base, *_) = loss_and_grads(ours(loss, params), e, labels, r, rl)
         for scale in scales:
-            got, (g, *_) = loss_and_grads(ours(loss), e * scale, labels, 0.1, None if r is None else r * scale, rl)
+            got, (g, *_) = loss_and_grads(ours(loss, params), e * scale, labels, None if r is None else r * scale, rl)
             tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(got, base, **tol)
             torch.testing.assert_close(g.double() * scale, g_base.double(), **tol)
     for scale in (1e-20, 1e-30) if dtype == torch.float32 else (1e-200, 1e-300):
         x = e * scale
-        got, (g,) = loss_and_grads(ours(loss), x, labels, 0.1)
-        exp, (g64,) = loss_and_grads(ref_fn(loss), x.double(), labels, 0.1)
+        got, (g,) = loss_and_grads(ours(loss, params), x, labels)
+        exp, (g64,) = loss_and_grads(ref_fn(loss, params), x.double(), labels)
         torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-6 * g64.abs().max().item())
 
 
-@pytest.mark.parametrize("loss", NAMES)
-def test_non_finite_embedding_makes_the_loss_nan(loss):
+@variants
+def test_non_finite_embedding_makes_the_loss_nan(loss, params):
     e, labels = make((20, 5)), make_labels(20, 3)
     e[7, 1] = float("inf")
-    assert getattr(ops, loss)(e, labels).isnan()
+    assert getattr(ops, loss)(e, labels, **params).isnan()
 
 
-@pytest.mark.parametrize("loss", NAMES)
+@variants
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [1.0, 1e300])
-def test_inputs_are_never_written(loss, dtype, scale):
+def test_inputs_are_never_written(loss, params, dtype, scale):
     """Rows of the accumulation type are read in place (no copy): the kernels must not write
     into them, on the ordinary path nor where rows are normalised first."""
     e = (make((30, 5)) * min(scale, torch.finfo(dtype).max / 10)).to(dtype).requires_grad_()
     ref = make((9, 5), dtype, seed=1).requires_grad_()
     labels, ref_labels = make_labels(30, 3), make_labels(9, 3, seed=1)
     before = e.detach().clone(), ref.detach().clone()
-    getattr(ops, loss)(e, labels, ref_embeddings=ref, ref_labels=ref_labels).backward()
-    getattr(ops, loss)(e, labels).backward()
+    getattr(ops, loss)(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels).backward()
+    getattr(ops, loss)(e, labels, **params).backward()
     assert torch.equal(e.detach(), before[0]) and torch.equal(ref.detach(), before[1])

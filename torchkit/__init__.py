@@ -132,7 +132,11 @@ def kernels(device: str | torch.device = "cpu") -> dict[str, bool | None]:
 # Ops with CPU kernels only, so far: their GPU kernels are still to be written. has_ops()
 # leaves them out for other devices, kernels() reports them as they are, and their Python
 # functions refuse CUDA tensors with a message saying so.
-CPU_ONLY = frozenset(f"torchkit::{name}" for op in ("supcon_loss", "ntxent_loss") for name in (op, f"_{op}_backward"))
+CPU_ONLY = frozenset(
+    f"torchkit::{name}"
+    for op in ("supcon_loss", "ntxent_loss", "contrastive_loss", "triplet_margin_loss")
+    for name in (op, f"_{op}_backward")
+)
 
 
 def has_ops(device: str | torch.device = "cpu") -> bool:

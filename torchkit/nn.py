@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -12,16 +11,20 @@ from torchkit import ops
 from torchkit.ops._common import as_float, as_int, check_bool
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.label_smoothing_cross_entropy import check_reduction
+from torchkit.ops.pair_losses import _PARAMS as _PAIR_PARAMS
+from torchkit.ops.pair_losses import _as_str, _check_params
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
 __all__ = [
     "BilinearPool2d",
     "CDist",
+    "ContrastiveLoss",
     "CovariancePool2d",
     "LabelSmoothingCrossEntropy",
     "NTXentLoss",
     "RegionConfusion",
     "SupConLoss",
+    "TripletMarginLoss",
 ]
 
 
@@ -259,18 +262,24 @@ class CovariancePool2d(nn.Module):
 
 
 class _PairLoss(nn.Module):
-    """A pair loss of torchkit.ops as PML's module: the temperature at construction,
+    """A pair loss of torchkit.ops as PML's module: its parameters at construction,
     ``forward(embeddings, labels, ref_embeddings=None, ref_labels=None)`` as PML's
     ``(embeddings, labels, ref_emb=, ref_labels=)``."""
 
     _op: str
 
-    def __init__(self, temperature: float) -> None:
+    def __init__(self, **params) -> None:
         super().__init__()
         name = type(self).__name__
-        self.temperature = as_float(name, "temperature", temperature)
-        if not 0.0 < self.temperature < math.inf:
-            raise ValueError(f"{name}: temperature must be finite and > 0, got {self.temperature:g}")
+        kinds = _PAIR_PARAMS[self._op][0]
+        values = tuple(
+            as_float(name, key, params[key]) if kind == "float" else _as_str(name, key, params[key])
+            for kind, key in kinds
+        )
+        _check_params(name, values, loss=self._op)
+        self._params = dict(zip((key for _, key in kinds), values, strict=True))
+        for key, value in self._params.items():
+            setattr(self, key, value)
 
     def forward(
         self,
@@ -279,12 +288,13 @@ class _PairLoss(nn.Module):
         ref_embeddings: Optional[Tensor] = None,
         ref_labels: Optional[Tensor] = None,
     ) -> Tensor:
+        params = {key: getattr(self, key) for key in self._params}
         return getattr(ops, self._op)(
-            embeddings, labels, self.temperature, ref_embeddings=ref_embeddings, ref_labels=ref_labels
+            embeddings, labels, **params, ref_embeddings=ref_embeddings, ref_labels=ref_labels
         )
 
     def extra_repr(self) -> str:
-        return f"temperature={self.temperature}"
+        return ", ".join(f"{key}={getattr(self, key)!r}" for key in self._params)
 
 
 class SupConLoss(_PairLoss):
@@ -294,7 +304,7 @@ class SupConLoss(_PairLoss):
     _op = "supcon_loss"
 
     def __init__(self, temperature: float = 0.1) -> None:
-        super().__init__(temperature)
+        super().__init__(temperature=temperature)
 
 
 class NTXentLoss(_PairLoss):
@@ -304,4 +314,24 @@ class NTXentLoss(_PairLoss):
     _op = "ntxent_loss"
 
     def __init__(self, temperature: float = 0.07) -> None:
-        super().__init__(temperature)
+        super().__init__(temperature=temperature)
+
+
+class ContrastiveLoss(_PairLoss):
+    """pytorch-metric-learning's ``ContrastiveLoss(pos_margin=0, neg_margin=1)`` on the fused
+    kernel; see :func:`torchkit.ops.contrastive_loss`."""
+
+    _op = "contrastive_loss"
+
+    def __init__(self, pos_margin: float = 0.0, neg_margin: float = 1.0) -> None:
+        super().__init__(pos_margin=pos_margin, neg_margin=neg_margin)
+
+
+class TripletMarginLoss(_PairLoss):
+    """pytorch-metric-learning's ``TripletMarginLoss(margin=0.05)`` with the miner ``mining``
+    names, on the fused kernel; see :func:`torchkit.ops.triplet_margin_loss`."""
+
+    _op = "triplet_margin_loss"
+
+    def __init__(self, margin: float = 0.05, mining: str = "all") -> None:
+        super().__init__(margin=margin, mining=mining)

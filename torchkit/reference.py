@@ -14,6 +14,7 @@ from torch import Tensor
 __all__ = [
     "bilinear_pool",
     "cdist",
+    "contrastive_loss",
     "covariance_pool",
     "knn",
     "label_smoothing_cross_entropy",
@@ -21,6 +22,7 @@ __all__ = [
     "permute_blocks",
     "region_confusion",
     "supcon_loss",
+    "triplet_margin_loss",
 ]
 
 
@@ -182,9 +184,9 @@ def covariance_pool(x: Tensor, *, iterations: int = 5, sqrt: bool = True, triu: 
     return out.to(x.dtype)
 
 
-def _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels):
-    """The pair losses' matrices, as PML forms them: x = cos/τ of F.normalize'd rows, and which
-    entries are pairs (every ref row; every other row without refs), positives and negatives."""
+def _rows(embeddings, labels, ref_embeddings, ref_labels):
+    """The pair losses' rows as PML takes them (F.normalize'd) and which (anchor, ref) entries
+    are pairs (every ref row; every other row without refs), positives and negatives."""
     e = F.normalize(embeddings, dim=1)
     if ref_embeddings is None:
         r, ref_labels = e, labels
@@ -193,7 +195,33 @@ def _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels):
         r = F.normalize(ref_embeddings, dim=1)
         pairs = torch.ones(len(e), len(r), dtype=torch.bool, device=e.device)
     same = labels[:, None] == ref_labels[None, :]
-    return e @ r.T / temperature, pairs, same & pairs, ~same & pairs
+    return e, r, pairs, same & pairs, ~same & pairs
+
+
+def _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels):
+    """x = cos/τ and the pair masks (_rows)."""
+    e, r, pairs, positive, negative = _rows(embeddings, labels, ref_embeddings, ref_labels)
+    return e @ r.T / temperature, pairs, positive, negative
+
+
+def _distances(embeddings, labels, ref_embeddings, ref_labels):
+    """Euclidean distances of the normalised rows, computed from their differences (PML's
+    torch.cdist takes the matmul form, which returns ~0 for near-duplicates), and the masks."""
+    e, r, _, positive, negative = _rows(embeddings, labels, ref_embeddings, ref_labels)
+    return torch.cdist(e, r, compute_mode="donot_use_mm_for_euclid_dist"), positive, negative
+
+
+def _no_loss(positive: Tensor, negative: Tensor) -> bool:
+    """PML's pair losses give 0 without a positive or a negative pair, and (its check that
+    every index list has at most one entry) with at most one of each."""
+    p, n = int(positive.sum()), int(negative.sum())
+    return p == 0 or n == 0 or (p <= 1 and n <= 1)
+
+
+def _mean_non_zero(losses: Tensor) -> Tensor:
+    """PML's AvgNonZeroReducer, keeping NaN terms (it drops them: NaN > 0 is false)."""
+    kept = (losses > 0) | losses.isnan()
+    return losses[kept].mean() if kept.any() else losses.sum() * 0
 
 
 def supcon_loss(
@@ -207,7 +235,7 @@ def supcon_loss(
     """pytorch-metric-learning's SupConLoss with its defaults, on the full N×M matrix."""
     x, pairs, positive, negative = _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels)
     zero = (embeddings * 0).sum()
-    if not positive.any() or not negative.any():
+    if _no_loss(positive, negative):
         return zero
     lse = torch.logsumexp(x.masked_fill(~pairs, float("-inf")), dim=1)
     count = positive.sum(1)
@@ -226,9 +254,53 @@ def ntxent_loss(
 ) -> Tensor:
     """pytorch-metric-learning's NTXentLoss with its defaults, on the full N×M matrix."""
     x, _, positive, negative = _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels)
-    if not positive.any() or not negative.any():
+    if _no_loss(positive, negative):
         return (embeddings * 0).sum()
     log_s = torch.logsumexp(x.masked_fill(~negative, float("-inf")), dim=1, keepdim=True)
     q = torch.exp(x - torch.logaddexp(x, log_s))  # per pair: its softmax against i's negatives
     pair_loss = -torch.log(q + torch.finfo(x.dtype).tiny)
     return pair_loss[positive].mean()
+
+
+def contrastive_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    pos_margin: float = 0.0,
+    neg_margin: float = 1.0,
+    *,
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> Tensor:
+    """pytorch-metric-learning's ContrastiveLoss with its defaults, on the full N×M matrix."""
+    d, positive, negative = _distances(embeddings, labels, ref_embeddings, ref_labels)
+    if positive.sum() <= 1 and negative.sum() <= 1:  # PML: every index list of length <= 1
+        return (embeddings * 0).sum()
+    return _mean_non_zero(F.relu(d[positive] - pos_margin)) + _mean_non_zero(F.relu(neg_margin - d[negative]))
+
+
+def triplet_margin_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    margin: float = 0.05,
+    *,
+    mining: str = "all",
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> Tensor:
+    """pytorch-metric-learning's TripletMarginLoss with its defaults, on the triplets of all of
+    them, TripletMarginMiner's semihard ones or BatchHardMiner's, from the full N×M matrix (and,
+    but for batch_hard, an N×M×M mask)."""
+    d, positive, negative = _distances(embeddings, labels, ref_embeddings, ref_labels)
+    if mining == "batch_hard":
+        far = d.masked_fill(~positive, float("-inf")).max(1)  # ties: the first index
+        near = d.masked_fill(~negative, float("inf")).min(1)
+        anchors = positive.any(1) & negative.any(1)
+        rows = torch.arange(len(d), device=d.device)[anchors]
+        ap, an = d[rows, far.indices[anchors]], d[rows, near.indices[anchors]]
+    else:
+        a, p, n = torch.where(positive[:, :, None] & negative[:, None, :])
+        ap, an = d[a, p], d[a, n]
+        if mining == "semi_hard":
+            keep = (ap < an) | ap.isnan() | an.isnan()  # (PML's miner drops NaN triplets)
+            ap, an = ap[keep], an[keep]
+    return _mean_non_zero(F.relu(ap - an + margin))

@@ -13,13 +13,7 @@
 // ∂/∂s_ij + ∂/∂s_ji per tile and one GEMM per tile gives each row's whole gradient; with
 // refs, a second pass over ref blocks forms the refs' gradient (each block owns its rows: no
 // atomics). Then the normalisation's Jacobian per row.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,7 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "common.h"
+#include "cpu/pair_losses_cpu.h"
 #include "pair_losses.h"
 
 namespace torchkit::pair_losses {
@@ -36,84 +30,7 @@ namespace {
 
 using at::Tensor;
 using at::vec::Vectorized;
-
-constexpr int64_t kRows = 64;       // anchors per task
-constexpr int64_t kCols = 256;      // ref rows per tile
-constexpr double kNormEps = 1e-12;  // F.normalize's, as PML's CosineSimilarity uses it
-
-// Each row's L2 norm in double, without over- or underflow (scaled by the power of two of its
-// largest |entry| first): F.normalize's norm, also where the accumulation type's own sum of
-// squares would leave its range (float32 rows past ~1e19, where F.normalize divides by ∞).
-template <typename acc_t>
-std::vector<double> row_norms(const Tensor& a) {
-  const int64_t N = a.size(0), D = a.size(1);
-  std::vector<double> out(N);
-  const acc_t* base = a.const_data_ptr<acc_t>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const acc_t* row = base + i * D;
-      double top = 0;
-      for (int64_t k = 0; k < D; ++k) {
-        const double v = std::abs(static_cast<double>(row[k]));
-        if (std::isnan(v) || v > top) top = v;
-      }
-      if (!(top > 0) || std::isinf(top)) {  // 0, ∞ or NaN
-        out[i] = top;
-        continue;
-      }
-      int e = 0;
-      std::frexp(top, &e);
-      double sum = 0;
-      for (int64_t k = 0; k < D; ++k) {
-        const double v = std::ldexp(static_cast<double>(row[k]), -e);
-        sum += v * v;
-      }
-      out[i] = std::ldexp(std::sqrt(sum), e);
-    }
-  });
-  return out;
-}
-
-// The rows as the GEMMs take them, with the factor each tile's entries are scaled by: where
-// every row's norm lies in an ordinary window ([2^-40, 2^40] in float32, [2^-400, 2^400] in
-// float64, or 0), the inputs themselves (a float32 copy of float16/bfloat16 ones) and
-// 1 / max(‖row‖, eps) (s_ij = a_i·b_j·scale_i·scale_j, F.normalize's cosine), so that no
-// normalised copy exists; elsewhere a copy of the rows normalised in double, scale 1.
-struct Side {
-  Tensor rows;     // (rows, D) of the accumulation type, contiguous
-  Tensor scale;    // (rows,): what multiplies its rows in a tile's entries
-  Tensor inv;      // (rows,): 1 / max(‖x‖, eps), F.normalize's factor
-  Tensor clamped;  // (rows,) bool: ‖x‖ < eps (F.normalize's clamp holds)
-};
-
-Side side(const Tensor& x) {
-  const auto acc = acc_type(x);
-  Side out;
-  out.rows = x.to(acc).contiguous();
-  std::vector<double> norm;
-  AT_DISPATCH_FLOATING_TYPES(acc, "row_norms", [&] { norm = row_norms<scalar_t>(out.rows); });
-  const int64_t n = out.rows.size(0);
-  const double window = acc == at::kDouble ? std::ldexp(1.0, 400) : std::ldexp(1.0, 40);
-  Tensor inv = at::empty({n}, out.rows.options().dtype(at::kDouble));
-  out.clamped = at::empty({n}, out.rows.options().dtype(at::kBool));
-  double* ip = inv.data_ptr<double>();
-  bool* cp = out.clamped.data_ptr<bool>();
-  bool ordinary = true;
-  for (int64_t i = 0; i < n; ++i) {
-    cp[i] = norm[i] < kNormEps;
-    ip[i] = 1.0 / (cp[i] ? kNormEps : norm[i]);  // NaN stays NaN
-    ordinary = ordinary && (norm[i] == 0 || (norm[i] >= 1 / window && norm[i] <= window));
-  }
-  out.inv = inv.to(acc);
-  if (ordinary) {
-    out.scale = out.inv;
-  } else {
-    // Out of place: for float64 rows, out.rows may be the caller's tensor itself.
-    out.rows = out.rows.to(at::kDouble).mul(inv.unsqueeze(1)).to(acc).contiguous();
-    out.scale = at::ones({n}, out.rows.options());
-  }
-  return out;
-}
+using namespace cpu;
 
 struct Inputs {
   Side a, b;            // anchors' and refs' rows; b is a without refs
@@ -166,30 +83,6 @@ struct RowSums {
   double positive = 0;
   int64_t positives = 0, pairs = 0;
 };
-
-// Runs fn(s, a0, b0) for each tile s = a[a0:a0+di] · b[b0:b0+dj]ᵀ (di × dj, in a per-thread
-// scratch): a's blocks of kRows are the tasks, b's blocks of kCols are taken in order.
-template <typename Fn>
-void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
-  const int64_t A = a.size(0), B = b.size(0);
-  const int64_t blocks = (A + kRows - 1) / kRows;
-  // The tasks call ATen (the tile's GEMM): OpenMP's worker threads must see this thread's
-  // dispatcher state (below autograd), or mm_out would refuse inputs that require grad.
-  const at::ThreadLocalState state;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    const at::ThreadLocalStateGuard guard(state);
-    Tensor scratch = at::empty({kRows, kCols}, a.options());
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t a0 = blk * kRows, di = std::min(kRows, A - a0);
-      for (int64_t b0 = 0; b0 < B; b0 += kCols) {
-        const int64_t dj = std::min(kCols, B - b0);
-        Tensor s = scratch.narrow(0, 0, di).narrow(1, 0, dj);
-        at::mm_out(s, a.narrow(0, a0, di), b.narrow(0, b0, dj).t());
-        fn(s, a0, b0);
-      }
-    }
-  });
-}
 
 // x = s/τ for the tile's row r (anchor i) in place, with the batch's own pair (i, i) set to
 // −∞ (not a pair); returns its column or −1.
@@ -258,7 +151,8 @@ std::tuple<Tensor, Tensor> supcon_forward(const Problem& p, const Inputs& in,
     if (loss[i] > 0 || std::isnan(loss[i])) ++counted;  // PML's AvgNonZero, keeping NaN
   }
   double total = 0;
-  if (positives > 0 && negatives > 0 && counted > 0) {
+  // PML: nothing without a positive or a negative pair, or with at most one of each.
+  if (positives > 0 && negatives > 0 && (positives > 1 || negatives > 1) && counted > 0) {
     for (int64_t i = 0; i < p.N; ++i) {
       if (!(loss[i] > 0 || std::isnan(loss[i]))) continue;
       total += loss[i];
@@ -326,7 +220,9 @@ std::tuple<Tensor, Tensor> ntxent_forward(const Problem& p, const Inputs& in,
     positives += row.positives;
     negatives += row.pairs - row.positives;
   }
-  if (positives == 0 || negatives == 0) return {at::zeros({}, embeddings.options()), stats};
+  if (positives == 0 || negatives == 0 || (positives <= 1 && negatives <= 1)) {
+    return {at::zeros({}, embeddings.options()), stats};  // as PML (supcon_forward)
+  }
   std::vector<double> loss(p.N, 0.0), log_r(p.N, -std::numeric_limits<double>::infinity());
   ntxent_positives<acc_t>(p, in, rows, loss, log_r);
   double total = 0;
@@ -346,8 +242,9 @@ std::tuple<Tensor, Tensor> forward_cpu(const Tensor& embeddings, const Tensor& l
                                        const std::optional<Tensor>& ref_embeddings,
                                        const std::optional<Tensor>& ref_labels,
                                        const c10::Scalar& temperature) {
-  const Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
-                                 ref_embeddings, ref_labels, temperature);
+  Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
+                           ref_embeddings, ref_labels);
+  p.temperature = check_temperature(p.op, temperature);
   const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
   std::tuple<Tensor, Tensor> result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embeddings.scalar_type(),
@@ -409,32 +306,6 @@ struct PairGrad {
     return static_cast<acc_t>(-q * (1 - q) / (q + tiny)) * coef[i];
   }
 };
-
-// g ← grad·∂/∂x of g·e for e = x / max(‖x‖, eps), in place, per row, from the side's rows r
-// (x, or e itself) and their tile scale (e = r·scale): inv·(g − e·(e·g)) where ‖x‖ > eps,
-// inv·g where the clamp holds (its constant).
-template <typename acc_t>
-void through_normalisation(Tensor& g, const Side& own, acc_t grad) {
-  using V = Vectorized<acc_t>;
-  const int64_t rows = g.size(0), D = g.size(1);
-  acc_t* gp = g.data_ptr<acc_t>();
-  const acc_t* rp = own.rows.const_data_ptr<acc_t>();
-  const acc_t* sp = own.scale.const_data_ptr<acc_t>();
-  const acc_t* ip = own.inv.const_data_ptr<acc_t>();
-  const bool* cp = own.clamped.const_data_ptr<bool>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      acc_t* gi = gp + i * D;
-      const acc_t* ri = rp + i * D;
-      const acc_t dot = at::vec::map2_reduce_all<acc_t>([](V u, V v) { return u * v; },
-                                                        [](V u, V v) { return u + v; }, ri, gi, D);
-      const acc_t factor = grad * ip[i];
-      const acc_t along = cp[i] ? acc_t(0) : sp[i] * sp[i] * dot;
-      at::vec::map2([factor, along](V gv, V rv) { return (gv - rv * V(along)) * V(factor); }, gi,
-                    gi, ri, D);
-    }
-  });
-}
 
 // ∂loss/∂E for the rows of `own` (anchors or refs) against `other`, times grad: per tile,
 // ∂loss/∂s_ij from the recomputed cosine, times inv_j (the GEMM takes other's raw rows), into
@@ -512,15 +383,16 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
                                         const std::optional<Tensor>& ref_labels,
                                         const Tensor& stats, const c10::Scalar& temperature,
                                         std::array<bool, 2> output_mask) {
-  const Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
-                                 ref_embeddings, ref_labels, temperature);
+  Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
+                           ref_embeddings, ref_labels);
+  p.temperature = check_temperature(p.op, temperature);
   check_backward_inputs(p, grad, embeddings, stats, NTXENT ? kNTXentStats : kSupConStats);
   const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
-  Tensor ge = want_e ? at::zeros_like(embeddings, at::MemoryFormat::Contiguous)
-                     : at::empty({0}, embeddings.options());
-  Tensor gr = want_r ? at::zeros_like(*ref_embeddings, at::MemoryFormat::Contiguous)
-                     : at::empty({0}, embeddings.options());
-  if ((!want_e && !want_r) || p.N == 0 || p.M == 0 || p.D == 0) return {ge, gr};
+  Tensor ge, gr;
+  auto outputs = [&] {
+    return backward_outputs(ge, gr, want_e, want_r, embeddings, ref_embeddings);
+  };
+  if ((!want_e && !want_r) || p.N == 0 || p.M == 0 || p.D == 0) return outputs();
   const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
   const Tensor st = stats.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -540,7 +412,7 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
         if (want_r)
           gr = rows_grad<acc_t>(p, in.b, in.a, in.ref_lab, in.lab, pg, false, false, gv).to(dtype);
       });
-  return {ge, gr};
+  return outputs();
 }
 
 }  // namespace

@@ -1,10 +1,11 @@
-"""The pair losses (supcon_loss, ntxent_loss): their Python functions, fake kernels and autograd
-formulas. The losses themselves are described in csrc/pair_losses.h."""
+"""The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss): their Python
+functions, fake kernels and autograd formulas. The losses themselves are described in
+csrc/pair_losses.h."""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -16,6 +17,7 @@ from torchkit.ops._common import (
     check_same_device,
     check_scalars,
     check_tensor,
+    describe,
     dtype_name,
     register_op,
 )
@@ -59,7 +61,7 @@ def supcon_loss(
         >>> emb = model(images)  # (N, 128)
         >>> loss = torchkit.ops.supcon_loss(emb, labels, temperature=0.1)
     """
-    return _loss("supcon_loss", embeddings, labels, temperature, ref_embeddings, ref_labels)
+    return _loss("supcon_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels)
 
 
 def ntxent_loss(
@@ -100,21 +102,143 @@ def ntxent_loss(
         >>> z = model(torch.cat([view1, view2]))  # (2B, 128)
         >>> loss = torchkit.ops.ntxent_loss(z, torch.arange(B).repeat(2), temperature=0.5)
     """
-    return _loss("ntxent_loss", embeddings, labels, temperature, ref_embeddings, ref_labels)
+    return _loss("ntxent_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels)
 
 
-def _loss(op, embeddings, labels, temperature, ref_embeddings, ref_labels) -> Tensor:
+def contrastive_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    pos_margin: float = 0.0,
+    neg_margin: float = 1.0,
+    *,
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> Tensor:
+    """Contrastive loss (Hadsell et al., 2006) over every pair, without the N×N distance matrix.
+
+    Exactly pytorch-metric-learning's ``ContrastiveLoss(pos_margin, neg_margin)`` with its
+    defaults (Euclidean distance of L2-normalised embeddings, ``AvgNonZeroReducer``), values and
+    gradients: the mean of the positive pairs' ``relu(d − pos_margin)`` that are > 0 plus the
+    mean of the negative pairs' ``relu(neg_margin − d)`` that are > 0. Distances are exact for
+    near-duplicates (where ``torch.cdist``, which PML calls, returns about 0 and so a wrong
+    loss and gradient). Memory O((N + M)·D), whatever N.
+
+    Args:
+        embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
+            accumulate in float32).
+        labels (Tensor[N]): any integer dtype; pairs of equal labels are positives.
+        pos_margin, neg_margin: finite and >= 0.
+        ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
+            itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
+        ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
+
+    Returns:
+        A scalar of ``embeddings``' dtype; a kind of pair with no term > 0 adds 0, and a batch
+        of at most one positive and one negative pair gives 0 (PML's rule). A NaN embedding
+        makes the loss NaN (PML's reducer drops NaN terms).
+
+    Example::
+
+        >>> loss = torchkit.ops.contrastive_loss(model(images), labels, neg_margin=1.0)
+    """
+    return _loss("contrastive_loss", embeddings, labels, (pos_margin, neg_margin), ref_embeddings, ref_labels)
+
+
+def triplet_margin_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    margin: float = 0.05,
+    *,
+    mining: str = "all",
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> Tensor:
+    """Triplet margin loss over all, semi-hard or batch-hard triplets, without the N×N distance
+    matrix nor PML's N³ triplet indices.
+
+    Exactly pytorch-metric-learning's ``TripletMarginLoss(margin)`` with its defaults
+    (Euclidean distance of L2-normalised embeddings, ``AvgNonZeroReducer``), on the triplets
+    its miners give, values and gradients: per triplet (anchor a, positive p, negative n)
+    ``relu(d_ap − d_an + margin)``, and the loss is the mean of those > 0.
+
+    - ``mining="all"``: every triplet (``TripletMarginLoss(margin)`` alone).
+    - ``mining="semi_hard"``: those with ``d_ap < d_an`` (with
+      ``TripletMarginMiner(margin, type_of_triplets="semihard")``).
+    - ``mining="batch_hard"``: per anchor its farthest positive and nearest negative (with
+      ``BatchHardMiner()``); ties go to the lower index.
+
+    Distances are exact for near-duplicates (where ``torch.cdist`` returns about 0). Memory
+    O((N + M)·D) plus, for "all" and "semi_hard", a few numbers per positive pair, however
+    many triplets there are.
+
+    Args:
+        embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
+            accumulate in float32).
+        labels (Tensor[N]): any integer dtype.
+        margin: finite and >= 0.
+        mining: "all", "semi_hard" or "batch_hard".
+        ref_embeddings (Tensor[M, D], optional): the positives' and negatives' rows instead
+            of the batch itself (PML's ``ref_emb``).
+        ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
+
+    Returns:
+        A scalar of ``embeddings``' dtype; 0 (with zero gradients) when no triplet has a loss
+        > 0. A NaN embedding makes the loss NaN wherever it is in a triplet (PML's reducer
+        drops NaN terms).
+
+    Example::
+
+        >>> loss = torchkit.ops.triplet_margin_loss(model(images), labels, 0.2, mining="batch_hard")
+    """
+    return _loss("triplet_margin_loss", embeddings, labels, (margin, mining), ref_embeddings, ref_labels)
+
+
+# Per loss: its parameters after the tensors, as (kind, name) in the schema's order, and its
+# stats' columns (csrc/pair_losses.h).
+_PARAMS = {
+    "supcon_loss": ((("float", "temperature"),), 2),
+    "ntxent_loss": ((("float", "temperature"),), 3),
+    "contrastive_loss": ((("float", "pos_margin"), ("float", "neg_margin")), 2),
+    "triplet_margin_loss": ((("float", "margin"), ("str", "mining")), 3),
+}
+_MINING = ("all", "batch_hard", "semi_hard")
+
+
+def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels) -> Tensor:
     check_tensor(op, "embeddings", embeddings)
     check_tensor(op, "labels", labels)
     check_tensor(op, "ref_embeddings", ref_embeddings, optional=True)
     check_tensor(op, "ref_labels", ref_labels, optional=True)
-    t = as_float(op, "temperature", temperature)
+    params = tuple(
+        as_float(op, name, v) if kind == "float" else _as_str(op, name, v)
+        for (kind, name), v in zip(_PARAMS[op][0], params, strict=True)
+    )
     _check_device(op, embeddings)
     # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
     # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
-    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels, t)
-    loss, _ = _FORWARD[op](embeddings, labels, ref_embeddings, ref_labels, t)
+    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    _check_params(op, params)
+    loss, _ = _FORWARD[op](embeddings, labels, ref_embeddings, ref_labels, *params)
     return loss
+
+
+def _as_str(op: str, name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{op}: {name} must be a str, one of {', '.join(map(repr, _MINING))}; got {describe(value)}")
+    return value
+
+
+def _check_params(op: str, params: tuple, *, loss: Optional[str] = None) -> None:
+    """csrc/pair_losses.cpp's check_temperature, check_margin and check_mining, with their
+    messages (comparisons, which Dynamo traces; NaN fails them). ``op`` names the caller in
+    messages; ``loss`` (default: ``op``) says whose parameters these are."""
+    for (kind, name), value in zip(_PARAMS[loss or op][0], params, strict=True):
+        if name == "temperature" and not 0.0 < value < math.inf:
+            raise ValueError(f"{op}: temperature must be finite and > 0, got {value:g}")
+        if name.endswith("margin") and not 0.0 <= value < math.inf:
+            raise ValueError(f"{op}: {name} must be finite and >= 0, got {value:g}")
+        if kind == "str" and value not in _MINING:
+            raise ValueError(f"{op}: mining must be 'all', 'batch_hard' or 'semi_hard', got '{value}'")
 
 
 def _check_device(op: str, embeddings: Tensor) -> None:
@@ -143,7 +267,6 @@ def _check_inputs(
     labels: Tensor,
     ref_embeddings: Optional[Tensor],
     ref_labels: Optional[Tensor],
-    temperature: float,
 ) -> None:
     """csrc/pair_losses.cpp's check_inputs, in the same order with the same messages, for the
     Python functions and the fake kernels."""
@@ -152,8 +275,6 @@ def _check_inputs(
         raise ValueError(f"{op}: embeddings must be 2-D (N, D), got shape {list(embeddings.shape)}")
     check_same_device(op, embeddings=embeddings, labels=labels)
     _check_labels(op, "labels", labels, "embeddings", embeddings)
-    if not 0.0 < temperature < math.inf:  # comparisons, which Dynamo traces; NaN fails
-        raise ValueError(f"{op}: temperature must be finite and > 0, got {temperature:g}")
     if (ref_embeddings is None) != (ref_labels is None):
         alone = "ref_embeddings alone" if ref_labels is None else "ref_labels alone"
         raise ValueError(f"{op}: ref_embeddings and ref_labels must be given together, got {alone}")
@@ -177,18 +298,26 @@ def _check_inputs(
 def _register(op: str) -> tuple:
     """The fake kernels and autograd formula of one pair loss; returns its (forward, backward)
     callables."""
-    columns = 2 if op == "supcon_loss" else 3  # csrc/pair_losses.h
+    kinds, columns = _PARAMS[op]
+    n = len(kinds)
+
+    def check_raw(params):
+        check_scalars(op, *((kind, name, v) for (kind, name), v in zip(kinds, params, strict=True) if kind == "float"))
+        # (a str argument is the schema's: the dispatcher refuses anything else)
 
     @torch.library.register_fake(f"torchkit::{op}")
-    def _(embeddings, labels, ref_embeddings, ref_labels, temperature):
-        check_scalars(op, ("float", "temperature", temperature))
-        _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
-        stats = embeddings.new_empty((embeddings.shape[0], columns), dtype=acc_dtype(embeddings))
+    def _(embeddings, labels, ref_embeddings, ref_labels, *params):
+        check_raw(params)
+        _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+        _check_params(op, params)
+        dtype = torch.int64 if op == "triplet_margin_loss" else acc_dtype(embeddings)
+        stats = embeddings.new_empty((embeddings.shape[0], columns), dtype=dtype)
         return embeddings.new_empty(()), stats
 
     @torch.library.register_fake(f"torchkit::_{op}_backward")
-    def _(grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask):
-        check_scalars(op, ("float", "temperature", temperature))
+    def _(grad, embeddings, labels, ref_embeddings, ref_labels, stats, *rest):
+        *params, output_mask = rest
+        check_raw(params)
         check_same_device(op, embeddings=embeddings, grad=grad, stats=stats)
         want_ref = ref_embeddings is not None and output_mask[1]
         ge = torch.empty_like(embeddings, memory_format=torch.contiguous_format) if output_mask[0] else None
@@ -196,20 +325,20 @@ def _register(op: str) -> tuple:
         return (embeddings.new_empty(0) if ge is None else ge), (embeddings.new_empty(0) if gr is None else gr)
 
     def setup_context(ctx, inputs, output):
-        embeddings, labels, ref_embeddings, ref_labels, temperature = inputs
+        embeddings, labels, ref_embeddings, ref_labels, *params = inputs
         _loss, stats = output
         ctx.mark_non_differentiable(stats)
         # Inputs and a few numbers per anchor: nothing N×M.
         ctx.save_for_backward(embeddings, labels, ref_embeddings, ref_labels, stats)
-        ctx.temperature = temperature
+        ctx.params = params
 
     def backward(ctx, grad, _grad_stats):
         embeddings, labels, ref_embeddings, ref_labels, stats = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ref_embeddings is not None and ctx.needs_input_grad[2]]
         if not any(mask):
-            return None, None, None, None, None
-        ge, gr = backward_op(grad, embeddings, labels, ref_embeddings, ref_labels, stats, ctx.temperature, mask)
-        return (ge if mask[0] else None), None, (gr if mask[1] else None), None, None
+            return (None,) * (4 + n)
+        ge, gr = backward_op(grad, embeddings, labels, ref_embeddings, ref_labels, stats, *ctx.params, mask)
+        return (ge if mask[0] else None), None, (gr if mask[1] else None), None, *((None,) * n)
 
     # Under autocast: in float32, as a loss.
     forward_op, backward_op = register_op(
@@ -218,4 +347,4 @@ def _register(op: str) -> tuple:
     return forward_op, backward_op
 
 
-_FORWARD = {op: _register(op)[0] for op in ("supcon_loss", "ntxent_loss")}
+_FORWARD = {op: _register(op)[0] for op in _PARAMS}

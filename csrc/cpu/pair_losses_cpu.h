@@ -1,0 +1,157 @@
+// The pair losses' CPU engine (the losses: pair_losses.h): what the cosine losses
+// (pair_losses_cpu.cpp) and the Euclidean ones (pair_losses_euclidean_cpu.cpp) share: the
+// rows as F.normalize leaves them, the tiles, and the normalisation's Jacobian.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace torchkit::pair_losses::cpu {
+
+using at::Tensor;
+using at::vec::Vectorized;
+
+constexpr int64_t kRows = 64;       // anchors per task
+constexpr int64_t kCols = 256;      // ref rows per tile
+constexpr double kNormEps = 1e-12;  // F.normalize's, as PML's CosineSimilarity uses it
+
+// Each row's L2 norm in double, without over- or underflow (scaled by the power of two of its
+// largest |entry| first): F.normalize's norm, also where the accumulation type's own sum of
+// squares would leave its range (float32 rows past ~1e19, where F.normalize divides by ∞).
+template <typename acc_t>
+std::vector<double> row_norms(const Tensor& a) {
+  const int64_t N = a.size(0), D = a.size(1);
+  std::vector<double> out(N);
+  const acc_t* base = a.const_data_ptr<acc_t>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const acc_t* row = base + i * D;
+      double top = 0;
+      for (int64_t k = 0; k < D; ++k) {
+        const double v = std::abs(static_cast<double>(row[k]));
+        if (std::isnan(v) || v > top) top = v;
+      }
+      if (!(top > 0) || std::isinf(top)) {  // 0, ∞ or NaN
+        out[i] = top;
+        continue;
+      }
+      int e = 0;
+      std::frexp(top, &e);
+      double sum = 0;
+      for (int64_t k = 0; k < D; ++k) {
+        const double v = std::ldexp(static_cast<double>(row[k]), -e);
+        sum += v * v;
+      }
+      out[i] = std::ldexp(std::sqrt(sum), e);
+    }
+  });
+  return out;
+}
+
+// The rows as the GEMMs take them, with the factor each tile's entries are scaled by: where
+// every row's norm lies in an ordinary window ([2^-40, 2^40] in float32, [2^-400, 2^400] in
+// float64, or 0), the inputs themselves (a float32 copy of float16/bfloat16 ones) and
+// 1 / max(‖row‖, eps) (s_ij = a_i·b_j·scale_i·scale_j, F.normalize's cosine), so that no
+// normalised copy exists; elsewhere a copy of the rows normalised in double, scale 1.
+struct Side {
+  Tensor rows;     // (rows, D) of the accumulation type, contiguous
+  Tensor scale;    // (rows,): what multiplies its rows in a tile's entries
+  Tensor inv;      // (rows,): 1 / max(‖x‖, eps), F.normalize's factor
+  Tensor clamped;  // (rows,) bool: ‖x‖ < eps (F.normalize's clamp holds)
+  Tensor raw;      // (rows, D): the inputs in the accumulation type (rows itself, or its source)
+  Tensor inv64;    // (rows,) float64: inv before rounding
+};
+
+inline Side side(const Tensor& x) {
+  const auto acc = acc_type(x);
+  Side out;
+  out.rows = x.to(acc).contiguous();
+  std::vector<double> norm;
+  AT_DISPATCH_FLOATING_TYPES(acc, "row_norms", [&] { norm = row_norms<scalar_t>(out.rows); });
+  const int64_t n = out.rows.size(0);
+  const double window = acc == at::kDouble ? std::ldexp(1.0, 400) : std::ldexp(1.0, 40);
+  Tensor inv = at::empty({n}, out.rows.options().dtype(at::kDouble));
+  out.clamped = at::empty({n}, out.rows.options().dtype(at::kBool));
+  double* ip = inv.data_ptr<double>();
+  bool* cp = out.clamped.data_ptr<bool>();
+  bool ordinary = true;
+  for (int64_t i = 0; i < n; ++i) {
+    cp[i] = norm[i] < kNormEps;
+    ip[i] = 1.0 / (cp[i] ? kNormEps : norm[i]);  // NaN stays NaN
+    ordinary = ordinary && (norm[i] == 0 || (norm[i] >= 1 / window && norm[i] <= window));
+  }
+  out.inv = inv.to(acc);
+  out.raw = out.rows;
+  out.inv64 = inv;
+  if (ordinary) {
+    out.scale = out.inv;
+  } else {
+    // Out of place: for float64 rows, out.rows may be the caller's tensor itself.
+    out.rows = out.rows.to(at::kDouble).mul(inv.unsqueeze(1)).to(acc).contiguous();
+    out.scale = at::ones({n}, out.rows.options());
+  }
+  return out;
+}
+
+// Runs fn(s, a0, b0) for each tile s = a[a0:a0+di] · b[b0:b0+dj]ᵀ (di × dj, in a per-thread
+// scratch): a's blocks of kRows are the tasks, b's blocks of kCols are taken in order.
+template <typename Fn>
+void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
+  const int64_t A = a.size(0), B = b.size(0);
+  const int64_t blocks = (A + kRows - 1) / kRows;
+  // The tasks call ATen (the tile's GEMM): OpenMP's worker threads must see this thread's
+  // dispatcher state (below autograd), or mm_out would refuse inputs that require grad.
+  const at::ThreadLocalState state;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
+    Tensor scratch = at::empty({kRows, kCols}, a.options());
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t a0 = blk * kRows, di = std::min(kRows, A - a0);
+      for (int64_t b0 = 0; b0 < B; b0 += kCols) {
+        const int64_t dj = std::min(kCols, B - b0);
+        Tensor s = scratch.narrow(0, 0, di).narrow(1, 0, dj);
+        at::mm_out(s, a.narrow(0, a0, di), b.narrow(0, b0, dj).t());
+        fn(s, a0, b0);
+      }
+    }
+  });
+}
+
+// g ← grad·∂/∂x of g·e for e = x / max(‖x‖, eps), in place, per row, from the side's rows r
+// (x, or e itself) and their tile scale (e = r·scale): inv·(g − e·(e·g)) where ‖x‖ > eps,
+// inv·g where the clamp holds (its constant).
+template <typename acc_t>
+void through_normalisation(Tensor& g, const Side& own, acc_t grad) {
+  using V = Vectorized<acc_t>;
+  const int64_t rows = g.size(0), D = g.size(1);
+  acc_t* gp = g.data_ptr<acc_t>();
+  const acc_t* rp = own.rows.const_data_ptr<acc_t>();
+  const acc_t* sp = own.scale.const_data_ptr<acc_t>();
+  const acc_t* ip = own.inv.const_data_ptr<acc_t>();
+  const bool* cp = own.clamped.const_data_ptr<bool>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      acc_t* gi = gp + i * D;
+      const acc_t* ri = rp + i * D;
+      const acc_t dot = at::vec::map2_reduce_all<acc_t>([](V u, V v) { return u * v; },
+                                                        [](V u, V v) { return u + v; }, ri, gi, D);
+      const acc_t factor = grad * ip[i];
+      const acc_t along = cp[i] ? acc_t(0) : sp[i] * sp[i] * dot;
+      at::vec::map2([factor, along](V gv, V rv) { return (gv - rv * V(along)) * V(factor); }, gi,
+                    gi, ri, D);
+    }
+  });
+}
+
+}  // namespace torchkit::pair_losses::cpu
