@@ -1,9 +1,9 @@
 """The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss with each
-mining) vs pytorch-metric-learning (the library our users run, with its miners), the
-full-matrix references and their torch.compile; forward and forward+backward, with each one's
-peak extra memory, against the GEMM roofline: the N×N similarity product (forward), plus the
-backward's product of the same shape. Peers' cases that cannot run in this machine's memory
-are skipped with the size they ask for."""
+mining, multi_similarity_loss with its miner) vs pytorch-metric-learning (the library our users
+run, with its miners), the full-matrix references and their torch.compile; forward and
+forward+backward, with each one's peak extra memory, against the GEMM roofline: the N×N
+similarity product (forward), plus the backward's product of the same shape. Peers' cases
+that cannot run in this machine's memory are skipped with the size they ask for."""
 
 import functools
 
@@ -23,6 +23,7 @@ VARIANTS = {
     "triplet all": ("triplet_margin_loss", {"margin": 0.05, "mining": "all"}),
     "triplet semi_hard": ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard"}),
     "triplet batch_hard": ("triplet_margin_loss", {"margin": 0.05, "mining": "batch_hard"}),
+    "multi_similarity_loss": ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": 0.1}),
 }
 BUDGET = 8 * 2**30  # bytes a peer may ask for on this machine (24 GiB, shared)
 
@@ -36,6 +37,10 @@ def pml_fn(variant):
         return losses.NTXentLoss(**params)
     if loss == "contrastive_loss":
         return losses.ContrastiveLoss(**params)
+    if loss == "multi_similarity_loss":
+        ms = losses.MultiSimilarityLoss(alpha=params["alpha"], beta=params["beta"], base=params["base"])
+        ms_miner = miners.MultiSimilarityMiner(epsilon=params["miner_epsilon"])
+        return lambda e, labels: ms(e, labels, ms_miner(e, labels))
     triplet = losses.TripletMarginLoss(margin=params["margin"])
     if params["mining"] == "all":
         return triplet

@@ -56,15 +56,25 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
 }
 
 double check_temperature(const char* op, const c10::Scalar& temperature) {
-  const double t = scalar_float(op, "temperature", temperature);
-  TK_CHECK_VALUE(op, std::isfinite(t) && t > 0, "temperature must be finite and > 0, got ", t);
-  return t;
+  return check_positive(op, "temperature", temperature);
 }
 
 double check_margin(const char* op, const char* name, const c10::Scalar& margin) {
   const double m = scalar_float(op, name, margin);
   TK_CHECK_VALUE(op, std::isfinite(m) && m >= 0, name, " must be finite and >= 0, got ", m);
   return m;
+}
+
+double check_positive(const char* op, const char* name, const c10::Scalar& value) {
+  const double v = scalar_float(op, name, value);
+  TK_CHECK_VALUE(op, std::isfinite(v) && v > 0, name, " must be finite and > 0, got ", v);
+  return v;
+}
+
+double check_finite(const char* op, const char* name, const c10::Scalar& value) {
+  const double v = scalar_float(op, name, value);
+  TK_CHECK_VALUE(op, std::isfinite(v), name, " must be finite, got ", v);
+  return v;
 }
 
 Mining check_mining(const char* op, c10::string_view mining) {
@@ -136,6 +146,14 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
       "_triplet_margin_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar margin, str mining, bool[2] "
       "output_mask) -> (Tensor, Tensor)");
+  m.def(
+      "multi_similarity_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
+      "ref_labels, Scalar alpha, Scalar beta, Scalar base, Scalar? miner_epsilon) -> (Tensor, "
+      "Tensor)");
+  m.def(
+      "_multi_similarity_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
+      "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar alpha, Scalar beta, Scalar base, "
+      "Scalar? miner_epsilon, bool[2] output_mask) -> (Tensor, Tensor)");
 }
 
 }  // namespace torchkit::pair_losses

@@ -29,6 +29,14 @@
 //   "batch_hard" one per anchor with positives and negatives (its farthest positive and
 //   nearest negative, BatchHardMiner). stats (N, 3) int64: the anchor's hardest positive and
 //   negative (batch_hard; −1 otherwise or without), and its number of triplets in the mean.
+// multi_similarity_loss (MultiSimilarityLoss + MeanReducer, with MultiSimilarityMiner(ε)
+//   unless miner_epsilon is None), s the cosine similarity: with the miner, anchor i keeps the
+//   positives with s − ε < its largest negative s, and the negatives with s + ε > its smallest
+//   positive s (nothing if the batch has no positive or no negative pair); per anchor
+//   log(1 + Σ_kept positives exp(α(base − s)))/α + log(1 + Σ_kept negatives exp(β(s − base)))/β,
+//   and the loss is their mean over the N anchors; 0 when each kind keeps at most one pair.
+//   stats (N, 5) float64: the anchor's largest negative and smallest positive s (exact; ∓∞
+//   without), its two log terms Lp_i and Ln_i, and 1/N (0 for a zero loss).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -43,6 +51,7 @@ constexpr int64_t kSupConStats = 2;
 constexpr int64_t kNTXentStats = 3;
 constexpr int64_t kContrastiveStats = 2;
 constexpr int64_t kTripletStats = 3;
+constexpr int64_t kMultiSimilarityStats = 5;
 
 enum class Mining { All, BatchHard, SemiHard };
 
@@ -54,6 +63,8 @@ struct Problem {
   double pos_margin = 0, neg_margin = 0;  // contrastive_loss
   double margin = 0;                      // triplet_margin_loss
   Mining mining = Mining::All;            // triplet_margin_loss
+  double alpha = 0, beta = 0, base = 0;   // multi_similarity_loss
+  double miner_epsilon = -1;              // multi_similarity_loss; < 0: no miner
 };
 
 // The tensors' checks, common to the family; then each loss checks its own parameters.
@@ -63,6 +74,9 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
 double check_temperature(const char* op, const c10::Scalar& temperature);
 // A margin: finite and >= 0.
 double check_margin(const char* op, const char* name, const c10::Scalar& margin);
+// Finite and > 0; finite.
+double check_positive(const char* op, const char* name, const c10::Scalar& value);
+double check_finite(const char* op, const char* name, const c10::Scalar& value);
 Mining check_mining(const char* op, c10::string_view mining);
 
 // grad is the loss's gradient (a scalar of embeddings' dtype), stats the forward's, with

@@ -4,13 +4,16 @@
     python examples/bcnn_finegrained.py --reference        # also train with torchkit.reference
     python examples/bcnn_finegrained.py --pool covariance  # iSQRT-COV instead of B-CNN pooling
     python examples/bcnn_finegrained.py --data DIR         # an ImageFolder dataset (DIR/train, DIR/val)
+    python examples/bcnn_finegrained.py --loss triplet     # metric learning: a loss on the embeddings
     torchrun --nproc_per_node=2 examples/bcnn_finegrained.py   # DistributedDataParallel (gloo / NCCL)
 
 The model is a torchvision ResNet-18 trunk (``weights=None``: nothing is downloaded unless
 ``--weights`` names torchvision weights), ``torchkit.ops.bilinear_pool`` (or, with
 ``--pool covariance``, ``torchkit.ops.covariance_pool``: iSQRT-COV) and a linear classifier,
 trained with ``torchkit.nn.LabelSmoothingCrossEntropy`` on images shuffled by
-``torchkit.transforms.RandomRegionConfusion``; evaluation reports the classifier's accuracy
+``torchkit.transforms.RandomRegionConfusion`` (or, with ``--loss``, metric learning: one of
+torchkit's pair losses on the pooled embeddings, the classifier left out); evaluation reports
+the classifier's accuracy
 and a nearest-class-mean accuracy on the pooled embeddings through ``torchkit.ops.cdist``, and
 their recall@1/2/4/8 through ``torchkit.metrics.recall_at_k``: under ``torchrun``, every process
 evaluates its own share of the images and the recall is computed across the processes
@@ -119,6 +122,7 @@ class Ops:
     covariance_pool: object
     cross_entropy: object
     cdist: object
+    pair_losses: object  # the module holding supcon_loss, contrastive_loss, ...
 
 
 FUSED = Ops(
@@ -126,10 +130,23 @@ FUSED = Ops(
     torchkit.ops.covariance_pool,
     torchkit.ops.label_smoothing_cross_entropy,
     torchkit.ops.cdist,
+    torchkit.ops,
 )
 REFERENCE = Ops(
-    reference.bilinear_pool, reference.covariance_pool, reference.label_smoothing_cross_entropy, reference.cdist
+    reference.bilinear_pool,
+    reference.covariance_pool,
+    reference.label_smoothing_cross_entropy,
+    reference.cdist,
+    reference,
 )
+
+# --loss: the metric-learning losses, as (function name, its keyword arguments).
+METRIC_LOSSES = {
+    "supcon": ("supcon_loss", dict(temperature=0.1)),
+    "ntxent": ("ntxent_loss", dict(temperature=0.1)),
+    "contrastive": ("contrastive_loss", dict(pos_margin=0.0, neg_margin=1.0)),
+    "triplet": ("triplet_margin_loss", dict(margin=0.2, mining="batch_hard")),
+}
 
 
 class BCNN(nn.Module):
@@ -165,8 +182,11 @@ class BCNN(nn.Module):
     def embed(self, x: Tensor) -> Tensor:
         return self.pool(self.reduce(self.features(x)))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.embed(x))
+    def forward(self, x: Tensor, embed: bool = False) -> Tensor:
+        """The logits, or with ``embed`` the pooled embeddings (metric learning: called through
+        DistributedDataParallel, whose forward synchronises the gradients)."""
+        e = self.embed(x)
+        return e if embed else self.classifier(e)
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,7 +217,15 @@ def parse_args(argv=None):
         help="second-order pooling: B-CNN's (D² features) or iSQRT-COV's (D(D+1)/2)",
     )
     p.add_argument("--channels", type=int, default=256, help="channels before the pooling (D)")
-    p.add_argument("--label-smoothing", type=float, default=0.1, help="ε of the loss")
+    p.add_argument(
+        "--loss",
+        default="cross-entropy",
+        choices=["cross-entropy", *METRIC_LOSSES],
+        help="the training loss: label-smoothing cross-entropy on the classifier, or metric "
+        "learning on the pooled embeddings (supcon, ntxent: temperature 0.1; contrastive: "
+        "margins 0 and 1; triplet: margin 0.2, batch-hard mining)",
+    )
+    p.add_argument("--label-smoothing", type=float, default=0.1, help="ε of the cross-entropy")
     p.add_argument("--rcm-blocks", type=int, default=4, help="RCM grid size n (n×n blocks)")
     p.add_argument("--rcm-neighbourhood", type=int, default=2, help="RCM neighbourhood k (>= 2)")
     p.add_argument("--rcm-p", type=float, default=0.5, help="probability of shuffling an image")
@@ -242,8 +270,9 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
         drop_last=True,
     )
     model = BCNN(classes, ops, args.stage, args.channels, args.weights, args.pool).to(device)
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(model)
+    metric = args.loss != "cross-entropy"
+    if world > 1:  # (metric learning leaves the classifier out of the graph)
+        model = nn.parallel.DistributedDataParallel(model, find_unused_parameters=metric)
     net = torch.compile(model) if args.compile else model
     steps_per_epoch = len(loader)
     total = args.steps or args.epochs * steps_per_epoch
@@ -269,7 +298,11 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
                 break
             images, labels = images.to(device), labels.to(device)
             start = time.perf_counter()
-            loss = ops.cross_entropy(net(images), labels, label_smoothing=args.label_smoothing)
+            if metric:
+                name, kwargs = METRIC_LOSSES[args.loss]
+                loss = getattr(ops.pair_losses, name)(net(images, embed=True), labels, **kwargs)
+            else:
+                loss = ops.cross_entropy(net(images), labels, label_smoothing=args.label_smoothing)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -285,6 +318,8 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
     bar.close()
     result = dict(name=name, losses=losses, images_per_s=seen / max(train_time, 1e-9), steps=step, classes=classes)
     result.update(evaluate(core, train_eval, val_set, classes, ops, device, args, rank, world))
+    if metric:
+        result["accuracy"] = None  # the classifier was not trained
     return result
 
 
@@ -342,9 +377,12 @@ def summary(result: dict) -> str:
     )
     text = f"{result['name']}: {result['steps']} steps, loss {first:.3f} → {last:.3f}"
     text += f", {result['images_per_s']:.1f} images/s"
-    if "accuracy" in result:
+    if result.get("accuracy") is not None:
         text += f", val accuracy {result['accuracy']:.1%} (nearest class mean {result['ncm_accuracy']:.1%}"
         text += f"; chance {1 / result['classes']:.1%})"
+    elif "ncm_accuracy" in result:
+        text += f", val nearest-class-mean accuracy {result['ncm_accuracy']:.1%}"
+        text += f" (chance {1 / result['classes']:.1%})"
         text += ", recall@1/2/4/8 " + "/".join(f"{100 * r:.1f}" for r in result["recall"].values()) + " %"
     return text
 

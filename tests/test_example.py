@@ -45,6 +45,21 @@ def test_covariance_pooling_trains():
     assert example.BCNN(4, example.FUSED, 1, 8, None, "covariance").classifier.in_features == 8 * 9 // 2
 
 
+@pytest.mark.parametrize("loss", ["triplet", "supcon"])
+def test_metric_learning_mode(loss):
+    """--loss trains the embeddings with a pair loss (the classifier untrained, so only the
+    nearest-class-mean accuracy and recall@K are reported)."""
+    example = load_example()
+    (result,) = example.main([*SMALL, "--steps", "30", "--classes", "4", "--loss", loss, "--channels", "32"])
+    losses = result["losses"]
+    assert len(losses) == 30 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+    assert result["accuracy"] is None and 0.0 <= result["ncm_accuracy"] <= 1.0
+    assert list(result["recall"]) == [1, 2, 4, 8]
+    text = example.summary(result)
+    assert "nearest-class-mean accuracy" in text and "recall@1/2/4/8" in text and "val accuracy" not in text
+
+
 def test_reference_run_reports_both():
     results = load_example().main([*SMALL, "--steps", "2", "--reference"])
     assert [r["name"] for r in results] == ["torchkit", "reference"]
@@ -65,6 +80,7 @@ def test_help_documents_every_flag(capsys):
         "--rcm-blocks",
         "--compile",
         "--pool",
+        "--loss",
     ):
         assert flag in text
     options = ("\n" + text).split("\n  -")[1:]

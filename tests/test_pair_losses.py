@@ -2,6 +2,7 @@
 mining) against pytorch-metric-learning (the oracle, with its miners), the float64 references
 (torchkit.reference) and their own edge cases."""
 
+import os
 import subprocess
 import sys
 
@@ -20,7 +21,13 @@ import torchkit
 from torchkit import ops, reference
 
 # loss -> stats columns per anchor (csrc/pair_losses.h)
-COLUMNS = {"supcon_loss": 2, "ntxent_loss": 3, "contrastive_loss": 2, "triplet_margin_loss": 3}
+COLUMNS = {
+    "supcon_loss": 2,
+    "ntxent_loss": 3,
+    "contrastive_loss": 2,
+    "triplet_margin_loss": 3,
+    "multi_similarity_loss": 5,
+}
 NAMES = list(COLUMNS)
 # Each loss with its default parameters, and the triplet loss with each mining.
 VARIANTS = [
@@ -30,6 +37,7 @@ VARIANTS = [
     ("triplet_margin_loss", {"margin": 0.05, "mining": "all"}),
     ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard"}),
     ("triplet_margin_loss", {"margin": 0.05, "mining": "batch_hard"}),
+    ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": 0.1}),
 ]
 VARIANT_IDS = [loss if loss != "triplet_margin_loss" else f"triplet-{p['mining']}" for loss, p in VARIANTS]
 # ... and with other parameters, for the comparisons with PML.
@@ -41,6 +49,8 @@ CONFIGS = [
     ("triplet_margin_loss", {"margin": 0.3, "mining": "all"}),
     ("triplet_margin_loss", {"margin": 0.3, "mining": "semi_hard"}),
     ("triplet_margin_loss", {"margin": 0.0, "mining": "batch_hard"}),
+    ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": None}),
+    ("multi_similarity_loss", {"alpha": 1.0, "beta": 10.0, "base": 0.2, "miner_epsilon": 0.5}),
 ]
 CONFIG_IDS = ["-".join([loss.removesuffix("_loss"), *map(str, p.values())]) for loss, p in CONFIGS]
 variants = pytest.mark.parametrize("loss,params", VARIANTS, ids=VARIANT_IDS)
@@ -72,6 +82,12 @@ def pml(loss, params):
             return losses.NTXentLoss(**params)(embeddings, labels, **kw)
         if loss == "contrastive_loss":
             return losses.ContrastiveLoss(**params)(embeddings, labels, **kw)
+        if loss == "multi_similarity_loss":
+            ms = losses.MultiSimilarityLoss(alpha=params["alpha"], beta=params["beta"], base=params["base"])
+            if params["miner_epsilon"] is None:
+                return ms(embeddings, labels, **kw)
+            miner = miners.MultiSimilarityMiner(epsilon=params["miner_epsilon"])
+            return ms(embeddings, labels, miner(embeddings, labels, ref, ref_labels), **kw)
         margin, mining = params["margin"], params["mining"]
         triplet = losses.TripletMarginLoss(margin=margin)
         if mining == "all":
@@ -370,7 +386,7 @@ def test_zero_embedding_is_normalised_as_f_normalize(loss, params):
     got, (g,) = loss_and_grads(ours(loss, params), e, labels)
     exp, (g_exp,) = loss_and_grads(pml(loss, params), e, labels)
     torch.testing.assert_close(got, exp)
-    if loss in ("supcon_loss", "ntxent_loss"):
+    if loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss"):
         torch.testing.assert_close(g, g_exp)
 
 
@@ -445,12 +461,14 @@ MODULES = {
     "ntxent_loss": "NTXentLoss",
     "contrastive_loss": "ContrastiveLoss",
     "triplet_margin_loss": "TripletMarginLoss",
+    "multi_similarity_loss": "MultiSimilarityLoss",
 }
 OTHER_PARAMS = {
     "supcon_loss": {"temperature": 0.2},
     "ntxent_loss": {"temperature": 0.2},
     "contrastive_loss": {"pos_margin": 0.1, "neg_margin": 0.8},
     "triplet_margin_loss": {"margin": 0.2, "mining": "semi_hard"},
+    "multi_similarity_loss": {"alpha": 1.0, "beta": 20.0, "base": 0.3, "miner_epsilon": None},
 }
 
 
@@ -469,7 +487,7 @@ def test_module(loss):
     assert repr(m) == f"{module}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
     assert getattr(torchkit.nn, module)()(e, labels).item() == fn(e, labels).item()  # the defaults
     name = next(iter(params))
-    bad = 0.0 if name == "temperature" else -1.0
+    bad = 0.0 if name in ("temperature", "alpha") else -1.0
     with pytest.raises(ValueError, match=f"{module}: {name} must be finite and"):
         getattr(torchkit.nn, module)(**{**params, name: bad})
 
@@ -514,7 +532,12 @@ def peak_growth_mib(call: str, N: int, D: int, classes: int) -> float:
         f"ops.{loss}{args}.backward()\n"
         "print(status('VmHWM:') - base)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    # glibc's dynamic mmap threshold would keep a freed buffer resident (the next one of its
+    # size then comes from the heap), so that the peak depended on the order of earlier frees
+    # by up to 2 MiB: pinned, every large buffer is mapped and unmapped, and the peak is the
+    # call's own.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -577,6 +600,27 @@ def bad_cases(loss):
         for value, shown in ((0.0, "0"), (-0.1, "-0.1"), (float("inf"), "inf"), (float("nan"), "nan")):
             cases.append(
                 (lambda v=value: fn(e4, l6, v), ValueError, rf"temperature must be finite and > 0, got {shown}")
+            )
+        return cases
+    if loss == "multi_similarity_loss":
+        for name in ("alpha", "beta"):
+            for value, shown in ((0.0, "0"), (-1.0, "-1"), (float("inf"), "inf"), (float("nan"), "nan")):
+                cases.append(
+                    (
+                        lambda n=name, v=value: fn(e4, l6, **{n: v}),
+                        ValueError,
+                        rf"{name} must be finite and > 0, got {shown}",
+                    )
+                )
+        for value, shown in ((float("inf"), "inf"), (float("nan"), "nan")):
+            cases.append((lambda v=value: fn(e4, l6, base=v), ValueError, rf"base must be finite, got {shown}"))
+        for value, shown in ((-0.1, "-0.1"), (float("nan"), "nan")):
+            cases.append(
+                (
+                    lambda v=value: fn(e4, l6, miner_epsilon=v),
+                    ValueError,
+                    rf"miner_epsilon must be finite and >= 0, got {shown}",
+                )
             )
         return cases
     names = ("pos_margin", "neg_margin") if loss == "contrastive_loss" else ("margin",)
@@ -665,7 +709,7 @@ def test_backward_checks_its_inputs(loss):
     values = list(dict(VARIANTS)[loss].values())
     value, stats = op(e4, l6, None, None, *values)
     g = torch.ones_like(value)
-    kind = "Long" if loss == "triplet_margin_loss" else "Float"
+    kind = {"triplet_margin_loss": "Long", "multi_similarity_loss": "Double"}.get(loss, "Float")
     with pytest.raises(ValueError, match=r"backward: grad must be a scalar"):
         backward(torch.ones(2), e4, l6, None, None, stats, *values, [True, False])
     with pytest.raises(

@@ -12,7 +12,7 @@ from torchkit.ops._common import as_float, as_int, check_bool
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.label_smoothing_cross_entropy import check_reduction
 from torchkit.ops.pair_losses import _PARAMS as _PAIR_PARAMS
-from torchkit.ops.pair_losses import _as_str, _check_params
+from torchkit.ops.pair_losses import _as_params, _check_params
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "ContrastiveLoss",
     "CovariancePool2d",
     "LabelSmoothingCrossEntropy",
+    "MultiSimilarityLoss",
     "NTXentLoss",
     "RegionConfusion",
     "SupConLoss",
@@ -272,10 +273,7 @@ class _PairLoss(nn.Module):
         super().__init__()
         name = type(self).__name__
         kinds = _PAIR_PARAMS[self._op][0]
-        values = tuple(
-            as_float(name, key, params[key]) if kind == "float" else _as_str(name, key, params[key])
-            for kind, key in kinds
-        )
+        values = _as_params(name, tuple(params[key] for _, key in kinds), loss=self._op)
         _check_params(name, values, loss=self._op)
         self._params = dict(zip((key for _, key in kinds), values, strict=True))
         for key, value in self._params.items():
@@ -335,3 +333,16 @@ class TripletMarginLoss(_PairLoss):
 
     def __init__(self, margin: float = 0.05, mining: str = "all") -> None:
         super().__init__(margin=margin, mining=mining)
+
+
+class MultiSimilarityLoss(_PairLoss):
+    """pytorch-metric-learning's ``MultiSimilarityLoss(alpha=2, beta=50, base=0.5)`` with its
+    ``MultiSimilarityMiner(epsilon=miner_epsilon)`` (none for None) on the fused kernel; see
+    :func:`torchkit.ops.multi_similarity_loss`."""
+
+    _op = "multi_similarity_loss"
+
+    def __init__(
+        self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, miner_epsilon: Optional[float] = 0.1
+    ) -> None:
+        super().__init__(alpha=alpha, beta=beta, base=base, miner_epsilon=miner_epsilon)

@@ -18,6 +18,7 @@ __all__ = [
     "covariance_pool",
     "knn",
     "label_smoothing_cross_entropy",
+    "multi_similarity_loss",
     "ntxent_loss",
     "permute_blocks",
     "region_confusion",
@@ -304,3 +305,36 @@ def triplet_margin_loss(
             keep = (ap < an) | ap.isnan() | an.isnan()  # (PML's miner drops NaN triplets)
             ap, an = ap[keep], an[keep]
     return _mean_non_zero(F.relu(ap - an + margin))
+
+
+def multi_similarity_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    alpha: float = 2.0,
+    beta: float = 50.0,
+    base: float = 0.5,
+    *,
+    miner_epsilon: Optional[float] = 0.1,
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> Tensor:
+    """pytorch-metric-learning's MultiSimilarityLoss with its defaults, on the pairs of its
+    MultiSimilarityMiner(epsilon=miner_epsilon) (every pair for None), on the full N×M matrix;
+    a NaN similarity keeps its pair (PML's miner drops it)."""
+    e, r, _, positive, negative = _rows(embeddings, labels, ref_embeddings, ref_labels)
+    s = e @ r.T
+    zero = (embeddings * 0).sum()
+    if miner_epsilon is not None:
+        if not positive.any() or not negative.any():
+            return zero
+        hardest_negative = s.masked_fill(~negative, float("-inf")).amax(1, keepdim=True)
+        hardest_positive = s.masked_fill(~positive, float("inf")).amin(1, keepdim=True)
+        nan = s.isnan() | hardest_negative.isnan() | hardest_positive.isnan()
+        positive = positive & ((s - miner_epsilon < hardest_negative) | nan)
+        negative = negative & ((s + miner_epsilon > hardest_positive) | nan)
+    if positive.sum() <= 1 and negative.sum() <= 1:
+        return zero
+    one = torch.zeros(len(s), 1, dtype=s.dtype, device=s.device)  # log(1 + Σ)
+    lp = torch.logsumexp(torch.cat([(alpha * (base - s)).masked_fill(~positive, float("-inf")), one], 1), 1)
+    ln = torch.logsumexp(torch.cat([(beta * (s - base)).masked_fill(~negative, float("-inf")), one], 1), 1)
+    return (lp / alpha + ln / beta).mean()

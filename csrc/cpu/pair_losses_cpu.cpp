@@ -235,6 +235,246 @@ std::tuple<Tensor, Tensor> ntxent_forward(const Problem& p, const Inputs& in,
   return {at::scalar_tensor(total / static_cast<double>(positives), embeddings.options()), stats};
 }
 
+// ---------------------------------------------------------------------------- multi-similarity
+
+// s_ij computed directly: Σ (x_i·inv_i)(x_j·inv_j) in float64 over the inputs and their
+// float64 1/norms, normalised first so that no row's scale overflows (the same bits for
+// (i, j) and (j, i)).
+double exact_cos(const Side& a, int64_t i, const Side& b, int64_t j) {
+  const int64_t D = a.raw.size(1);
+  const double inv_i = a.inv64.const_data_ptr<double>()[i];
+  const double inv_j = b.inv64.const_data_ptr<double>()[j];
+  double dot = 0;
+  AT_DISPATCH_FLOATING_TYPES(a.raw.scalar_type(), "exact_cos", [&] {
+    const scalar_t* x = a.raw.const_data_ptr<scalar_t>() + i * D;
+    const scalar_t* y = b.raw.const_data_ptr<scalar_t>() + j * D;
+    for (int64_t k = 0; k < D; ++k) {
+      dot += (static_cast<double>(x[k]) * inv_i) * (static_cast<double>(y[k]) * inv_j);
+    }
+  });
+  return dot;
+}
+
+// Multi-similarity's choices and terms for one problem. A tile's cosine is within `slack` of
+// the exact one (a dot product of D terms of rows of norm <= 1, then the scales: (D + 4)·u);
+// a choice that close to its threshold is made on the exact cosine.
+template <typename acc_t>
+struct MultiSimilarity {
+  const Problem& p;
+  const Inputs& in;
+  double slack;
+  std::vector<double> hard_negative, hard_positive;  // per anchor: max s_in, min s_ip (exact)
+
+  MultiSimilarity(const Problem& p_, const Inputs& in_)
+      : p(p_),
+        in(in_),
+        slack((static_cast<double>(p_.D) + 4) * std::numeric_limits<acc_t>::epsilon() / 2),
+        hard_negative(p_.N, -std::numeric_limits<double>::infinity()),
+        hard_positive(p_.N, std::numeric_limits<double>::infinity()) {}
+
+  double exact(int64_t i, int64_t j) const { return exact_cos(in.a, i, in.b, j); }
+
+  // Whether the pair (anchor i, ref j) with tile cosine s is one the miner keeps (PML's
+  // MultiSimilarityMiner: a positive below the anchor's hardest negative + ε, a negative
+  // above its hardest positive − ε; every pair without a miner). A NaN keeps the pair.
+  bool mined(int64_t i, int64_t j, double s, bool positive) const {
+    if (p.miner_epsilon < 0) return true;
+    const double eps = p.miner_epsilon;
+    const double t = positive ? hard_negative[i] : hard_positive[i];
+    auto keep = [&](double v) { return positive ? v - eps < t : v + eps > t; };
+    if (std::isnan(s) || std::isnan(t)) return true;
+    if (std::abs((positive ? s - eps : s + eps) - t) > slack) return keep(s);
+    return keep(exact(i, j));
+  }
+};
+
+// x = s (the cosine) for the tile's row of anchor i, as scaled_row gives it with τ = 1.
+template <typename acc_t>
+int64_t cos_row(const Problem& p, const Inputs& in, acc_t* x, int64_t i, int64_t b0, int64_t dj) {
+  Problem unit = p;
+  unit.temperature = 1;
+  return scaled_row<acc_t>(unit, in, x, i, b0, dj);
+}
+
+template <typename scalar_t>
+std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
+                                      const Tensor& embeddings) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t S = kMultiSimilarityStats;
+  MultiSimilarity<acc_t> ms(p, in);
+  Tensor stats = at::zeros({p.N, S}, in.a.rows.options().dtype(at::kDouble));
+  double* st = stats.data_ptr<double>();
+  if (p.N == 0 || p.M == 0) return {at::zeros({}, embeddings.options()), stats};
+  const int64_t* lab = in.lab.const_data_ptr<int64_t>();
+  const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
+  const bool mining = p.miner_epsilon >= 0;
+  // The miner's thresholds: each anchor's hardest negative and positive, exact.
+  std::vector<int64_t> pairs(2 * p.N, 0);  // per anchor: [negative, positive] pairs
+  if (mining) {
+    std::vector<Extreme<true>> negative(p.N);
+    std::vector<Extreme<false>> positive(p.N);
+    for_each_tile(in.a.rows, in.b.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
+      const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
+      for (int64_t r = 0; r < di; ++r) {
+        const int64_t i = a0 + r;
+        acc_t* x = s.data_ptr<acc_t>() + r * stride;
+        const int64_t self_col = cos_row<acc_t>(p, in, x, i, b0, dj);
+        auto exact = [&](int64_t j) { return ms.exact(i, j); };
+        // The tile's extremes first (branch-free), then only the candidates within two slacks
+        // of them are offered: the others cannot be the exact extreme.
+        acc_t top = -std::numeric_limits<acc_t>::infinity();
+        acc_t bottom = std::numeric_limits<acc_t>::infinity();
+        bool nan = false;
+        for (int64_t c = 0; c < dj; ++c) {
+          const bool pos = ref_lab[b0 + c] == lab[i];
+          nan = nan || std::isnan(x[c]);
+          top = pos || c == self_col ? top : std::max(top, x[c]);
+          bottom = pos && c != self_col ? std::min(bottom, x[c]) : bottom;
+        }
+        const double near = 2 * ms.slack;
+        for (int64_t c = 0; c < dj; ++c) {
+          if (c == self_col) continue;
+          const double v = x[c];
+          if (ref_lab[b0 + c] == lab[i]) {
+            if (nan || v <= bottom + near) positive[i].offer(b0 + c, v, ms.slack, exact);
+          } else if (nan || v >= top - near) {
+            negative[i].offer(b0 + c, v, ms.slack, exact);
+          }
+        }
+      }
+    });
+    bool any[2] = {false, false};
+    for (int64_t i = 0; i < p.N; ++i) {
+      if (negative[i].index >= 0) {
+        any[0] = true;
+        ms.hard_negative[i] =
+            negative[i].slack == 0 ? negative[i].value : ms.exact(i, negative[i].index);
+      }
+      if (positive[i].index >= 0) {
+        any[1] = true;
+        ms.hard_positive[i] =
+            positive[i].slack == 0 ? positive[i].value : ms.exact(i, positive[i].index);
+      }
+    }
+    // PML's miner returns nothing without a positive or a negative pair: the loss is 0.
+    if (!any[0] || !any[1]) return {at::zeros({}, embeddings.options()), stats};
+  }
+  // The terms: log(1 + Σ exp(α(base − s))) over the kept positives, log(1 + Σ exp(β(s − base)))
+  // over the kept negatives.
+  std::vector<LogSumExp> lse(2 * p.N);  // per anchor: [negatives, positives]
+  for (LogSumExp& l : lse) l.add(0.0);  // the 1
+  for_each_tile(in.a.rows, in.b.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
+    const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
+    acc_t y[kCols];  // the kept negatives' β(s − base), −∞ for the other entries
+    for (int64_t r = 0; r < di; ++r) {
+      const int64_t i = a0 + r;
+      acc_t* x = s.data_ptr<acc_t>() + r * stride;
+      const int64_t self_col = cos_row<acc_t>(p, in, x, i, b0, dj);
+      for (int64_t c = 0; c < dj; ++c) {
+        y[c] = -std::numeric_limits<acc_t>::infinity();
+        if (c == self_col) continue;
+        const bool positive = ref_lab[b0 + c] == lab[i];
+        if (!ms.mined(i, b0 + c, x[c], positive)) continue;
+        ++pairs[2 * i + positive];
+        const double s_ij = x[c];
+        if (positive) {
+          lse[2 * i + 1].add(p.alpha * (p.base - s_ij));  // (few: one at a time)
+        } else {
+          y[c] = static_cast<acc_t>(p.beta * (s_ij - p.base));
+        }
+      }
+      lse[2 * i].add(y, dj);
+    }
+  });
+  int64_t kept[2] = {0, 0};
+  for (int64_t i = 0; i < p.N; ++i) {
+    kept[0] += pairs[2 * i];
+    kept[1] += pairs[2 * i + 1];
+  }
+  // PML: nothing when each kind has at most one pair.
+  if (kept[0] <= 1 && kept[1] <= 1) return {at::zeros({}, embeddings.options()), stats};
+  const double w = 1.0 / static_cast<double>(p.N);
+  double total = 0;
+  for (int64_t i = 0; i < p.N; ++i) {
+    const double ln = lse[2 * i].value(), lp = lse[2 * i + 1].value();
+    total += lp / p.alpha + ln / p.beta;
+    double* row = st + i * S;
+    row[0] = ms.hard_negative[i];
+    row[1] = ms.hard_positive[i];
+    row[2] = lp;
+    row[3] = ln;
+    row[4] = w;
+  }
+  return {at::scalar_tensor(total * w, embeddings.options()), stats};
+}
+
+// ∂loss/∂E for the rows of `own` against `other` (rows_grad's roles), from the stats: per
+// tile ∂loss/∂s_ij of the kept pairs, −w·exp(α(base − s) − Lp_i) for a positive and
+// w·exp(β(s − base) − Ln_i) for a negative (both anchors' terms without refs: s is
+// symmetric), times other's scale into one GEMM; then the normalisation's Jacobian.
+template <typename acc_t>
+Tensor ms_rows_grad(const Problem& p, const Inputs& in, const MultiSimilarity<acc_t>& ms,
+                    const double* st, bool anchors_own, acc_t grad) {
+  constexpr int64_t S = kMultiSimilarityStats;
+  const Side& own = anchors_own ? in.a : in.b;
+  const Side& other = anchors_own ? in.b : in.a;
+  const int64_t* la = in.lab.const_data_ptr<int64_t>();
+  const int64_t* lb = in.ref_lab.const_data_ptr<int64_t>();
+  const acc_t* io = own.scale.const_data_ptr<acc_t>();
+  const acc_t* ib = other.scale.const_data_ptr<acc_t>();
+  auto positive = [&](int64_t i, int64_t j, double s) {  // anchor i's positive j
+    if (!ms.mined(i, j, s, true)) return 0.0;
+    return -st[i * S + 4] * std::exp(p.alpha * (p.base - s) - st[i * S + 2]);
+  };
+  // A negative's term w·exp(β(s − base) − Ln) for each of its (up to two) anchors: their
+  // exponents gathered per row (−∞ where not kept), the exponentials vectorised; positives
+  // (few) one at a time.
+  using V = Vectorized<acc_t>;
+  auto exponent = [&](int64_t i, int64_t j, double s) {  // anchor i's negative j
+    return ms.mined(i, j, s, false) ? static_cast<acc_t>(p.beta * (s - p.base) - st[i * S + 3])
+                                    : -std::numeric_limits<acc_t>::infinity();
+  };
+  const acc_t w = static_cast<acc_t>(st[4]);  // 1/N, the same in every row
+  Tensor out = at::zeros_like(own.rows);
+  for_each_tile(own.rows, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
+    const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
+    acc_t e1[kCols], e2[kCols];
+    for (int64_t r = 0; r < di; ++r) {
+      const int64_t i = a0 + r;
+      acc_t* x = s.data_ptr<acc_t>() + r * stride;
+      const acc_t scale = io[i];
+      for (int64_t c = 0; c < dj; ++c) {
+        const int64_t j = b0 + c;
+        x[c] = x[c] * ib[j] * scale;  // s, as cos_row forms it
+        e1[c] = e2[c] = -std::numeric_limits<acc_t>::infinity();
+        if ((p.self && i == j) || la[anchors_own ? i : j] == lb[anchors_own ? j : i]) continue;
+        const double s_ij = x[c];
+        e1[c] = anchors_own ? exponent(i, j, s_ij) : exponent(j, i, s_ij);
+        if (p.self) e2[c] = exponent(j, i, s_ij);
+      }
+      int64_t c = 0;
+      for (; c + V::size() <= dj; c += V::size()) {
+        const V g = V(w) * (V::loadu(e1 + c).exp() + V::loadu(e2 + c).exp());
+        g.store(e1 + c);
+      }
+      for (; c < dj; ++c) e1[c] = w * (std::exp(e1[c]) + std::exp(e2[c]));
+      for (c = 0; c < dj; ++c) {
+        const int64_t j = b0 + c;
+        double g = e1[c];
+        if (!(p.self && i == j) && la[anchors_own ? i : j] == lb[anchors_own ? j : i]) {
+          const double s_ij = x[c];
+          g = anchors_own ? positive(i, j, s_ij) : positive(j, i, s_ij);
+          if (p.self) g += positive(j, i, s_ij);
+        }
+        x[c] = static_cast<acc_t>(g) * ib[j];
+      }
+    }
+    out.narrow(0, a0, di).addmm_(s, other.rows.narrow(0, b0, dj));
+  });
+  through_normalisation<acc_t>(out, own, grad);
+  return out;
+}
+
 // ---------------------------------------------------------------------------- the ops
 
 template <bool NTXENT>
@@ -415,6 +655,72 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
   return outputs();
 }
 
+Problem ms_problem(const Tensor& embeddings, const Tensor& labels,
+                   const std::optional<Tensor>& ref_embeddings,
+                   const std::optional<Tensor>& ref_labels, const c10::Scalar& alpha,
+                   const c10::Scalar& beta, const c10::Scalar& base,
+                   const std::optional<c10::Scalar>& miner_epsilon) {
+  Problem p = check_inputs("multi_similarity_loss", embeddings, labels, ref_embeddings, ref_labels);
+  p.alpha = check_positive(p.op, "alpha", alpha);
+  p.beta = check_positive(p.op, "beta", beta);
+  p.base = check_finite(p.op, "base", base);
+  p.miner_epsilon =
+      miner_epsilon.has_value() ? check_margin(p.op, "miner_epsilon", *miner_epsilon) : -1.0;
+  return p;
+}
+
+std::tuple<Tensor, Tensor> ms_forward_cpu(const Tensor& embeddings, const Tensor& labels,
+                                          const std::optional<Tensor>& ref_embeddings,
+                                          const std::optional<Tensor>& ref_labels,
+                                          const c10::Scalar& alpha, const c10::Scalar& beta,
+                                          const c10::Scalar& base,
+                                          const std::optional<c10::Scalar>& miner_epsilon) {
+  const Problem p =
+      ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon);
+  const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
+  std::tuple<Tensor, Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embeddings.scalar_type(),
+                                  "multi_similarity_loss_cpu",
+                                  [&] { result = ms_forward<scalar_t>(p, in, embeddings); });
+  return result;
+}
+
+std::tuple<Tensor, Tensor> ms_backward_cpu(
+    const Tensor& grad, const Tensor& embeddings, const Tensor& labels,
+    const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
+    const Tensor& stats, const c10::Scalar& alpha, const c10::Scalar& beta, const c10::Scalar& base,
+    const std::optional<c10::Scalar>& miner_epsilon, std::array<bool, 2> output_mask) {
+  const Problem p =
+      ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon);
+  check_backward_inputs(p, grad, embeddings, stats, kMultiSimilarityStats, at::kDouble);
+  const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
+  Tensor ge, gr;
+  auto outputs = [&] {
+    return backward_outputs(ge, gr, want_e, want_r, embeddings, ref_embeddings);
+  };
+  if ((!want_e && !want_r) || p.N == 0 || p.M == 0 || p.D == 0) return outputs();
+  const Tensor st = stats.contiguous();
+  const double* sp = st.const_data_ptr<double>();
+  if (sp[kMultiSimilarityStats - 1] == 0) return outputs();  // a loss of 0 by PML's rules
+  const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embeddings.scalar_type(),
+                                  "multi_similarity_loss_backward_cpu", [&] {
+                                    using acc_t = at::opmath_type<scalar_t>;
+                                    MultiSimilarity<acc_t> ms(p, in);
+                                    for (int64_t i = 0; i < p.N; ++i) {
+                                      ms.hard_negative[i] = sp[i * kMultiSimilarityStats];
+                                      ms.hard_positive[i] = sp[i * kMultiSimilarityStats + 1];
+                                    }
+                                    const acc_t g = static_cast<acc_t>(grad.item<double>());
+                                    const auto dtype = embeddings.scalar_type();
+                                    if (want_e || p.self)
+                                      ge = ms_rows_grad<acc_t>(p, in, ms, sp, true, g).to(dtype);
+                                    if (want_r && !p.self)
+                                      gr = ms_rows_grad<acc_t>(p, in, ms, sp, false, g).to(dtype);
+                                  });
+  return outputs();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
@@ -422,6 +728,8 @@ TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
   m.impl("_supcon_loss_backward", &backward_cpu<false>);
   m.impl("ntxent_loss", &forward_cpu<true>);
   m.impl("_ntxent_loss_backward", &backward_cpu<true>);
+  m.impl("multi_similarity_loss", &ms_forward_cpu);
+  m.impl("_multi_similarity_loss_backward", &ms_backward_cpu);
 }
 
 }  // namespace torchkit::pair_losses

@@ -154,4 +154,31 @@ void through_normalisation(Tensor& g, const Side& own, acc_t grad) {
   });
 }
 
+// The running extreme (MAX: the largest) of values each known to within a slack, and its
+// index, offered in increasing index order: ties keep the lower index, the first NaN wins, and
+// where the slacks leave a comparison open the exact values decide (exact(j): row j's exact
+// value), so that the extreme is the exact values' own.
+template <bool MAX>
+struct Extreme {
+  int64_t index = -1;
+  double value = 0, slack = 0;
+
+  template <typename Exact>
+  void offer(int64_t j, double v, double s, Exact exact) {
+    if (index < 0 || (std::isnan(v) && !std::isnan(value))) return set(j, v, 0);
+    if (std::isnan(value) || std::isnan(v)) return;
+    const double gap = MAX ? v - value : value - v;  // > 0: v is better
+    if (gap > s + slack) return set(j, v, s);
+    if (gap <= -(s + slack)) return;
+    if (slack != 0) set(index, exact(index), 0);
+    const double e = s == 0 ? v : exact(j);
+    if (MAX ? e > value : e < value) set(j, e, 0);
+  }
+  void set(int64_t j, double v, double s) {
+    index = j;
+    value = v;
+    slack = s;
+  }
+};
+
 }  // namespace torchkit::pair_losses::cpu

@@ -527,11 +527,8 @@ std::vector<TripletSums> count_triplets(const Problem& p, const Inputs<acc_t>& i
 template <typename acc_t>
 void batch_hard(const Problem& p, const Inputs<acc_t>& in, int64_t* hardest) {
   constexpr int64_t S = kTripletStats;
-  struct Best {
-    double d = 0, lo = 0, hi = 0;  // the distance and an interval holding the exact one
-  };
-  std::vector<Best> best(2 * p.N);
-  for (int64_t a = 0; a < p.N; ++a) hardest[a * S] = hardest[a * S + 1] = -1;
+  std::vector<Extreme<true>> farthest(p.N);  // positive
+  std::vector<Extreme<false>> nearest(p.N);  // negative
   for_each_tile(in.a.centred, in.b->centred, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
@@ -540,39 +537,24 @@ void batch_hard(const Problem& p, const Inputs<acc_t>& in, int64_t* hardest) {
       const int64_t a = a0 + r;
       acc_t* x = base + r * stride;
       distance_row(in, true, x, a, b0, dj, direct);
+      auto exact = [&](int64_t j) { return in.exact(a, j); };
       for (int64_t c = 0; c < dj; ++c) {
         const int64_t j = b0 + c;
         if (p.self && j == a) continue;
-        const int k = in.la[a] == in.lb[j] ? 0 : 1;  // 0: positive (max), 1: negative (min)
-        int64_t& h = hardest[a * S + k];
-        Best& b = best[2 * a + k];
-        Best v{x[c], x[c], x[c]};
-        if (!direct[c] && !std::isnan(v.d)) {
-          const double w = in.slack(a, j, v.d);
-          v.lo = v.d - w;
-          v.hi = v.d + w;
-        }
-        bool better;
-        if (h < 0 || std::isnan(v.d)) {
-          better = h < 0 || !std::isnan(b.d);  // the first NaN wins
-        } else if (std::isnan(b.d)) {
-          better = false;
-        } else if (k == 0 ? v.lo > b.hi : v.hi < b.lo) {
-          better = true;
-        } else if (k == 0 ? v.hi <= b.lo : v.lo >= b.hi) {
-          better = false;  // (a tie keeps the lower index)
-        } else {           // too close for the tiles: the exact distances decide
-          v.d = v.lo = v.hi = in.exact(a, j);
-          b.d = b.lo = b.hi = in.exact(a, h);
-          better = k == 0 ? v.d > b.d : v.d < b.d;
-        }
-        if (better) {
-          h = j;
-          b = v;
+        const double d = x[c];
+        const double slack = direct[c] || std::isnan(d) ? 0.0 : in.slack(a, j, d);
+        if (in.la[a] == in.lb[j]) {
+          farthest[a].offer(j, d, slack, exact);
+        } else {
+          nearest[a].offer(j, d, slack, exact);
         }
       }
     }
   });
+  for (int64_t a = 0; a < p.N; ++a) {
+    hardest[a * S] = farthest[a].index;
+    hardest[a * S + 1] = nearest[a].index;
+  }
 }
 
 template <typename scalar_t>

@@ -9,7 +9,13 @@ from torchkit.ops.cdist import cdist
 from torchkit.ops.covariance_pool import covariance_pool
 from torchkit.ops.knn import knn
 from torchkit.ops.label_smoothing_cross_entropy import label_smoothing_cross_entropy
-from torchkit.ops.pair_losses import contrastive_loss, ntxent_loss, supcon_loss, triplet_margin_loss
+from torchkit.ops.pair_losses import (
+    contrastive_loss,
+    multi_similarity_loss,
+    ntxent_loss,
+    supcon_loss,
+    triplet_margin_loss,
+)
 from torchkit.ops.region_confusion import permute_blocks, region_confusion
 
 __all__ = [
@@ -19,6 +25,7 @@ __all__ = [
     "covariance_pool",
     "knn",
     "label_smoothing_cross_entropy",
+    "multi_similarity_loss",
     "ntxent_loss",
     "permute_blocks",
     "region_confusion",

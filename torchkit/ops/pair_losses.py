@@ -1,6 +1,6 @@
-"""The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss): their Python
-functions, fake kernels and autograd formulas. The losses themselves are described in
-csrc/pair_losses.h."""
+"""The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss,
+multi_similarity_loss): their Python functions, fake kernels and autograd formulas. The losses
+themselves are described in csrc/pair_losses.h."""
 
 from __future__ import annotations
 
@@ -193,6 +193,54 @@ def triplet_margin_loss(
     return _loss("triplet_margin_loss", embeddings, labels, (margin, mining), ref_embeddings, ref_labels)
 
 
+def multi_similarity_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    alpha: float = 2.0,
+    beta: float = 50.0,
+    base: float = 0.5,
+    *,
+    miner_epsilon: Optional[float] = 0.1,
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> Tensor:
+    """Multi-similarity loss (Wang et al., 2019) with its pair miner, without the N×N similarity
+    matrix.
+
+    Exactly pytorch-metric-learning's ``MultiSimilarityLoss(alpha, beta, base)`` with its
+    defaults (cosine similarity of L2-normalised embeddings, ``MeanReducer``) on the pairs of
+    ``MultiSimilarityMiner(epsilon=miner_epsilon)`` (every pair with ``miner_epsilon=None``),
+    values and gradients: anchor i keeps the positives with ``s − ε`` below its largest
+    negative similarity and the negatives with ``s + ε`` above its smallest positive one; its
+    loss is ``log(1 + Σ_kept positives exp(−α(s − base)))/α + log(1 + Σ_kept negatives
+    exp(β(s − base)))/β``, and the loss is the mean over the anchors. Which pairs are kept is
+    decided on the exact similarities. Memory O((N + M)·D), whatever N.
+
+    Args:
+        embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
+            accumulate in float32).
+        labels (Tensor[N]): any integer dtype; pairs of equal labels are positives.
+        alpha, beta: finite and > 0. base: finite.
+        miner_epsilon: the miner's ε, finite and >= 0; None: no miner, every pair.
+        ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
+            itself (PML's ``ref_emb``).
+        ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
+
+    Returns:
+        A scalar of ``embeddings``' dtype; 0 (with zero gradients) when each kind of pair
+        keeps at most one pair, or, with the miner, when the batch has no positive or no
+        negative pair (PML's rules). A NaN embedding makes the loss NaN (PML's miner drops
+        its pairs).
+
+    Example::
+
+        >>> loss = torchkit.ops.multi_similarity_loss(model(images), labels)
+    """
+    return _loss(
+        "multi_similarity_loss", embeddings, labels, (alpha, beta, base, miner_epsilon), ref_embeddings, ref_labels
+    )
+
+
 # Per loss: its parameters after the tensors, as (kind, name) in the schema's order, and its
 # stats' columns (csrc/pair_losses.h).
 _PARAMS = {
@@ -200,7 +248,13 @@ _PARAMS = {
     "ntxent_loss": ((("float", "temperature"),), 3),
     "contrastive_loss": ((("float", "pos_margin"), ("float", "neg_margin")), 2),
     "triplet_margin_loss": ((("float", "margin"), ("str", "mining")), 3),
+    "multi_similarity_loss": (
+        (("float", "alpha"), ("float", "beta"), ("float", "base"), ("optional float", "miner_epsilon")),
+        5,
+    ),
 }
+# The stats' dtype where it is not the accumulation type (csrc/pair_losses.h).
+_STATS_DTYPE = {"triplet_margin_loss": torch.int64, "multi_similarity_loss": torch.float64}
 _MINING = ("all", "batch_hard", "semi_hard")
 
 
@@ -209,10 +263,7 @@ def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels) -> Tensor:
     check_tensor(op, "labels", labels)
     check_tensor(op, "ref_embeddings", ref_embeddings, optional=True)
     check_tensor(op, "ref_labels", ref_labels, optional=True)
-    params = tuple(
-        as_float(op, name, v) if kind == "float" else _as_str(op, name, v)
-        for (kind, name), v in zip(_PARAMS[op][0], params, strict=True)
-    )
+    params = _as_params(op, params)
     _check_device(op, embeddings)
     # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
     # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
@@ -220,6 +271,19 @@ def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels) -> Tensor:
     _check_params(op, params)
     loss, _ = _FORWARD[op](embeddings, labels, ref_embeddings, ref_labels, *params)
     return loss
+
+
+def _as_params(op: str, params: tuple, *, loss: Optional[str] = None) -> tuple:
+    """The parameters as the schema takes them: floats (None where optional), strings."""
+
+    def convert(kind, name, value):
+        if kind == "str":
+            return _as_str(op, name, value)
+        if kind == "optional float" and value is None:
+            return None
+        return as_float(op, name, value)
+
+    return tuple(convert(kind, name, v) for (kind, name), v in zip(_PARAMS[loss or op][0], params, strict=True))
 
 
 def _as_str(op: str, name: str, value: Any) -> str:
@@ -233,12 +297,19 @@ def _check_params(op: str, params: tuple, *, loss: Optional[str] = None) -> None
     messages (comparisons, which Dynamo traces; NaN fails them). ``op`` names the caller in
     messages; ``loss`` (default: ``op``) says whose parameters these are."""
     for (kind, name), value in zip(_PARAMS[loss or op][0], params, strict=True):
-        if name == "temperature" and not 0.0 < value < math.inf:
-            raise ValueError(f"{op}: temperature must be finite and > 0, got {value:g}")
-        if name.endswith("margin") and not 0.0 <= value < math.inf:
+        if kind == "str":
+            if value not in _MINING:
+                raise ValueError(f"{op}: mining must be 'all', 'batch_hard' or 'semi_hard', got '{value}'")
+        elif value is None:
+            continue
+        elif name in ("temperature", "alpha", "beta"):
+            if not 0.0 < value < math.inf:
+                raise ValueError(f"{op}: {name} must be finite and > 0, got {value:g}")
+        elif name == "base":
+            if not -math.inf < value < math.inf:
+                raise ValueError(f"{op}: base must be finite, got {value:g}")
+        elif not 0.0 <= value < math.inf:  # the margins, miner_epsilon
             raise ValueError(f"{op}: {name} must be finite and >= 0, got {value:g}")
-        if kind == "str" and value not in _MINING:
-            raise ValueError(f"{op}: mining must be 'all', 'batch_hard' or 'semi_hard', got '{value}'")
 
 
 def _check_device(op: str, embeddings: Tensor) -> None:
@@ -302,7 +373,8 @@ def _register(op: str) -> tuple:
     n = len(kinds)
 
     def check_raw(params):
-        check_scalars(op, *((kind, name, v) for (kind, name), v in zip(kinds, params, strict=True) if kind == "float"))
+        floats = ((name, v) for (kind, name), v in zip(kinds, params, strict=True) if kind != "str" and v is not None)
+        check_scalars(op, *(("float", name, v) for name, v in floats))
         # (a str argument is the schema's: the dispatcher refuses anything else)
 
     @torch.library.register_fake(f"torchkit::{op}")
@@ -310,7 +382,7 @@ def _register(op: str) -> tuple:
         check_raw(params)
         _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
         _check_params(op, params)
-        dtype = torch.int64 if op == "triplet_margin_loss" else acc_dtype(embeddings)
+        dtype = _STATS_DTYPE.get(op, acc_dtype(embeddings))
         stats = embeddings.new_empty((embeddings.shape[0], columns), dtype=dtype)
         return embeddings.new_empty(()), stats
 
