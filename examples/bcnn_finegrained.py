@@ -299,8 +299,8 @@ def train(args, ops: Ops, name: str, rank: int = 0, world: int = 1, device: torc
             images, labels = images.to(device), labels.to(device)
             start = time.perf_counter()
             if metric:
-                name, kwargs = METRIC_LOSSES[args.loss]
-                loss = getattr(ops.pair_losses, name)(net(images, embed=True), labels, **kwargs)
+                function, kwargs = METRIC_LOSSES[args.loss]
+                loss = getattr(ops.pair_losses, function)(net(images, embed=True), labels, **kwargs)
             else:
                 loss = ops.cross_entropy(net(images), labels, label_smoothing=args.label_smoothing)
             opt.zero_grad(set_to_none=True)

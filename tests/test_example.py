@@ -57,7 +57,7 @@ def test_metric_learning_mode(loss):
     assert result["accuracy"] is None and 0.0 <= result["ncm_accuracy"] <= 1.0
     assert list(result["recall"]) == [1, 2, 4, 8]
     text = example.summary(result)
-    assert "nearest-class-mean accuracy" in text and "recall@1/2/4/8" in text and "val accuracy" not in text
+    assert text.startswith("torchkit: 30 steps") and "nearest-class-mean accuracy" in text and "recall@1/2/4/8" in text and "val accuracy" not in text
 
 
 def test_reference_run_reports_both():
