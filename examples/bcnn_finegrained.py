@@ -383,6 +383,7 @@ def summary(result: dict) -> str:
     elif "ncm_accuracy" in result:
         text += f", val nearest-class-mean accuracy {result['ncm_accuracy']:.1%}"
         text += f" (chance {1 / result['classes']:.1%})"
+    if "recall" in result:
         text += ", recall@1/2/4/8 " + "/".join(f"{100 * r:.1f}" for r in result["recall"].values()) + " %"
     return text
 

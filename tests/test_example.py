@@ -30,7 +30,8 @@ def test_loss_decreases():
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["ncm_accuracy"] <= 1.0
-    assert result["classes"] == 4 and "chance 25.0%" in load_example().summary(result)
+    text = load_example().summary(result)
+    assert result["classes"] == 4 and "chance 25.0%" in text and "recall@1/2/4/8" in text
     assert list(result["recall"]) == [1, 2, 4, 8] and 0.0 <= result["recall"][1] <= result["recall"][8] <= 1.0
 
 
@@ -57,7 +58,12 @@ def test_metric_learning_mode(loss):
     assert result["accuracy"] is None and 0.0 <= result["ncm_accuracy"] <= 1.0
     assert list(result["recall"]) == [1, 2, 4, 8]
     text = example.summary(result)
-    assert text.startswith("torchkit: 30 steps") and "nearest-class-mean accuracy" in text and "recall@1/2/4/8" in text and "val accuracy" not in text
+    assert (
+        text.startswith("torchkit: 30 steps")
+        and "nearest-class-mean accuracy" in text
+        and "recall@1/2/4/8" in text
+        and "val accuracy" not in text
+    )
 
 
 def test_reference_run_reports_both():

@@ -7,6 +7,9 @@
 // d² = |c_i|² + |c_j|² − 2 c_i·c_j is computed by one GEMM; where it cancelled (d² below
 // (|c_i|² + |c_j|²)/kRefineRatio: near-duplicates) the entry is recomputed as Σ(e_i − e_j)² in
 // float64 from the inputs and their float64 norms, and its gradient is taken the same way.
+// Choices (which pairs' terms count, which triplets, the hardest pairs) are the exact
+// distances' own: a tile's distance is within a bound of the exact one (Inputs::clear), and a
+// choice that close to its threshold is made on the exact distance.
 // Backward: per tile ∂loss/∂d_ij (from the forward's statistics) becomes w_ij = ∂loss/∂d_ij / d_ij
 // and Σ_j w_ij (c_i − c_j) one GEMM; then the normalisation's Jacobian per row.
 #include <ATen/OpMathType.h>
