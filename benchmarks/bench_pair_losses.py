@@ -124,3 +124,68 @@ def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, imp
     if loss == "triplet_margin_loss":
         case = f"{case} {params['mining']}"
     run(benchmark, step, op=loss, case=case, pass_=pass_, impl=impl, device=device, **extra)
+
+
+@torch.no_grad()
+def proxy_roofline(e, proxies, backward=False):
+    s = e @ proxies.T
+    if backward:
+        s @ proxies, s.T @ e
+    return s
+
+
+def pml_proxy_anchor(C, D):
+    """PML's ProxyAnchorLoss holding the given proxies, as fn(embeddings, labels, proxies)."""
+    loss = losses.ProxyAnchorLoss(C, D)
+    del loss.proxies  # the benchmark's tensor instead of its parameter
+
+    def fn(e, labels, proxies):
+        loss.proxies = proxies
+        return loss(e, labels)
+
+    return fn
+
+
+PROXY_IMPLS = {
+    "torchkit": lambda C, D: ops.proxy_anchor_loss,
+    "reference": lambda C, D: reference.proxy_anchor_loss,
+    "torch.compile(reference)": lambda C, D: compiled_reference("proxy_anchor_loss"),
+    PML: pml_proxy_anchor,
+}
+
+# (case, N, D, classes): CUB-200's batch and classes; Stanford Online Products' 11,318 classes.
+PROXY_CASES = [
+    pytest.param("N=1024 D=512 C=200 fp32", 1024, 512, 200, marks=pytest.mark.headline),
+    pytest.param("N=1024 D=512 C=11318 fp32", 1024, 512, 11318),
+]
+
+
+@pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", [*PROXY_IMPLS, ROOFLINE])
+@pytest.mark.parametrize("case,N,D,C", PROXY_CASES)
+def test_proxy_anchor_loss(benchmark, case, N, D, C, impl, pass_):
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(N, D, generator=g)
+    proxies = torch.randn(C, D, generator=g)
+    labels = torch.randint(C, (N,), generator=g)
+    extra = {"flops": 2 * N * C * D * (1 if pass_ == "forward" else 3)}
+    if impl == ROOFLINE:
+
+        def step():
+            proxy_roofline(e, proxies, backward=pass_ != "forward")
+    else:
+        fn = PROXY_IMPLS[impl](C, D)
+        if pass_ == "forward":
+
+            def step():
+                with torch.no_grad():
+                    fn(e, labels, proxies)
+        else:
+            e.requires_grad_()
+            proxies.requires_grad_()
+
+            def step():
+                fn(e, labels, proxies).backward()
+                e.grad = proxies.grad = None
+
+    run(benchmark, step, op="proxy_anchor_loss", case=case, pass_=pass_, impl=impl, device="cpu", **extra)

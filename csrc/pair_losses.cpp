@@ -85,6 +85,37 @@ Mining check_mining(const char* op, c10::string_view mining) {
   return Mining::SemiHard;
 }
 
+Problem check_proxy_inputs(const at::Tensor& embeddings, const at::Tensor& labels,
+                           const at::Tensor& proxies, const c10::Scalar& margin,
+                           const c10::Scalar& alpha) {
+  const char* op = "proxy_anchor_loss";
+  check_floating(op, "embeddings", embeddings);
+  TK_CHECK_VALUE(op, embeddings.dim() == 2, "embeddings must be 2-D (N, D), got shape ",
+                 embeddings.sizes());
+  check_same_device(op, "embeddings", embeddings, "labels", labels);
+  check_labels(op, "labels", labels, "embeddings", embeddings);
+  check_same_device(op, "embeddings", embeddings, "proxies", proxies);
+  check_same_dtype(op, "embeddings", embeddings, "proxies", proxies);
+  TK_CHECK_VALUE(op, proxies.dim() == 2 && proxies.size(1) == embeddings.size(1),
+                 "proxies must be 2-D (C, D) with embeddings' D, got embeddings of shape ",
+                 embeddings.sizes(), " and proxies of shape ", proxies.sizes());
+  Problem p;
+  p.op = op;
+  p.N = proxies.size(0);
+  p.M = embeddings.size(0);
+  p.D = embeddings.size(1);
+  p.self = false;
+  p.margin = check_margin(op, "margin", margin);
+  p.alpha = check_positive(op, "alpha", alpha);
+  if (labels.numel() > 0 && labels.device().is_cpu()) {
+    const at::Tensor l = labels.to(at::kLong);
+    const int64_t low = l.min().item<int64_t>(), high = l.max().item<int64_t>();
+    TK_CHECK_INDEX(op, low >= 0 && high < p.N, "labels must lie in [0, C) = [0, ", p.N,
+                   ") (a row of proxies each), got ", low < 0 ? low : high);
+  }
+  return p;
+}
+
 void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& embeddings,
                            const at::Tensor& stats, int64_t columns,
                            std::optional<at::ScalarType> stats_type) {
@@ -154,6 +185,13 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
       "_multi_similarity_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar alpha, Scalar beta, Scalar base, "
       "Scalar? miner_epsilon, bool[2] output_mask) -> (Tensor, Tensor)");
+  m.def(
+      "proxy_anchor_loss(Tensor embeddings, Tensor labels, Tensor proxies, Scalar margin, Scalar "
+      "alpha) -> (Tensor, Tensor)");
+  m.def(
+      "_proxy_anchor_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor "
+      "proxies, Tensor stats, Scalar margin, Scalar alpha, bool[2] output_mask) -> (Tensor, "
+      "Tensor)");
 }
 
 }  // namespace torchkit::pair_losses

@@ -37,6 +37,13 @@
 //   and the loss is their mean over the N anchors; 0 when each kind keeps at most one pair.
 //   stats (N, 5) float64: the anchor's largest negative and smallest positive s (exact; ∓∞
 //   without), its two log terms Lp_i and Ln_i, and 1/N (0 for a zero loss).
+// proxy_anchor_loss (ProxyAnchorLoss + DivisorReducer, holding the given proxies), s the
+//   cosine similarity of an embedding and a proxy, proxy c's positives the embeddings of label
+//   c: per proxy Lp_c = log(1 + Σ_positives exp(α(margin − s))) and
+//   Ln_c = log(1 + Σ_negatives exp(α(s + margin))); the loss is Σ Lp_c over the P proxies with
+//   positives (0 for none) plus Σ Ln_c over the C proxies. Problem: the proxies are the
+//   anchors (N = C), the embeddings the refs (M). stats (C, 4): Lp_c, Ln_c, α/P (0 for none),
+//   α/C.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -52,6 +59,7 @@ constexpr int64_t kNTXentStats = 3;
 constexpr int64_t kContrastiveStats = 2;
 constexpr int64_t kTripletStats = 3;
 constexpr int64_t kMultiSimilarityStats = 5;
+constexpr int64_t kProxyAnchorStats = 4;
 
 enum class Mining { All, BatchHard, SemiHard };
 
@@ -78,6 +86,10 @@ double check_margin(const char* op, const char* name, const c10::Scalar& margin)
 double check_positive(const char* op, const char* name, const c10::Scalar& value);
 double check_finite(const char* op, const char* name, const c10::Scalar& value);
 Mining check_mining(const char* op, c10::string_view mining);
+// proxy_anchor_loss's inputs: labels in [0, C) (read: CPU tensors), margin >= 0, alpha > 0.
+Problem check_proxy_inputs(const at::Tensor& embeddings, const at::Tensor& labels,
+                           const at::Tensor& proxies, const c10::Scalar& margin,
+                           const c10::Scalar& alpha);
 
 // grad is the loss's gradient (a scalar of embeddings' dtype), stats the forward's, with
 // `columns` per anchor, of stats_type (the accumulation type if undefined).

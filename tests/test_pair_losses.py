@@ -15,6 +15,7 @@ from testing import (
     check_gradcheck,
     check_meta_refuses_like_eager,
     check_opcheck,
+    compiled,
 )
 
 import torchkit
@@ -523,6 +524,7 @@ def peak_growth_mib(call: str, N: int, D: int, classes: int) -> float:
         "g = torch.Generator().manual_seed(0)\n"
         f"E = torch.randn({N}, {D}, generator=g).requires_grad_()\n"
         f"L = torch.randint({classes}, ({N},), generator=g)\n"
+        f"P = torch.randn({classes}, {D}, generator=g).requires_grad_()  # proxies, one per class\n"
         "e, labels = E[:300], L[:300]\n"
         f"ops.{loss}{args}.backward()\n"
         "E.grad = None\n"
@@ -644,7 +646,35 @@ def bad_cases(loss):
     return cases
 
 
-BAD = [pytest.param(loss, *case, id=f"{loss}-{i}") for loss in NAMES for i, case in enumerate(bad_cases(loss))]
+def proxy_bad_cases():
+    fn, p3 = ops.proxy_anchor_loss, make((3, 4), torch.float32, seed=5)
+    cases = [
+        (lambda: fn(e4[0], l6, p3), ValueError, r"embeddings must be 2-D \(N, D\), got shape \[4\]"),
+        (lambda: fn(e4.long(), l6, p3), TypeError, r"embeddings must be float32, float64, float16 or bfloat16"),
+        (lambda: fn(e4, l6.float(), p3), TypeError, r"labels must have an integer dtype, got Float"),
+        (lambda: fn(e4, l6[:5], p3), ValueError, r"labels must be 1-D with one label per row of embeddings \(6\)"),
+        (
+            lambda: fn(e4, l6, p3.double()),
+            TypeError,
+            r"embeddings and proxies must have the same dtype, got Float and Double",
+        ),
+        (lambda: fn(e4, l6, p3[:, :3]), ValueError, r"proxies must be 2-D \(C, D\) with embeddings' D"),
+        (lambda: fn(e4, l6, p3[0]), ValueError, r"proxies must be 2-D \(C, D\) with embeddings' D"),
+    ]
+    for value, shown in ((-0.1, "-0.1"), (float("inf"), "inf"), (float("nan"), "nan")):
+        cases.append(
+            (lambda v=value: fn(e4, l6, p3, margin=v), ValueError, rf"margin must be finite and >= 0, got {shown}")
+        )
+    for value, shown in ((0.0, "0"), (float("inf"), "inf")):
+        cases.append(
+            (lambda v=value: fn(e4, l6, p3, alpha=v), ValueError, rf"alpha must be finite and > 0, got {shown}")
+        )
+    return cases
+
+
+BAD = [pytest.param(loss, *case, id=f"{loss}-{i}") for loss in NAMES for i, case in enumerate(bad_cases(loss))] + [
+    pytest.param("proxy_anchor_loss", *case, id=f"proxy_anchor_loss-{i}") for i, case in enumerate(proxy_bad_cases())
+]
 
 
 @pytest.mark.bad_input
@@ -672,6 +702,15 @@ def test_bad_input_on_meta_tensors(monkeypatch, loss, call, exc, match):
 def test_raw_op_refuses_like_the_function(monkeypatch, loss, call, exc, match):
     """torch.ops.torchkit.<loss> validates what it reads: the same exception and message."""
     op, _ = raw(loss)
+    if loss == "proxy_anchor_loss":
+
+        def call_raw(e, labels, proxies, margin=0.1, alpha=32.0):
+            return op(e, labels, proxies, margin, alpha)
+
+        monkeypatch.setattr(ops, loss, call_raw)
+        with pytest.raises(exc, match=match):
+            call()
+        return
     defaults = dict(dict(VARIANTS)[loss])
 
     def call_raw(e, labels, *args, ref_embeddings=None, ref_labels=None, **kwargs):
@@ -806,3 +845,218 @@ def test_inputs_are_never_written(loss, params, dtype, scale):
     getattr(ops, loss)(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels).backward()
     getattr(ops, loss)(e, labels, **params).backward()
     assert torch.equal(e.detach(), before[0]) and torch.equal(ref.detach(), before[1])
+
+
+# ---------------------------------------------------------------------------- proxy_anchor_loss
+
+
+def pml_proxy_anchor(margin=0.1, alpha=32.0):
+    """PML's ProxyAnchorLoss holding the given proxies, as fn(embeddings, labels, proxies)."""
+
+    def fn(embeddings, labels, proxies):
+        loss = losses.ProxyAnchorLoss(len(proxies), proxies.shape[1], margin=margin, alpha=alpha).to(proxies.dtype)
+        del loss.proxies
+        loss.proxies = proxies  # a leaf of the caller's: its gradient lands there
+        return loss(embeddings, labels)
+
+    return fn
+
+
+def proxy_loss_and_grads(fn, e, labels, proxies):
+    leaves = [e.detach().clone().requires_grad_(), proxies.detach().clone().requires_grad_()]
+    out = fn(leaves[0], labels, leaves[1])
+    grads = torch.autograd.grad(out, leaves, allow_unused=True) if out.requires_grad else [None, None]
+    return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("N,C,D", [(50, 5, 16), (160, 40, 33), (129, 300, 65), (9, 1, 5), (0, 3, 4), (70, 70, 8)])
+@pytest.mark.parametrize("margin,alpha", [(0.1, 32.0), (0.0, 4.0)])
+def test_proxy_anchor_matches_pytorch_metric_learning(dtype, N, C, D, margin, alpha):
+    """Values and the gradients of the embeddings and the proxies; classes without samples
+    (C = 300 > N) count only in the negative term, as PML's divisors have it."""
+    e, labels, proxies = make((N, D), dtype, seed=1), make_labels(N, C), make((C, D), dtype, seed=2)
+    got, got_grads = proxy_loss_and_grads(
+        lambda a, lab, p: ops.proxy_anchor_loss(a, lab, p, margin, alpha), e, labels, proxies
+    )
+    exp, exp_grads = proxy_loss_and_grads(pml_proxy_anchor(margin, alpha), e, labels, proxies)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, exp, **tol)
+    for a, b in zip(got_grads, exp_grads, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_proxy_anchor_reference_is_pml():
+    e, labels, proxies = make((30, 6)), make_labels(30, 8), make((8, 6), seed=1)
+    torch.testing.assert_close(
+        reference.proxy_anchor_loss(e, labels, proxies, 0.2, 16.0), pml_proxy_anchor(0.2, 16.0)(e, labels, proxies)
+    )
+
+
+def test_proxy_anchor_float32_is_within_1e5_of_float64():
+    e, labels, proxies = (
+        make((300, 64), torch.float32, seed=3, offset=0.3),
+        make_labels(300, 20),
+        make((20, 64), torch.float32, seed=4),
+    )
+    fn = ops.proxy_anchor_loss
+    got, got_grads = proxy_loss_and_grads(fn, e, labels, proxies)
+    exp, exp_grads = proxy_loss_and_grads(reference.proxy_anchor_loss, e.double(), labels, proxies.double())
+    assert abs(got.double() - exp).item() <= 1e-5 * exp.abs().item()
+    for a, b in zip(got_grads, exp_grads, strict=True):
+        assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_proxy_anchor_reduced_precision_accumulates_in_float32(dtype):
+    e, labels, proxies = make((100, 32), dtype, seed=7), make_labels(100, 8), make((8, 32), dtype, seed=8)
+    got, (g, gp) = proxy_loss_and_grads(
+        lambda a, lab, p: ops.proxy_anchor_loss(a, lab, p, 0.1, 8.0), e, labels, proxies
+    )
+    exp, (g64, gp64) = proxy_loss_and_grads(
+        lambda a, lab, p: reference.proxy_anchor_loss(a, lab, p, 0.1, 8.0), e.double(), labels, proxies.double()
+    )
+    eps = torch.finfo(dtype).eps
+    assert got.dtype == g.dtype == gp.dtype == dtype
+    assert abs(got.double() - exp).item() <= 2 * eps * exp.abs().item()
+    assert (g.double() - g64).abs().max() <= 4 * eps * g64.abs().max()
+    assert (gp.double() - gp64).abs().max() <= 4 * eps * gp64.abs().max()
+
+
+def test_proxy_anchor_real_embeddings():
+    """sklearn's digits as embeddings, 10 random proxies, against PML."""
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits()
+    e = torch.tensor(digits.data[:600], dtype=torch.float32)
+    labels = torch.tensor(digits.target[:600])
+    proxies = make((10, 64), torch.float32, seed=9)
+    got, got_grads = proxy_loss_and_grads(ops.proxy_anchor_loss, e, labels, proxies)
+    exp, exp_grads = proxy_loss_and_grads(pml_proxy_anchor(), e, labels, proxies)
+    torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, exp_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,scales", [(torch.float32, (1e-11, 1e20, 1e38)), (torch.float64, (1e-11, 1e300))])
+def test_proxy_anchor_the_whole_finite_range(dtype, scales):
+    e, labels, proxies = make((40, 6), dtype, seed=11), make_labels(40, 5), make((5, 6), dtype, seed=12)
+    base, (g_base, gp_base) = proxy_loss_and_grads(ops.proxy_anchor_loss, e, labels, proxies)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for scale in scales:
+        got, (g, gp) = proxy_loss_and_grads(ops.proxy_anchor_loss, e * scale, labels, proxies * scale)
+        torch.testing.assert_close(got, base, **tol)
+        torch.testing.assert_close(g.double() * scale, g_base.double(), **tol)
+        torch.testing.assert_close(gp.double() * scale, gp_base.double(), **tol)
+
+
+@pytest.mark.parametrize("where", ["embeddings", "proxies"])
+def test_proxy_anchor_nan_makes_the_loss_nan(where):
+    e, labels, proxies = make((20, 5)), make_labels(20, 3), make((3, 5), seed=1)
+    (e if where == "embeddings" else proxies)[1, 2] = float("nan")
+    assert ops.proxy_anchor_loss(e, labels, proxies).isnan()
+
+
+def test_proxy_anchor_empty_batch_is_zero_with_zero_gradients():
+    e = make((0, 4)).requires_grad_()
+    proxies = make((3, 4)).requires_grad_()
+    out = ops.proxy_anchor_loss(e, torch.zeros(0, dtype=torch.long), proxies)
+    assert out.item() == 0
+    (gp,) = torch.autograd.grad(out, proxies, allow_unused=True, materialize_grads=True)
+    assert torch.equal(gp, torch.zeros_like(proxies))
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("bad", [5, -1])
+def test_proxy_anchor_labels_must_name_a_proxy(bad):
+    """Read by the kernel (a host check on CPU tensors): the same IndexError eagerly, through the
+    raw op and compiled."""
+    labels = torch.tensor([0, 1, 2, bad, 0, 1])
+    proxies = make((5, 4), torch.float32)
+    pattern = rf"proxy_anchor_loss: labels must lie in \[0, C\) = \[0, 5\) \(a row of proxies each\), got {bad}"
+    with pytest.raises(IndexError, match=pattern):
+        ops.proxy_anchor_loss(e4, labels, proxies)
+    with pytest.raises(IndexError, match=pattern):
+        torch.ops.torchkit.proxy_anchor_loss(e4, labels, proxies, 0.1, 32.0)
+    with pytest.raises(Exception, match=pattern):
+        compiled(ops.proxy_anchor_loss)(e4, labels, proxies)
+
+
+@pytest.mark.parametrize("with_proxies", [False, True])
+def test_proxy_anchor_gradcheck(with_proxies):
+    e = make((7, 3), seed=9).requires_grad_()
+    labels = torch.tensor([0, 1, 0, 2, 1, 0, 2])
+    proxies = make((4, 3), seed=10).requires_grad_(with_proxies)
+    check_gradcheck(lambda a, p: ops.proxy_anchor_loss(a, labels, p, 0.1, 4.0), (e, proxies))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_proxy_anchor_opcheck(dtype):
+    op, backward = raw("proxy_anchor_loss")
+    e, labels, proxies = (
+        make((10, 4), dtype).requires_grad_(),
+        make_labels(10, 3),
+        make((3, 4), dtype, seed=1).requires_grad_(),
+    )
+    check_opcheck(op, (e, labels, proxies, 0.1, 32.0))
+    value, stats = op(e.detach(), labels, proxies.detach(), 0.1, 32.0)
+    check_opcheck(
+        backward, (torch.ones_like(value), e.detach(), labels, proxies.detach(), stats, 0.1, 32.0, [True, True])
+    )
+    check_opcheck(
+        backward, (torch.ones_like(value), e.detach(), labels, proxies.detach(), stats, 0.1, 32.0, [False, True])
+    )
+
+
+def test_proxy_anchor_compile_dynamic():
+    for N in (20, 33):
+        e = make((N, 8), torch.float32).requires_grad_()
+        proxies = make((5, 8), torch.float32, seed=1).requires_grad_()
+        check_compile(lambda a, lab, p: ops.proxy_anchor_loss(a, lab, p), e, make_labels(N, 5), proxies)
+
+
+def test_proxy_anchor_deterministic_on_any_number_of_threads():
+    e, labels, proxies = (
+        make((300, 40), torch.float32, seed=8),
+        make_labels(300, 30),
+        make((30, 40), torch.float32, seed=9),
+    )
+    results = []
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            results.append(proxy_loss_and_grads(ops.proxy_anchor_loss, e, labels, proxies))
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+def test_proxy_anchor_inputs_are_never_written():
+    e, proxies = make((30, 5)).requires_grad_(), make((4, 5), seed=1).requires_grad_()
+    before = e.detach().clone(), proxies.detach().clone()
+    ops.proxy_anchor_loss(e, make_labels(30, 4), proxies).backward()
+    assert torch.equal(e.detach(), before[0]) and torch.equal(proxies.detach(), before[1])
+
+
+def test_proxy_anchor_module():
+    torch.manual_seed(0)
+    m = torchkit.nn.ProxyAnchorLoss(5, 8, margin=0.2, alpha=16.0)
+    assert repr(m) == "ProxyAnchorLoss(num_classes=5, embedding_size=8, margin=0.2, alpha=16.0)"
+    assert [name for name, _ in m.named_parameters()] == ["proxies"] and m.proxies.shape == (5, 8)
+    e, labels = make((12, 8), torch.float32), make_labels(12, 5)
+    assert m(e, labels).item() == ops.proxy_anchor_loss(e, labels, m.proxies, 0.2, 16.0).item()
+    m(e, labels).backward()
+    assert m.proxies.grad is not None and m.proxies.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"ProxyAnchorLoss: alpha must be finite and > 0, got 0"):
+        torchkit.nn.ProxyAnchorLoss(5, 8, alpha=0)
+    with pytest.raises(ValueError, match=r"ProxyAnchorLoss: num_classes and embedding_size must be >= 1"):
+        torchkit.nn.ProxyAnchorLoss(0, 8)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_proxy_anchor_memory_is_linear():
+    """N = 8192, D = 128, 100 proxies, forward and backward: under 16 MiB more (the N×C matrix
+    would be 3 MiB here, but it is never formed: at C = 11,000 it would be 350 MiB)."""
+    growth = peak_growth_mib("proxy_anchor_loss(P)", 8192, 128, 100)
+    assert growth < 16, f"peak grew by {growth:.1f} MiB"

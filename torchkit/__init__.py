@@ -134,7 +134,14 @@ def kernels(device: str | torch.device = "cpu") -> dict[str, bool | None]:
 # functions refuse CUDA tensors with a message saying so.
 CPU_ONLY = frozenset(
     f"torchkit::{name}"
-    for op in ("supcon_loss", "ntxent_loss", "contrastive_loss", "triplet_margin_loss", "multi_similarity_loss")
+    for op in (
+        "supcon_loss",
+        "ntxent_loss",
+        "contrastive_loss",
+        "triplet_margin_loss",
+        "multi_similarity_loss",
+        "proxy_anchor_loss",
+    )
     for name in (op, f"_{op}_backward")
 )
 

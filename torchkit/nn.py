@@ -12,7 +12,7 @@ from torchkit.ops._common import as_float, as_int, check_bool
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.label_smoothing_cross_entropy import check_reduction
 from torchkit.ops.pair_losses import _PARAMS as _PAIR_PARAMS
-from torchkit.ops.pair_losses import _as_params, _check_params
+from torchkit.ops.pair_losses import _as_params, _check_params, _check_proxy_params
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "LabelSmoothingCrossEntropy",
     "MultiSimilarityLoss",
     "NTXentLoss",
+    "ProxyAnchorLoss",
     "RegionConfusion",
     "SupConLoss",
     "TripletMarginLoss",
@@ -346,3 +347,33 @@ class MultiSimilarityLoss(_PairLoss):
         self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, miner_epsilon: Optional[float] = 0.1
     ) -> None:
         super().__init__(alpha=alpha, beta=beta, base=base, miner_epsilon=miner_epsilon)
+
+
+class ProxyAnchorLoss(nn.Module):
+    """pytorch-metric-learning's ``ProxyAnchorLoss(num_classes, embedding_size, margin=0.1,
+    alpha=32)`` on the fused kernel: it holds the proxies, a ``(num_classes, embedding_size)``
+    parameter initialised as PML's (Kaiming normal, fan-out); see
+    :func:`torchkit.ops.proxy_anchor_loss`. Train them with their own optimiser group (the
+    paper uses a 100× larger learning rate)."""
+
+    def __init__(self, num_classes: int, embedding_size: int, margin: float = 0.1, alpha: float = 32.0) -> None:
+        super().__init__()
+        name = "ProxyAnchorLoss"
+        num_classes = as_int(name, "num_classes", num_classes)
+        embedding_size = as_int(name, "embedding_size", embedding_size)
+        if num_classes < 1 or embedding_size < 1:
+            raise ValueError(
+                f"{name}: num_classes and embedding_size must be >= 1, got {num_classes} and {embedding_size}"
+            )
+        self.margin = as_float(name, "margin", margin)
+        self.alpha = as_float(name, "alpha", alpha)
+        _check_proxy_params(name, self.margin, self.alpha)
+        self.proxies = nn.Parameter(torch.empty(num_classes, embedding_size))
+        nn.init.kaiming_normal_(self.proxies, mode="fan_out")
+
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        return ops.proxy_anchor_loss(embeddings, labels, self.proxies, self.margin, self.alpha)
+
+    def extra_repr(self) -> str:
+        n, d = self.proxies.shape
+        return f"num_classes={n}, embedding_size={d}, margin={self.margin!r}, alpha={self.alpha!r}"

@@ -21,6 +21,7 @@ __all__ = [
     "multi_similarity_loss",
     "ntxent_loss",
     "permute_blocks",
+    "proxy_anchor_loss",
     "region_confusion",
     "supcon_loss",
     "triplet_margin_loss",
@@ -338,3 +339,18 @@ def multi_similarity_loss(
     lp = torch.logsumexp(torch.cat([(alpha * (base - s)).masked_fill(~positive, float("-inf")), one], 1), 1)
     ln = torch.logsumexp(torch.cat([(beta * (s - base)).masked_fill(~negative, float("-inf")), one], 1), 1)
     return (lp / alpha + ln / beta).mean()
+
+
+def proxy_anchor_loss(
+    embeddings: Tensor, labels: Tensor, proxies: Tensor, margin: float = 0.1, alpha: float = 32.0
+) -> Tensor:
+    """pytorch-metric-learning's ProxyAnchorLoss holding ``proxies``, with its defaults, on the
+    full N×C matrix."""
+    s = F.normalize(embeddings, dim=1) @ F.normalize(proxies, dim=1).T
+    positive = F.one_hot(labels.long(), len(proxies)).bool()
+    one = torch.zeros(1, len(proxies), dtype=s.dtype, device=s.device)  # log(1 + Σ)
+    lp = torch.logsumexp(torch.cat([(alpha * (margin - s)).masked_fill(~positive, float("-inf")), one]), 0)
+    ln = torch.logsumexp(torch.cat([(alpha * (s + margin)).masked_fill(positive, float("-inf")), one]), 0)
+    with_positives = positive.any(0)
+    pos = lp.sum() / with_positives.sum() if with_positives.any() else (s * 0).sum()
+    return pos + ln.sum() / len(proxies)

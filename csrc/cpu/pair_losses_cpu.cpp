@@ -408,33 +408,22 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
   return {at::scalar_tensor(total * w, embeddings.options()), stats};
 }
 
-// ∂loss/∂E for the rows of `own` against `other` (rows_grad's roles), from the stats: per
-// tile ∂loss/∂s_ij of the kept pairs, −w·exp(α(base − s) − Lp_i) for a positive and
-// w·exp(β(s − base) − Ln_i) for a negative (both anchors' terms without refs: s is
-// symmetric), times other's scale into one GEMM; then the normalisation's Jacobian.
-template <typename acc_t>
-Tensor ms_rows_grad(const Problem& p, const Inputs& in, const MultiSimilarity<acc_t>& ms,
-                    const double* st, bool anchors_own, acc_t grad) {
-  constexpr int64_t S = kMultiSimilarityStats;
+// ∂loss/∂E for the rows of `own` against `other` (rows_grad's roles) of a loss whose
+// ∂loss/∂s is, for anchor i's negative j, weight·exp(terms.negative(i, j, s)) (an exponent,
+// −∞ where the pair does not count), and for its positive j terms.positive(i, j, s): per
+// tile (both anchors' terms without refs: s is symmetric), the negatives' exponentials
+// vectorised and the positives (few) one at a time, times other's scale into one GEMM; then
+// the normalisation's Jacobian.
+template <typename acc_t, typename Terms>
+Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc_t weight,
+                     bool anchors_own, acc_t grad) {
+  using V = Vectorized<acc_t>;
   const Side& own = anchors_own ? in.a : in.b;
   const Side& other = anchors_own ? in.b : in.a;
   const int64_t* la = in.lab.const_data_ptr<int64_t>();
   const int64_t* lb = in.ref_lab.const_data_ptr<int64_t>();
   const acc_t* io = own.scale.const_data_ptr<acc_t>();
   const acc_t* ib = other.scale.const_data_ptr<acc_t>();
-  auto positive = [&](int64_t i, int64_t j, double s) {  // anchor i's positive j
-    if (!ms.mined(i, j, s, true)) return 0.0;
-    return -st[i * S + 4] * std::exp(p.alpha * (p.base - s) - st[i * S + 2]);
-  };
-  // A negative's term w·exp(β(s − base) − Ln) for each of its (up to two) anchors: their
-  // exponents gathered per row (−∞ where not kept), the exponentials vectorised; positives
-  // (few) one at a time.
-  using V = Vectorized<acc_t>;
-  auto exponent = [&](int64_t i, int64_t j, double s) {  // anchor i's negative j
-    return ms.mined(i, j, s, false) ? static_cast<acc_t>(p.beta * (s - p.base) - st[i * S + 3])
-                                    : -std::numeric_limits<acc_t>::infinity();
-  };
-  const acc_t w = static_cast<acc_t>(st[4]);  // 1/N, the same in every row
   Tensor out = at::zeros_like(own.rows);
   for_each_tile(own.rows, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
@@ -449,22 +438,23 @@ Tensor ms_rows_grad(const Problem& p, const Inputs& in, const MultiSimilarity<ac
         e1[c] = e2[c] = -std::numeric_limits<acc_t>::infinity();
         if ((p.self && i == j) || la[anchors_own ? i : j] == lb[anchors_own ? j : i]) continue;
         const double s_ij = x[c];
-        e1[c] = anchors_own ? exponent(i, j, s_ij) : exponent(j, i, s_ij);
-        if (p.self) e2[c] = exponent(j, i, s_ij);
+        e1[c] = static_cast<acc_t>(anchors_own ? terms.negative(i, j, s_ij)
+                                               : terms.negative(j, i, s_ij));
+        if (p.self) e2[c] = static_cast<acc_t>(terms.negative(j, i, s_ij));
       }
       int64_t c = 0;
       for (; c + V::size() <= dj; c += V::size()) {
-        const V g = V(w) * (V::loadu(e1 + c).exp() + V::loadu(e2 + c).exp());
+        const V g = V(weight) * (V::loadu(e1 + c).exp() + V::loadu(e2 + c).exp());
         g.store(e1 + c);
       }
-      for (; c < dj; ++c) e1[c] = w * (std::exp(e1[c]) + std::exp(e2[c]));
+      for (; c < dj; ++c) e1[c] = weight * (std::exp(e1[c]) + std::exp(e2[c]));
       for (c = 0; c < dj; ++c) {
         const int64_t j = b0 + c;
         double g = e1[c];
         if (!(p.self && i == j) && la[anchors_own ? i : j] == lb[anchors_own ? j : i]) {
           const double s_ij = x[c];
-          g = anchors_own ? positive(i, j, s_ij) : positive(j, i, s_ij);
-          if (p.self) g += positive(j, i, s_ij);
+          g = anchors_own ? terms.positive(i, j, s_ij) : terms.positive(j, i, s_ij);
+          if (p.self) g += terms.positive(j, i, s_ij);
         }
         x[c] = static_cast<acc_t>(g) * ib[j];
       }
@@ -474,6 +464,98 @@ Tensor ms_rows_grad(const Problem& p, const Inputs& in, const MultiSimilarity<ac
   through_normalisation<acc_t>(out, own, grad);
   return out;
 }
+
+// Multi-similarity's ∂loss/∂s from its stats: w·exp(β(s − base) − Ln_i) for a kept negative,
+// −w·exp(α(base − s) − Lp_i) for a kept positive.
+template <typename acc_t>
+struct MultiSimilarityTerms {
+  const Problem& p;
+  const MultiSimilarity<acc_t>& ms;
+  const double* st;
+  static constexpr int64_t S = kMultiSimilarityStats;
+  double negative(int64_t i, int64_t j, double s) const {
+    return ms.mined(i, j, s, false) ? p.beta * (s - p.base) - st[i * S + 3]
+                                    : -std::numeric_limits<double>::infinity();
+  }
+  double positive(int64_t i, int64_t j, double s) const {
+    if (!ms.mined(i, j, s, true)) return 0.0;
+    return -st[i * S + 4] * std::exp(p.alpha * (p.base - s) - st[i * S + 2]);
+  }
+};
+
+// ---------------------------------------------------------------------------- proxy anchor
+
+// The proxies are the anchors (rows of the tiles, label c for proxy c) and the embeddings
+// the refs: per proxy, log(1 + Σ_its positives exp(α(margin − s))) and
+// log(1 + Σ_its negatives exp(α(s + margin))), folded over the tiles.
+template <typename scalar_t>
+std::tuple<Tensor, Tensor> proxy_anchor_forward(const Problem& p, const Inputs& in,
+                                                const Tensor& embeddings) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t S = kProxyAnchorStats;
+  const int64_t C = p.N;
+  Tensor stats = at::zeros({C, S}, in.a.rows.options());
+  acc_t* st = stats.data_ptr<acc_t>();
+  std::vector<LogSumExp> lse(2 * C);  // per proxy: [negatives, positives]
+  for (LogSumExp& l : lse) l.add(0.0);  // the 1
+  std::vector<char> with_positives(C, 0);
+  const int64_t* lab = in.lab.const_data_ptr<int64_t>();
+  const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
+  if (C > 0 && p.M > 0) {
+    for_each_tile(in.a.rows, in.b.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
+      const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
+      acc_t y[kCols];  // the negatives' α(s + margin), −∞ for the positives
+      for (int64_t r = 0; r < di; ++r) {
+        const int64_t c = a0 + r;
+        acc_t* x = s.data_ptr<acc_t>() + r * stride;
+        cos_row<acc_t>(p, in, x, c, b0, dj);
+        for (int64_t k = 0; k < dj; ++k) {
+          const double s_ck = x[k];
+          y[k] = static_cast<acc_t>(p.alpha * (s_ck + p.margin));
+          if (ref_lab[b0 + k] != lab[c]) continue;
+          y[k] = -std::numeric_limits<acc_t>::infinity();
+          with_positives[c] = 1;
+          lse[2 * c + 1].add(p.alpha * (p.margin - s_ck));  // (few: one at a time)
+        }
+        lse[2 * c].add(y, dj);
+      }
+    });
+  }
+  int64_t P = 0;
+  for (int64_t c = 0; c < C; ++c) P += with_positives[c];
+  double pos = 0, neg = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    const double lp = lse[2 * c + 1].value(), ln = lse[2 * c].value();
+    pos += lp;
+    neg += ln;
+    acc_t* row = st + c * S;
+    row[0] = static_cast<acc_t>(lp);
+    row[1] = static_cast<acc_t>(ln);
+    row[2] = static_cast<acc_t>(P > 0 ? p.alpha / static_cast<double>(P) : 0.0);
+    row[3] = static_cast<acc_t>(p.alpha / static_cast<double>(C));
+  }
+  // PML's DivisorReducer: the positive terms over the proxies with positives (0 without
+  // any), the negative ones over all proxies.
+  const double loss = (P > 0 ? pos / static_cast<double>(P) : 0.0) +
+                      (C > 0 ? neg / static_cast<double>(C) : 0.0);
+  return {at::scalar_tensor(loss, embeddings.options()), stats};
+}
+
+// Proxy anchor's ∂loss/∂s from its stats: α/C·exp(α(s + margin) − Ln_c) for a negative,
+// −α/P·exp(α(margin − s) − Lp_c) for a positive.
+template <typename acc_t>
+struct ProxyAnchorTerms {
+  const Problem& p;
+  const acc_t* st;
+  static constexpr int64_t S = kProxyAnchorStats;
+  double negative(int64_t c, int64_t, double s) const {
+    return p.alpha * (s + p.margin) - static_cast<double>(st[c * S + 1]);
+  }
+  double positive(int64_t c, int64_t, double s) const {
+    return -static_cast<double>(st[c * S + 2]) *
+           std::exp(p.alpha * (p.margin - s) - static_cast<double>(st[c * S]));
+  }
+};
 
 // ---------------------------------------------------------------------------- the ops
 
@@ -713,11 +795,62 @@ std::tuple<Tensor, Tensor> ms_backward_cpu(
                                     }
                                     const acc_t g = static_cast<acc_t>(grad.item<double>());
                                     const auto dtype = embeddings.scalar_type();
-                                    if (want_e || p.self)
-                                      ge = ms_rows_grad<acc_t>(p, in, ms, sp, true, g).to(dtype);
-                                    if (want_r && !p.self)
-                                      gr = ms_rows_grad<acc_t>(p, in, ms, sp, false, g).to(dtype);
+        const MultiSimilarityTerms<acc_t> terms{p, ms, sp};
+        const acc_t w = static_cast<acc_t>(sp[kMultiSimilarityStats - 1]);  // 1/N in every row
+        if (want_e || p.self) ge = cos_rows_grad<acc_t>(p, in, terms, w, true, g).to(dtype);
+        if (want_r && !p.self) gr = cos_rows_grad<acc_t>(p, in, terms, w, false, g).to(dtype);
                                   });
+  return outputs();
+}
+
+// The proxies as the anchors (labels 0..C−1), the embeddings as the refs.
+Inputs proxy_inputs(const Problem& p, const Tensor& embeddings, const Tensor& labels,
+                    const Tensor& proxies) {
+  Inputs in;
+  in.a = side(proxies);
+  in.b = side(embeddings);
+  in.lab = at::arange(p.N, labels.options().dtype(at::kLong));
+  in.ref_lab = labels.to(at::kLong).contiguous();
+  return in;
+}
+
+std::tuple<Tensor, Tensor> proxy_anchor_cpu(const Tensor& embeddings, const Tensor& labels,
+                                            const Tensor& proxies, const c10::Scalar& margin,
+                                            const c10::Scalar& alpha) {
+  const Problem p = check_proxy_inputs(embeddings, labels, proxies, margin, alpha);
+  const Inputs in = proxy_inputs(p, embeddings, labels, proxies);
+  std::tuple<Tensor, Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embeddings.scalar_type(),
+                                  "proxy_anchor_loss_cpu", [&] {
+                                    result = proxy_anchor_forward<scalar_t>(p, in, embeddings);
+                                  });
+  return result;
+}
+
+std::tuple<Tensor, Tensor> proxy_anchor_backward_cpu(const Tensor& grad, const Tensor& embeddings,
+                                                     const Tensor& labels, const Tensor& proxies,
+                                                     const Tensor& stats, const c10::Scalar& margin,
+                                                     const c10::Scalar& alpha,
+                                                     std::array<bool, 2> output_mask) {
+  const Problem p = check_proxy_inputs(embeddings, labels, proxies, margin, alpha);
+  check_backward_inputs(p, grad, embeddings, stats, kProxyAnchorStats);
+  const bool want_e = output_mask[0], want_p = output_mask[1];
+  Tensor ge, gp;
+  auto outputs = [&] { return backward_outputs(ge, gp, want_e, want_p, embeddings, proxies); };
+  if ((!want_e && !want_p) || p.N == 0 || p.M == 0 || p.D == 0) return outputs();
+  const Inputs in = proxy_inputs(p, embeddings, labels, proxies);
+  const Tensor st = stats.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, embeddings.scalar_type(), "proxy_anchor_loss_backward_cpu", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const acc_t* sp = st.const_data_ptr<acc_t>();
+        const ProxyAnchorTerms<acc_t> terms{p, sp};
+        const acc_t w = sp[3];  // α/C in every row
+        const acc_t g = static_cast<acc_t>(grad.item<double>());
+        const auto dtype = embeddings.scalar_type();
+        if (want_p) gp = cos_rows_grad<acc_t>(p, in, terms, w, true, g).to(dtype);
+        if (want_e) ge = cos_rows_grad<acc_t>(p, in, terms, w, false, g).to(dtype);
+      });
   return outputs();
 }
 
@@ -730,6 +863,8 @@ TORCH_LIBRARY_IMPL(torchkit, CPU, m) {
   m.impl("_ntxent_loss_backward", &backward_cpu<true>);
   m.impl("multi_similarity_loss", &ms_forward_cpu);
   m.impl("_multi_similarity_loss_backward", &ms_backward_cpu);
+  m.impl("proxy_anchor_loss", &proxy_anchor_cpu);
+  m.impl("_proxy_anchor_loss_backward", &proxy_anchor_backward_cpu);
 }
 
 }  // namespace torchkit::pair_losses

@@ -13,6 +13,7 @@ from torchkit.ops.pair_losses import (
     contrastive_loss,
     multi_similarity_loss,
     ntxent_loss,
+    proxy_anchor_loss,
     supcon_loss,
     triplet_margin_loss,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "multi_similarity_loss",
     "ntxent_loss",
     "permute_blocks",
+    "proxy_anchor_loss",
     "region_confusion",
     "supcon_loss",
     "triplet_margin_loss",

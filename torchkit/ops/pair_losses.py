@@ -1,6 +1,6 @@
 """The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss,
-multi_similarity_loss): their Python functions, fake kernels and autograd formulas. The losses
-themselves are described in csrc/pair_losses.h."""
+multi_similarity_loss, proxy_anchor_loss): their Python functions, fake kernels and autograd
+formulas. The losses themselves are described in csrc/pair_losses.h."""
 
 from __future__ import annotations
 
@@ -241,6 +241,120 @@ def multi_similarity_loss(
     )
 
 
+def proxy_anchor_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    proxies: Tensor,
+    margin: float = 0.1,
+    alpha: float = 32.0,
+) -> Tensor:
+    """Proxy-anchor loss (Kim et al., 2020) without the N×C similarity matrix, differentiable in
+    the embeddings and the proxies.
+
+    Exactly pytorch-metric-learning's ``ProxyAnchorLoss(C, D, margin, alpha)`` holding
+    ``proxies`` (its defaults: cosine similarity of L2-normalised rows, ``DivisorReducer``),
+    values and gradients: per proxy c, ``log(1 + Σ_{label = c} exp(α(margin − s)))`` averaged
+    over the proxies with positives, plus ``log(1 + Σ_{label ≠ c} exp(α(s + margin)))``
+    averaged over all C proxies.
+
+    Args:
+        embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
+            accumulate in float32).
+        labels (Tensor[N]): any integer dtype, each in [0, C): the row of ``proxies`` of its
+            class.
+        proxies (Tensor[C, D]): one per class, of ``embeddings``' dtype and device (PML's
+            ``loss.proxies``; ``torchkit.nn.ProxyAnchorLoss`` holds them as a parameter).
+        margin: finite and >= 0. alpha: finite and > 0.
+
+    Returns:
+        A scalar of ``embeddings``' dtype; 0 for an empty batch. A NaN embedding or proxy
+        makes the loss NaN.
+
+    Example::
+
+        >>> proxies = torch.nn.Parameter(torch.randn(num_classes, 128))
+        >>> loss = torchkit.ops.proxy_anchor_loss(model(images), labels, proxies)
+    """
+    op = "proxy_anchor_loss"
+    check_tensor(op, "embeddings", embeddings)
+    check_tensor(op, "labels", labels)
+    check_tensor(op, "proxies", proxies)
+    m, a = as_float(op, "margin", margin), as_float(op, "alpha", alpha)
+    _check_device(op, embeddings)
+    _check_proxy_inputs(embeddings, labels, proxies, m, a)
+    loss, _ = _PROXY_ANCHOR(embeddings, labels, proxies, m, a)
+    return loss
+
+
+def _check_proxy_inputs(embeddings: Tensor, labels: Tensor, proxies: Tensor, margin: float, alpha: float) -> None:
+    """csrc/pair_losses.cpp's check_proxy_inputs, but for the labels' values (read by the
+    kernel, which raises the same way)."""
+    op = "proxy_anchor_loss"
+    check_floating(op, "embeddings", embeddings)
+    if embeddings.dim() != 2:
+        raise ValueError(f"{op}: embeddings must be 2-D (N, D), got shape {list(embeddings.shape)}")
+    check_same_device(op, embeddings=embeddings, labels=labels)
+    _check_labels(op, "labels", labels, "embeddings", embeddings)
+    check_same_device(op, embeddings=embeddings, proxies=proxies)
+    if proxies.dtype != embeddings.dtype:
+        raise TypeError(
+            f"{op}: embeddings and proxies must have the same dtype, got {dtype_name(embeddings.dtype)} and "
+            f"{dtype_name(proxies.dtype)}"
+        )
+    if proxies.dim() != 2 or proxies.shape[1] != embeddings.shape[1]:
+        raise ValueError(
+            f"{op}: proxies must be 2-D (C, D) with embeddings' D, got embeddings of shape "
+            f"{list(embeddings.shape)} and proxies of shape {list(proxies.shape)}"
+        )
+    _check_proxy_params(op, margin, alpha)
+
+
+def _check_proxy_params(op: str, margin: float, alpha: float) -> None:
+    if not 0.0 <= margin < math.inf:
+        raise ValueError(f"{op}: margin must be finite and >= 0, got {margin:g}")
+    if not 0.0 < alpha < math.inf:
+        raise ValueError(f"{op}: alpha must be finite and > 0, got {alpha:g}")
+
+
+def _register_proxy_anchor():
+    op = "proxy_anchor_loss"
+
+    @torch.library.register_fake(f"torchkit::{op}")
+    def _(embeddings, labels, proxies, margin, alpha):
+        check_scalars(op, ("float", "margin", margin), ("float", "alpha", alpha))
+        _check_proxy_inputs(embeddings, labels, proxies, margin, alpha)
+        stats = embeddings.new_empty((proxies.shape[0], 4), dtype=acc_dtype(embeddings))
+        return embeddings.new_empty(()), stats
+
+    @torch.library.register_fake(f"torchkit::_{op}_backward")
+    def _(grad, embeddings, labels, proxies, stats, margin, alpha, output_mask):
+        check_scalars(op, ("float", "margin", margin), ("float", "alpha", alpha))
+        check_same_device(op, embeddings=embeddings, grad=grad, stats=stats)
+        ge = torch.empty_like(embeddings, memory_format=torch.contiguous_format) if output_mask[0] else None
+        gp = torch.empty_like(proxies, memory_format=torch.contiguous_format) if output_mask[1] else None
+        return (embeddings.new_empty(0) if ge is None else ge), (embeddings.new_empty(0) if gp is None else gp)
+
+    def setup_context(ctx, inputs, output):
+        embeddings, labels, proxies, margin, alpha = inputs
+        _loss, stats = output
+        ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(embeddings, labels, proxies, stats)  # and a few numbers per proxy
+        ctx.params = (margin, alpha)
+
+    def backward(ctx, grad, _grad_stats):
+        embeddings, labels, proxies, stats = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+        if not any(mask):
+            return None, None, None, None, None
+        ge, gp = backward_op(grad, embeddings, labels, proxies, stats, *ctx.params, mask)
+        return (ge if mask[0] else None), None, (gp if mask[1] else None), None, None
+
+    forward_op, backward_op = register_op(
+        op, setup_context, backward, autograd_in_python=True, autocast_to=torch.float32
+    )
+    return forward_op
+
+
 # Per loss: its parameters after the tensors, as (kind, name) in the schema's order, and its
 # stats' columns (csrc/pair_losses.h).
 _PARAMS = {
@@ -420,3 +534,4 @@ def _register(op: str) -> tuple:
 
 
 _FORWARD = {op: _register(op)[0] for op in _PARAMS}
+_PROXY_ANCHOR = _register_proxy_anchor()
