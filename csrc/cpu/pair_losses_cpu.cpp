@@ -496,7 +496,7 @@ std::tuple<Tensor, Tensor> proxy_anchor_forward(const Problem& p, const Inputs& 
   const int64_t C = p.N;
   Tensor stats = at::zeros({C, S}, in.a.rows.options());
   acc_t* st = stats.data_ptr<acc_t>();
-  std::vector<LogSumExp> lse(2 * C);  // per proxy: [negatives, positives]
+  std::vector<LogSumExp> lse(2 * C);    // per proxy: [negatives, positives]
   for (LogSumExp& l : lse) l.add(0.0);  // the 1
   std::vector<char> with_positives(C, 0);
   const int64_t* lab = in.lab.const_data_ptr<int64_t>();
@@ -536,8 +536,8 @@ std::tuple<Tensor, Tensor> proxy_anchor_forward(const Problem& p, const Inputs& 
   }
   // PML's DivisorReducer: the positive terms over the proxies with positives (0 without
   // any), the negative ones over all proxies.
-  const double loss = (P > 0 ? pos / static_cast<double>(P) : 0.0) +
-                      (C > 0 ? neg / static_cast<double>(C) : 0.0);
+  const double loss =
+      (P > 0 ? pos / static_cast<double>(P) : 0.0) + (C > 0 ? neg / static_cast<double>(C) : 0.0);
   return {at::scalar_tensor(loss, embeddings.options()), stats};
 }
 
@@ -785,21 +785,22 @@ std::tuple<Tensor, Tensor> ms_backward_cpu(
   const double* sp = st.const_data_ptr<double>();
   if (sp[kMultiSimilarityStats - 1] == 0) return outputs();  // a loss of 0 by PML's rules
   const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embeddings.scalar_type(),
-                                  "multi_similarity_loss_backward_cpu", [&] {
-                                    using acc_t = at::opmath_type<scalar_t>;
-                                    MultiSimilarity<acc_t> ms(p, in);
-                                    for (int64_t i = 0; i < p.N; ++i) {
-                                      ms.hard_negative[i] = sp[i * kMultiSimilarityStats];
-                                      ms.hard_positive[i] = sp[i * kMultiSimilarityStats + 1];
-                                    }
-                                    const acc_t g = static_cast<acc_t>(grad.item<double>());
-                                    const auto dtype = embeddings.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, embeddings.scalar_type(), "multi_similarity_loss_backward_cpu",
+      [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        MultiSimilarity<acc_t> ms(p, in);
+        for (int64_t i = 0; i < p.N; ++i) {
+          ms.hard_negative[i] = sp[i * kMultiSimilarityStats];
+          ms.hard_positive[i] = sp[i * kMultiSimilarityStats + 1];
+        }
+        const acc_t g = static_cast<acc_t>(grad.item<double>());
+        const auto dtype = embeddings.scalar_type();
         const MultiSimilarityTerms<acc_t> terms{p, ms, sp};
         const acc_t w = static_cast<acc_t>(sp[kMultiSimilarityStats - 1]);  // 1/N in every row
         if (want_e || p.self) ge = cos_rows_grad<acc_t>(p, in, terms, w, true, g).to(dtype);
         if (want_r && !p.self) gr = cos_rows_grad<acc_t>(p, in, terms, w, false, g).to(dtype);
-                                  });
+      });
   return outputs();
 }
 
@@ -820,10 +821,9 @@ std::tuple<Tensor, Tensor> proxy_anchor_cpu(const Tensor& embeddings, const Tens
   const Problem p = check_proxy_inputs(embeddings, labels, proxies, margin, alpha);
   const Inputs in = proxy_inputs(p, embeddings, labels, proxies);
   std::tuple<Tensor, Tensor> result;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embeddings.scalar_type(),
-                                  "proxy_anchor_loss_cpu", [&] {
-                                    result = proxy_anchor_forward<scalar_t>(p, in, embeddings);
-                                  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, embeddings.scalar_type(), "proxy_anchor_loss_cpu",
+      [&] { result = proxy_anchor_forward<scalar_t>(p, in, embeddings); });
   return result;
 }
 
