@@ -407,8 +407,8 @@ def _as_str(op: str, name: str, value: Any) -> str:
 
 
 def _check_params(op: str, params: tuple, *, loss: Optional[str] = None) -> None:
-    """csrc/pair_losses.cpp's check_temperature, check_margin and check_mining, with their
-    messages (comparisons, which Dynamo traces; NaN fails them). ``op`` names the caller in
+    """csrc/pair_losses.cpp's parameter checks (check_positive, check_finite, check_margin,
+    check_mining), with their messages (comparisons, which Dynamo traces; NaN fails them). ``op`` names the caller in
     messages; ``loss`` (default: ``op``) says whose parameters these are."""
     for (kind, name), value in zip(_PARAMS[loss or op][0], params, strict=True):
         if kind == "str":
