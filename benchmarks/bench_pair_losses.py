@@ -77,8 +77,42 @@ def peer_bytes(impl, variant, N, per_class):
     return 6 * N * N * 4
 
 
+TRITON = "torchkit (triton)"  # GPU cases only: its kernels are staged until a GPU run measures them
+
+
+class TritonPairLoss(torch.autograd.Function):
+    """supcon_loss or ntxent_loss through their Triton kernels (torchkit/triton/pair_losses.py),
+    which serve CUDA tensors only under TORCHKIT_CUDA_KERNELS=triton: called directly here, so
+    that a run needs no environment."""
+
+    @staticmethod
+    def forward(ctx, e, labels, name, temperature):
+        from torchkit.triton import pair_losses as kernels
+
+        value, stats = getattr(kernels, f"{name}_forward")(e, labels, None, None, temperature)
+        ctx.save_for_backward(e, labels, stats)
+        ctx.args = (name, temperature)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torchkit.triton import pair_losses as kernels
+
+        e, labels, stats = ctx.saved_tensors
+        name, temperature = ctx.args
+        backward = getattr(kernels, f"{name}_backward")
+        ge, _ = backward(grad, e, labels, None, None, stats, temperature, [True, False])
+        return ge, None, None, None
+
+
+def triton_loss(loss, params):
+    name = loss.removesuffix("_loss")
+    return lambda e, labels: TritonPairLoss.apply(e, labels, name, params["temperature"])
+
+
 IMPLS = {
     "torchkit": lambda loss, params: functools.partial(getattr(ops, loss), **params),
+    TRITON: triton_loss,
     "reference": lambda loss, params: functools.partial(getattr(reference, loss), **params),
     "torch.compile(reference)": lambda loss, params: functools.partial(compiled_reference(loss), **params),
     ROOFLINE: lambda loss, params: gemm_roofline,
@@ -88,7 +122,14 @@ IMPLS = {
 CASES = [
     pytest.param("N=1024 D=512 8/class fp32", 1024, 512, 8, torch.float32, "cpu", marks=pytest.mark.headline),
     pytest.param("N=8192 D=128 8/class fp32", 8192, 128, 8, torch.float32, "cpu"),
+    *(
+        pytest.param(f"N={N} D={D} 8/class {name}", N, D, 8, dtype, "cuda", marks=pytest.mark.cuda)
+        for N, D in ((1024, 512), (8192, 128), (65536, 128))
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    ),
 ]
+# The losses with Triton kernels, the only torchkit kernels for CUDA tensors.
+TRITON_LOSSES = ("supcon_loss", "ntxent_loss")
 
 
 @pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
@@ -97,6 +138,10 @@ CASES = [
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, impl, pass_):
     loss, params = VARIANTS[variant]
+    if impl == TRITON and (device != "cuda" or loss not in TRITON_LOSSES):
+        pytest.skip("Triton kernels: supcon_loss and ntxent_loss on CUDA tensors (the tests run them interpreted)")
+    if impl == "torchkit" and device != "cpu":
+        pytest.skip("torchkit's CUDA kernels for the pair losses are the staged Triton ones")
     if impl in (PML, "reference", "torch.compile(reference)") and peer_bytes(impl, variant, N, per_class) > BUDGET:
         gib = peer_bytes(impl, variant, N, per_class) / 2**30
         pytest.skip(f"{impl} would need at least {gib:.0f} GiB here")

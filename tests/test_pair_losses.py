@@ -57,6 +57,32 @@ CONFIG_IDS = ["-".join([loss.removesuffix("_loss"), *map(str, p.values())]) for 
 variants = pytest.mark.parametrize("loss,params", VARIANTS, ids=VARIANT_IDS)
 configs = pytest.mark.parametrize("loss,params", CONFIGS, ids=CONFIG_IDS)
 
+# The losses with Triton kernels (torchkit/triton/pair_losses.py): the tests taking a `device`
+# run them too, under Triton's interpreter on CPU tensors ("triton"; skipped where a GPU is
+# visible, where test_triton_on_cuda_matches_the_cpu_kernel runs them compiled).
+TRITON = ("supcon_loss", "ntxent_loss")
+TRITON_MARK = pytest.mark.triton("pair_losses")
+
+
+def with_kernels(cases, ids, names="loss,params,device"):
+    """Each (loss, params) case on the CPU kernel, and again through the Triton kernels for the
+    losses that have them."""
+    out = [pytest.param(*case, "cpu", id=i) for case, i in zip(cases, ids, strict=True)]
+    out += [
+        pytest.param(*case, "cpu", id=f"{i}-triton", marks=TRITON_MARK)
+        for case, i in zip(cases, ids, strict=True)
+        if case[0] in TRITON
+    ]
+    return pytest.mark.parametrize(names, out)
+
+
+variants_k = with_kernels(VARIANTS, VARIANT_IDS)
+configs_k = with_kernels(CONFIGS, CONFIG_IDS)
+# A test of one loss that has Triton kernels, on each kernel.
+kernels = pytest.mark.parametrize(
+    "device", [pytest.param("cpu", id="cpu"), pytest.param("cpu", id="triton", marks=TRITON_MARK)]
+)
+
 
 def raw(loss):
     return getattr(torch.ops.torchkit, loss).default, getattr(torch.ops.torchkit, f"_{loss}_backward").default
@@ -136,10 +162,10 @@ CASES = [
 ]
 
 
-@configs
+@configs_k
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("N,C,D,M", CASES)
-def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M):
+def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M, device):
     e = make((N, D), dtype, seed=1)
     labels = make_labels(N, C)
     ref = None if M is None else make((M, D), dtype, seed=2)
@@ -153,9 +179,9 @@ def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M):
         torch.testing.assert_close(a, b, **tol)
 
 
-@variants
+@variants_k
 @pytest.mark.parametrize("M", [None, 90])
-def test_float32_is_within_1e5_of_float64(loss, params, M):
+def test_float32_is_within_1e5_of_float64(loss, params, M, device):
     """Loss and gradients of float32 inputs against the float64 reference on the same values,
     relative to the largest gradient entry."""
     e = make((200, 64), torch.float32, seed=4, offset=0.3)
@@ -171,9 +197,9 @@ def test_float32_is_within_1e5_of_float64(loss, params, M):
         assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
 
 
-@variants
+@variants_k
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_reduced_precision_accumulates_in_float32(loss, params, dtype):
+def test_reduced_precision_accumulates_in_float32(loss, params, dtype, device):
     e = make((100, 32), torch.float64, seed=7).to(dtype)
     labels = make_labels(100, 8)
     got, (g,) = loss_and_grads(ours(loss, params), e, labels)
@@ -184,8 +210,8 @@ def test_reduced_precision_accumulates_in_float32(loss, params, dtype):
     assert (g.double() - g64).abs().max() <= 4 * eps * g64.abs().max()
 
 
-@variants
-def test_real_embeddings(loss, params):
+@variants_k
+def test_real_embeddings(loss, params, device):
     """sklearn's digits (64 pixel features, 10 classes) as embeddings, against PML (NT-Xent and
     all triplets on fewer: PML's (positive pairs × negative pairs) matrix for 600 digits is
     46 GB, and its N×N×N triplet mask 216 MB)."""
@@ -224,16 +250,16 @@ def test_near_duplicates_far_from_the_origin(loss):
         assert abs(pml(loss, params)(e, labels).double() - exp).item() > 0.5 * exp.abs().item()
 
 
-@variants
+@variants_k
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
-def test_any_integer_label_dtype(loss, params, dtype):
+def test_any_integer_label_dtype(loss, params, dtype, device):
     e = make((40, 6), torch.float32)
     labels = make_labels(40, 5)
     fn = getattr(ops, loss)
     assert torch.equal(fn(e, labels.to(dtype), **params), fn(e, labels, **params))
 
 
-@variants
+@variants_k
 @pytest.mark.parametrize(
     "labels,why",
     [
@@ -243,7 +269,7 @@ def test_any_integer_label_dtype(loss, params, dtype):
         (torch.zeros(0, dtype=torch.long), "an empty batch"),
     ],
 )
-def test_no_pairs_of_one_kind_is_pmls_value(loss, params, labels, why):
+def test_no_pairs_of_one_kind_is_pmls_value(loss, params, labels, why, device):
     """PML's convention: 0 with zero gradients (its zero_losses), not NaN; the contrastive loss's
     other kind of pair still counts."""
     e = make((len(labels), 4)).requires_grad_()
@@ -271,7 +297,8 @@ def test_one_positive_and_one_negative_pair_is_zero_as_in_pml(loss):
     assert pml(loss, params)(e, labels, ref, ref_labels).item() == 0
 
 
-def test_supcon_anchor_without_positives_adds_nothing():
+@kernels
+def test_supcon_anchor_without_positives_adds_nothing(device):
     """Labels 0, 0, 1: the lone 1 is nobody's positive but everyone's negative; the mean is over
     the two anchors with a positive."""
     e = make((3, 4))
@@ -283,7 +310,8 @@ def test_supcon_anchor_without_positives_adds_nothing():
     torch.testing.assert_close(ops.supcon_loss(e, labels), (per[0] + per[1]) / 2)
 
 
-def test_ntxent_each_positive_pair_against_its_anchors_negatives():
+@kernels
+def test_ntxent_each_positive_pair_against_its_anchors_negatives(device):
     """Labels 0, 0, 0, 1: six positive pairs, each a softmax of its similarity against its
     anchor's one negative (row 3); the mean is over the pairs."""
     e = make((4, 5), seed=3)
@@ -295,7 +323,8 @@ def test_ntxent_each_positive_pair_against_its_anchors_negatives():
     torch.testing.assert_close(ops.ntxent_loss(e, labels, 0.2), expected)
 
 
-def test_ntxent_a_pair_loss_is_bounded_as_in_pml():
+@kernels
+def test_ntxent_a_pair_loss_is_bounded_as_in_pml(device):
     """PML adds its small_val (the smallest normal) inside the log: a pair whose softmax
     underflows costs −log(tiny), about 87.3 in float32, not ∞."""
     e = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [1.0, 0.0]])  # the positive pair is opposite
@@ -365,8 +394,8 @@ def test_triplet_batch_hard_ties_go_to_the_lower_index():
     assert g[1].abs().sum() == 0 and g[3].abs().sum() == 0
 
 
-@variants
-def test_nan_embedding_makes_the_loss_nan(loss, params):
+@variants_k
+def test_nan_embedding_makes_the_loss_nan(loss, params, device):
     """A NaN embedding among pairs of anchors with positives: NaN, never a finite value computed
     without it (PML's AvgNonZeroReducer drops NaN terms)."""
     e = make((20, 5))
@@ -376,8 +405,8 @@ def test_nan_embedding_makes_the_loss_nan(loss, params):
     assert getattr(reference, loss)(e, labels, **params).isnan()
 
 
-@variants
-def test_zero_embedding_is_normalised_as_f_normalize(loss, params):
+@variants_k
+def test_zero_embedding_is_normalised_as_f_normalize(loss, params, device):
     """An all-zero row stays 0 after F.normalize's clamp, as PML computes. (Its distance to
     every other row is then exactly 1: the Euclidean losses meet ties there, on their margins
     and between candidates, which rounding breaks; only their values are compared.)"""
@@ -406,9 +435,9 @@ def test_deterministic_on_any_number_of_threads(loss, params):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1][0], results[1][1][0])
 
 
-@variants
+@variants_k
 @pytest.mark.parametrize("M", [None, 5])
-def test_gradcheck(loss, params, M):
+def test_gradcheck(loss, params, M, device):
     fn = getattr(ops, loss)
     if loss == "supcon_loss" or loss == "ntxent_loss":
         params = {"temperature": 0.5}
@@ -422,9 +451,9 @@ def test_gradcheck(loss, params, M):
         check_gradcheck(lambda a, b: fn(a, labels, **params, ref_embeddings=b, ref_labels=ref_labels), (e, ref))
 
 
-@variants
+@variants_k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck(loss, params, dtype):
+def test_opcheck(loss, params, dtype, device):
     op, backward = raw(loss)
     values = list(params.values())
     e = make((10, 4), dtype).requires_grad_()
@@ -440,8 +469,8 @@ def test_opcheck(loss, params, dtype):
     check_opcheck(backward, (g, e.detach(), labels, None, None, stats, *values, [True, False]))
 
 
-@variants
-def test_compile_dynamic(loss, params):
+@variants_k
+def test_compile_dynamic(loss, params, device):
     fn = getattr(ops, loss)
     for N in (20, 33):
         e = make((N, 8), torch.float32).requires_grad_()
@@ -771,6 +800,110 @@ def test_triplet_backward_refuses_stats_pointing_outside_the_rows():
         backward(torch.ones_like(value), e4, l6, None, None, bad, 0.05, "batch_hard", [True, False])
 
 
+def triton_module():
+    import triton_testing
+
+    reason = triton_testing.available()
+    if reason:
+        pytest.skip(reason)
+    from torchkit.triton import pair_losses
+
+    return pair_losses
+
+
+def triton_problems():
+    """Ragged sizes around every configuration's blocks: without refs, with refs, and a batch
+    with a zero row and one whose positives are all in the refs."""
+    e, labels = make((45, 19), seed=21), make_labels(45, 6)
+    ref, ref_labels = make((51, 19), seed=22), make_labels(51, 6, seed=2)
+    z = make((9, 7), seed=23)
+    z[2] = 0
+    yield e, labels, None, None
+    yield e, labels, ref, ref_labels
+    yield z, torch.arange(9) % 4, make((5, 7), seed=24), torch.tensor([0, 1, 2, 3, 0])
+
+
+@pytest.mark.triton("pair_losses")
+@pytest.mark.parametrize("loss", TRITON)
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_triton_every_configuration_matches_the_cpu_kernel(loss, which):
+    """Each launch configuration of each kernel (configuration `which` of each, the last one
+    where a kernel has fewer), in float64, against the CPU kernel: loss, stats, and each
+    backward from the other's stats."""
+    tp = triton_module()
+    op, backward = raw(loss)
+    name = loss.removesuffix("_loss")
+    forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
+    pick = lambda configs: configs[min(which, len(configs) - 1)]  # noqa: E731
+    rows, grad, row = pick(tp.ROWS_CONFIGS), pick(tp.GRAD_CONFIGS), pick(tp.ROW_CONFIGS)
+    for e, labels, ref, ref_labels in triton_problems():
+        value, stats = op(e, labels, ref, ref_labels, 0.3)
+        got, got_stats = forward_t(e, labels, ref, ref_labels, 0.3, config=rows, row_config=row)
+        torch.testing.assert_close(got, value, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_stats, stats, rtol=1e-12, atol=1e-12)
+        g = torch.tensor(0.7, dtype=e.dtype)
+        mask = [True, ref is not None]
+        exp = backward(g, e, labels, ref, ref_labels, stats, 0.3, mask)
+        for st in (stats, got_stats):
+            out = backward_t(g, e, labels, ref, ref_labels, st, 0.3, mask, config=grad, row_config=row)
+            for a, b in zip(out, exp, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+        for a, b in zip(backward(g, e, labels, ref, ref_labels, got_stats, 0.3, mask), exp, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.triton("pair_losses")
+@pytest.mark.parametrize("loss", TRITON)
+def test_triton_backward_checks_its_inputs(loss):
+    tp = triton_module()
+    name = loss.removesuffix("_loss")
+    columns = COLUMNS[loss]
+    _, stats = raw(loss)[0](e4, l6, None, None, 0.1)
+    backward_t = getattr(tp, f"{name}_backward")
+    with pytest.raises(ValueError, match=r"backward: grad must be a scalar"):
+        backward_t(torch.ones(2), e4, l6, None, None, stats, 0.1, [True, False])
+    with pytest.raises(ValueError, match=rf"backward: stats must be \(N, {columns}\) = \(6, {columns}\) of Float"):
+        backward_t(torch.ones(()), e4, l6, None, None, stats.new_zeros(6, 7), 0.1, [True, False])
+    with pytest.raises(TypeError, match=r"embeddings and grad must have the same dtype"):
+        backward_t(torch.ones((), dtype=torch.float64), e4, l6, None, None, stats, 0.1, [True, False])
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0"):
+        getattr(tp, f"{name}_forward")(e4, l6, None, None, 0.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("loss", TRITON)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_triton_on_cuda_matches_the_cpu_kernel(loss, dtype):
+    """The Triton kernels compiled, on CUDA tensors, against the CPU kernel on the same values,
+    with refs and without; no host synchronisation."""
+    tp = triton_module()
+    name = loss.removesuffix("_loss")
+    op, backward = raw(loss)
+    # bfloat16: one rounding of the output apart
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+    e, labels = make((300, 64), dtype, seed=31), make_labels(300, 20)
+    ref, ref_labels = make((170, 64), dtype, seed=32), make_labels(170, 20, seed=3)
+    for r, rl in ((None, None), (ref, ref_labels)):
+        value, stats = op(e, labels, r, rl, 0.1)
+        g = torch.tensor(0.5, dtype=dtype)
+        mask = [True, r is not None]
+        exp = backward(g, e, labels, r, rl, stats, 0.1, mask)
+        cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got, got_stats = getattr(tp, f"{name}_forward")(cuda(e), cuda(labels), cuda(r), cuda(rl), 0.1)
+            out = getattr(tp, f"{name}_backward")(
+                cuda(g), cuda(e), cuda(labels), cuda(r), cuda(rl), got_stats, 0.1, mask
+            )
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.testing.assert_close(got.cpu(), value, rtol=tol, atol=tol)
+        torch.testing.assert_close(got_stats.cpu(), stats, rtol=tol, atol=tol)
+        for a, b in zip(out, exp, strict=True):
+            scale = b.abs().max().double().clamp(min=1e-30)
+            assert (a.cpu().double() - b.double()).abs().max() <= tol * scale * 4
+
+
 @pytest.mark.parametrize("loss", NAMES)
 def test_cuda_tensors_are_refused_with_a_reason(loss):
     if not torch.cuda.is_available():
@@ -798,11 +931,11 @@ def test_ntxent_anchor_without_negatives_counts_zero_pairs():
     assert abs(got.item()) < 1e-300
 
 
-@variants
+@variants_k
 @pytest.mark.parametrize(
     "dtype,scales", [(torch.float32, (1e-11, 1e20, 1e30, 1e38)), (torch.float64, (1e-11, 1e200, 1e300))]
 )
-def test_the_whole_finite_range(loss, params, dtype, scales):
+def test_the_whole_finite_range(loss, params, dtype, scales, device):
     """Normalised rows do not see a row's scale: above F.normalize's clamp (norms >= 1e-12) the
     loss is the unit rows' and the gradient scales as 1/scale, where the embeddings' squares
     overflow (F.normalize divides by ∞ there, and PML returns a constant); below it, the
@@ -825,17 +958,17 @@ def test_the_whole_finite_range(loss, params, dtype, scales):
         torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-6 * g64.abs().max().item())
 
 
-@variants
-def test_non_finite_embedding_makes_the_loss_nan(loss, params):
+@variants_k
+def test_non_finite_embedding_makes_the_loss_nan(loss, params, device):
     e, labels = make((20, 5)), make_labels(20, 3)
     e[7, 1] = float("inf")
     assert getattr(ops, loss)(e, labels, **params).isnan()
 
 
-@variants
+@variants_k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [1.0, 1e300])
-def test_inputs_are_never_written(loss, params, dtype, scale):
+def test_inputs_are_never_written(loss, params, dtype, scale, device):
     """Rows of the accumulation type are read in place (no copy): the kernels must not write
     into them, on the ordinary path nor where rows are normalised first."""
     e = (make((30, 5)) * min(scale, torch.finfo(dtype).max / 10)).to(dtype).requires_grad_()

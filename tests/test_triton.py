@@ -58,6 +58,10 @@ interpreted = pytest.mark.skipif(not triton_testing.INTERPRETING, reason="a GPU 
         ("cdist", False, "cuda", None),
         ("bilinear_pool", True, "auto", "cuda"),
         ("bilinear_pool", True, "triton", "triton"),
+        # The pair losses have no CUDA C++ kernel: their staged Triton kernels serve only
+        # when selected.
+        ("pair_losses", False, "auto", None),
+        ("pair_losses", False, "triton", "triton"),
         # An op without Triton kernels keeps its C++ kernel whatever is selected.
         ("knn", True, "triton", "cuda"),
         ("knn", False, "triton", None),
@@ -74,11 +78,19 @@ def test_a_measured_triton_kernel_serves_by_default(monkeypatch):
 
 
 def test_every_triton_kernel_is_named_after_an_op_and_exists():
+    """A module is named after its op, or after the family its ops share (csrc/<family>.h);
+    each function it names exists."""
+    import importlib
+    from pathlib import Path
+
     ops = set(torchkit.kernels("cpu"))
+    csrc = Path(torchkit.__file__).resolve().parent.parent / "csrc"
     for op, names in triton_path.TRITON_KERNELS.items():
-        assert f"torchkit::{op}" in ops
-        for name in names:
+        assert f"torchkit::{op}" in ops or (csrc / f"{op}.h").exists(), op
+        for name, function in names.items():
             assert name in ops
+            if triton_testing.available() is None:
+                assert callable(getattr(importlib.import_module(f"torchkit.triton.{op}"), function)), function
 
 
 def test_build_info_reports_what_serves_each_op():
@@ -89,7 +101,7 @@ def test_build_info_reports_what_serves_each_op():
     for name, what in serving.items():
         op = next((o for o, names in triton_path.TRITON_KERNELS.items() if name in names), None)
         plain = "cuda" if cpp and name not in torchkit.CPU_ONLY else None
-        assert what == (triton_path.decide(op, cpp, selected) if op else plain), (name, what)
+        assert what == (triton_path.decide(op, plain is not None, selected) if op else plain), (name, what)
         assert torchkit.kernels("cuda")[name] == (what is not None), name
 
 

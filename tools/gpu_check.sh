@@ -26,7 +26,8 @@ export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-test sanitize profile sweep bench}
 TRITON_OPS=$($PY -c "from torchkit import triton as t; print(' '.join(t.TRITON_KERNELS))" 2>/dev/null)
 TESTS=${TESTS:-tests}
-SANITIZE_OPS=${SANITIZE_OPS:-cdist bilinear_pool covariance_pool knn label_smoothing_cross_entropy region_confusion}
+SANITIZE_OPS=${SANITIZE_OPS:-cdist bilinear_pool covariance_pool knn label_smoothing_cross_entropy region_confusion pair_losses}
+TRITON_ONLY_OPS="pair_losses"  # no CUDA C++ kernels: sanitized as triton:<op> only
 status=0
 
 # The distribution's g++ links the libstdc++ that torch loads. Some images put a toolchain
@@ -56,7 +57,9 @@ export -f sanitize; export PY LOGS
 SECONDS=0
 if [[ $STEPS == *sanitize* ]]; then
   {
-    for op in $SANITIZE_OPS; do echo "memcheck $op"; echo "initcheck $op"; done
+    for op in $SANITIZE_OPS; do
+      [[ " $TRITON_ONLY_OPS " == *" $op "* ]] || { echo "memcheck $op"; echo "initcheck $op"; }
+    done
     for op in $TRITON_OPS; do
       [[ " $SANITIZE_OPS " == *" $op "* ]] && { echo "memcheck triton:$op"; echo "initcheck triton:$op"; }
     done
@@ -95,7 +98,8 @@ fi
 SECONDS=0
 # SIGINT at the limit: pytest still finishes the session and writes the JSON of what ran.
 BENCHES=${BENCHES:-benchmarks/bench_label_smoothing_cross_entropy.py benchmarks/bench_region_confusion.py \
-  benchmarks/bench_cdist.py benchmarks/bench_bilinear_pool.py benchmarks/bench_covariance_pool.py benchmarks/bench_knn.py}
+  benchmarks/bench_cdist.py benchmarks/bench_bilinear_pool.py benchmarks/bench_covariance_pool.py benchmarks/bench_knn.py \
+  benchmarks/bench_pair_losses.py}
 TORCHKIT_BENCH_SECONDS=${TORCHKIT_BENCH_SECONDS:-0.3} timeout -s INT "${BENCH_LIMIT:-1200}" $PY -m pytest -m cuda -q -p no:cacheprovider \
   $BENCHES --benchmark-json="$RESULTS/gpu.json" --benchmark-columns=median,rounds > "$LOGS/bench.log" 2>&1
 echo "benchmarks ($SECONDS s): $(tail -1 "$LOGS/bench.log")"

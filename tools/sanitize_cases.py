@@ -127,11 +127,40 @@ def covariance_pool():
     check(ops.covariance_pool, torch.randn(2, 16, 3, 3).bfloat16(), grad=False)
 
 
-OPS = ("cdist", "bilinear_pool", "covariance_pool", "knn", "label_smoothing_cross_entropy", "region_confusion")
+def pair_losses():
+    """The losses with Triton kernels (their only CUDA kernels: run as triton:pair_losses)."""
+    for loss in (ops.supcon_loss, ops.ntxent_loss):
+        for dtype in (torch.float32, torch.float64):
+            check(
+                lambda e, labels, loss=loss: loss(e, labels, 0.1),
+                torch.randn(37, 19, dtype=dtype),
+                torch.arange(37) % 5,
+            )
+            check(
+                lambda e, r, labels, rl, loss=loss: loss(e, labels, 0.1, ref_embeddings=r, ref_labels=rl),
+                torch.randn(70, 33, dtype=dtype),
+                torch.randn(41, 33, dtype=dtype),
+                torch.arange(70) % 9,
+                torch.arange(41) % 7,
+            )
+        check(lambda e, labels, loss=loss: loss(e, labels, 0.1), torch.randn(65, 8).bfloat16(), torch.arange(65) % 4)
+
+
+OPS = (
+    "cdist",
+    "bilinear_pool",
+    "covariance_pool",
+    "knn",
+    "label_smoothing_cross_entropy",
+    "region_confusion",
+    "pair_losses",
+)
+# Ops whose only CUDA kernels are Triton's: sanitized as triton:<op> only.
+TRITON_ONLY = ("pair_losses",)
 
 if __name__ == "__main__":
     name = sys.argv[1].removeprefix("triton:") if len(sys.argv) == 2 else ""
-    if name not in OPS:
+    if name not in OPS or (name in TRITON_ONLY and not sys.argv[1].startswith("triton:")):
         sys.exit(__doc__)
     torch.manual_seed(0)
     globals()[name]()

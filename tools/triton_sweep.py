@@ -29,6 +29,13 @@ SHAPES = {
         ("P=R=8192 M=128 bf16", (8192, 128), (8192, 128), torch.bfloat16),
         ("self P=4096 M=512 fp32", (4096, 512), None, torch.float32),
     ],
+    # supcon_loss and ntxent_loss: (N, D) embeddings (refs: None), 100 classes.
+    "pair_losses": [
+        ("N=1024 D=512 fp32", (1024, 512), None, torch.float32),
+        ("N=8192 D=128 fp32", (8192, 128), None, torch.float32),
+        ("N=8192 D=128 bf16", (8192, 128), None, torch.bfloat16),
+        ("N=4096 refs 16384 D=128 fp32", (4096, 128), (16384, 128), torch.float32),
+    ],
 }
 
 
@@ -105,6 +112,34 @@ def sweep_bilinear_pool(results: dict) -> None:
         report("bilinear_pool", name, rows, results)
 
 
+def sweep_pair_losses(results: dict) -> None:
+    from torchkit.triton import pair_losses as kernels
+
+    for name, s1, s2, dtype in SHAPES["pair_losses"]:
+        g = torch.Generator("cuda").manual_seed(0)
+        e = torch.randn(s1, generator=g, device="cuda").to(dtype)
+        labels = torch.randint(100, (s1[0],), generator=g, device="cuda")
+        r = None if s2 is None else torch.randn(s2, generator=g, device="cuda").to(dtype)
+        rl = None if s2 is None else torch.randint(100, (s2[0],), generator=g, device="cuda")
+        rows = []
+        for loss in ("supcon", "ntxent"):
+            forward, backward = getattr(kernels, f"{loss}_forward"), getattr(kernels, f"{loss}_backward")
+            small = (e[:300], labels[:300], None if r is None else r[:200], None if r is None else rl[:200], 0.1)
+            on_cpu = [t.cpu() if torch.is_tensor(t) else t for t in small]
+            expected, _ = getattr(torch.ops.torchkit, f"{loss}_loss")(*on_cpu)
+            for i, config in enumerate(kernels.ROWS_CONFIGS):
+                got, _ = forward(*small, config=config)
+                torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=1e-4, atol=1e-5)
+                ms = milliseconds(lambda c=config, f=forward, args=(e, labels, r, rl, 0.1): f(*args, config=c))
+                rows.append((f"{loss}.rows", i, repr(config), ms))
+            value, stats = forward(e, labels, r, rl, 0.1)
+            args = (torch.ones_like(value), e, labels, r, rl, stats, 0.1, [True, r is not None])
+            for i, config in enumerate(kernels.GRAD_CONFIGS):
+                ms = milliseconds(lambda c=config, b=backward, args=args: b(*args, config=c))
+                rows.append((f"{loss}.grad", i, repr(config), ms))
+        report("pair_losses", name, rows, results)
+
+
 def report(op: str, name: str, rows: list, results: dict) -> None:
     """Print each configuration's time and record the fastest per kernel."""
     best = {}
@@ -128,6 +163,7 @@ def main() -> int:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     sweep_cdist(results)
     sweep_bilinear_pool(results)
+    sweep_pair_losses(results)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0

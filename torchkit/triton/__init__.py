@@ -1,10 +1,10 @@
 """Which kernel serves each op's CUDA tensors: the build's CUDA C++ kernel or a Triton kernel.
 
-An op with Triton kernels has a module here named after it (``torchkit/triton/cdist.py``),
-imported only when a tensor reaches one of its kernels: torch alone still imports torchkit,
-and Triton is needed only where it runs. The schema, the CPU kernel and autograd stay in C++;
-a Triton kernel is registered from Python as the op's CUDA kernel, and the C++ autograd
-kernel redispatches into it.
+An op with Triton kernels has a module here named after it (``torchkit/triton/cdist.py``) or
+its family (``pair_losses.py``), imported only when a tensor reaches one of its kernels: torch
+alone still imports torchkit, and Triton is needed only where it runs. The schema, the CPU
+kernel and autograd stay in C++ (or Python, for the pair losses); a Triton kernel is registered
+from Python as the op's CUDA kernel, and the autograd kernel redispatches into it.
 
 A Python kernel registered for a dispatch key silently replaces a C++ one, so which kernel
 holds the CUDA slot is decided here, once, at import:
@@ -32,15 +32,22 @@ import torch
 VARIABLE = "TORCHKIT_CUDA_KERNELS"
 CHOICES = ("auto", "triton", "cuda")
 
-# op -> its module here, and the ops whose CUDA kernels that module provides (module functions
-# of the same names without the namespace, leading underscore and op prefix: forward, backward).
+# op (or family of ops) -> its module here, and the ops whose CUDA kernels that module provides
+# with the module function of each (forward and backward; a family's prefixed by the op).
 TRITON_KERNELS: dict[str, dict[str, str]] = {
     "cdist": {"torchkit::cdist": "forward", "torchkit::_cdist_backward": "backward"},
     "bilinear_pool": {"torchkit::bilinear_pool": "forward", "torchkit::_bilinear_pool_backward": "backward"},
+    "pair_losses": {
+        "torchkit::supcon_loss": "supcon_forward",
+        "torchkit::_supcon_loss_backward": "supcon_backward",
+        "torchkit::ntxent_loss": "ntxent_forward",
+        "torchkit::_ntxent_loss_backward": "ntxent_backward",
+    },
 }
 
 # Ops whose Triton kernels a recorded GPU run measured correct and at least as fast as their
-# CUDA C++ kernels (none yet: cdist's and bilinear_pool's wait for a GPU session).
+# CUDA C++ kernels (none yet: cdist's, bilinear_pool's and the pair losses' wait for a GPU
+# session).
 MEASURED: frozenset[str] = frozenset()
 
 # The oldest Triton this path is tested with: torch 2.14's 3.8. Torch 2.8 pins Triton 3.4 and

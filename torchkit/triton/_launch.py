@@ -3,6 +3,7 @@ under Triton's interpreter."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 
@@ -48,3 +49,9 @@ class CompileCase:
     constexprs: dict
     configs: tuple
     tensor_cores: bool = False
+
+
+def float_bits(value: float) -> int:
+    """A float64's bits as an int64, for a kernel argument that _math.f64 turns back into the
+    float64 (Triton types a Python float argument as float32)."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]

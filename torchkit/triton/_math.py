@@ -2,10 +2,17 @@
 std::frexp give the CPU kernels, from integer operations on the bits (neither libdevice's ldexp
 nor frexp runs under Triton's interpreter).
 
-Every function takes ``IS64`` (constexpr): float64 if true, float32 otherwise."""
+Every function but f64 takes ``IS64`` (constexpr): float64 if true, float32 otherwise."""
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def f64(bits):
+    """A float64 passed as its int64 bits (Triton types a Python float argument as float32;
+    _launch.float_bits gives the bits)."""
+    return (bits + tl.zeros((), tl.int64)).to(tl.float64, bitcast=True)
 
 
 @triton.jit

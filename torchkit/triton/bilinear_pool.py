@@ -34,7 +34,6 @@ Kernels never index past what the wrapper checked; offsets are int64.
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 import triton
@@ -44,7 +43,7 @@ from torch import Tensor
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
 from torchkit.ops.bilinear_pool import _bilinear_channels_last, _bilinear_grad_like, _check_inputs
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, interpreting
+from torchkit.triton._launch import CompileCase, Config, float_bits, interpreting
 
 # Launch configurations. Each is run by the tests and compiled by tools/triton_check.py;
 # `config` arguments pick one, the default being the first. Z tiles are square (BLOCK_C on
@@ -75,12 +74,6 @@ DOT_REDUCED = tl.constexpr(2)
 
 
 # --------------------------------------------------------------------------- shared pieces
-
-
-@triton.jit
-def _f64(bits):
-    """A float64 passed as its int64 bits (Triton types a Python float argument as float32)."""
-    return (bits + tl.zeros((), tl.int64)).to(tl.float64, bitcast=True)
 
 
 @triton.jit
@@ -345,7 +338,7 @@ def forward_kernel(
                 else:
                     acc = _dot(a, b, acc, DOT, False, False, INTERPRET)
             inv_hw = tm.div_rn(1.0, HW + tl.zeros((), ACC), IS64)
-            eps64 = _f64(EPS_BITS)
+            eps64 = tm.f64(EPS_BITS)
             if SCALED:
                 h = tl.load(scale_ptr + n * 4 + 2)
                 mul = tm.ldexp(inv_hw, 2 * h - ex - ey, IS64)
@@ -390,7 +383,7 @@ def norm_kernel(
     v = tl.sqrt(total).to(ACC)
     scaled = tl.load(scale_ptr + n * 4 + 3, mask=mask, other=0) != 0
     h = tl.load(scale_ptr + n * 4 + 2, mask=mask, other=0)
-    l2 = _f64(L2_BITS)
+    l2 = tm.f64(L2_BITS)
     l2_acc = l2.to(ACC)
     plain = tm.div_rn(1.0, tl.where(v < l2_acc, l2_acc, v), IS64)
     _, m, e = _inverse_denominator(v.to(tl.float64), l2, h)
@@ -455,7 +448,7 @@ def coef_kernel(
     nrm = tl.load(norm_ptr + n, mask=mask, other=1.0)
     scaled = tl.load(scale_ptr + n * 4 + 3, mask=mask, other=0) != 0
     h = tl.load(scale_ptr + n * 4 + 2, mask=mask, other=0)
-    l2 = _f64(L2_BITS)
+    l2 = tm.f64(L2_BITS)
     l2_acc = l2.to(ACC)
     passes_s, m, e = _inverse_denominator(0.0 - nrm.to(tl.float64), l2, h)
     passes = tl.where(scaled, passes_s, nrm >= l2_acc)
@@ -621,11 +614,6 @@ def _flat(t: Tensor) -> Tensor:
     return t.reshape(N, C, H * W)
 
 
-def _bits(value: float) -> int:
-    """A float64's bits as a signed int64 (a kernel argument _f64 reads back exactly)."""
-    return struct.unpack("<q", struct.pack("<d", value))[0]
-
-
 def _tl(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -740,7 +728,7 @@ def forward(
             *b.stride(),
             tiles_j,
             tiles,
-            _bits(sqrt_eps),
+            float_bits(sqrt_eps),
             SELF=self_,
             SCALED=scaled,
             ACC=_tl(acc),
@@ -759,7 +747,7 @@ def forward(
         inv,
         N,
         tiles,
-        _bits(l2_eps),
+        float_bits(l2_eps),
         ACC=_tl(acc),
         IS64=acc == torch.float64,
         BLOCK_N=block_n,
@@ -851,7 +839,7 @@ def backward(
         N,
         HW,
         chunks,
-        _bits(l2_eps),
+        float_bits(l2_eps),
         ACC=_tl(acc),
         IS64=is64,
         BLOCK_N=block_n,
