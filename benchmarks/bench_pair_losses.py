@@ -191,8 +191,29 @@ def pml_proxy_anchor(C, D):
     return fn
 
 
+class TritonProxyAnchor(torch.autograd.Function):
+    """proxy_anchor_loss through its Triton kernels (as TritonPairLoss)."""
+
+    @staticmethod
+    def forward(ctx, e, labels, proxies):
+        from torchkit.triton import pair_losses as kernels
+
+        value, stats = kernels.proxy_anchor_forward(e, labels, proxies, 0.1, 32.0)
+        ctx.save_for_backward(e, labels, proxies, stats)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torchkit.triton import pair_losses as kernels
+
+        e, labels, proxies, stats = ctx.saved_tensors
+        ge, gp = kernels.proxy_anchor_backward(grad, e, labels, proxies, stats, 0.1, 32.0, [True, True])
+        return ge, None, gp
+
+
 PROXY_IMPLS = {
     "torchkit": lambda C, D: ops.proxy_anchor_loss,
+    TRITON: lambda C, D: TritonProxyAnchor.apply,
     "reference": lambda C, D: reference.proxy_anchor_loss,
     "torch.compile(reference)": lambda C, D: compiled_reference("proxy_anchor_loss"),
     PML: pml_proxy_anchor,
@@ -200,19 +221,27 @@ PROXY_IMPLS = {
 
 # (case, N, D, classes): CUB-200's batch and classes; Stanford Online Products' 11,318 classes.
 PROXY_CASES = [
-    pytest.param("N=1024 D=512 C=200 fp32", 1024, 512, 200, marks=pytest.mark.headline),
-    pytest.param("N=1024 D=512 C=11318 fp32", 1024, 512, 11318),
+    pytest.param("N=1024 D=512 C=200 fp32", 1024, 512, 200, "cpu", marks=pytest.mark.headline),
+    pytest.param("N=1024 D=512 C=11318 fp32", 1024, 512, 11318, "cpu"),
+    *(
+        pytest.param(f"N={N} D=512 C={C} fp32", N, 512, C, "cuda", marks=pytest.mark.cuda)
+        for N, C in ((1024, 200), (1024, 11318), (8192, 11318))
+    ),
 ]
 
 
 @pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
 @pytest.mark.parametrize("impl", [*PROXY_IMPLS, ROOFLINE])
-@pytest.mark.parametrize("case,N,D,C", PROXY_CASES)
-def test_proxy_anchor_loss(benchmark, case, N, D, C, impl, pass_):
-    g = torch.Generator().manual_seed(0)
-    e = torch.randn(N, D, generator=g)
-    proxies = torch.randn(C, D, generator=g)
-    labels = torch.randint(C, (N,), generator=g)
+@pytest.mark.parametrize("case,N,D,C,device", PROXY_CASES)
+def test_proxy_anchor_loss(benchmark, case, N, D, C, device, impl, pass_):
+    if impl == TRITON and device != "cuda":
+        pytest.skip("the Triton kernels run on CUDA tensors (the tests run them interpreted)")
+    if impl == "torchkit" and device != "cpu":
+        pytest.skip("torchkit's CUDA kernels for the pair losses are the staged Triton ones")
+    g = torch.Generator(device).manual_seed(0)
+    e = torch.randn(N, D, generator=g, device=device)
+    proxies = torch.randn(C, D, generator=g, device=device)
+    labels = torch.randint(C, (N,), generator=g, device=device)
     extra = {"flops": 2 * N * C * D * (1 if pass_ == "forward" else 3)}
     if impl == ROOFLINE:
 
@@ -233,4 +262,4 @@ def test_proxy_anchor_loss(benchmark, case, N, D, C, impl, pass_):
                 fn(e, labels, proxies).backward()
                 e.grad = proxies.grad = None
 
-    run(benchmark, step, op="proxy_anchor_loss", case=case, pass_=pass_, impl=impl, device="cpu", **extra)
+    run(benchmark, step, op="proxy_anchor_loss", case=case, pass_=pass_, impl=impl, device=device, **extra)

@@ -60,7 +60,7 @@ configs = pytest.mark.parametrize("loss,params", CONFIGS, ids=CONFIG_IDS)
 # The losses with Triton kernels (torchkit/triton/pair_losses.py): the tests taking a `device`
 # run them too, under Triton's interpreter on CPU tensors ("triton"; skipped where a GPU is
 # visible, where test_triton_on_cuda_matches_the_cpu_kernel runs them compiled).
-TRITON = ("supcon_loss", "ntxent_loss")
+TRITON = ("supcon_loss", "ntxent_loss")  # and proxy_anchor_loss, whose tests take `kernels`
 TRITON_MARK = pytest.mark.triton("pair_losses")
 
 
@@ -904,6 +904,29 @@ def test_triton_on_cuda_matches_the_cpu_kernel(loss, dtype):
             assert (a.cpu().double() - b.double()).abs().max() <= tol * scale * 4
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_proxy_anchor_triton_on_cuda_matches_the_cpu_kernel(dtype):
+    tp = triton_module()
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+    e, labels, proxies = make((300, 64), dtype, seed=43), make_labels(300, 90), make((100, 64), dtype, seed=44)
+    value, stats = torch.ops.torchkit.proxy_anchor_loss(e, labels, proxies, 0.1, 32.0)
+    g = torch.tensor(0.5, dtype=dtype)
+    exp = torch.ops.torchkit._proxy_anchor_loss_backward(g, e, labels, proxies, stats, 0.1, 32.0, [True, True])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, got_stats = tp.proxy_anchor_forward(e.cuda(), labels.cuda(), proxies.cuda(), 0.1, 32.0)
+        out = tp.proxy_anchor_backward(
+            g.cuda(), e.cuda(), labels.cuda(), proxies.cuda(), got_stats, 0.1, 32.0, [True, True]
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(got.cpu(), value, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_stats.cpu(), stats, rtol=tol, atol=tol)
+    for a, b in zip(out, exp, strict=True):
+        assert (a.cpu().double() - b.double()).abs().max() <= 4 * tol * b.abs().max().double()
+
+
 @pytest.mark.parametrize("loss", NAMES)
 def test_cuda_tensors_are_refused_with_a_reason(loss):
     if not torch.cuda.is_available():
@@ -1002,10 +1025,11 @@ def proxy_loss_and_grads(fn, e, labels, proxies):
     return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
 
 
+@kernels
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("N,C,D", [(50, 5, 16), (160, 40, 33), (129, 300, 65), (9, 1, 5), (0, 3, 4), (70, 70, 8)])
 @pytest.mark.parametrize("margin,alpha", [(0.1, 32.0), (0.0, 4.0)])
-def test_proxy_anchor_matches_pytorch_metric_learning(dtype, N, C, D, margin, alpha):
+def test_proxy_anchor_matches_pytorch_metric_learning(dtype, N, C, D, margin, alpha, device):
     """Values and the gradients of the embeddings and the proxies; classes without samples
     (C = 300 > N) count only in the negative term, as PML's divisors have it."""
     e, labels, proxies = make((N, D), dtype, seed=1), make_labels(N, C), make((C, D), dtype, seed=2)
@@ -1026,7 +1050,8 @@ def test_proxy_anchor_reference_is_pml():
     )
 
 
-def test_proxy_anchor_float32_is_within_1e5_of_float64():
+@kernels
+def test_proxy_anchor_float32_is_within_1e5_of_float64(device):
     e, labels, proxies = (
         make((300, 64), torch.float32, seed=3, offset=0.3),
         make_labels(300, 20),
@@ -1040,8 +1065,9 @@ def test_proxy_anchor_float32_is_within_1e5_of_float64():
         assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+@kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_proxy_anchor_reduced_precision_accumulates_in_float32(dtype):
+def test_proxy_anchor_reduced_precision_accumulates_in_float32(dtype, device):
     e, labels, proxies = make((100, 32), dtype, seed=7), make_labels(100, 8), make((8, 32), dtype, seed=8)
     got, (g, gp) = proxy_loss_and_grads(
         lambda a, lab, p: ops.proxy_anchor_loss(a, lab, p, 0.1, 8.0), e, labels, proxies
@@ -1056,7 +1082,8 @@ def test_proxy_anchor_reduced_precision_accumulates_in_float32(dtype):
     assert (gp.double() - gp64).abs().max() <= 4 * eps * gp64.abs().max()
 
 
-def test_proxy_anchor_real_embeddings():
+@kernels
+def test_proxy_anchor_real_embeddings(device):
     """sklearn's digits as embeddings, 10 random proxies, against PML."""
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits()
@@ -1070,8 +1097,9 @@ def test_proxy_anchor_real_embeddings():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@kernels
 @pytest.mark.parametrize("dtype,scales", [(torch.float32, (1e-11, 1e20, 1e38)), (torch.float64, (1e-11, 1e300))])
-def test_proxy_anchor_the_whole_finite_range(dtype, scales):
+def test_proxy_anchor_the_whole_finite_range(dtype, scales, device):
     e, labels, proxies = make((40, 6), dtype, seed=11), make_labels(40, 5), make((5, 6), dtype, seed=12)
     base, (g_base, gp_base) = proxy_loss_and_grads(ops.proxy_anchor_loss, e, labels, proxies)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
@@ -1082,14 +1110,16 @@ def test_proxy_anchor_the_whole_finite_range(dtype, scales):
         torch.testing.assert_close(gp.double() * scale, gp_base.double(), **tol)
 
 
+@kernels
 @pytest.mark.parametrize("where", ["embeddings", "proxies"])
-def test_proxy_anchor_nan_makes_the_loss_nan(where):
+def test_proxy_anchor_nan_makes_the_loss_nan(where, device):
     e, labels, proxies = make((20, 5)), make_labels(20, 3), make((3, 5), seed=1)
     (e if where == "embeddings" else proxies)[1, 2] = float("nan")
     assert ops.proxy_anchor_loss(e, labels, proxies).isnan()
 
 
-def test_proxy_anchor_empty_batch_is_zero_with_zero_gradients():
+@kernels
+def test_proxy_anchor_empty_batch_is_zero_with_zero_gradients(device):
     e = make((0, 4)).requires_grad_()
     proxies = make((3, 4)).requires_grad_()
     out = ops.proxy_anchor_loss(e, torch.zeros(0, dtype=torch.long), proxies)
@@ -1098,9 +1128,10 @@ def test_proxy_anchor_empty_batch_is_zero_with_zero_gradients():
     assert torch.equal(gp, torch.zeros_like(proxies))
 
 
+@kernels
 @pytest.mark.bad_input
 @pytest.mark.parametrize("bad", [5, -1])
-def test_proxy_anchor_labels_must_name_a_proxy(bad):
+def test_proxy_anchor_labels_must_name_a_proxy(bad, device):
     """Read by the kernel (a host check on CPU tensors): the same IndexError eagerly, through the
     raw op and compiled."""
     labels = torch.tensor([0, 1, 2, bad, 0, 1])
@@ -1114,16 +1145,18 @@ def test_proxy_anchor_labels_must_name_a_proxy(bad):
         compiled(ops.proxy_anchor_loss)(e4, labels, proxies)
 
 
+@kernels
 @pytest.mark.parametrize("with_proxies", [False, True])
-def test_proxy_anchor_gradcheck(with_proxies):
+def test_proxy_anchor_gradcheck(with_proxies, device):
     e = make((7, 3), seed=9).requires_grad_()
     labels = torch.tensor([0, 1, 0, 2, 1, 0, 2])
     proxies = make((4, 3), seed=10).requires_grad_(with_proxies)
     check_gradcheck(lambda a, p: ops.proxy_anchor_loss(a, labels, p, 0.1, 4.0), (e, proxies))
 
 
+@kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_proxy_anchor_opcheck(dtype):
+def test_proxy_anchor_opcheck(dtype, device):
     op, backward = raw("proxy_anchor_loss")
     e, labels, proxies = (
         make((10, 4), dtype).requires_grad_(),
@@ -1140,7 +1173,8 @@ def test_proxy_anchor_opcheck(dtype):
     )
 
 
-def test_proxy_anchor_compile_dynamic():
+@kernels
+def test_proxy_anchor_compile_dynamic(device):
     for N in (20, 33):
         e = make((N, 8), torch.float32).requires_grad_()
         proxies = make((5, 8), torch.float32, seed=1).requires_grad_()
@@ -1165,14 +1199,16 @@ def test_proxy_anchor_deterministic_on_any_number_of_threads():
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
 
 
-def test_proxy_anchor_inputs_are_never_written():
+@kernels
+def test_proxy_anchor_inputs_are_never_written(device):
     e, proxies = make((30, 5)).requires_grad_(), make((4, 5), seed=1).requires_grad_()
     before = e.detach().clone(), proxies.detach().clone()
     ops.proxy_anchor_loss(e, make_labels(30, 4), proxies).backward()
     assert torch.equal(e.detach(), before[0]) and torch.equal(proxies.detach(), before[1])
 
 
-def test_proxy_anchor_module():
+@kernels
+def test_proxy_anchor_module(device):
     torch.manual_seed(0)
     m = torchkit.nn.ProxyAnchorLoss(5, 8, margin=0.2, alpha=16.0)
     assert repr(m) == "ProxyAnchorLoss(num_classes=5, embedding_size=8, margin=0.2, alpha=16.0)"
@@ -1185,6 +1221,30 @@ def test_proxy_anchor_module():
         torchkit.nn.ProxyAnchorLoss(5, 8, alpha=0)
     with pytest.raises(ValueError, match=r"ProxyAnchorLoss: num_classes and embedding_size must be >= 1"):
         torchkit.nn.ProxyAnchorLoss(0, 8)
+
+
+@pytest.mark.triton("pair_losses")
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_proxy_anchor_triton_every_configuration_matches_the_cpu_kernel(which):
+    """test_triton_every_configuration_matches_the_cpu_kernel's, for proxy_anchor_loss: ragged
+    sizes, a proxy without positives, a zero embedding."""
+    tp = triton_module()
+    pick = lambda configs: configs[min(which, len(configs) - 1)]  # noqa: E731
+    rows, grad, row = pick(tp.ROWS_CONFIGS), pick(tp.GRAD_CONFIGS), pick(tp.ROW_CONFIGS)
+    e, labels, proxies = make((45, 19), seed=41), make_labels(45, 30), make((37, 19), seed=42)
+    e[3] = 0
+    for margin, alpha in ((0.1, 32.0), (0.0, 4.0)):
+        value, stats = torch.ops.torchkit.proxy_anchor_loss(e, labels, proxies, margin, alpha)
+        got, got_stats = tp.proxy_anchor_forward(e, labels, proxies, margin, alpha, config=rows, row_config=row)
+        torch.testing.assert_close(got, value, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_stats, stats, rtol=1e-12, atol=1e-12)
+        g = torch.tensor(0.7, dtype=e.dtype)
+        exp = torch.ops.torchkit._proxy_anchor_loss_backward(g, e, labels, proxies, stats, margin, alpha, [True, True])
+        out = tp.proxy_anchor_backward(
+            g, e, labels, proxies, got_stats, margin, alpha, [True, True], config=grad, row_config=row
+        )
+        for a, b in zip(out, exp, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")

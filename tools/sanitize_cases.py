@@ -144,6 +144,13 @@ def pair_losses():
                 torch.arange(41) % 7,
             )
         check(lambda e, labels, loss=loss: loss(e, labels, 0.1), torch.randn(65, 8).bfloat16(), torch.arange(65) % 4)
+    for dtype in (torch.float32, torch.float64):
+        check(
+            ops.proxy_anchor_loss,
+            torch.randn(70, 33, dtype=dtype),
+            torch.arange(70) % 9,
+            torch.randn(11, 33, dtype=dtype),
+        )
 
 
 OPS = (

@@ -29,7 +29,8 @@ SHAPES = {
         ("P=R=8192 M=128 bf16", (8192, 128), (8192, 128), torch.bfloat16),
         ("self P=4096 M=512 fp32", (4096, 512), None, torch.float32),
     ],
-    # supcon_loss and ntxent_loss: (N, D) embeddings (refs: None), 100 classes.
+    # supcon_loss and ntxent_loss: (N, D) embeddings (refs: None), 100 classes; proxy_anchor_loss
+    # with up to 1,000 of the rows as proxies.
     "pair_losses": [
         ("N=1024 D=512 fp32", (1024, 512), None, torch.float32),
         ("N=8192 D=128 fp32", (8192, 128), None, torch.float32),
@@ -137,6 +138,18 @@ def sweep_pair_losses(results: dict) -> None:
             for i, config in enumerate(kernels.GRAD_CONFIGS):
                 ms = milliseconds(lambda c=config, b=backward, args=args: b(*args, config=c))
                 rows.append((f"{loss}.grad", i, repr(config), ms))
+        # proxy_anchor_loss: the refs (or the embeddings) as its proxies.
+        proxies = (e if r is None else r)[:1000]
+        classes = labels % proxies.shape[0]
+        for i, config in enumerate(kernels.ROWS_CONFIGS):
+            args = (e, classes, proxies, 0.1, 32.0)
+            ms = milliseconds(lambda c=config, args=args: kernels.proxy_anchor_forward(*args, config=c))
+            rows.append(("proxy_anchor.rows", i, repr(config), ms))
+        value, stats = kernels.proxy_anchor_forward(e, classes, proxies, 0.1, 32.0)
+        args = (torch.ones_like(value), e, classes, proxies, stats, 0.1, 32.0, [True, True])
+        for i, config in enumerate(kernels.GRAD_CONFIGS):
+            ms = milliseconds(lambda c=config, args=args: kernels.proxy_anchor_backward(*args, config=c))
+            rows.append(("proxy_anchor.grad", i, repr(config), ms))
         report("pair_losses", name, rows, results)
 
 

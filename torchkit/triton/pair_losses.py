@@ -36,16 +36,22 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
-from torchkit.ops.pair_losses import _check_inputs, _check_params
+from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_inputs
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, float_bits
 
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
-# rows_kernel's modes: SupCon's pass, NT-Xent's negatives, NT-Xent's positive pairs.
+# rows_kernel's modes: SupCon's pass, NT-Xent's negatives, NT-Xent's positive pairs, proxy
+# anchor's pass.
 SUPCON = tl.constexpr(0)
 NTXENT_NEGATIVES = tl.constexpr(1)
 NTXENT_POSITIVES = tl.constexpr(2)
+PROXY = tl.constexpr(3)
+# grad_kernel's losses.
+LOSS_SUPCON = tl.constexpr(0)
+LOSS_NTXENT = tl.constexpr(1)
+LOSS_PROXY = tl.constexpr(2)
 
 # Launch configurations. Each is run by the tests (every masking path) and compiled by
 # tools/triton_check.py; `config` arguments pick one, the default being the first.
@@ -205,6 +211,7 @@ def rows_kernel(
     M,
     D,
     INV_T_BITS,
+    SHIFT_BITS,
     SELF: tl.constexpr,
     MODE: tl.constexpr,
     ACC: tl.constexpr,
@@ -218,8 +225,11 @@ def rows_kernel(
     SUPCON: out = log Σ_pairs exp(x) (0 without pairs), sum = Σ_positives x, and the counts;
     NTXENT_NEGATIVES: out = log Σ_negatives exp(x) (−∞ without), sum = Σ_positives x, counts;
     NTXENT_POSITIVES (log_s: the negatives' pass's out): out = log R = log Σ_p q/(q + tiny) /
-    (exp(x_p) + S), sum = Σ_p −log(q_p + tiny), q_p = exp(x_p)/(exp(x_p) + S); no counts."""
+    (exp(x_p) + S), sum = Σ_p −log(q_p + tiny), q_p = exp(x_p)/(exp(x_p) + S); no counts;
+    PROXY (anchors: the proxies, 1/τ = α, shift = α·margin): out = Ln = log(1 + Σ_negatives
+    exp(x + shift)), sum = Lp = log(1 + Σ_positives exp(shift − x)), and the counts."""
     inv_t, tiny = _scalars(INV_T_BITS, IS64)
+    shift = tm.f64(SHIFT_BITS).to(tiny.dtype)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
@@ -227,6 +237,12 @@ def rows_kernel(
     s = tl.zeros((BLOCK_N,), ACC)
     total = tl.zeros((BLOCK_N,), ACC)
     nan = tl.zeros((BLOCK_N,), tl.int32)
+    if MODE == PROXY:  # both log-sum-exps hold the 1 (exp(0)) from the start
+        m = tl.zeros((BLOCK_N,), ACC)
+        s = tl.full((BLOCK_N,), 1.0, ACC)
+        m2 = tl.zeros((BLOCK_N,), ACC)
+        s2 = tl.full((BLOCK_N,), 1.0, ACC)
+        nan2 = tl.zeros((BLOCK_N,), tl.int32)
     npos = tl.zeros((BLOCK_N,), tl.int32)
     npairs = tl.zeros((BLOCK_N,), tl.int32)
     if MODE == NTXENT_POSITIVES:
@@ -247,6 +263,16 @@ def rows_kernel(
             r = tl.where(q > 0, tl.log(tl.where(q > 0, q, 1.0) / (q + tiny)), float("-inf")) - lse
             nan = nan | tl.max(tl.where(pos & (r != r), 1, 0), axis=1)
             m, s = _lse_fold(m, s, r, pos)
+        elif MODE == PROXY:
+            negative = valid & (pos == 0)
+            y = x + shift
+            nan = nan | tl.max(tl.where(negative & (y != y), 1, 0), axis=1)
+            m, s = _lse_fold(m, s, y, negative)
+            z = shift - x
+            nan2 = nan2 | tl.max(tl.where(pos & (z != z), 1, 0), axis=1)
+            m2, s2 = _lse_fold(m2, s2, z, pos)
+            npos += tl.sum(pos.to(tl.int32), axis=1)
+            npairs += tl.sum(valid.to(tl.int32), axis=1)
         else:
             keep = valid
             if MODE == NTXENT_NEGATIVES:
@@ -259,6 +285,8 @@ def rows_kernel(
     out = _lse_value(m, s, nan != 0)
     if MODE == SUPCON:
         out = tl.where(npairs > 0, out, 0.0)
+    if MODE == PROXY:
+        total = _lse_value(m2, s2, nan2 != 0)
     tl.store(out_ptr + rows, out, mask=row_mask)
     tl.store(sum_ptr + rows, total, mask=row_mask)
     if MODE != NTXENT_POSITIVES:
@@ -270,14 +298,17 @@ def rows_kernel(
 
 
 @triton.jit
-def _pair_terms(x, coef, shift, w, log_s, tiny, NTXENT: tl.constexpr):
-    """∂loss/∂x of one anchor's pairs (coef etc. broadcast along the anchor's axis): every
-    pair's coef·exp(x − shift), and a positive pair's own term (PairGrad)."""
+def _pair_terms(x, coef, shift, w, log_s, tiny, LOSS: tl.constexpr):
+    """∂loss/∂x of one anchor's pairs (coef etc. broadcast along the anchor's axis): a
+    negative pair's coef·exp(x − shift), and a positive pair's term: SupCon's and NT-Xent's as
+    PairGrad in pair_losses_cpu.cpp forms them, proxy anchor's −w·exp(−x − log_s)."""
     live = coef != 0
     every = tl.where(live, coef * tl.exp(x - shift), 0.0)
-    if NTXENT:
+    if LOSS == LOSS_NTXENT:
         q = tl.exp(x - _log_add_exp(x, log_s))
         positive = tl.where(live, -q * (1.0 - q) / (q + tiny) * coef, 0.0)
+    elif LOSS == LOSS_PROXY:
+        positive = tl.where(w != 0, -w * tl.exp(-x - log_s), 0.0)
     else:
         positive = tl.where(live, every - w, 0.0)
     return every, positive
@@ -301,7 +332,7 @@ def grad_kernel(
     SELF: tl.constexpr,
     ANCHORS_OWN: tl.constexpr,
     ANCHORS_OTHER: tl.constexpr,
-    NTXENT: tl.constexpr,
+    LOSS: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -332,7 +363,7 @@ def grad_kernel(
         g = tl.zeros((BLOCK_N, BLOCK_M), ACC)
         p = tl.zeros((BLOCK_N, BLOCK_M), ACC)
         if ANCHORS_OWN:
-            every, positive = _pair_terms(x, ci[:, None], hi[:, None], wi[:, None], si[:, None], tiny, NTXENT)
+            every, positive = _pair_terms(x, ci[:, None], hi[:, None], wi[:, None], si[:, None], tiny, LOSS)
             g += every
             p += positive
         if ANCHORS_OTHER:
@@ -340,14 +371,16 @@ def grad_kernel(
             hj = tl.load(shift_ptr + cols, mask=col_mask, other=0.0)
             wj = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
             sj = tl.load(log_s_ptr + cols, mask=col_mask, other=0.0)
-            every, positive = _pair_terms(x, cj[None, :], hj[None, :], wj[None, :], sj[None, :], tiny, NTXENT)
+            every, positive = _pair_terms(x, cj[None, :], hj[None, :], wj[None, :], sj[None, :], tiny, LOSS)
             g += every
             p += positive
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
             valid = valid & (rows[:, None] != cols[None, :])
         g = tl.where(lab[:, None] == other_lab[None, :], p, g)
-        g = tl.where(valid, g * inv_t, 0.0)
+        if LOSS != LOSS_PROXY:  # (proxy anchor's coefficients, its stats', hold ∂x/∂s = α)
+            g = g * inv_t
+        g = tl.where(valid, g, 0.0)
         f = tl.load(other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0)
         acc = _product(g, tl.trans(f), acc, IS64)
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=row_mask[:, None] & f_mask[None, :])
@@ -443,8 +476,8 @@ def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, config):
     return a, b
 
 
-def _rows(a: _Side, b: _Side, mode, self_: bool, temperature: float, acc, config: Config, log_s=None):
-    """rows_kernel over every anchor: (out, sum, positives, pairs) per anchor."""
+def _rows(a: _Side, b: _Side, mode, self_: bool, scale: float, acc, config: Config, log_s=None, shift=0.0):
+    """rows_kernel over every anchor, x = s·scale: (out, sum, positives, pairs) per anchor."""
     N, D = a.e.shape
     out = torch.empty(N, dtype=acc, device=a.e.device)
     total = torch.empty(N, dtype=acc, device=a.e.device)
@@ -464,7 +497,8 @@ def _rows(a: _Side, b: _Side, mode, self_: bool, temperature: float, acc, config
             N,
             b.n,
             D,
-            float_bits(1.0 / temperature),
+            float_bits(scale),
+            float_bits(shift),
             SELF=self_,
             MODE=mode,
             ACC=_tl(acc),
@@ -495,7 +529,7 @@ def supcon_forward(embeddings, labels, ref_embeddings, ref_labels, temperature, 
     t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
     acc = acc_dtype(embeddings)
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
-    lse, possum, npos, npairs = _rows(a, b, SUPCON, ref_embeddings is None, t, acc, config or ROWS_CONFIGS[0])
+    lse, possum, npos, npairs = _rows(a, b, SUPCON, ref_embeddings is None, 1.0 / t, acc, config or ROWS_CONFIGS[0])
     # Per anchor as supcon_forward (pair_losses_cpu.cpp), in float64.
     lse64 = lse.double()
     has = npos > 0
@@ -518,8 +552,8 @@ def ntxent_forward(embeddings, labels, ref_embeddings, ref_labels, temperature, 
     config = config or ROWS_CONFIGS[0]
     self_ = ref_embeddings is None
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
-    log_s, _, npos, npairs = _rows(a, b, NTXENT_NEGATIVES, self_, t, acc, config)
-    log_r, loss, _, _ = _rows(a, b, NTXENT_POSITIVES, self_, t, acc, config, log_s=log_s)
+    log_s, _, npos, npairs = _rows(a, b, NTXENT_NEGATIVES, self_, 1.0 / t, acc, config)
+    log_r, loss, _, _ = _rows(a, b, NTXENT_POSITIVES, self_, 1.0 / t, acc, config, log_s=log_s)
     use = _pml_counts(npos, npairs)
     positives = npos.sum(dtype=torch.int64)
     has = npos > 0
@@ -531,8 +565,9 @@ def ntxent_forward(embeddings, labels, ref_embeddings, ref_labels, temperature, 
     return total.to(embeddings.dtype), stats
 
 
-def _check_backward(op: str, grad: Tensor, embeddings: Tensor, stats: Tensor, columns: int) -> None:
-    """csrc/pair_losses.cpp's check_backward_inputs, with its messages."""
+def _check_backward(op: str, grad: Tensor, embeddings: Tensor, stats: Tensor, columns: int, anchors=None) -> None:
+    """csrc/pair_losses.cpp's check_backward_inputs, with its messages (anchors: their number
+    where they are not the embeddings' rows)."""
     if grad.dim() != 0:
         raise ValueError(f"{op}: backward: grad must be a scalar (the loss's), got shape {list(grad.shape)}")
     if grad.dtype != embeddings.dtype:
@@ -542,7 +577,7 @@ def _check_backward(op: str, grad: Tensor, embeddings: Tensor, stats: Tensor, co
         )
     check_same_device(op, embeddings=embeddings, grad=grad)
     acc = acc_dtype(embeddings)
-    N = embeddings.shape[0]
+    N = embeddings.shape[0] if anchors is None else anchors
     if stats.dim() != 2 or stats.shape[0] != N or stats.shape[1] != columns or stats.dtype != acc:
         raise ValueError(
             f"{op}: backward: stats must be (N, {columns}) = ({N}, {columns}) of {dtype_name(acc)}, got "
@@ -594,55 +629,65 @@ def _backward(
         shift = torch.where(w != 0, lse, inf)
         log_s = torch.zeros_like(coef)
     coef, shift, w, log_s = (v.contiguous() for v in (coef, shift, w, log_s))
-    k = config.kwargs
+    terms = (coef, shift, w, log_s)
+    loss = LOSS_NTXENT if ntxent else LOSS_SUPCON
 
     def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor) -> Tensor:
-        g = torch.empty(own.n, D, dtype=acc, device=embeddings.device)
-        grid = (_blocks(own.n, k["BLOCK_N"]), _blocks(D, k["BLOCK_F"]))
-        grad_kernel[grid](
-            own.e,
-            other.e,
-            own.labels,
-            other.labels,
-            coef,
-            shift,
-            w,
-            log_s,
-            g,
-            own.n,
-            other.n,
-            D,
-            float_bits(1.0 / t),
-            SELF=self_,
-            ANCHORS_OWN=anchors_own,
-            ANCHORS_OTHER=anchors_other,
-            NTXENT=ntxent,
-            ACC=_tl(acc),
-            IS64=acc == torch.float64,
-            **config.launch,
+        return _grad(
+            own, other, terms, self_, anchors_own, anchors_other, loss, 1.0 / t, grad, like, config, row_config
         )
-        out = torch.empty(own.n, D, dtype=like.dtype, device=like.device)
-        jacobian_kernel[(_blocks(own.n, row_config.kwargs["BLOCK_ROWS"]),)](
-            g,
-            own.e,
-            own.exp,
-            own.inv,
-            own.clamped,
-            grad,
-            out,
-            own.n,
-            D,
-            ACC=_tl(acc),
-            IS64=acc == torch.float64,
-            **row_config.launch,
-        )
-        return out
 
     if self_:
         return rows_grad(a, a, True, True, embeddings), empty
     ge = rows_grad(a, b, True, False, embeddings) if want_e else empty
     gr = rows_grad(b, a, False, True, ref_embeddings) if want_r else empty
     return ge, gr
+
+
+def _grad(
+    own: _Side, other: _Side, terms, self_, anchors_own, anchors_other, loss, scale, grad, like, config, row_config
+):
+    """The gradient of the rows of `own` (in like's dtype): grad_kernel, x = s·scale, with the
+    per-anchor (coef, shift, w, log_s) of `terms`, then jacobian_kernel."""
+    acc = own.e.dtype
+    D = own.e.shape[1]
+    k = config.kwargs
+    g = torch.empty(own.n, D, dtype=acc, device=own.e.device)
+    grad_kernel[(_blocks(own.n, k["BLOCK_N"]), _blocks(D, k["BLOCK_F"]))](
+        own.e,
+        other.e,
+        own.labels,
+        other.labels,
+        *terms,
+        g,
+        own.n,
+        other.n,
+        D,
+        float_bits(scale),
+        SELF=self_,
+        ANCHORS_OWN=anchors_own,
+        ANCHORS_OTHER=anchors_other,
+        LOSS=loss,
+        ACC=_tl(acc),
+        IS64=acc == torch.float64,
+        **config.launch,
+    )
+    out = torch.empty(own.n, D, dtype=like.dtype, device=like.device)
+    jacobian_kernel[(_blocks(own.n, row_config.kwargs["BLOCK_ROWS"]),)](
+        g,
+        own.e,
+        own.exp,
+        own.inv,
+        own.clamped,
+        grad,
+        out,
+        own.n,
+        D,
+        ACC=_tl(acc),
+        IS64=acc == torch.float64,
+        **row_config.launch,
+    )
+    return out
 
 
 def supcon_backward(
@@ -681,12 +726,85 @@ def ntxent_backward(
     return _backward(True, *args, config, row_config)
 
 
+def _proxy_check(embeddings, labels, proxies, margin, alpha) -> tuple[float, float]:
+    """csrc/pair_losses.cpp's check_proxy_inputs: the labels' range read on the host for CPU
+    tensors (the interpreter), asserted on the device for CUDA ones (no synchronisation: a
+    device-side assertion, as the cross-entropy's CUDA kernel gives)."""
+    op = "proxy_anchor_loss"
+    check_scalars(op, ("float", "margin", margin), ("float", "alpha", alpha))
+    margin, alpha = float(margin), float(alpha)
+    _check_proxy_inputs(embeddings, labels, proxies, margin, alpha)
+    C = proxies.shape[0]
+    if labels.numel() > 0:
+        if labels.device.type == "cpu":
+            low, high = int(labels.min()), int(labels.max())
+            if low < 0 or high >= C:
+                bad = low if low < 0 else high
+                raise IndexError(f"{op}: labels must lie in [0, C) = [0, {C}) (a row of proxies each), got {bad}")
+        else:
+            inside = ((labels >= 0) & (labels < C)).all()
+            torch._assert_async(inside, f"{op}: labels must lie in [0, C) = [0, {C}) (a row of proxies each)")
+    return margin, alpha
+
+
+def _proxy_sides(embeddings, labels, proxies, acc, row_config):
+    """The proxies as the anchors (label c for row c), the embeddings as the refs."""
+    classes = torch.arange(proxies.shape[0], device=proxies.device)
+    return _Side(proxies, classes, acc, row_config), _Side(embeddings, labels, acc, row_config)
+
+
+def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, *, config=None, row_config=None):
+    """torchkit::proxy_anchor_loss's CUDA kernel (any device under the interpreter)."""
+    margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
+    acc = acc_dtype(embeddings)
+    a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config or ROW_CONFIGS[0])
+    ln, lp, npos, _ = _rows(a, b, PROXY, False, alpha, acc, config or ROWS_CONFIGS[0], shift=alpha * margin)
+    # PML's DivisorReducer: the positive terms over the P proxies with positives (0 without
+    # any), the negative ones over all C proxies (proxy_anchor_forward in pair_losses_cpu.cpp).
+    C = a.n
+    P = (npos > 0).sum(dtype=torch.int64)
+    pos = torch.where(P > 0, lp.double().sum() / P.clamp(min=1).double(), 0.0)
+    total = pos + (ln.double().sum() / C if C > 0 else 0.0)
+    share = torch.where(P > 0, alpha / P.clamp(min=1).double(), 0.0).to(acc)
+    stats = torch.stack([lp, ln, share.expand(C), torch.full_like(ln, alpha / max(C, 1))], dim=1)
+    return total.to(embeddings.dtype), stats
+
+
+def proxy_anchor_backward(
+    grad, embeddings, labels, proxies, stats, margin, alpha, output_mask, *, config=None, row_config=None
+):
+    """torchkit::_proxy_anchor_loss_backward's CUDA kernel."""
+    op = "proxy_anchor_loss"
+    margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
+    want_e, want_p = bool(output_mask[0]), bool(output_mask[1])
+    C, D = proxies.shape
+    N = embeddings.shape[0]
+    _check_backward(op, grad, embeddings, stats, 4, anchors=C)
+    empty = embeddings.new_empty(0)
+    if N == 0 or C == 0 or D == 0 or not (want_e or want_p):
+        zero = lambda want, x: torch.zeros_like(x, memory_format=torch.contiguous_format) if want else empty  # noqa: E731
+        return zero(want_e, embeddings), zero(want_p, proxies)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    config = config or GRAD_CONFIGS[0]
+    a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config)
+    # Per proxy (ProxyAnchorTerms in pair_losses_cpu.cpp), x = α·s: a negative's
+    # α/C·exp(x − (Ln − α·margin)), a positive's −α/P·exp(−x − (Lp − α·margin)).
+    lp, ln, share, per_proxy = stats.unbind(1)
+    am = alpha * margin
+    terms = tuple(v.contiguous() for v in (per_proxy, ln - am, share, lp - am))
+    common = (terms, False)
+    gp = _grad(a, b, *common, True, False, LOSS_PROXY, alpha, grad, proxies, config, row_config) if want_p else empty
+    ge = _grad(b, a, *common, False, True, LOSS_PROXY, alpha, grad, embeddings, config, row_config) if want_e else empty
+    return ge, gp
+
+
 # --------------------------------------------------------------------------- compile check
 
 
 def compile_cases() -> list[CompileCase]:
     """Every kernel for tools/triton_check.py: each configuration in float32, float64 with the
-    first; rows_kernel in each mode, grad_kernel in each pass."""
+    first; rows_kernel in each mode, grad_kernel in each loss's passes."""
     cases = []
     for dtype, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
         is64 = acc == "fp64"
@@ -724,10 +842,17 @@ def compile_cases() -> list[CompileCase]:
             "exp_ptr": "*i32",
             "clamped_ptr": "*i8",
             "INV_T_BITS": "i64",
+            "SHIFT_BITS": "i64",
         }
         if dtype != "bf16":
-            for mode, name in ((SUPCON, "supcon"), (NTXENT_NEGATIVES, "negatives"), (NTXENT_POSITIVES, "positives")):
-                for self_ in (True, False) if mode == SUPCON else (True,):
+            modes = (
+                (SUPCON, "supcon"),
+                (NTXENT_NEGATIVES, "negatives"),
+                (NTXENT_POSITIVES, "positives"),
+                (PROXY, "proxy"),
+            )
+            for mode, name in modes:
+                for self_ in (True, False) if mode == SUPCON else ((False,) if mode == PROXY else (True,)):
                     cases.append(
                         CompileCase(
                             f"pair_losses.rows {name} {dtype}{' self' if self_ else ''}",
@@ -737,19 +862,22 @@ def compile_cases() -> list[CompileCase]:
                             ROWS_CONFIGS if every and mode == SUPCON and self_ else ROWS_CONFIGS[:1],
                         )
                     )
-            for ntxent in (False, True):
-                for self_ in (True, False):
-                    for own, other in ((True, True),) if self_ else ((True, False), (False, True)):
-                        cases.append(
-                            CompileCase(
-                                f"pair_losses.grad {'ntxent' if ntxent else 'supcon'} {dtype}"
-                                f"{' self' if self_ else (' anchors' if own else ' refs')}",
-                                grad_kernel,
-                                {**types, "out_ptr": "*" + acc},
-                                dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, NTXENT=ntxent, **flags),
-                                GRAD_CONFIGS if every and self_ and not ntxent else GRAD_CONFIGS[:1],
-                            )
-                        )
+            passes = [
+                (loss, name, self_, own, other)
+                for loss, name in ((LOSS_SUPCON, "supcon"), (LOSS_NTXENT, "ntxent"))
+                for self_, own, other in ((True, True, True), (False, True, False), (False, False, True))
+            ]
+            passes += [(LOSS_PROXY, "proxy", False, True, False), (LOSS_PROXY, "proxy", False, False, True)]
+            for loss, name, self_, own, other in passes:
+                cases.append(
+                    CompileCase(
+                        f"pair_losses.grad {name} {dtype}{' self' if self_ else (' anchors' if own else ' refs')}",
+                        grad_kernel,
+                        {**types, "out_ptr": "*" + acc},
+                        dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, LOSS=loss, **flags),
+                        GRAD_CONFIGS if every and self_ and loss == LOSS_SUPCON else GRAD_CONFIGS[:1],
+                    )
+                )
         for kernel in (normalise_kernel, jacobian_kernel):
             cases.append(
                 CompileCase(
