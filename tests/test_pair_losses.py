@@ -60,7 +60,7 @@ configs = pytest.mark.parametrize("loss,params", CONFIGS, ids=CONFIG_IDS)
 # The losses with Triton kernels (torchkit/triton/pair_losses.py): the tests taking a `device`
 # run them too, under Triton's interpreter on CPU tensors ("triton"; skipped where a GPU is
 # visible, where test_triton_on_cuda_matches_the_cpu_kernel runs them compiled).
-TRITON = ("supcon_loss", "ntxent_loss")  # and proxy_anchor_loss, whose tests take `kernels`
+TRITON = ("supcon_loss", "ntxent_loss", "multi_similarity_loss")  # and proxy_anchor_loss (`kernels`)
 TRITON_MARK = pytest.mark.triton("pair_losses")
 
 
@@ -165,7 +165,9 @@ CASES = [
 @configs_k
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("N,C,D,M", CASES)
-def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M, device):
+def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M, device, request):
+    if loss == "multi_similarity_loss" and D > 64 and request.node.get_closest_marker("triton") is not None:
+        pytest.skip("the interpreter takes ~12 s here (exact cosines a feature at a time); smaller cases cover it")
     e = make((N, D), dtype, seed=1)
     labels = make_labels(N, C)
     ref = None if M is None else make((M, D), dtype, seed=2)
@@ -211,13 +213,16 @@ def test_reduced_precision_accumulates_in_float32(loss, params, dtype, device):
 
 
 @variants_k
-def test_real_embeddings(loss, params, device):
+def test_real_embeddings(loss, params, device, request):
     """sklearn's digits (64 pixel features, 10 classes) as embeddings, against PML (NT-Xent and
     all triplets on fewer: PML's (positive pairs × negative pairs) matrix for 600 digits is
-    46 GB, and its N×N×N triplet mask 216 MB)."""
+    46 GB, and its N×N×N triplet mask 216 MB; multi-similarity's Triton kernels too, whose
+    exact cosines near the miner's thresholds take the interpreter a feature at a time)."""
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits()
-    n = 150 if loss == "ntxent_loss" or params.get("mining") in ("all", "semi_hard") else 600
+    few = loss == "ntxent_loss" or params.get("mining") in ("all", "semi_hard")
+    few = few or (loss == "multi_similarity_loss" and request.node.get_closest_marker("triton") is not None)
+    n = 150 if few else 600
     e = torch.tensor(digits.data[:n], dtype=torch.float32)
     labels = torch.tensor(digits.target[:n])
     for ref_rows in (None, slice(n, n + n // 2)):
@@ -392,6 +397,36 @@ def test_triplet_batch_hard_ties_go_to_the_lower_index():
     (g,) = torch.autograd.grad(out, ref)
     assert g[0].abs().sum() > 0 and g[2].abs().sum() > 0
     assert g[1].abs().sum() == 0 and g[3].abs().sum() == 0
+
+
+def positive_at(eps, s_n, side):
+    """A float32 unit-ish row whose exact cosine with (1, 0) is s_n + eps + δ, 0 < |δ| < 2e-9
+    with δ's sign `side`: far below float32's resolution of the cosine."""
+    c = s_n + eps
+    base = torch.tensor([c, (1 - c * c) ** 0.5], dtype=torch.float32)
+    for i in range(-30, 31):
+        for j in range(-30, 31):
+            p = base + torch.tensor([i * 6e-8, j * 6e-8], dtype=torch.float32)
+            delta = (p[0].double() / p.double().norm()).item() - eps - s_n
+            if 0 < side * delta < 2e-9:
+                return p
+    raise AssertionError("no such row")
+
+
+@kernels
+@pytest.mark.parametrize("side", [1, -1])
+def test_multi_similarity_miner_decides_on_exact_cosines(side, device):
+    """A positive whose cosine minus ε lies within 2e-9 of its anchor's hardest negative's: the
+    miner keeps it exactly when the float64 cosines say so (PML on float64 values), though
+    float32 products cannot tell (δ's sign decides)."""
+    n = torch.tensor([0.5403023, 0.84147096], dtype=torch.float32)
+    s_n = (n[0].double() / n.double().norm()).item()
+    e = torch.stack([torch.tensor([1.0, 0.0]), positive_at(0.1, s_n, side), n, torch.tensor([-1.0, 0.3])])
+    labels = torch.tensor([0, 0, 1, 1])
+    params = {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": 0.1}
+    got = ops.multi_similarity_loss(e, labels, **params)
+    exp = pml("multi_similarity_loss", params)(e.double(), labels)
+    torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-6)
 
 
 @variants_k
@@ -823,10 +858,19 @@ def triton_problems():
     yield z, torch.arange(9) % 4, make((5, 7), seed=24), torch.tensor([0, 1, 2, 3, 0])
 
 
+# Parameters of the configuration test per loss: the schema's, after the tensors.
+TRITON_PARAMS = [
+    ("supcon_loss", (0.3,)),
+    ("ntxent_loss", (0.3,)),
+    ("multi_similarity_loss", (2.0, 50.0, 0.5, 0.1)),
+    ("multi_similarity_loss", (1.0, 10.0, 0.2, None)),
+]
+
+
 @pytest.mark.triton("pair_losses")
-@pytest.mark.parametrize("loss", TRITON)
+@pytest.mark.parametrize("loss,params", TRITON_PARAMS)
 @pytest.mark.parametrize("which", [0, 1, 2])
-def test_triton_every_configuration_matches_the_cpu_kernel(loss, which):
+def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
     """Each launch configuration of each kernel (configuration `which` of each, the last one
     where a kernel has fewer), in float64, against the CPU kernel: loss, stats, and each
     backward from the other's stats."""
@@ -835,45 +879,50 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, which):
     name = loss.removesuffix("_loss")
     forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
     pick = lambda configs: configs[min(which, len(configs) - 1)]  # noqa: E731
-    rows, grad, row = pick(tp.ROWS_CONFIGS), pick(tp.GRAD_CONFIGS), pick(tp.ROW_CONFIGS)
+    ms = loss == "multi_similarity_loss"
+    rows = pick(tp.MS_ROWS_CONFIGS if ms else tp.ROWS_CONFIGS)
+    grad = pick(tp.MS_GRAD_CONFIGS if ms else tp.GRAD_CONFIGS)
+    row = pick(tp.ROW_CONFIGS)
     for e, labels, ref, ref_labels in triton_problems():
-        value, stats = op(e, labels, ref, ref_labels, 0.3)
-        got, got_stats = forward_t(e, labels, ref, ref_labels, 0.3, config=rows, row_config=row)
+        value, stats = op(e, labels, ref, ref_labels, *params)
+        got, got_stats = forward_t(e, labels, ref, ref_labels, *params, config=rows, row_config=row)
         torch.testing.assert_close(got, value, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got_stats, stats, rtol=1e-12, atol=1e-12)
         g = torch.tensor(0.7, dtype=e.dtype)
         mask = [True, ref is not None]
-        exp = backward(g, e, labels, ref, ref_labels, stats, 0.3, mask)
+        exp = backward(g, e, labels, ref, ref_labels, stats, *params, mask)
         for st in (stats, got_stats):
-            out = backward_t(g, e, labels, ref, ref_labels, st, 0.3, mask, config=grad, row_config=row)
+            out = backward_t(g, e, labels, ref, ref_labels, st, *params, mask, config=grad, row_config=row)
             for a, b in zip(out, exp, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
-        for a, b in zip(backward(g, e, labels, ref, ref_labels, got_stats, 0.3, mask), exp, strict=True):
+        for a, b in zip(backward(g, e, labels, ref, ref_labels, got_stats, *params, mask), exp, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.triton("pair_losses")
-@pytest.mark.parametrize("loss", TRITON)
-def test_triton_backward_checks_its_inputs(loss):
+@pytest.mark.parametrize("loss,params", TRITON_PARAMS[:3])
+def test_triton_backward_checks_its_inputs(loss, params):
     tp = triton_module()
     name = loss.removesuffix("_loss")
     columns = COLUMNS[loss]
-    _, stats = raw(loss)[0](e4, l6, None, None, 0.1)
+    kind = "Double" if loss == "multi_similarity_loss" else "Float"
+    _, stats = raw(loss)[0](e4, l6, None, None, *params)
     backward_t = getattr(tp, f"{name}_backward")
     with pytest.raises(ValueError, match=r"backward: grad must be a scalar"):
-        backward_t(torch.ones(2), e4, l6, None, None, stats, 0.1, [True, False])
-    with pytest.raises(ValueError, match=rf"backward: stats must be \(N, {columns}\) = \(6, {columns}\) of Float"):
-        backward_t(torch.ones(()), e4, l6, None, None, stats.new_zeros(6, 7), 0.1, [True, False])
+        backward_t(torch.ones(2), e4, l6, None, None, stats, *params, [True, False])
+    with pytest.raises(ValueError, match=rf"backward: stats must be \(N, {columns}\) = \(6, {columns}\) of {kind}"):
+        backward_t(torch.ones(()), e4, l6, None, None, stats.new_zeros(6, 7), *params, [True, False])
     with pytest.raises(TypeError, match=r"embeddings and grad must have the same dtype"):
-        backward_t(torch.ones((), dtype=torch.float64), e4, l6, None, None, stats, 0.1, [True, False])
-    with pytest.raises(ValueError, match=r"temperature must be finite and > 0"):
-        getattr(tp, f"{name}_forward")(e4, l6, None, None, 0.0)
+        backward_t(torch.ones((), dtype=torch.float64), e4, l6, None, None, stats, *params, [True, False])
+    name_, bad = ("alpha", (0.0, *params[1:])) if loss == "multi_similarity_loss" else ("temperature", (0.0,))
+    with pytest.raises(ValueError, match=rf"{name_} must be finite and > 0"):
+        getattr(tp, f"{name}_forward")(e4, l6, None, None, *bad)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("loss", TRITON)
+@pytest.mark.parametrize("loss,params", TRITON_PARAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_triton_on_cuda_matches_the_cpu_kernel(loss, dtype):
+def test_triton_on_cuda_matches_the_cpu_kernel(loss, params, dtype):
     """The Triton kernels compiled, on CUDA tensors, against the CPU kernel on the same values,
     with refs and without; no host synchronisation."""
     tp = triton_module()
@@ -884,16 +933,16 @@ def test_triton_on_cuda_matches_the_cpu_kernel(loss, dtype):
     e, labels = make((300, 64), dtype, seed=31), make_labels(300, 20)
     ref, ref_labels = make((170, 64), dtype, seed=32), make_labels(170, 20, seed=3)
     for r, rl in ((None, None), (ref, ref_labels)):
-        value, stats = op(e, labels, r, rl, 0.1)
+        value, stats = op(e, labels, r, rl, *params)
         g = torch.tensor(0.5, dtype=dtype)
         mask = [True, r is not None]
-        exp = backward(g, e, labels, r, rl, stats, 0.1, mask)
+        exp = backward(g, e, labels, r, rl, stats, *params, mask)
         cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got, got_stats = getattr(tp, f"{name}_forward")(cuda(e), cuda(labels), cuda(r), cuda(rl), 0.1)
+            got, got_stats = getattr(tp, f"{name}_forward")(cuda(e), cuda(labels), cuda(r), cuda(rl), *params)
             out = getattr(tp, f"{name}_backward")(
-                cuda(g), cuda(e), cuda(labels), cuda(r), cuda(rl), got_stats, 0.1, mask
+                cuda(g), cuda(e), cuda(labels), cuda(r), cuda(rl), got_stats, *params, mask
             )
         finally:
             torch.cuda.set_sync_debug_mode(0)

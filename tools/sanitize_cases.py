@@ -144,6 +144,21 @@ def pair_losses():
                 torch.arange(41) % 7,
             )
         check(lambda e, labels, loss=loss: loss(e, labels, 0.1), torch.randn(65, 8).bfloat16(), torch.arange(65) % 4)
+    for miner_epsilon in (0.1, None):
+        check(
+            lambda e, r, labels, rl, m=miner_epsilon: ops.multi_similarity_loss(
+                e, labels, miner_epsilon=m, ref_embeddings=r, ref_labels=rl
+            ),
+            torch.randn(70, 33),
+            torch.randn(41, 33),
+            torch.arange(70) % 9,
+            torch.arange(41) % 7,
+        )
+        check(
+            lambda e, labels, m=miner_epsilon: ops.multi_similarity_loss(e, labels, miner_epsilon=m),
+            torch.randn(37, 19, dtype=torch.float64),
+            torch.arange(37) % 5,
+        )
     for dtype in (torch.float32, torch.float64):
         check(
             ops.proxy_anchor_loss,

@@ -29,8 +29,8 @@ SHAPES = {
         ("P=R=8192 M=128 bf16", (8192, 128), (8192, 128), torch.bfloat16),
         ("self P=4096 M=512 fp32", (4096, 512), None, torch.float32),
     ],
-    # supcon_loss and ntxent_loss: (N, D) embeddings (refs: None), 100 classes; proxy_anchor_loss
-    # with up to 1,000 of the rows as proxies.
+    # supcon_loss, ntxent_loss and multi_similarity_loss: (N, D) embeddings (refs: None), 100
+    # classes; proxy_anchor_loss with up to 1,000 of the rows as proxies.
     "pair_losses": [
         ("N=1024 D=512 fp32", (1024, 512), None, torch.float32),
         ("N=8192 D=128 fp32", (8192, 128), None, torch.float32),
@@ -138,6 +138,16 @@ def sweep_pair_losses(results: dict) -> None:
             for i, config in enumerate(kernels.GRAD_CONFIGS):
                 ms = milliseconds(lambda c=config, b=backward, args=args: b(*args, config=c))
                 rows.append((f"{loss}.grad", i, repr(config), ms))
+        ms = (2.0, 50.0, 0.5, 0.1)
+        for i, config in enumerate(kernels.MS_ROWS_CONFIGS):
+            args = (e, labels, r, rl, *ms)
+            t = milliseconds(lambda c=config, args=args: kernels.multi_similarity_forward(*args, config=c))
+            rows.append(("multi_similarity.rows", i, repr(config), t))
+        value, stats = kernels.multi_similarity_forward(e, labels, r, rl, *ms)
+        args = (torch.ones_like(value), e, labels, r, rl, stats, *ms, [True, r is not None])
+        for i, config in enumerate(kernels.MS_GRAD_CONFIGS):
+            t = milliseconds(lambda c=config, args=args: kernels.multi_similarity_backward(*args, config=c))
+            rows.append(("multi_similarity.grad", i, repr(config), t))
         # proxy_anchor_loss: the refs (or the embeddings) as its proxies.
         proxies = (e if r is None else r)[:1000]
         classes = labels % proxies.shape[0]

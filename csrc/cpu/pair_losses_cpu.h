@@ -165,7 +165,8 @@ struct Extreme {
 
   template <typename Exact>
   void offer(int64_t j, double v, double s, Exact exact) {
-    if (index < 0 || (std::isnan(v) && !std::isnan(value))) return set(j, v, 0);
+    if (std::isnan(v) && !std::isnan(value)) return set(j, v, 0);
+    if (index < 0) return set(j, v, s);
     if (std::isnan(value) || std::isnan(v)) return;
     const double gap = MAX ? v - value : value - v;  // > 0: v is better
     if (gap > s + slack) return set(j, v, s);

@@ -64,6 +64,17 @@ GRAD_CONFIGS = (
     Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
 )
+# multi-similarity's kernels carry float64 tiles of exact cosines beside the float32 ones:
+# smaller tiles keep them within the registers.
+MS_ROWS_CONFIGS = (
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=2),
+)
+MS_GRAD_CONFIGS = (
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
+    Config(BLOCK_N=16, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
+)
 ROW_CONFIGS = (
     Config(BLOCK_ROWS=16, BLOCK_D=128, num_warps=4, num_stages=2),
     Config(BLOCK_ROWS=8, BLOCK_D=16, num_warps=2, num_stages=2),
@@ -428,6 +439,319 @@ def jacobian_kernel(
         tl.store(out_ptr + rows[:, None] * D + ks[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# --------------------------------------------------------------------------- multi-similarity
+
+
+@triton.jit
+def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """1 / max(‖x‖, eps) per row in float64, the norm as the CPU kernels' row_norms forms it:
+    the row times 2^-e (e: frexp's exponent of its largest |entry|) squared and summed in
+    feature order, so that an exact cosine is the CPU kernel's (‖x‖ = the largest |entry|
+    where that is 0, ±∞ or NaN)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    top = tl.zeros((BLOCK_ROWS,), tl.float64)
+    nan = tl.zeros((BLOCK_ROWS,), tl.int32)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (ks < D)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(tl.float64)
+        top = tl.maximum(top, tl.max(tl.abs(x), axis=1))
+        nan = nan | tl.max(tl.where(mask & (x != x), 1, 0), axis=1)
+    top = tl.where(nan != 0, float("nan"), top)
+    special = (top == 0) | (top != top) | (top == float("inf"))
+    e = tl.where(special, 0, tm.ilogb(tl.where(special, 1.0, top), True) + 1)
+    total = tl.zeros((BLOCK_ROWS,), tl.float64)
+    for k in range(0, D):
+        v = tm.ldexp(tl.load(x_ptr + rows * stride_row + k, mask=row_mask, other=0.0).to(tl.float64), 0 - e, True)
+        total += v * v
+    norm = tl.where(special, top, tm.ldexp(tl.sqrt(total), e, True))
+    eps = tl.full((BLOCK_ROWS,), 1e-12, tl.float64)
+    inv = 1.0 / tl.where(norm < eps, eps, tl.where(norm == 0, 1.0, norm))
+    tl.store(inv_ptr + rows, tl.where(norm < eps, 1.0 / eps, inv), mask=row_mask)
+
+
+@triton.jit
+def _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D):
+    """Exact cosines of a tile, as the CPU kernels' exact_cos: Σ_k (x_ik·inv_i)(y_jk·inv_j) in
+    float64, in feature order."""
+    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
+    inv_b = tl.load(inv_b_ptr + cols, mask=col_mask, other=0.0)
+    out = tl.zeros((rows.shape[0], cols.shape[0]), tl.float64)
+    for k in range(0, D):
+        a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64) * inv_a
+        b = tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64) * inv_b
+        out += a[:, None] * b[None, :]
+    return out
+
+
+@triton.jit
+def _mined(s, t, exact, eps, slack, POSITIVE: tl.constexpr):
+    """Whether the miner keeps a pair of tile cosine s (float64) against its anchor's
+    threshold t (the hardest negative for a positive, the hardest positive for a negative),
+    exact its exact cosine: a positive with s − ε < t, a negative with s + ε > t, decided on
+    the exact cosine within `slack` of the threshold; NaN keeps the pair (MultiSimilarity::mined)."""
+    if POSITIVE:
+        v = s - eps
+        w = tl.where(tl.abs(v - t) <= slack, exact - eps, v)
+        keep = w < t
+    else:
+        v = s + eps
+        w = tl.where(tl.abs(v - t) <= slack, exact + eps, v)
+        keep = w > t
+    return keep | (s != s) | (t != t)
+
+
+@triton.jit
+def _ms_near(x, pos, neg, hard_neg, hard_pos, eps, slack):
+    """The pairs whose choice the miner makes on the exact cosine."""
+    return (pos & (tl.abs(x - eps - hard_neg) <= slack)) | (neg & (tl.abs(x + eps - hard_pos) <= slack))
+
+
+@triton.jit
+def _ms_terms(
+    x, exact, pos, neg, st_ptr, anchors, mask, alpha, beta, base, eps, slack, ACC: tl.constexpr, MINING: tl.constexpr
+):
+    """∂loss/∂s of the pairs whose anchors are `anchors` (broadcast: rows [:, None] or columns
+    [None, :]), from their stats: w·exp(β(s − base) − Ln) for a kept negative,
+    −w·exp(α(base − s) − Lp) for a kept positive (MultiSimilarityTerms)."""
+    hn = tl.load(st_ptr + anchors * 5, mask=mask, other=0.0)
+    hp = tl.load(st_ptr + anchors * 5 + 1, mask=mask, other=0.0)
+    lp = tl.load(st_ptr + anchors * 5 + 2, mask=mask, other=0.0)
+    ln = tl.load(st_ptr + anchors * 5 + 3, mask=mask, other=0.0)
+    w = tl.load(st_ptr + anchors * 5 + 4, mask=mask, other=0.0)
+    keep_pos = pos & (w != 0)
+    keep_neg = neg & (w != 0)
+    if MINING:
+        keep_pos = keep_pos & _mined(x, hn, exact, eps, slack, True)
+        keep_neg = keep_neg & _mined(x, hp, exact, eps, slack, False)
+    gn = w.to(ACC) * tl.exp((beta * (x - base) - ln).to(ACC))
+    gp = (0.0 - w).to(ACC) * tl.exp((alpha * (base - x) - lp).to(ACC))
+    return tl.where(keep_neg, gn, 0.0) + tl.where(keep_pos, gp, 0.0)
+
+
+@triton.jit
+def ms_grad_kernel(
+    own_ptr,
+    other_ptr,
+    x_own_ptr,
+    x_other_ptr,
+    s_own,
+    s_other,
+    inv_own_ptr,
+    inv_other_ptr,
+    own_lab_ptr,
+    other_lab_ptr,
+    st_ptr,
+    out_ptr,
+    N_OWN,
+    N_OTHER,
+    D,
+    ALPHA_BITS,
+    BETA_BITS,
+    BASE_BITS,
+    EPS_BITS,
+    SLACK_BITS,
+    SELF: tl.constexpr,
+    ANCHORS_OWN: tl.constexpr,
+    ANCHORS_OTHER: tl.constexpr,
+    MINING: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """grad_kernel's product for multi-similarity: the miner's choices remade from the stats'
+    thresholds (on exact cosines near them, as the forward), ∂loss/∂s by _ms_terms."""
+    alpha = tm.f64(ALPHA_BITS)
+    beta = tm.f64(BETA_BITS)
+    base = tm.f64(BASE_BITS)
+    eps = tm.f64(EPS_BITS)
+    slack = tm.f64(SLACK_BITS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    row_mask = rows < N_OWN
+    f_mask = fs < D
+    lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
+    if ANCHORS_OWN:
+        hn_i = tl.load(st_ptr + rows * 5, mask=row_mask, other=0.0)
+        hp_i = tl.load(st_ptr + rows * 5 + 1, mask=row_mask, other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
+    for j0 in range(0, N_OTHER, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < N_OTHER
+        other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=0)
+        x = _tile(own_ptr, other_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K).to(tl.float64)
+        valid = row_mask[:, None] & col_mask[None, :]
+        if SELF:
+            valid = valid & (rows[:, None] != cols[None, :])
+        pos = valid & (lab[:, None] == other_lab[None, :])
+        neg = valid & (lab[:, None] != other_lab[None, :])
+        exact = x
+        if MINING:
+            near = tl.zeros((BLOCK_N, BLOCK_M), tl.int1)
+            if ANCHORS_OWN:
+                near = near | _ms_near(x, pos, neg, hn_i[:, None], hp_i[:, None], eps, slack)
+            if ANCHORS_OTHER:
+                hn_j = tl.load(st_ptr + cols * 5, mask=col_mask, other=0.0)
+                hp_j = tl.load(st_ptr + cols * 5 + 1, mask=col_mask, other=0.0)
+                near = near | _ms_near(x, pos, neg, hn_j[None, :], hp_j[None, :], eps, slack)
+            if tl.max(tl.max(near.to(tl.int32), axis=1), axis=0) > 0:
+                exact = _exact_tile(
+                    x_own_ptr,
+                    x_other_ptr,
+                    s_own,
+                    s_other,
+                    inv_own_ptr,
+                    inv_other_ptr,
+                    rows,
+                    cols,
+                    row_mask,
+                    col_mask,
+                    D,
+                )
+        g = tl.zeros((BLOCK_N, BLOCK_M), ACC)
+        if ANCHORS_OWN:
+            g += _ms_terms(
+                x, exact, pos, neg, st_ptr, rows[:, None], row_mask[:, None], alpha, beta, base, eps, slack, ACC, MINING
+            )
+        if ANCHORS_OTHER:
+            g += _ms_terms(
+                x, exact, pos, neg, st_ptr, cols[None, :], col_mask[None, :], alpha, beta, base, eps, slack, ACC, MINING
+            )
+        f = tl.load(other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0)
+        acc = _product(g, tl.trans(f), acc, IS64)
+    tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=row_mask[:, None] & f_mask[None, :])
+
+
+@triton.jit
+def ms_rows_kernel(
+    a_ptr,
+    b_ptr,
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a_ptr,
+    inv_b_ptr,
+    lab_ptr,
+    ref_lab_ptr,
+    st_ptr,
+    count_ptr,
+    N,
+    M,
+    D,
+    ALPHA_BITS,
+    BETA_BITS,
+    BASE_BITS,
+    EPS_BITS,
+    SLACK_BITS,
+    SELF: tl.constexpr,
+    MINING: tl.constexpr,
+    PASS: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """multi-similarity's passes over every anchor's pairs (st: (N, 5) float64, the op's stats
+    layout; count: (N, 2) int32):
+    PASS 0: the tiles' largest negative and smallest positive cosine per anchor into st[:, 0:2]
+    (NaN if any is NaN), and the anchor's negatives and positives into count;
+    PASS 1: the exact ones: each candidate within two slacks of those, exactly;
+    PASS 2: the terms, over the pairs the miner keeps (every pair for ε < 0): st[:, 2] =
+    log(1 + Σ exp(α(base − s))) over the kept positives, st[:, 3] = log(1 + Σ exp(β(s − base)))
+    over the kept negatives; count = the kept negatives and positives."""
+    alpha = tm.f64(ALPHA_BITS)
+    beta = tm.f64(BETA_BITS)
+    base = tm.f64(BASE_BITS)
+    eps = tm.f64(EPS_BITS)
+    slack = tm.f64(SLACK_BITS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
+    if PASS == 0:
+        top = tl.full((BLOCK_N,), float("-inf"), tl.float64)
+        bottom = tl.full((BLOCK_N,), float("inf"), tl.float64)
+        nan_neg = tl.zeros((BLOCK_N,), tl.int32)
+        nan_pos = tl.zeros((BLOCK_N,), tl.int32)
+    else:
+        top = tl.load(st_ptr + rows * 5, mask=row_mask, other=0.0)
+        bottom = tl.load(st_ptr + rows * 5 + 1, mask=row_mask, other=0.0)
+    if PASS == 1:
+        hard_neg = tl.full((BLOCK_N,), float("-inf"), tl.float64)
+        hard_pos = tl.full((BLOCK_N,), float("inf"), tl.float64)
+    if PASS == 2:
+        m_p = tl.zeros((BLOCK_N,), ACC)  # both log-sum-exps hold the 1 from the start
+        s_p = tl.full((BLOCK_N,), 1.0, ACC)
+        m_n = tl.zeros((BLOCK_N,), ACC)
+        s_n = tl.full((BLOCK_N,), 1.0, ACC)
+        nan_neg = tl.zeros((BLOCK_N,), tl.int32)
+        nan_pos = tl.zeros((BLOCK_N,), tl.int32)
+    n_neg = tl.zeros((BLOCK_N,), tl.int32)
+    n_pos = tl.zeros((BLOCK_N,), tl.int32)
+    for j0 in range(0, M, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < M
+        ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
+        x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K).to(tl.float64)
+        valid = row_mask[:, None] & col_mask[None, :]
+        if SELF:
+            valid = valid & (rows[:, None] != cols[None, :])
+        pos = valid & (lab[:, None] == ref_lab[None, :])
+        neg = valid & (lab[:, None] != ref_lab[None, :])
+        if PASS == 0:
+            top = tl.maximum(top, tl.max(tl.where(neg, x, float("-inf")), axis=1))
+            bottom = tl.minimum(bottom, tl.min(tl.where(pos, x, float("inf")), axis=1))
+            nan_neg = nan_neg | tl.max(tl.where(neg & (x != x), 1, 0), axis=1)
+            nan_pos = nan_pos | tl.max(tl.where(pos & (x != x), 1, 0), axis=1)
+            n_neg += tl.sum(neg.to(tl.int32), axis=1)
+            n_pos += tl.sum(pos.to(tl.int32), axis=1)
+        elif PASS == 1:
+            near_neg = neg & (x >= top[:, None] - 2 * slack)
+            near_pos = pos & (x <= bottom[:, None] + 2 * slack)
+            if tl.max(tl.max((near_neg | near_pos).to(tl.int32), axis=1), axis=0) > 0:
+                exact = _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+                hard_neg = tl.maximum(hard_neg, tl.max(tl.where(near_neg, exact, float("-inf")), axis=1))
+                hard_pos = tl.minimum(hard_pos, tl.min(tl.where(near_pos, exact, float("inf")), axis=1))
+        else:
+            keep_pos = pos
+            keep_neg = neg
+            if MINING:
+                t_pos = top[:, None]  # a positive's threshold: the hardest negative
+                t_neg = bottom[:, None]
+                near = (pos & (tl.abs(x - eps - t_pos) <= slack)) | (neg & (tl.abs(x + eps - t_neg) <= slack))
+                exact = x
+                if tl.max(tl.max(near.to(tl.int32), axis=1), axis=0) > 0:
+                    exact = _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+                keep_pos = pos & _mined(x, t_pos, exact, eps, slack, True)
+                keep_neg = neg & _mined(x, t_neg, exact, eps, slack, False)
+            yp = (alpha * (base - x)).to(ACC)
+            yn = (beta * (x - base)).to(ACC)
+            nan_pos = nan_pos | tl.max(tl.where(keep_pos & (yp != yp), 1, 0), axis=1)
+            nan_neg = nan_neg | tl.max(tl.where(keep_neg & (yn != yn), 1, 0), axis=1)
+            m_p, s_p = _lse_fold(m_p, s_p, yp, keep_pos)
+            m_n, s_n = _lse_fold(m_n, s_n, yn, keep_neg)
+            n_neg += tl.sum(keep_neg.to(tl.int32), axis=1)
+            n_pos += tl.sum(keep_pos.to(tl.int32), axis=1)
+    if PASS == 0:
+        tl.store(st_ptr + rows * 5, tl.where(nan_neg != 0, float("nan"), top), mask=row_mask)
+        tl.store(st_ptr + rows * 5 + 1, tl.where(nan_pos != 0, float("nan"), bottom), mask=row_mask)
+    elif PASS == 1:
+        # (A NaN candidate makes the threshold NaN, as the CPU kernel's Extreme.)
+        tl.store(st_ptr + rows * 5, tl.where(top != top, top, hard_neg), mask=row_mask)
+        tl.store(st_ptr + rows * 5 + 1, tl.where(bottom != bottom, bottom, hard_pos), mask=row_mask)
+    else:
+        tl.store(st_ptr + rows * 5 + 2, _lse_value(m_p, s_p, nan_pos != 0).to(tl.float64), mask=row_mask)
+        tl.store(st_ptr + rows * 5 + 3, _lse_value(m_n, s_n, nan_neg != 0).to(tl.float64), mask=row_mask)
+    if PASS != 1:
+        tl.store(count_ptr + rows * 2, n_neg, mask=row_mask)
+        tl.store(count_ptr + rows * 2 + 1, n_pos, mask=row_mask)
+
+
 # --------------------------------------------------------------------------- wrappers
 
 
@@ -451,9 +775,12 @@ class _Side:
         self.inv = torch.empty(N, dtype=acc, device=x.device)
         self.clamped = torch.empty(N, dtype=torch.int8, device=x.device)
         self.labels = labels.to(torch.int64).contiguous()
+        self.raw = x if x.stride(-1) == 1 else x.contiguous()
+        self.config = config
+        self._inv64 = None
         if N == 0:
             return
-        x = x if x.stride(-1) == 1 else x.contiguous()
+        x = self.raw
         k = config.kwargs
         normalise_kernel[(_blocks(N, k["BLOCK_ROWS"]),)](
             x,
@@ -468,6 +795,19 @@ class _Side:
             IS64=acc == torch.float64,
             **config.launch,
         )
+
+    @property
+    def inv64(self) -> Tensor:
+        """1 / max(‖x‖, eps) per row in float64, as the CPU kernels' Side::inv64 (norm64_kernel),
+        for exact cosines; formed on first use."""
+        if self._inv64 is None:
+            N, D = self.raw.shape
+            self._inv64 = torch.empty(N, dtype=torch.float64, device=self.raw.device)
+            if N > 0:
+                norm64_kernel[(_blocks(N, self.config.kwargs["BLOCK_ROWS"]),)](
+                    self.raw, self._inv64, N, D, self.raw.stride(0), **self.config.launch
+                )
+        return self._inv64
 
 
 def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, config):
@@ -565,9 +905,12 @@ def ntxent_forward(embeddings, labels, ref_embeddings, ref_labels, temperature, 
     return total.to(embeddings.dtype), stats
 
 
-def _check_backward(op: str, grad: Tensor, embeddings: Tensor, stats: Tensor, columns: int, anchors=None) -> None:
+def _check_backward(
+    op: str, grad: Tensor, embeddings: Tensor, stats: Tensor, columns: int, anchors=None, stats_dtype=None
+) -> None:
     """csrc/pair_losses.cpp's check_backward_inputs, with its messages (anchors: their number
-    where they are not the embeddings' rows)."""
+    where they are not the embeddings' rows; stats_dtype where it is not the accumulation
+    type)."""
     if grad.dim() != 0:
         raise ValueError(f"{op}: backward: grad must be a scalar (the loss's), got shape {list(grad.shape)}")
     if grad.dtype != embeddings.dtype:
@@ -576,7 +919,7 @@ def _check_backward(op: str, grad: Tensor, embeddings: Tensor, stats: Tensor, co
             f"{dtype_name(grad.dtype)}"
         )
     check_same_device(op, embeddings=embeddings, grad=grad)
-    acc = acc_dtype(embeddings)
+    acc = stats_dtype or acc_dtype(embeddings)
     N = embeddings.shape[0] if anchors is None else anchors
     if stats.dim() != 2 or stats.shape[0] != N or stats.shape[1] != columns or stats.dtype != acc:
         raise ValueError(
@@ -672,8 +1015,15 @@ def _grad(
         IS64=acc == torch.float64,
         **config.launch,
     )
-    out = torch.empty(own.n, D, dtype=like.dtype, device=like.device)
-    jacobian_kernel[(_blocks(own.n, row_config.kwargs["BLOCK_ROWS"]),)](
+    return _jacobian(own, g, grad, like, row_config)
+
+
+def _jacobian(own: _Side, g: Tensor, grad: Tensor, like: Tensor, row_config: Config) -> Tensor:
+    """jacobian_kernel: g (∂loss/∂ own's normalised rows) through the normalisation, times grad,
+    in like's dtype."""
+    N, D = g.shape
+    out = torch.empty(N, D, dtype=like.dtype, device=like.device)
+    jacobian_kernel[(_blocks(N, row_config.kwargs["BLOCK_ROWS"]),)](
         g,
         own.e,
         own.exp,
@@ -681,10 +1031,10 @@ def _grad(
         own.clamped,
         grad,
         out,
-        own.n,
+        N,
         D,
-        ACC=_tl(acc),
-        IS64=acc == torch.float64,
+        ACC=_tl(g.dtype),
+        IS64=g.dtype == torch.float64,
         **row_config.launch,
     )
     return out
@@ -799,6 +1149,150 @@ def proxy_anchor_backward(
     return ge, gp
 
 
+def _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon) -> tuple:
+    op = "multi_similarity_loss"
+    floats = [("float", "alpha", alpha), ("float", "beta", beta), ("float", "base", base)]
+    if miner_epsilon is not None:
+        floats.append(("float", "miner_epsilon", miner_epsilon))
+    check_scalars(op, *floats)
+    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    params = (float(alpha), float(beta), float(base), None if miner_epsilon is None else float(miner_epsilon))
+    _check_params(op, params)
+    return params
+
+
+def _ms_bits(params, D: int, acc: torch.dtype) -> tuple:
+    """α, β, base, ε (−1: no miner) and the tiles' slack as float64 bits. The slack bounds a
+    tile's cosine's distance from the exact one: the dot product of D terms and the rows'
+    normalisation, each within about D·u (u: the accumulation type's unit roundoff)."""
+    alpha, beta, base, eps = params
+    slack = (2 * D + 8) * torch.finfo(acc).eps / 2
+    return tuple(float_bits(v) for v in (alpha, beta, base, -1.0 if eps is None else eps, slack))
+
+
+def multi_similarity_forward(
+    embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, *, config=None, row_config=None
+):
+    """torchkit::multi_similarity_loss's CUDA kernel (any device under the interpreter)."""
+    params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
+    mining = params[3] is not None
+    acc = acc_dtype(embeddings)
+    config = config or MS_ROWS_CONFIGS[0]
+    self_ = ref_embeddings is None
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
+    N, D = embeddings.shape
+    st = torch.zeros(N, 5, dtype=torch.float64, device=embeddings.device)
+    found = torch.zeros(N, 2, dtype=torch.int32, device=embeddings.device)  # negatives, positives
+    kept = torch.zeros(N, 2, dtype=torch.int32, device=embeddings.device)
+    if not mining:
+        st[:, 0] = float("-inf")
+        st[:, 1] = float("inf")
+    if N > 0 and b.n > 0:
+        launch = (
+            a.e,
+            b.e,
+            a.raw,
+            b.raw,
+            a.raw.stride(0),
+            b.raw.stride(0),
+            a.inv64 if mining else st,
+            b.inv64 if mining else st,
+            a.labels,
+            b.labels,
+            st,
+        )
+        flags = dict(SELF=self_, MINING=mining, ACC=_tl(acc), IS64=acc == torch.float64, **config.launch)
+        grid = (_blocks(N, config.kwargs["BLOCK_N"]),)
+        bits = _ms_bits(params, D, acc)
+        for step in (0, 1, 2) if mining else (2,):
+            count = found if step == 0 else kept
+            ms_rows_kernel[grid](*launch, count, N, b.n, D, *bits, PASS=step, **flags)
+    # ms_forward (pair_losses_cpu.cpp): with the miner, nothing without a negative or a positive
+    # pair in the batch; and nothing when each kind keeps at most one pair.
+    use = ~((kept[:, 0].sum() <= 1) & (kept[:, 1].sum() <= 1))
+    if mining:
+        use = use & (found[:, 0].sum() > 0) & (found[:, 1].sum() > 0)
+    w = 1.0 / max(N, 1)
+    total = (st[:, 2] / params[0] + st[:, 3] / params[1]).sum() * w
+    st[:, 4] = w
+    stats = torch.where(use, st, 0.0)
+    return torch.where(use, total, 0.0).to(embeddings.dtype), stats
+
+
+def multi_similarity_backward(
+    grad,
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    stats,
+    alpha,
+    beta,
+    base,
+    miner_epsilon,
+    output_mask,
+    *,
+    config=None,
+    row_config=None,
+):
+    """torchkit::_multi_similarity_loss_backward's CUDA kernel."""
+    op = "multi_similarity_loss"
+    params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
+    _check_backward(op, grad, embeddings, stats, 5, stats_dtype=torch.float64)
+    mining = params[3] is not None
+    self_ = ref_embeddings is None
+    want_e = bool(output_mask[0])
+    want_r = not self_ and bool(output_mask[1])
+    empty = embeddings.new_empty(0)
+    N, D = embeddings.shape
+    M = N if self_ else ref_embeddings.shape[0]
+    if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
+        zero = lambda want, x: torch.zeros_like(x, memory_format=torch.contiguous_format) if want else empty  # noqa: E731
+        return zero(want_e, embeddings), zero(want_r, ref_embeddings)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    config = config or MS_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    st = stats.contiguous()
+    bits = _ms_bits(params, D, acc)
+
+    def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor) -> Tensor:
+        g = torch.empty(own.n, D, dtype=acc, device=like.device)
+        k = config.kwargs
+        ms_grad_kernel[(_blocks(own.n, k["BLOCK_N"]), _blocks(D, k["BLOCK_F"]))](
+            own.e,
+            other.e,
+            own.raw,
+            other.raw,
+            own.raw.stride(0),
+            other.raw.stride(0),
+            own.inv64 if mining else st,
+            other.inv64 if mining else st,
+            own.labels,
+            other.labels,
+            st,
+            g,
+            own.n,
+            other.n,
+            D,
+            *bits,
+            SELF=self_,
+            ANCHORS_OWN=anchors_own,
+            ANCHORS_OTHER=anchors_other,
+            MINING=mining,
+            ACC=_tl(acc),
+            IS64=acc == torch.float64,
+            **config.launch,
+        )
+        return _jacobian(own, g, grad, like, row_config)
+
+    if self_:
+        return rows_grad(a, a, True, True, embeddings), empty
+    ge = rows_grad(a, b, True, False, embeddings) if want_e else empty
+    gr = rows_grad(b, a, False, True, ref_embeddings) if want_r else empty
+    return ge, gr
+
+
 # --------------------------------------------------------------------------- compile check
 
 
@@ -878,6 +1372,44 @@ def compile_cases() -> list[CompileCase]:
                         GRAD_CONFIGS if every and self_ and loss == LOSS_SUPCON else GRAD_CONFIGS[:1],
                     )
                 )
+            ms_types = {
+                **types,
+                **dict.fromkeys(("xa_ptr", "xb_ptr", "x_own_ptr", "x_other_ptr"), "*" + dtype),
+                **dict.fromkeys(("inv_a_ptr", "inv_b_ptr", "inv_own_ptr", "inv_other_ptr", "st_ptr"), "*fp64"),
+                **dict.fromkeys(("sa", "sb", "s_own", "s_other"), "i32"),
+                **dict.fromkeys(("ALPHA_BITS", "BETA_BITS", "BASE_BITS", "EPS_BITS", "SLACK_BITS"), "i64"),
+                "count_ptr": "*i32",
+                "out_ptr": "*" + acc,
+            }
+            for step in (0, 1, 2):
+                for mining in (True, False) if step == 2 else (True,):
+                    cases.append(
+                        CompileCase(
+                            f"pair_losses.ms_rows {step} {dtype}{'' if mining else ' all pairs'}",
+                            ms_rows_kernel,
+                            ms_types,
+                            dict(SELF=True, MINING=mining, PASS=step, **flags),
+                            MS_ROWS_CONFIGS if every and step == 2 and mining else MS_ROWS_CONFIGS[:1],
+                        )
+                    )
+            for self_, own, other in ((True, True, True), (False, True, False), (False, False, True)):
+                for mining in (True, False) if self_ else (True,):
+                    cases.append(
+                        CompileCase(
+                            f"pair_losses.ms_grad {dtype}{' self' if self_ else (' anchors' if own else ' refs')}"
+                            f"{'' if mining else ' all pairs'}",
+                            ms_grad_kernel,
+                            ms_types,
+                            dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, MINING=mining, **flags),
+                            MS_GRAD_CONFIGS
+                            if every and self_ and mining
+                            else MS_GRAD_CONFIGS[-1:]
+                            if is64
+                            else MS_GRAD_CONFIGS[:1],
+                        )
+                    )
+            if dtype == "fp32":
+                cases.append(CompileCase("pair_losses.norm64 fp32", norm64_kernel, types, {}, ROW_CONFIGS))
         for kernel in (normalise_kernel, jacobian_kernel):
             cases.append(
                 CompileCase(
