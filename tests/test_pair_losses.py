@@ -429,6 +429,24 @@ def test_multi_similarity_miner_decides_on_exact_cosines(side, device):
     torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-6)
 
 
+def test_triplet_batch_hard_picks_the_exact_hardest_positive():
+    """Two positives 1e-7 apart (their float32 distances tie within rounding): the one the
+    gradient reaches is the float64 reference's farthest, for each of 60 draws."""
+    labels = torch.tensor([0, 0, 0, 1, 1])
+    for trial in range(60):
+        g = torch.Generator().manual_seed(trial)
+        a, p1, n = (torch.randn(k, 16, generator=g, dtype=torch.float64) for k in (1, 1, 2))
+        p2 = p1 + 1e-7 * torch.randn(1, 16, generator=g, dtype=torch.float64)
+        e = torch.cat([a, p1, p2, n]).float()
+        grads = []
+        for fn, x in ((ops.triplet_margin_loss, e), (reference.triplet_margin_loss, e.double())):
+            ref = x[1:].clone().requires_grad_()
+            out = fn(x[:1], labels[:1], 1.0, mining="batch_hard", ref_embeddings=ref, ref_labels=labels[1:])
+            (gr,) = torch.autograd.grad(out, ref)
+            grads.append((gr[:2].abs().sum(1) > 0).tolist())
+        assert grads[0] == grads[1], trial
+
+
 @variants_k
 def test_nan_embedding_makes_the_loss_nan(loss, params, device):
     """A NaN embedding among pairs of anchors with positives: NaN, never a finite value computed
