@@ -1,5 +1,6 @@
-"""The pair losses' Triton kernels (supcon_loss and ntxent_loss so far): their CUDA kernels
-where torchkit.triton selects them.
+"""The cosine pair losses' Triton kernels (supcon_loss, ntxent_loss, multi_similarity_loss,
+proxy_anchor_loss; the Euclidean ones have none yet): their CUDA kernels where
+torchkit.triton selects them.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp), the
 stats included, so that either backward takes either forward's stats. Nothing NÃ—M exists:
@@ -24,6 +25,13 @@ stats included, so that either backward takes either forward's stats. Nothing NÃ
   refs one pass gives each row's gradient as anchor and as ref (s is symmetric); with refs a
   second pass, refs own, gives the refs'. jacobian_kernel takes each row through the
   normalisation, times the loss's gradient (read on the device).
+- proxy_anchor_loss: the proxies are the anchors (label c for proxy c), the embeddings the
+  refs; rows_kernel's PROXY mode folds both per-proxy log-sum-exps in one pass.
+- multi_similarity_loss (ms_rows_kernel, ms_grad_kernel): the miner's thresholds from the
+  tiles, then exactly (each candidate within two slacks of them, by a float64 cosine summed in
+  feature order as the CPU kernel's exact_cos, from float64 inverse norms: norm64_kernel);
+  a pair within a slack of its threshold is kept or not by its exact cosine, in the forward
+  and the backward alike.
 
 Kernels never index past what the wrapper checked; offsets are int64.
 """
