@@ -6,6 +6,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import torch
+
 
 class Config:
     """One launch configuration: the kernel's block sizes (constexpr arguments) and the
@@ -55,3 +57,16 @@ def float_bits(value: float) -> int:
     """A float64's bits as an int64, for a kernel argument that _math.f64 turns back into the
     float64 (Triton types a Python float argument as float32)."""
     return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def acc_tl(dtype: torch.dtype):
+    """The Triton type of the accumulation type of `dtype` (ops._common.acc_dtype's result):
+    float64 for float64, float32 otherwise."""
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def blocks(n: int, block: int) -> int:
+    """Programs of `block` covering n (at least one: a launch over an empty grid is refused)."""
+    return max(1, -(-n // block))

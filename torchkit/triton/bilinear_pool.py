@@ -43,7 +43,7 @@ from torch import Tensor
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
 from torchkit.ops.bilinear_pool import _bilinear_channels_last, _bilinear_grad_like, _check_inputs
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, float_bits, interpreting
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, interpreting
 
 # Launch configurations. Each is run by the tests and compiled by tools/triton_check.py;
 # `config` arguments pick one, the default being the first. Z tiles are square (BLOCK_C on
@@ -614,16 +614,8 @@ def _flat(t: Tensor) -> Tensor:
     return t.reshape(N, C, H * W)
 
 
-def _tl(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _dot_mode(dtype: torch.dtype):
     return {torch.float64: DOT_FP64, torch.float32: DOT_FP32}.get(dtype, DOT_REDUCED)
-
-
-def _cdiv(n: int, block: int) -> int:
-    return max(1, -(-n // block))
 
 
 def _scales(a: Tensor, b: Tensor, self_: bool, norm: Tensor | None, sqrt_eps: float, acc, config: Config) -> Tensor:
@@ -636,7 +628,7 @@ def _scales(a: Tensor, b: Tensor, self_: bool, norm: Tensor | None, sqrt_eps: fl
     norm_arg = norm if only else a  # not read without ONLY_SCALED
     partials = []
     for t in (a,) if self_ else (a, b):
-        chunks = _cdiv(t.shape[1], rows)
+        chunks = blocks(t.shape[1], rows)
         partial = torch.empty(N, chunks, dtype=acc, device=t.device)
         max_abs_kernel[(N * chunks,)](
             t,
@@ -647,7 +639,7 @@ def _scales(a: Tensor, b: Tensor, self_: bool, norm: Tensor | None, sqrt_eps: fl
             *t.stride(),
             chunks,
             ONLY_SCALED=only,
-            ACC=_tl(acc),
+            ACC=acc_tl(acc),
             BLOCK_ROWS=rows,
             BLOCK=min(block, 64),
             num_warps=config.num_warps,
@@ -659,7 +651,7 @@ def _scales(a: Tensor, b: Tensor, self_: bool, norm: Tensor | None, sqrt_eps: fl
     h_cap = (2 * W - math.frexp(sqrt_eps)[1]) // 2 if sqrt_eps > 0 else 1 << 20
     scale = torch.empty(N, 4, dtype=torch.int32, device=a.device)
     block_n = config.kwargs["BLOCK_N"]
-    scales_kernel[(_cdiv(N, block_n),)](
+    scales_kernel[(blocks(N, block_n),)](
         pa,
         pb,
         norm_arg,
@@ -671,7 +663,7 @@ def _scales(a: Tensor, b: Tensor, self_: bool, norm: Tensor | None, sqrt_eps: fl
         h_cap,
         SELF=self_,
         ONLY_SCALED=only,
-        ACC=_tl(acc),
+        ACC=acc_tl(acc),
         IS64=acc == torch.float64,
         BLOCK_N=block_n,
         num_warps=config.num_warps,
@@ -711,8 +703,8 @@ def forward(
     scale = _scales(a, b, self_, None, sqrt_eps, acc, ew)
     s = out if x.dtype == acc else torch.empty(N, D * E, dtype=acc, device=x.device)
     block = config.kwargs["BLOCK_C"]
-    tiles_j = _cdiv(E, block)
-    tiles = _cdiv(D, block) * tiles_j
+    tiles_j = blocks(E, block)
+    tiles = blocks(D, block) * tiles_j
     partial = torch.empty(N, tiles, dtype=acc, device=x.device)
     for scaled in (False, True):
         forward_kernel[(N * tiles,)](
@@ -731,7 +723,7 @@ def forward(
             float_bits(sqrt_eps),
             SELF=self_,
             SCALED=scaled,
-            ACC=_tl(acc),
+            ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             DOT=_dot_mode(x.dtype),
             INTERPRET=interpreting(),
@@ -740,7 +732,7 @@ def forward(
     norm = torch.empty(N, dtype=acc, device=x.device)
     inv = torch.empty(N, dtype=acc, device=x.device)
     block_n = ew.kwargs["BLOCK_N"]
-    norm_kernel[(_cdiv(N, block_n),)](
+    norm_kernel[(blocks(N, block_n),)](
         partial,
         scale,
         norm,
@@ -748,12 +740,12 @@ def forward(
         N,
         tiles,
         float_bits(l2_eps),
-        ACC=_tl(acc),
+        ACC=acc_tl(acc),
         IS64=acc == torch.float64,
         BLOCK_N=block_n,
         num_warps=ew.num_warps,
     )
-    chunks = _cdiv(D * E, ew.kwargs["BLOCK"])
+    chunks = blocks(D * E, ew.kwargs["BLOCK"])
     normalise_kernel[(N * chunks,)](s, inv, out, D * E, chunks, BLOCK=ew.kwargs["BLOCK"], num_warps=ew.num_warps)
     return out, norm
 
@@ -822,14 +814,14 @@ def backward(
     scale = _scales(a, b, self_, nrm, sqrt_eps, acc, ew)
     o = out.contiguous()
     block = ew.kwargs["BLOCK"]
-    chunks = _cdiv(D * E, block)
+    chunks = blocks(D * E, block)
     partial = torch.empty(N, chunks, dtype=acc, device=x.device)
-    dot_kernel[(N * chunks,)](o, grad, partial, D * E, *grad.stride(), chunks, ACC=_tl(acc), BLOCK=block)
+    dot_kernel[(N * chunks,)](o, grad, partial, D * E, *grad.stride(), chunks, ACC=acc_tl(acc), BLOCK=block)
     dot = torch.empty(N, dtype=acc, device=x.device)
     coef = torch.empty(N, dtype=acc, device=x.device)
     coef_exp = torch.empty(N, dtype=torch.int32, device=x.device)
     block_n = ew.kwargs["BLOCK_N"]
-    coef_kernel[(_cdiv(N, block_n),)](
+    coef_kernel[(blocks(N, block_n),)](
         partial,
         nrm,
         scale,
@@ -840,17 +832,17 @@ def backward(
         HW,
         chunks,
         float_bits(l2_eps),
-        ACC=_tl(acc),
+        ACC=acc_tl(acc),
         IS64=is64,
         BLOCK_N=block_n,
         num_warps=ew.num_warps,
     )
     dz = torch.empty(N, D, E, dtype=acc, device=x.device)
     zb = GRAD_Z_BLOCK
-    tiles_j = _cdiv(E, zb)
-    tiles = _cdiv(D, zb) * tiles_j
+    tiles_j = blocks(E, zb)
+    tiles = blocks(D, zb) * tiles_j
     grad_z_kernel[(N * tiles,)](
-        o, grad, dot, coef, dz, D, E, *grad.stride(), tiles_j, tiles, SELF=self_, ACC=_tl(acc), BLOCK_C=zb
+        o, grad, dot, coef, dz, D, E, *grad.stride(), tiles_j, tiles, SELF=self_, ACC=acc_tl(acc), BLOCK_C=zb
     )
 
     def gemm(which: int, other: Tensor, target: Tensor) -> None:
@@ -859,8 +851,8 @@ def backward(
         dst = _flat(target)
         for scaled, conf in ((False, config), (True, SCALED_GRAD_CONFIG)):
             k = conf.kwargs
-            tiles_k = _cdiv(HW, k["BLOCK_HW"])
-            tiles = _cdiv(own_c, k["BLOCK_OWN"]) * tiles_k
+            tiles_k = blocks(HW, k["BLOCK_HW"])
+            tiles = blocks(own_c, k["BLOCK_OWN"]) * tiles_k
             grad_kernel[(N * tiles,)](
                 dz,
                 other,
@@ -877,7 +869,7 @@ def backward(
                 tiles,
                 WHICH=which,
                 SCALED=scaled,
-                ACC=_tl(acc),
+                ACC=acc_tl(acc),
                 IS64=is64,
                 DOT=_dot_mode(x.dtype),
                 SPLIT_OTHER=x.dtype == torch.float16,

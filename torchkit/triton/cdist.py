@@ -41,7 +41,7 @@ from torch import Tensor
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
 from torchkit.ops.cdist import check_distance_inputs
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, interpreting
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, interpreting
 
 REFINE_RATIO = tl.constexpr(16.0)  # csrc/cdist.h's kRefineRatio
 
@@ -573,10 +573,6 @@ def _batched(x: Tensor, batch: tuple, B: int) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
-def _grid_tiles(n: int, block: int) -> int:
-    return max(1, -(-n // block))
-
-
 class _Centring:
     """The prefix: per batch element the exponent (int32, (B,)) and the mean (ACC, (B, M));
     per row the squared norm of the scaled, centred row."""
@@ -590,9 +586,9 @@ class _Centring:
             N = x.shape[1]
             fin = torch.empty(B, N, dtype=torch.int8, device=x.device)
             big = torch.empty(B, N, dtype=acc, device=x.device)
-            tiles = _grid_tiles(N, rows)
+            tiles = blocks(N, rows)
             row_stats_kernel[(B * tiles,)](
-                x, fin, big, N, M, x.stride(0), x.stride(1), tiles, ACC=_tl(acc), **config.launch
+                x, fin, big, N, M, x.stride(0), x.stride(1), tiles, ACC=acc_tl(acc), **config.launch
             )
             finite.append(fin)
             largest.append(big.amax(1))  # N > 0: the kernels run only where there is output
@@ -603,7 +599,7 @@ class _Centring:
         count = torch.zeros(B, dtype=acc, device=top.device)
         for x, fin in zip(sets, finite, strict=True):
             part = torch.empty(B, M, dtype=acc, device=top.device)
-            column_sums_kernel[(B, _grid_tiles(M, config.kwargs["BLOCK_M"]))](
+            column_sums_kernel[(B, blocks(M, config.kwargs["BLOCK_M"]))](
                 x,
                 fin,
                 self.exponents,
@@ -612,7 +608,7 @@ class _Centring:
                 M,
                 x.stride(0),
                 x.stride(1),
-                ACC=_tl(acc),
+                ACC=acc_tl(acc),
                 IS64=is64,
                 **config.launch,
             )
@@ -622,7 +618,7 @@ class _Centring:
         self.norms = []
         for x in sets:
             n = torch.empty(B, x.shape[1], dtype=acc, device=x.device)
-            tiles = _grid_tiles(x.shape[1], rows)
+            tiles = blocks(x.shape[1], rows)
             norms_kernel[(B * tiles,)](
                 x,
                 self.exponents,
@@ -633,15 +629,11 @@ class _Centring:
                 x.stride(0),
                 x.stride(1),
                 tiles,
-                ACC=_tl(acc),
+                ACC=acc_tl(acc),
                 IS64=is64,
                 **config.launch,
             )
             self.norms.append(n)
-
-
-def _tl(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def _problem(x1: Tensor, x2: Tensor | None):
@@ -671,11 +663,11 @@ def forward(
         n1 = pre.norms[0]
         n2 = n1 if x2 is None else pre.norms[1]
         k = config.kwargs
-        tiles_r = _grid_tiles(R, k["BLOCK_R"])
-        tiles = _grid_tiles(P, k["BLOCK_P"]) * tiles_r
+        tiles_r = blocks(R, k["BLOCK_R"])
+        tiles = blocks(P, k["BLOCK_P"]) * tiles_r
         flags = torch.empty(B * tiles, dtype=torch.int8, device=x1.device)
         common = (P, R, M, a.stride(0), a.stride(1), c.stride(0), c.stride(1), tiles_r, tiles)
-        variant = dict(SELF=x2 is None, SQUARED=bool(squared), ACC=_tl(acc), IS64=acc == torch.float64)
+        variant = dict(SELF=x2 is None, SQUARED=bool(squared), ACC=acc_tl(acc), IS64=acc == torch.float64)
         forward_kernel[(B * tiles,)](
             a,
             c,
@@ -760,7 +752,7 @@ def backward(
         gp = torch.empty(B, P, R, dtype=acc, device=x1.device)
         sc = scale_config or GRAD_SCALE_CONFIGS[0]
         gm = gemm_config or GRAD_GEMM_CONFIGS[0]
-        flags = dict(SQUARED=bool(squared), ACC=_tl(acc), IS64=is64)
+        flags = dict(SQUARED=bool(squared), ACC=acc_tl(acc), IS64=is64)
 
         def scale(own, other, n_own, n_other, N_own, N_other, transposed, write_gp):
             sums = torch.empty(B, N_own, dtype=acc, device=x1.device)
@@ -768,7 +760,7 @@ def backward(
             sg = (g.stride(0), g.stride(2), g.stride(1)) if transposed else g.stride()
             sd = (d.stride(0), d.stride(2), d.stride(1)) if transposed else d.stride()
             sgp = (1, R) if transposed else (R, 1)
-            tiles = _grid_tiles(N_own, sc.kwargs["BLOCK_OWN"])
+            tiles = blocks(N_own, sc.kwargs["BLOCK_OWN"])
             grad_scale_kernel[(B * tiles,)](
                 g,
                 d,
@@ -799,8 +791,8 @@ def backward(
 
         def gemm(own, other, sums, direct, N_own, N_other, transposed):
             out = torch.empty(B, N_own, M, dtype=acc, device=x1.device)
-            tiles_k = _grid_tiles(M, gm.kwargs["BLOCK_K"])
-            tiles = _grid_tiles(N_own, gm.kwargs["BLOCK_OWN"]) * tiles_k
+            tiles_k = blocks(M, gm.kwargs["BLOCK_K"])
+            tiles = blocks(N_own, gm.kwargs["BLOCK_OWN"]) * tiles_k
             sgp = (1, R) if transposed else (R, 1)
             grad_gemm_kernel[(B * tiles,)](
                 gp,

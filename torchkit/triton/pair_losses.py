@@ -46,7 +46,7 @@ from torch import Tensor
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
 from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_inputs
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, float_bits
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits
 
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
@@ -763,14 +763,6 @@ def ms_rows_kernel(
 # --------------------------------------------------------------------------- wrappers
 
 
-def _tl(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _blocks(n: int, block: int) -> int:
-    return max(1, -(-n // block))
-
-
 class _Side:
     """One set of rows as the kernels take them: normalised (ACC, contiguous), the Jacobian's
     per-row numbers, int64 labels."""
@@ -790,7 +782,7 @@ class _Side:
             return
         x = self.raw
         k = config.kwargs
-        normalise_kernel[(_blocks(N, k["BLOCK_ROWS"]),)](
+        normalise_kernel[(blocks(N, k["BLOCK_ROWS"]),)](
             x,
             self.e,
             self.exp,
@@ -799,7 +791,7 @@ class _Side:
             N,
             D,
             x.stride(0),
-            ACC=_tl(acc),
+            ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             **config.launch,
         )
@@ -812,7 +804,7 @@ class _Side:
             N, D = self.raw.shape
             self._inv64 = torch.empty(N, dtype=torch.float64, device=self.raw.device)
             if N > 0:
-                norm64_kernel[(_blocks(N, self.config.kwargs["BLOCK_ROWS"]),)](
+                norm64_kernel[(blocks(N, self.config.kwargs["BLOCK_ROWS"]),)](
                     self.raw, self._inv64, N, D, self.raw.stride(0), **self.config.launch
                 )
         return self._inv64
@@ -832,7 +824,7 @@ def _rows(a: _Side, b: _Side, mode, self_: bool, scale: float, acc, config: Conf
     npos = torch.empty(N, dtype=torch.int32, device=a.e.device)
     npairs = torch.empty(N, dtype=torch.int32, device=a.e.device)
     if N > 0:
-        rows_kernel[(_blocks(N, config.kwargs["BLOCK_N"]),)](
+        rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
             a.e,
             b.e,
             a.labels,
@@ -849,7 +841,7 @@ def _rows(a: _Side, b: _Side, mode, self_: bool, scale: float, acc, config: Conf
             float_bits(shift),
             SELF=self_,
             MODE=mode,
-            ACC=_tl(acc),
+            ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             **config.launch,
         )
@@ -937,6 +929,12 @@ def _check_backward(
     check_same_device(op, embeddings=embeddings, stats=stats)
 
 
+def _zeros(want: bool, like: Tensor | None, empty: Tensor) -> Tensor:
+    """A backward's output where nothing is computed (csrc's backward_outputs): zeros of like's
+    shape where wanted, `empty` ((0,)) where output_mask leaves it out."""
+    return torch.zeros_like(like, memory_format=torch.contiguous_format) if want else empty
+
+
 def _backward(
     ntxent: bool,
     grad,
@@ -960,14 +958,14 @@ def _backward(
     N, D = embeddings.shape
     M = N if self_ else ref_embeddings.shape[0]
     if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
-        zero = lambda want, x: torch.zeros_like(x, memory_format=torch.contiguous_format) if want else empty  # noqa: E731
-        return zero(want_e, embeddings), zero(want_r, ref_embeddings)
+        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or GRAD_CONFIGS[0]
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
-    # Per anchor: coef, shift, w and log S (PairGrad in pair_losses_cpu.cpp).
-    inf = torch.tensor(float("inf"), dtype=acc, device=stats.device)
+    # Per anchor: coef, shift, w and log S (PairGrad in pair_losses_cpu.cpp). (Python scalars,
+    # never a tensor made from one: that would be a copy from the host.)
+    inf = float("inf")
     if ntxent:
         log_s, log_r, share = stats.unbind(1)
         coef = torch.where(log_r == -inf, 0.0, share)
@@ -1004,7 +1002,7 @@ def _grad(
     D = own.e.shape[1]
     k = config.kwargs
     g = torch.empty(own.n, D, dtype=acc, device=own.e.device)
-    grad_kernel[(_blocks(own.n, k["BLOCK_N"]), _blocks(D, k["BLOCK_F"]))](
+    grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
         own.e,
         other.e,
         own.labels,
@@ -1019,7 +1017,7 @@ def _grad(
         ANCHORS_OWN=anchors_own,
         ANCHORS_OTHER=anchors_other,
         LOSS=loss,
-        ACC=_tl(acc),
+        ACC=acc_tl(acc),
         IS64=acc == torch.float64,
         **config.launch,
     )
@@ -1031,7 +1029,7 @@ def _jacobian(own: _Side, g: Tensor, grad: Tensor, like: Tensor, row_config: Con
     in like's dtype."""
     N, D = g.shape
     out = torch.empty(N, D, dtype=like.dtype, device=like.device)
-    jacobian_kernel[(_blocks(N, row_config.kwargs["BLOCK_ROWS"]),)](
+    jacobian_kernel[(blocks(N, row_config.kwargs["BLOCK_ROWS"]),)](
         g,
         own.e,
         own.exp,
@@ -1041,7 +1039,7 @@ def _jacobian(own: _Side, g: Tensor, grad: Tensor, like: Tensor, row_config: Con
         out,
         N,
         D,
-        ACC=_tl(g.dtype),
+        ACC=acc_tl(g.dtype),
         IS64=g.dtype == torch.float64,
         **row_config.launch,
     )
@@ -1140,8 +1138,7 @@ def proxy_anchor_backward(
     _check_backward(op, grad, embeddings, stats, 4, anchors=C)
     empty = embeddings.new_empty(0)
     if N == 0 or C == 0 or D == 0 or not (want_e or want_p):
-        zero = lambda want, x: torch.zeros_like(x, memory_format=torch.contiguous_format) if want else empty  # noqa: E731
-        return zero(want_e, embeddings), zero(want_p, proxies)
+        return _zeros(want_e, embeddings, empty), _zeros(want_p, proxies, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or GRAD_CONFIGS[0]
@@ -1209,8 +1206,8 @@ def multi_similarity_forward(
             b.labels,
             st,
         )
-        flags = dict(SELF=self_, MINING=mining, ACC=_tl(acc), IS64=acc == torch.float64, **config.launch)
-        grid = (_blocks(N, config.kwargs["BLOCK_N"]),)
+        flags = dict(SELF=self_, MINING=mining, ACC=acc_tl(acc), IS64=acc == torch.float64, **config.launch)
+        grid = (blocks(N, config.kwargs["BLOCK_N"]),)
         bits = _ms_bits(params, D, acc)
         for step in (0, 1, 2) if mining else (2,):
             count = found if step == 0 else kept
@@ -1255,8 +1252,7 @@ def multi_similarity_backward(
     N, D = embeddings.shape
     M = N if self_ else ref_embeddings.shape[0]
     if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
-        zero = lambda want, x: torch.zeros_like(x, memory_format=torch.contiguous_format) if want else empty  # noqa: E731
-        return zero(want_e, embeddings), zero(want_r, ref_embeddings)
+        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or MS_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
@@ -1267,7 +1263,7 @@ def multi_similarity_backward(
     def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor) -> Tensor:
         g = torch.empty(own.n, D, dtype=acc, device=like.device)
         k = config.kwargs
-        ms_grad_kernel[(_blocks(own.n, k["BLOCK_N"]), _blocks(D, k["BLOCK_F"]))](
+        ms_grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
             own.e,
             other.e,
             own.raw,
@@ -1288,7 +1284,7 @@ def multi_similarity_backward(
             ANCHORS_OWN=anchors_own,
             ANCHORS_OTHER=anchors_other,
             MINING=mining,
-            ACC=_tl(acc),
+            ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             **config.launch,
         )
