@@ -81,17 +81,17 @@ TRITON = "torchkit (triton)"  # GPU cases only: its kernels are staged until a G
 
 
 class TritonPairLoss(torch.autograd.Function):
-    """supcon_loss or ntxent_loss through their Triton kernels (torchkit/triton/pair_losses.py),
-    which serve CUDA tensors only under TORCHKIT_CUDA_KERNELS=triton: called directly here, so
-    that a run needs no environment."""
+    """A pair loss through its Triton kernels (torchkit/triton/pair_losses.py), which serve
+    CUDA tensors only under TORCHKIT_CUDA_KERNELS=triton: called directly here, so that a run
+    needs no environment. params: the schema's, in its order (VARIANTS' dicts keep it)."""
 
     @staticmethod
-    def forward(ctx, e, labels, name, temperature):
+    def forward(ctx, e, labels, name, params):
         from torchkit.triton import pair_losses as kernels
 
-        value, stats = getattr(kernels, f"{name}_forward")(e, labels, None, None, temperature)
+        value, stats = getattr(kernels, f"{name}_forward")(e, labels, None, None, *params)
         ctx.save_for_backward(e, labels, stats)
-        ctx.args = (name, temperature)
+        ctx.args = (name, params)
         return value
 
     @staticmethod
@@ -99,39 +99,15 @@ class TritonPairLoss(torch.autograd.Function):
         from torchkit.triton import pair_losses as kernels
 
         e, labels, stats = ctx.saved_tensors
-        name, temperature = ctx.args
+        name, params = ctx.args
         backward = getattr(kernels, f"{name}_backward")
-        ge, _ = backward(grad, e, labels, None, None, stats, temperature, [True, False])
+        ge, _ = backward(grad, e, labels, None, None, stats, *params, [True, False])
         return ge, None, None, None
 
 
-class TritonMultiSimilarity(torch.autograd.Function):
-    """multi_similarity_loss through its Triton kernels (as TritonPairLoss)."""
-
-    @staticmethod
-    def forward(ctx, e, labels, params):
-        from torchkit.triton import pair_losses as kernels
-
-        value, stats = kernels.multi_similarity_forward(e, labels, None, None, *params)
-        ctx.save_for_backward(e, labels, stats)
-        ctx.params = params
-        return value
-
-    @staticmethod
-    def backward(ctx, grad):
-        from torchkit.triton import pair_losses as kernels
-
-        e, labels, stats = ctx.saved_tensors
-        ge, _ = kernels.multi_similarity_backward(grad, e, labels, None, None, stats, *ctx.params, [True, False])
-        return ge, None, None
-
-
 def triton_loss(loss, params):
-    if loss == "multi_similarity_loss":
-        values = tuple(params[k] for k in ("alpha", "beta", "base", "miner_epsilon"))
-        return lambda e, labels: TritonMultiSimilarity.apply(e, labels, values)
-    name = loss.removesuffix("_loss")
-    return lambda e, labels: TritonPairLoss.apply(e, labels, name, params["temperature"])
+    name, values = loss.removesuffix("_loss"), tuple(params.values())
+    return lambda e, labels: TritonPairLoss.apply(e, labels, name, values)
 
 
 IMPLS = {
@@ -153,7 +129,7 @@ CASES = [
     ),
 ]
 # The losses with Triton kernels, the only torchkit kernels for CUDA tensors.
-TRITON_LOSSES = ("supcon_loss", "ntxent_loss", "multi_similarity_loss")
+TRITON_LOSSES = ("supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss")
 
 
 @pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
@@ -163,7 +139,7 @@ TRITON_LOSSES = ("supcon_loss", "ntxent_loss", "multi_similarity_loss")
 def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, impl, pass_):
     loss, params = VARIANTS[variant]
     if impl == TRITON and (device != "cuda" or loss not in TRITON_LOSSES):
-        pytest.skip("Triton kernels: the cosine losses on CUDA tensors (the tests run them interpreted)")
+        pytest.skip("Triton kernels: the losses that have them, on CUDA tensors (the tests run them interpreted)")
     if impl == "torchkit" and device != "cpu":
         pytest.skip("torchkit's CUDA kernels for the pair losses are the staged Triton ones")
     if impl in (PML, "reference", "torch.compile(reference)") and peer_bytes(impl, variant, N, per_class) > BUDGET:

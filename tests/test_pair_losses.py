@@ -60,7 +60,7 @@ configs = pytest.mark.parametrize("loss,params", CONFIGS, ids=CONFIG_IDS)
 # The losses with Triton kernels (torchkit/triton/pair_losses.py): the tests taking a `device`
 # run them too, under Triton's interpreter on CPU tensors ("triton"; skipped where a GPU is
 # visible, where test_triton_on_cuda_matches_the_cpu_kernel runs them compiled).
-TRITON = ("supcon_loss", "ntxent_loss", "multi_similarity_loss")  # and proxy_anchor_loss (`kernels`)
+TRITON = ("supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss")  # and proxy_anchor_loss
 TRITON_MARK = pytest.mark.triton("pair_losses")
 
 
@@ -235,8 +235,8 @@ def test_real_embeddings(loss, params, device, request):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss", ["contrastive_loss", "triplet_margin_loss"])
-def test_near_duplicates_far_from_the_origin(loss):
+@with_kernels([("contrastive_loss",), ("triplet_margin_loss",)], ["contrastive", "triplet"], "loss,device")
+def test_near_duplicates_far_from_the_origin(loss, device):
     """Tight clusters (spread 1e-4 around 8 far-apart centres): the normalised rows' distances
     come from their differences, where PML's torch.cdist takes |a|² + |b|² − 2a·b and loses
     them to cancellation (its float32 loss is off by a factor of 3 here); torchkit's float32
@@ -291,8 +291,10 @@ def test_no_pairs_of_one_kind_is_pmls_value(loss, params, labels, why, device):
         assert torch.equal(g, torch.zeros_like(e)), why
 
 
-@pytest.mark.parametrize("loss", ["supcon_loss", "ntxent_loss", "contrastive_loss"])
-def test_one_positive_and_one_negative_pair_is_zero_as_in_pml(loss):
+@with_kernels(
+    [("supcon_loss",), ("ntxent_loss",), ("contrastive_loss",)], ["supcon", "ntxent", "contrastive"], "loss,device"
+)
+def test_one_positive_and_one_negative_pair_is_zero_as_in_pml(loss, device):
     """PML's pair losses return 0 when every index list has at most one entry: one anchor, two
     refs, one of each kind."""
     e, labels = make((1, 4)), torch.tensor([0])
@@ -340,7 +342,8 @@ def test_ntxent_a_pair_loss_is_bounded_as_in_pml(device):
     assert torch.isfinite(got)
 
 
-def test_contrastive_each_kind_is_a_mean_of_its_terms_above_zero():
+@kernels
+def test_contrastive_each_kind_is_a_mean_of_its_terms_above_zero(device):
     """Four points on a line: the positive pairs' d − 0.1 and the negative pairs' 1 − d that are
     > 0, each kind averaged on its own, then added."""
     e = torch.tensor([[1.0, 0.0], [1.0, 0.2], [1.0, 0.5], [1.0, 3.0]], dtype=torch.float64)
@@ -880,6 +883,7 @@ def triton_problems():
 TRITON_PARAMS = [
     ("supcon_loss", (0.3,)),
     ("ntxent_loss", (0.3,)),
+    ("contrastive_loss", (0.3, 1.2)),
     ("multi_similarity_loss", (2.0, 50.0, 0.5, 0.1)),
     ("multi_similarity_loss", (1.0, 10.0, 0.2, None)),
 ]
@@ -897,9 +901,9 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
     name = loss.removesuffix("_loss")
     forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
     pick = lambda configs: configs[min(which, len(configs) - 1)]  # noqa: E731
-    ms = loss == "multi_similarity_loss"
-    rows = pick(tp.MS_ROWS_CONFIGS if ms else tp.ROWS_CONFIGS)
-    grad = pick(tp.MS_GRAD_CONFIGS if ms else tp.GRAD_CONFIGS)
+    exact = loss in ("contrastive_loss", "multi_similarity_loss")  # float64 tiles beside ACC's
+    rows = pick(tp.EXACT_ROWS_CONFIGS if exact else tp.ROWS_CONFIGS)
+    grad = pick(tp.EXACT_GRAD_CONFIGS if exact else tp.GRAD_CONFIGS)
     row = pick(tp.ROW_CONFIGS)
     for e, labels, ref, ref_labels in triton_problems():
         value, stats = op(e, labels, ref, ref_labels, *params)
@@ -918,7 +922,7 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
 
 
 @pytest.mark.triton("pair_losses")
-@pytest.mark.parametrize("loss,params", TRITON_PARAMS[:3])
+@pytest.mark.parametrize("loss,params", TRITON_PARAMS[:4])
 def test_triton_backward_checks_its_inputs(loss, params):
     tp = triton_module()
     name = loss.removesuffix("_loss")
@@ -932,8 +936,11 @@ def test_triton_backward_checks_its_inputs(loss, params):
         backward_t(torch.ones(()), e4, l6, None, None, stats.new_zeros(6, 7), *params, [True, False])
     with pytest.raises(TypeError, match=r"embeddings and grad must have the same dtype"):
         backward_t(torch.ones((), dtype=torch.float64), e4, l6, None, None, stats, *params, [True, False])
-    name_, bad = ("alpha", (0.0, *params[1:])) if loss == "multi_similarity_loss" else ("temperature", (0.0,))
-    with pytest.raises(ValueError, match=rf"{name_} must be finite and > 0"):
+    name_, bad, rule = {
+        "multi_similarity_loss": ("alpha", (0.0, *params[1:]), "> 0"),
+        "contrastive_loss": ("neg_margin", (0.0, -1.0), ">= 0"),
+    }.get(loss, ("temperature", (0.0,), "> 0"))
+    with pytest.raises(ValueError, match=rf"{name_} must be finite and {rule}"):
         getattr(tp, f"{name}_forward")(e4, l6, None, None, *bad)
 
 

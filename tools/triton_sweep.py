@@ -139,15 +139,25 @@ def sweep_pair_losses(results: dict) -> None:
                 ms = milliseconds(lambda c=config, b=backward, args=args: b(*args, config=c))
                 rows.append((f"{loss}.grad", i, repr(config), ms))
         ms = (2.0, 50.0, 0.5, 0.1)
-        for i, config in enumerate(kernels.MS_ROWS_CONFIGS):
+        for i, config in enumerate(kernels.EXACT_ROWS_CONFIGS):
             args = (e, labels, r, rl, *ms)
             t = milliseconds(lambda c=config, args=args: kernels.multi_similarity_forward(*args, config=c))
             rows.append(("multi_similarity.rows", i, repr(config), t))
         value, stats = kernels.multi_similarity_forward(e, labels, r, rl, *ms)
         args = (torch.ones_like(value), e, labels, r, rl, stats, *ms, [True, r is not None])
-        for i, config in enumerate(kernels.MS_GRAD_CONFIGS):
+        for i, config in enumerate(kernels.EXACT_GRAD_CONFIGS):
             t = milliseconds(lambda c=config, args=args: kernels.multi_similarity_backward(*args, config=c))
             rows.append(("multi_similarity.grad", i, repr(config), t))
+        margins = (0.0, 1.0)
+        for i, config in enumerate(kernels.EXACT_ROWS_CONFIGS):
+            args = (e, labels, r, rl, *margins)
+            t = milliseconds(lambda c=config, args=args: kernels.contrastive_forward(*args, config=c))
+            rows.append(("contrastive.rows", i, repr(config), t))
+        value, stats = kernels.contrastive_forward(e, labels, r, rl, *margins)
+        args = (torch.ones_like(value), e, labels, r, rl, stats, *margins, [True, r is not None])
+        for i, config in enumerate(kernels.EXACT_GRAD_CONFIGS):
+            t = milliseconds(lambda c=config, args=args: kernels.contrastive_backward(*args, config=c))
+            rows.append(("contrastive.grad", i, repr(config), t))
         # proxy_anchor_loss: the refs (or the embeddings) as its proxies.
         proxies = (e if r is None else r)[:1000]
         classes = labels % proxies.shape[0]

@@ -42,6 +42,8 @@ TRITON_KERNELS: dict[str, dict[str, str]] = {
         "torchkit::_supcon_loss_backward": "supcon_backward",
         "torchkit::ntxent_loss": "ntxent_forward",
         "torchkit::_ntxent_loss_backward": "ntxent_backward",
+        "torchkit::contrastive_loss": "contrastive_forward",
+        "torchkit::_contrastive_loss_backward": "contrastive_backward",
         "torchkit::multi_similarity_loss": "multi_similarity_forward",
         "torchkit::_multi_similarity_loss_backward": "multi_similarity_backward",
         "torchkit::proxy_anchor_loss": "proxy_anchor_forward",

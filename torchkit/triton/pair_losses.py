@@ -1,9 +1,9 @@
-"""The cosine pair losses' Triton kernels (supcon_loss, ntxent_loss, multi_similarity_loss,
-proxy_anchor_loss; the Euclidean ones have none yet): their CUDA kernels where
-torchkit.triton selects them.
+"""The pair losses' Triton kernels (supcon_loss, ntxent_loss, contrastive_loss,
+multi_similarity_loss, proxy_anchor_loss; triplet_margin_loss has none yet): their CUDA
+kernels where torchkit.triton selects them.
 
-The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp), the
-stats included, so that either backward takes either forward's stats. Nothing N×M exists:
+The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
+csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either backward takes either forward's stats. Nothing N×M exists:
 
 - Prefix (normalise_kernel): each row as F.normalize leaves it, x / max(‖x‖, 1e-12), in the
   accumulation type (a float32 copy of float16 and bfloat16 rows), from the row scaled by the
@@ -32,6 +32,14 @@ stats included, so that either backward takes either forward's stats. Nothing N�
   feature order as the CPU kernel's exact_cos, from float64 inverse norms: norm64_kernel);
   a pair within a slack of its threshold is kept or not by its exact cosine, in the forward
   and the backward alike.
+- contrastive_loss (Euclidean distances of the normalised rows): the rows centred on the
+  float64 mean of the finite ones of both sides, rounded once (centre_sums_kernel,
+  points_kernel); each tile's distances from the expansion |c_i|² + |c_j|² − 2c_i·c_j, and
+  where it cancelled (near-duplicates) or a term's margin is within the tile's error bound of
+  the distance, the exact distance from the inputs in float64 (as the CPU kernel's
+  Points::direct), a tile at a time and only for tiles that have such an entry. The backward
+  recomputes the same distances and decisions; its directly computed entries take their
+  gradient from the inputs' float64 differences.
 
 Kernels never index past what the wrapper checked; offsets are int64.
 """
@@ -72,13 +80,14 @@ GRAD_CONFIGS = (
     Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
 )
-# multi-similarity's kernels carry float64 tiles of exact cosines beside the float32 ones:
-# smaller tiles keep them within the registers.
-MS_ROWS_CONFIGS = (
+# The kernels that carry float64 tiles beside the float32 ones (multi-similarity's exact
+# cosines, the Euclidean losses' exact distances and float64 terms): smaller tiles keep them
+# within the registers.
+EXACT_ROWS_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=2),
 )
-MS_GRAD_CONFIGS = (
+EXACT_GRAD_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
     Config(BLOCK_N=16, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
@@ -760,24 +769,320 @@ def ms_rows_kernel(
         tl.store(count_ptr + rows * 2 + 1, n_pos, mask=row_mask)
 
 
+# --------------------------------------------------------------------------- Euclidean (contrastive)
+
+
+@triton.jit
+def centre_sums_kernel(x_ptr, inv_ptr, sums_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per block of features: Σ over the finite rows of x·inv (F.normalize's rows, float64
+    from the float64 inverse norms: norm64_kernel's, > 0 and finite exactly for a row of
+    finite values whose norm is finite), added in row order."""
+    ks = tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    k_mask = ks < D
+    total = tl.zeros((BLOCK_D,), tl.float64)
+    for r0 in range(0, N, BLOCK_ROWS):
+        rows = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        row_mask = rows < N
+        inv = tl.load(inv_ptr + rows, mask=row_mask, other=0.0)
+        keep = row_mask & (inv > 0) & (inv < float("inf"))
+        mask = keep[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(tl.float64)
+        total += tl.sum(tl.where(mask, x * inv[:, None], 0.0), axis=0)
+    tl.store(sums_ptr + ks, total, mask=k_mask)
+
+
+@triton.jit
+def points_kernel(
+    x_ptr,
+    inv_ptr,
+    mean_ptr,
+    c_ptr,
+    sq_ptr,
+    N,
+    D,
+    stride_row,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """c = x·inv − mean rounded once to ACC (contiguous), and |c|² summed in float64, rounded
+    to ACC (the CPU kernel's Points)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    inv = tl.load(inv_ptr + rows, mask=row_mask, other=0.0)
+    sq = tl.zeros((BLOCK_ROWS,), tl.float64)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        k_mask = ks < D
+        mask = row_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(tl.float64)
+        mu = tl.load(mean_ptr + ks, mask=k_mask, other=0.0)
+        c = (x * inv[:, None] - mu[None, :]).to(ACC)
+        tl.store(c_ptr + rows[:, None] * D + ks[None, :], c, mask=mask)
+        c64 = tl.where(mask, c.to(tl.float64), 0.0)
+        sq += tl.sum(c64 * c64, axis=1)
+    tl.store(sq_ptr + rows, sq.to(ACC), mask=row_mask)
+
+
+@triton.jit
+def _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D):
+    """Exact distances of a tile, as the CPU kernel's Points::direct: √Σ_k (x_ik·inv_i −
+    y_jk·inv_j)² in float64, in feature order."""
+    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
+    inv_b = tl.load(inv_b_ptr + cols, mask=col_mask, other=0.0)
+    out = tl.zeros((rows.shape[0], cols.shape[0]), tl.float64)
+    for k in range(0, D):
+        a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64) * inv_a
+        b = tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64) * inv_b
+        v = a[:, None] - b[None, :]
+        out += v * v
+    return tl.sqrt(out)
+
+
+@triton.jit
+def _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K):
+    """A tile's distances from the centred points' expansion, √(|c_i|² + |c_j|² − 2c_i·c_j)
+    (correctly rounded root), and which entries cancelled (d² ≤ (|c_i|² + |c_j|²)/16, a
+    negative or NaN expansion included, whose root is taken of 0): those the caller recomputes
+    exactly."""
+    v = _tile(ca_ptr, cb_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
+    total = sq_a[:, None] + sq_b[None, :]
+    d = tm.sqrt_rn(tl.maximum(total - 2.0 * v, 0.0), IS64)
+    return d, (d * d * 16.0 > total) == 0
+
+
+@triton.jit
+def _settled(d, exact, t, sq_a, sq_b, err, unit):
+    """The distance a choice against threshold t is made on: the tile's d (float64) where
+    |d − t|·d > (D + 4)·u·(|c_i|² + |c_j|²) + 4u·d² leaves it on the exact distance's side of
+    t (Inputs::clear), or NaN; the exact one otherwise."""
+    e = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64))
+    clear = tl.abs(d - t) * d > e + 4.0 * unit * d * d
+    return tl.where(clear | (d != d), d, exact)
+
+
+@triton.jit
+def _any(mask):
+    return tl.max(tl.max(mask.to(tl.int32), axis=1), axis=0) > 0
+
+
+@triton.jit
+def contrastive_rows_kernel(
+    ca_ptr,
+    cb_ptr,
+    sq_a_ptr,
+    sq_b_ptr,
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a_ptr,
+    inv_b_ptr,
+    lab_ptr,
+    ref_lab_ptr,
+    sums_ptr,
+    count_ptr,
+    N,
+    M,
+    D,
+    POS_BITS,
+    NEG_BITS,
+    ERR_BITS,
+    UNIT_BITS,
+    SELF: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Per anchor, over every ref: the counted terms' sums (sums: (N, 2) float64, negative
+    then positive) and counts, and the pairs of each kind (count: (N, 4) int32: negative and
+    positive terms, negative and positive pairs). A positive pair's term d − pos_margin, a
+    negative's neg_margin − d, counted where not <= 0 (NaN counts); d the tile's, or exact
+    where it cancelled or is too near its margin to tell (contrastive_forward)."""
+    pos_margin = tm.f64(POS_BITS)
+    neg_margin = tm.f64(NEG_BITS)
+    err = tm.f64(ERR_BITS)
+    unit = tm.f64(UNIT_BITS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
+    sq_a = tl.load(sq_a_ptr + rows, mask=row_mask, other=0.0)
+    sum_neg = tl.zeros((BLOCK_N,), tl.float64)
+    sum_pos = tl.zeros((BLOCK_N,), tl.float64)
+    terms_neg = tl.zeros((BLOCK_N,), tl.int32)
+    terms_pos = tl.zeros((BLOCK_N,), tl.int32)
+    pairs_neg = tl.zeros((BLOCK_N,), tl.int32)
+    pairs_pos = tl.zeros((BLOCK_N,), tl.int32)
+    for j0 in range(0, M, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < M
+        ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
+        sq_b = tl.load(sq_b_ptr + cols, mask=col_mask, other=0.0)
+        d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
+        valid = row_mask[:, None] & col_mask[None, :]
+        if SELF:
+            valid = valid & (rows[:, None] != cols[None, :])
+        pos = valid & (lab[:, None] == ref_lab[None, :])
+        d64 = d.to(tl.float64)
+        t = tl.where(pos, pos_margin, neg_margin)
+        dd = d64
+        near = valid & direct
+        if _any(near) == 0:
+            dd = _settled(d64, d64 + float("nan"), t, sq_a, sq_b, err, unit)
+            near = valid & (dd != dd) & (d64 == d64)
+        if _any(near):
+            exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+            dd = tl.where(direct, exact.to(ACC).to(tl.float64), _settled(d64, exact, t, sq_a, sq_b, err, unit))
+        v = tl.where(pos, dd - pos_margin, neg_margin - dd)
+        counted = valid & ((v <= 0) == 0)
+        sum_pos += tl.sum(tl.where(counted & pos, v, 0.0), axis=1)
+        sum_neg += tl.sum(tl.where(counted & (pos == 0), v, 0.0), axis=1)
+        terms_pos += tl.sum((counted & pos).to(tl.int32), axis=1)
+        terms_neg += tl.sum((counted & (pos == 0)).to(tl.int32), axis=1)
+        pairs_pos += tl.sum(pos.to(tl.int32), axis=1)
+        pairs_neg += tl.sum((valid & (pos == 0)).to(tl.int32), axis=1)
+    tl.store(sums_ptr + rows * 2, sum_neg, mask=row_mask)
+    tl.store(sums_ptr + rows * 2 + 1, sum_pos, mask=row_mask)
+    tl.store(count_ptr + rows * 4, terms_neg, mask=row_mask)
+    tl.store(count_ptr + rows * 4 + 1, terms_pos, mask=row_mask)
+    tl.store(count_ptr + rows * 4 + 2, pairs_neg, mask=row_mask)
+    tl.store(count_ptr + rows * 4 + 3, pairs_pos, mask=row_mask)
+
+
+@triton.jit
+def contrastive_grad_kernel(
+    c_own_ptr,
+    c_other_ptr,
+    sq_own_ptr,
+    sq_other_ptr,
+    x_own_ptr,
+    x_other_ptr,
+    s_own,
+    s_other,
+    inv_own_ptr,
+    inv_other_ptr,
+    own_lab_ptr,
+    other_lab_ptr,
+    st_ptr,
+    out_ptr,
+    N_OWN,
+    N_OTHER,
+    D,
+    POS_BITS,
+    NEG_BITS,
+    ERR_BITS,
+    UNIT_BITS,
+    SELF: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """out[own rows, feature block] = ∂loss/∂(own's normalised rows): per pair
+    w = ∂loss/∂d / d (∂loss/∂d: 1/(positive terms) for a counted positive term, −1/(negative
+    terms) for a counted negative one, from the stats' first row; twice that without refs,
+    where the pair is in the loss from both its rows; 0 at d = 0), Σ_j w_ij (c_i − c_j) as
+    rowsum(w)·c_i − w·C per tile; entries the tiles computed directly take w_ij (e_i − e_j)
+    from the float64 differences of the inputs instead (contrastive_backward, rows_grad)."""
+    pos_margin = tm.f64(POS_BITS)
+    neg_margin = tm.f64(NEG_BITS)
+    err = tm.f64(ERR_BITS)
+    unit = tm.f64(UNIT_BITS)
+    w_pos = tl.load(st_ptr).to(tl.float64)
+    w_neg = tl.load(st_ptr + 1).to(tl.float64)
+    if SELF:
+        w_pos = 2.0 * w_pos
+        w_neg = 2.0 * w_neg
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    row_mask = rows < N_OWN
+    f_mask = fs < D
+    own_f = row_mask[:, None] & f_mask[None, :]
+    lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
+    sq_i = tl.load(sq_own_ptr + rows, mask=row_mask, other=0.0)
+    c_i = tl.load(c_own_ptr + rows[:, None] * D + fs[None, :], mask=own_f, other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
+    for j0 in range(0, N_OTHER, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < N_OTHER
+        other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=0)
+        sq_j = tl.load(sq_other_ptr + cols, mask=col_mask, other=0.0)
+        d, direct = _distances(
+            c_own_ptr, c_other_ptr, sq_i, sq_j, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K
+        )
+        valid = row_mask[:, None] & col_mask[None, :]
+        if SELF:
+            valid = valid & (rows[:, None] != cols[None, :])
+        pos = valid & (lab[:, None] == other_lab[None, :])
+        direct = direct & valid
+        t = tl.where(pos, pos_margin, neg_margin)
+        exact = d.to(tl.float64)
+        if _any(direct):
+            exact = _exact_dist(
+                x_own_ptr, x_other_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, col_mask, D
+            )
+            d = tl.where(direct, exact.to(ACC), d)
+        d64 = d.to(tl.float64)
+        dd = _settled(d64, d64 + float("nan"), t, sq_i, sq_j, err, unit)
+        unsettled = valid & (dd != dd) & (d64 == d64)
+        if _any(unsettled):
+            exact = _exact_dist(
+                x_own_ptr, x_other_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, col_mask, D
+            )
+            dd = _settled(d64, exact, t, sq_i, sq_j, err, unit)
+        v = tl.where(pos, dd - pos_margin, neg_margin - dd)
+        counted = valid & ((v <= 0) == 0)
+        g = tl.where(counted, tl.where(pos, w_pos, 0.0 - w_neg), 0.0)
+        w = tl.where((g == 0) | (d64 == 0), 0.0, g / tl.where(d64 == 0, 1.0, d64))
+        if _any(direct & (w != 0)):
+            # Σ_j w_ij (e_i − e_j) over the directly computed entries, per pair from the inputs'
+            # float64 differences (near-duplicates: the centred points keep only ACC's
+            # absolute accuracy).
+            inv_i = tl.load(inv_own_ptr + rows, mask=row_mask, other=0.0)
+            e_i = tl.load(x_own_ptr + rows[:, None] * s_own + fs[None, :], mask=own_f, other=0.0).to(tl.float64)
+            e_i = e_i * inv_i[:, None]
+            w_direct = tl.where(direct, w, 0.0)
+            near = tl.zeros((BLOCK_N, BLOCK_F), tl.float64)
+            for c in range(0, BLOCK_M):
+                j = tl.sum(tl.where(tl.arange(0, BLOCK_M) == c, cols, 0), axis=0)
+                w_c = tl.sum(tl.where(tl.arange(0, BLOCK_M)[None, :] == c, w_direct, 0.0), axis=1)
+                inv_j = tl.load(inv_other_ptr + j, mask=j < N_OTHER, other=0.0)
+                e_j = tl.load(x_other_ptr + j * s_other + fs, mask=f_mask & (j < N_OTHER), other=0.0)
+                near += tl.where(w_c[:, None] != 0, w_c[:, None] * (e_i - e_j.to(tl.float64)[None, :] * inv_j), 0.0)
+            acc += near.to(ACC)
+        w = tl.where(direct, 0.0, w).to(ACC)
+        row_sum = tl.sum(w.to(tl.float64), axis=1)
+        f = tl.load(c_other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0)
+        acc += row_sum.to(ACC)[:, None] * c_i
+        acc = _product(0.0 - w, tl.trans(f), acc, IS64)
+    tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=own_f)
+
+
 # --------------------------------------------------------------------------- wrappers
 
 
 class _Side:
     """One set of rows as the kernels take them: normalised (ACC, contiguous), the Jacobian's
-    per-row numbers, int64 labels."""
+    per-row numbers, int64 labels (normalised=False: the inputs and labels only, for a
+    forward that works from the float64 inverse norms)."""
 
-    def __init__(self, x: Tensor, labels: Tensor, acc: torch.dtype, config: Config):
+    def __init__(self, x: Tensor, labels: Tensor, acc: torch.dtype, config: Config, normalised: bool = True):
         N, D = x.shape
         self.n = N
-        self.e = torch.empty(N, D, dtype=acc, device=x.device)
-        self.exp = torch.empty(N, dtype=torch.int32, device=x.device)
-        self.inv = torch.empty(N, dtype=acc, device=x.device)
-        self.clamped = torch.empty(N, dtype=torch.int8, device=x.device)
         self.labels = labels.to(torch.int64).contiguous()
         self.raw = x if x.stride(-1) == 1 else x.contiguous()
         self.config = config
         self._inv64 = None
+        if not normalised:
+            return
+        self.e = torch.empty(N, D, dtype=acc, device=x.device)
+        self.exp = torch.empty(N, dtype=torch.int32, device=x.device)
+        self.inv = torch.empty(N, dtype=acc, device=x.device)
+        self.clamped = torch.empty(N, dtype=torch.int8, device=x.device)
         if N == 0:
             return
         x = self.raw
@@ -810,9 +1115,9 @@ class _Side:
         return self._inv64
 
 
-def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, config):
-    a = _Side(embeddings, labels, acc, config)
-    b = a if ref_embeddings is None else _Side(ref_embeddings, ref_labels, acc, config)
+def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, config, normalised=True):
+    a = _Side(embeddings, labels, acc, config, normalised)
+    b = a if ref_embeddings is None else _Side(ref_embeddings, ref_labels, acc, config, normalised)
     return a, b
 
 
@@ -1182,7 +1487,7 @@ def multi_similarity_forward(
     params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
     mining = params[3] is not None
     acc = acc_dtype(embeddings)
-    config = config or MS_ROWS_CONFIGS[0]
+    config = config or EXACT_ROWS_CONFIGS[0]
     self_ = ref_embeddings is None
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
     N, D = embeddings.shape
@@ -1255,7 +1560,7 @@ def multi_similarity_backward(
         return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
-    config = config or MS_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
+    config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     st = stats.contiguous()
     bits = _ms_bits(params, D, acc)
@@ -1294,6 +1599,175 @@ def multi_similarity_backward(
         return rows_grad(a, a, True, True, embeddings), empty
     ge = rows_grad(a, b, True, False, embeddings) if want_e else empty
     gr = rows_grad(b, a, False, True, ref_embeddings) if want_r else empty
+    return ge, gr
+
+
+def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
+    """The rows as the distance tiles take them (the CPU kernel's make_points): F.normalize's
+    rows centred on the mean of the finite ones of both sides (float64), rounded once to
+    ACC, and their squared norms; per side (c, |c|²)."""
+    sides = [a] if a is b else [a, b]
+    D = a.raw.shape[1]
+    device = a.raw.device
+    k = config.kwargs
+    sums = torch.zeros(D, dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.int64, device=device)
+    for side in sides:
+        if side.n > 0 and D > 0:
+            part = torch.empty(D, dtype=torch.float64, device=device)
+            centre_sums_kernel[(blocks(D, k["BLOCK_D"]),)](
+                side.raw, side.inv64, part, side.n, D, side.raw.stride(0), **config.launch
+            )
+            sums += part
+            count += ((side.inv64 > 0) & (side.inv64 < float("inf"))).sum()
+    mean = sums / count.clamp(min=1)
+    out = []
+    for side in sides:
+        c = torch.empty(side.n, D, dtype=acc, device=device)
+        sq = torch.empty(side.n, dtype=acc, device=device)
+        if side.n > 0:
+            points_kernel[(blocks(side.n, k["BLOCK_ROWS"]),)](
+                side.raw, side.inv64, mean, c, sq, side.n, D, side.raw.stride(0), ACC=acc_tl(acc), **config.launch
+            )
+        out.append((c, sq))
+    return out if a is not b else out * 2
+
+
+def _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin) -> tuple:
+    op = "contrastive_loss"
+    check_scalars(op, ("float", "pos_margin", pos_margin), ("float", "neg_margin", neg_margin))
+    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    params = (float(pos_margin), float(neg_margin))
+    _check_params(op, params)
+    return params
+
+
+def _euclidean_bits(margins: tuple, D: int, acc: torch.dtype) -> tuple:
+    """The margins, the tiles' error scale (D + 4)·u and u (the accumulation type's unit
+    roundoff) as float64 bits (Inputs::clear's bound)."""
+    unit = torch.finfo(acc).eps / 2
+    return tuple(float_bits(v) for v in (*margins, (D + 4) * unit, unit))
+
+
+def contrastive_forward(
+    embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, *, config=None, row_config=None
+):
+    """torchkit::contrastive_loss's CUDA kernel (any device under the interpreter)."""
+    margins = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin)
+    acc = acc_dtype(embeddings)
+    config = config or EXACT_ROWS_CONFIGS[0]
+    row_config = row_config or ROW_CONFIGS[0]
+    self_ = ref_embeddings is None
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
+    N, D = embeddings.shape
+    sums = torch.zeros(N, 2, dtype=torch.float64, device=embeddings.device)
+    counts = torch.zeros(N, 4, dtype=torch.int32, device=embeddings.device)
+    if N > 0 and b.n > 0:
+        (ca, sq_a), (cb, sq_b) = _points(a, b, acc, row_config)
+        contrastive_rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
+            ca,
+            cb,
+            sq_a,
+            sq_b,
+            a.raw,
+            b.raw,
+            a.raw.stride(0),
+            b.raw.stride(0),
+            a.inv64,
+            b.inv64,
+            a.labels,
+            b.labels,
+            sums,
+            counts,
+            N,
+            b.n,
+            D,
+            *_euclidean_bits(margins, D, acc),
+            SELF=self_,
+            ACC=acc_tl(acc),
+            IS64=acc == torch.float64,
+            **config.launch,
+        )
+    # contrastive_forward (pair_losses_euclidean_cpu.cpp): each kind's mean of its counted terms
+    # (negative, positive), nothing when each kind has at most one pair.
+    terms = counts[:, :2].sum(0, dtype=torch.int64)
+    pairs = counts[:, 2:].sum(0, dtype=torch.int64)
+    use = (pairs > 1).any()
+    part = torch.where(terms > 0, sums.sum(0) / terms.clamp(min=1), 0.0)
+    total = torch.where(use, part[0] + part[1], 0.0)
+    share = torch.where(use & (terms > 0), 1.0 / terms.clamp(min=1).double(), 0.0).to(acc)
+    stats = share.flip(0).expand(N, 2).contiguous()  # positive, negative
+    return total.to(embeddings.dtype), stats
+
+
+def contrastive_backward(
+    grad,
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    stats,
+    pos_margin,
+    neg_margin,
+    output_mask,
+    *,
+    config=None,
+    row_config=None,
+):
+    """torchkit::_contrastive_loss_backward's CUDA kernel."""
+    op = "contrastive_loss"
+    margins = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin)
+    _check_backward(op, grad, embeddings, stats, 2)
+    self_ = ref_embeddings is None
+    want_e = bool(output_mask[0])
+    want_r = not self_ and bool(output_mask[1])
+    empty = embeddings.new_empty(0)
+    N, D = embeddings.shape
+    M = N if self_ else ref_embeddings.shape[0]
+    if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
+        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    pa, pb = _points(a, b, acc, row_config)
+    st = stats.contiguous()
+    live = (st[0] != 0).any()  # a zero loss (PML's rule): zero gradients, NaN rows included
+    bits = _euclidean_bits(margins, D, acc)
+
+    def rows_grad(own: _Side, own_points, other: _Side, other_points, like: Tensor) -> Tensor:
+        g = torch.empty(own.n, D, dtype=acc, device=like.device)
+        k = config.kwargs
+        contrastive_grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
+            own_points[0],
+            other_points[0],
+            own_points[1],
+            other_points[1],
+            own.raw,
+            other.raw,
+            own.raw.stride(0),
+            other.raw.stride(0),
+            own.inv64,
+            other.inv64,
+            own.labels,
+            other.labels,
+            st,
+            g,
+            own.n,
+            other.n,
+            D,
+            *bits,
+            SELF=self_,
+            ACC=acc_tl(acc),
+            IS64=acc == torch.float64,
+            **config.launch,
+        )
+        return torch.where(live, _jacobian(own, g, grad, like, row_config), 0.0)
+
+    if self_:
+        return rows_grad(a, pa, a, pa, embeddings), empty
+    ge = rows_grad(a, pa, b, pb, embeddings) if want_e else empty
+    gr = rows_grad(b, pb, a, pa, ref_embeddings) if want_r else empty
     return ge, gr
 
 
@@ -1393,7 +1867,7 @@ def compile_cases() -> list[CompileCase]:
                             ms_rows_kernel,
                             ms_types,
                             dict(SELF=True, MINING=mining, PASS=step, **flags),
-                            MS_ROWS_CONFIGS if every and step == 2 and mining else MS_ROWS_CONFIGS[:1],
+                            EXACT_ROWS_CONFIGS if every and step == 2 and mining else EXACT_ROWS_CONFIGS[:1],
                         )
                     )
             for self_, own, other in ((True, True, True), (False, True, False), (False, False, True)):
@@ -1405,15 +1879,64 @@ def compile_cases() -> list[CompileCase]:
                             ms_grad_kernel,
                             ms_types,
                             dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, MINING=mining, **flags),
-                            MS_GRAD_CONFIGS
+                            EXACT_GRAD_CONFIGS
                             if every and self_ and mining
-                            else MS_GRAD_CONFIGS[-1:]
+                            else EXACT_GRAD_CONFIGS[-1:]
                             if is64
-                            else MS_GRAD_CONFIGS[:1],
+                            else EXACT_GRAD_CONFIGS[:1],
                         )
                     )
+            euclidean = {
+                **ms_types,
+                **dict.fromkeys(("ca_ptr", "cb_ptr", "sq_a_ptr", "sq_b_ptr", "c_own_ptr", "c_other_ptr"), "*" + acc),
+                **dict.fromkeys(("sq_own_ptr", "sq_other_ptr"), "*" + acc),
+                **dict.fromkeys(("POS_BITS", "NEG_BITS", "ERR_BITS", "UNIT_BITS"), "i64"),
+                "st_ptr": "*" + acc,
+                "sums_ptr": "*fp64",
+            }
+            for self_ in (True, False):
+                cases.append(
+                    CompileCase(
+                        f"pair_losses.contrastive_rows {dtype}{' self' if self_ else ''}",
+                        contrastive_rows_kernel,
+                        euclidean,
+                        dict(SELF=self_, **flags),
+                        EXACT_ROWS_CONFIGS if every and self_ else EXACT_ROWS_CONFIGS[:1],
+                    )
+                )
+                cases.append(
+                    CompileCase(
+                        f"pair_losses.contrastive_grad {dtype}{' self' if self_ else ''}",
+                        contrastive_grad_kernel,
+                        euclidean,
+                        dict(SELF=self_, **flags),
+                        EXACT_GRAD_CONFIGS
+                        if every and self_
+                        else EXACT_GRAD_CONFIGS[-1:]
+                        if is64
+                        else EXACT_GRAD_CONFIGS[:1],
+                    )
+                )
+            cases.append(
+                CompileCase(
+                    f"pair_losses.points {dtype}",
+                    points_kernel,
+                    {**types, "inv_ptr": "*fp64", "mean_ptr": "*fp64", "c_ptr": "*" + acc, "sq_ptr": "*" + acc},
+                    dict(ACC=flags["ACC"]),
+                    ROW_CONFIGS if every else ROW_CONFIGS[:1],
+                )
+            )
             if dtype == "fp32":
                 cases.append(CompileCase("pair_losses.norm64 fp32", norm64_kernel, types, {}, ROW_CONFIGS))
+                cases.append(
+                    CompileCase(
+                        "pair_losses.centre_sums fp32",
+                        centre_sums_kernel,
+                        {**types, "inv_ptr": "*fp64", "sums_ptr": "*fp64"},
+                        {},
+                        ROW_CONFIGS,
+                    )
+                )
         for kernel in (normalise_kernel, jacobian_kernel):
             cases.append(
                 CompileCase(
