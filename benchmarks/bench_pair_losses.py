@@ -128,8 +128,8 @@ CASES = [
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     ),
 ]
-# The losses with Triton kernels, the only torchkit kernels for CUDA tensors.
-TRITON_LOSSES = ("supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss")
+# The variants with Triton kernels, the only torchkit kernels for CUDA tensors.
+TRITON_VARIANTS = ("supcon_loss", "ntxent_loss", "contrastive_loss", "triplet batch_hard", "multi_similarity_loss")
 
 
 @pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
@@ -138,7 +138,7 @@ TRITON_LOSSES = ("supcon_loss", "ntxent_loss", "contrastive_loss", "multi_simila
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, impl, pass_):
     loss, params = VARIANTS[variant]
-    if impl == TRITON and (device != "cuda" or loss not in TRITON_LOSSES):
+    if impl == TRITON and (device != "cuda" or variant not in TRITON_VARIANTS):
         pytest.skip("Triton kernels: the losses that have them, on CUDA tensors (the tests run them interpreted)")
     if impl == "torchkit" and device != "cpu":
         pytest.skip("torchkit's CUDA kernels for the pair losses are the staged Triton ones")

@@ -61,6 +61,7 @@ configs = pytest.mark.parametrize("loss,params", CONFIGS, ids=CONFIG_IDS)
 # run them too, under Triton's interpreter on CPU tensors ("triton"; skipped where a GPU is
 # visible, where test_triton_on_cuda_matches_the_cpu_kernel runs them compiled).
 TRITON = ("supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss")  # and proxy_anchor_loss
+TRITON_MINING = ("batch_hard",)  # triplet_margin_loss's minings that have them
 TRITON_MARK = pytest.mark.triton("pair_losses")
 
 
@@ -71,7 +72,7 @@ def with_kernels(cases, ids, names="loss,params,device"):
     out += [
         pytest.param(*case, "cpu", id=f"{i}-triton", marks=TRITON_MARK)
         for case, i in zip(cases, ids, strict=True)
-        if case[0] in TRITON
+        if case[0] in TRITON or (case[0] == "triplet_margin_loss" and case[1]["mining"] in TRITON_MINING)
     ]
     return pytest.mark.parametrize(names, out)
 
@@ -235,8 +236,15 @@ def test_real_embeddings(loss, params, device, request):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@with_kernels([("contrastive_loss",), ("triplet_margin_loss",)], ["contrastive", "triplet"], "loss,device")
-def test_near_duplicates_far_from_the_origin(loss, device):
+@with_kernels(
+    [
+        ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0}),
+        ("triplet_margin_loss", {"margin": 1.0, "mining": "all"}),
+        ("triplet_margin_loss", {"margin": 0.1, "mining": "batch_hard"}),
+    ],
+    ["contrastive", "triplet-all", "triplet-batch_hard"],
+)
+def test_near_duplicates_far_from_the_origin(loss, params, device):
     """Tight clusters (spread 1e-4 around 8 far-apart centres): the normalised rows' distances
     come from their differences, where PML's torch.cdist takes |a|² + |b|² − 2a·b and loses
     them to cancellation (its float32 loss is off by a factor of 3 here); torchkit's float32
@@ -245,7 +253,6 @@ def test_near_duplicates_far_from_the_origin(loss, device):
     centres = torch.randn(8, 64, generator=g, dtype=torch.float64).repeat_interleave(8, 0)
     x = centres + 1e-4 * torch.randn(64, 64, generator=g, dtype=torch.float64)
     labels = torch.arange(8).repeat_interleave(8)
-    params = {"pos_margin": 0.0, "neg_margin": 1.0} if loss == "contrastive_loss" else {"margin": 1.0, "mining": "all"}
     e = x.float()
     got, (g32,) = loss_and_grads(ours(loss, params), e, labels)
     exp, (g64,) = loss_and_grads(ref_fn(loss, params), e.double(), labels)
@@ -388,7 +395,8 @@ def test_triplet_minings_pick_pmls_triplets():
     torch.testing.assert_close(ops.triplet_margin_loss(e, labels, margin, mining="batch_hard"), mean_of(hard))
 
 
-def test_triplet_batch_hard_ties_go_to_the_lower_index():
+@kernels
+def test_triplet_batch_hard_ties_go_to_the_lower_index(device):
     """Anchor 0's positives 1 and 2 coincide, as do its negatives 3 and 4: the gradient reaches
     rows 1 and 3 only (refs 0 and 2)."""
     e = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.6, 0.8], [0.6, 0.8]], dtype=torch.float64)
@@ -432,7 +440,8 @@ def test_multi_similarity_miner_decides_on_exact_cosines(side, device):
     torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-6)
 
 
-def test_triplet_batch_hard_picks_the_exact_hardest_positive():
+@kernels
+def test_triplet_batch_hard_picks_the_exact_hardest_positive(device):
     """Two positives 1e-7 apart (their float32 distances tie within rounding): the one the
     gradient reaches is the float64 reference's farthest, for each of 60 draws."""
     labels = torch.tensor([0, 0, 0, 1, 1])
@@ -846,7 +855,8 @@ def test_backward_checks_its_inputs(loss):
 
 
 @pytest.mark.bad_input
-def test_triplet_backward_refuses_stats_pointing_outside_the_rows():
+@kernels
+def test_triplet_backward_refuses_stats_pointing_outside_the_rows(device):
     """batch_hard's stats hold row indices the backward reads embeddings at: checked."""
     op, backward = raw("triplet_margin_loss")
     value, stats = op(e4, l6, None, None, 0.05, "batch_hard")
@@ -884,6 +894,7 @@ TRITON_PARAMS = [
     ("supcon_loss", (0.3,)),
     ("ntxent_loss", (0.3,)),
     ("contrastive_loss", (0.3, 1.2)),
+    ("triplet_margin_loss", (0.05, "batch_hard")),
     ("multi_similarity_loss", (2.0, 50.0, 0.5, 0.1)),
     ("multi_similarity_loss", (1.0, 10.0, 0.2, None)),
 ]
@@ -901,9 +912,11 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
     name = loss.removesuffix("_loss")
     forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
     pick = lambda configs: configs[min(which, len(configs) - 1)]  # noqa: E731
-    exact = loss in ("contrastive_loss", "multi_similarity_loss")  # float64 tiles beside ACC's
+    exact = loss != "supcon_loss" and loss != "ntxent_loss"  # float64 tiles beside ACC's
     rows = pick(tp.EXACT_ROWS_CONFIGS if exact else tp.ROWS_CONFIGS)
-    grad = pick(tp.EXACT_GRAD_CONFIGS if exact else tp.GRAD_CONFIGS)
+    grad = pick(
+        tp.HARD_GRAD_CONFIGS if loss == "triplet_margin_loss" else tp.EXACT_GRAD_CONFIGS if exact else tp.GRAD_CONFIGS
+    )
     row = pick(tp.ROW_CONFIGS)
     for e, labels, ref, ref_labels in triton_problems():
         value, stats = op(e, labels, ref, ref_labels, *params)
@@ -922,12 +935,12 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
 
 
 @pytest.mark.triton("pair_losses")
-@pytest.mark.parametrize("loss,params", TRITON_PARAMS[:4])
+@pytest.mark.parametrize("loss,params", list(dict(TRITON_PARAMS).items()))  # one case per loss
 def test_triton_backward_checks_its_inputs(loss, params):
     tp = triton_module()
     name = loss.removesuffix("_loss")
     columns = COLUMNS[loss]
-    kind = "Double" if loss == "multi_similarity_loss" else "Float"
+    kind = {"triplet_margin_loss": "Long", "multi_similarity_loss": "Double"}.get(loss, "Float")
     _, stats = raw(loss)[0](e4, l6, None, None, *params)
     backward_t = getattr(tp, f"{name}_backward")
     with pytest.raises(ValueError, match=r"backward: grad must be a scalar"):
@@ -939,6 +952,7 @@ def test_triton_backward_checks_its_inputs(loss, params):
     name_, bad, rule = {
         "multi_similarity_loss": ("alpha", (0.0, *params[1:]), "> 0"),
         "contrastive_loss": ("neg_margin", (0.0, -1.0), ">= 0"),
+        "triplet_margin_loss": ("margin", (-1.0, "batch_hard"), ">= 0"),
     }.get(loss, ("temperature", (0.0,), "> 0"))
     with pytest.raises(ValueError, match=rf"{name_} must be finite and {rule}"):
         getattr(tp, f"{name}_forward")(e4, l6, None, None, *bad)

@@ -44,6 +44,8 @@ TRITON_KERNELS: dict[str, dict[str, str]] = {
         "torchkit::_ntxent_loss_backward": "ntxent_backward",
         "torchkit::contrastive_loss": "contrastive_forward",
         "torchkit::_contrastive_loss_backward": "contrastive_backward",
+        "torchkit::triplet_margin_loss": "triplet_margin_forward",
+        "torchkit::_triplet_margin_loss_backward": "triplet_margin_backward",
         "torchkit::multi_similarity_loss": "multi_similarity_forward",
         "torchkit::_multi_similarity_loss_backward": "multi_similarity_backward",
         "torchkit::proxy_anchor_loss": "proxy_anchor_forward",

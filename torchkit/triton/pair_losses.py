@@ -1,9 +1,10 @@
 """The pair losses' Triton kernels (supcon_loss, ntxent_loss, contrastive_loss,
-multi_similarity_loss, proxy_anchor_loss; triplet_margin_loss has none yet): their CUDA
-kernels where torchkit.triton selects them.
+triplet_margin_loss with mining="batch_hard", multi_similarity_loss, proxy_anchor_loss):
+their CUDA kernels where torchkit.triton selects them.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
-csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either backward takes either forward's stats. Nothing N×M exists:
+csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either backward takes
+either forward's stats. Nothing N×M exists:
 
 - Prefix (normalise_kernel): each row as F.normalize leaves it, x / max(‖x‖, 1e-12), in the
   accumulation type (a float32 copy of float16 and bfloat16 rows), from the row scaled by the
@@ -40,6 +41,13 @@ csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either back
   Points::direct), a tile at a time and only for tiles that have such an entry. The backward
   recomputes the same distances and decisions; its directly computed entries take their
   gradient from the inputs' float64 differences.
+- triplet_margin_loss, batch_hard (hard_rows_kernel): each anchor's farthest positive and
+  nearest negative from the same tiles, each distance known within its error bound: where
+  one leads past every other's bound it is the answer, otherwise a second pass decides
+  between those the bounds leave on exact distances. The loss and the backward take the
+  chosen pairs' exact distances (pair_dist_kernel); the backward gathers each row's pairs
+  (as anchor, and as a chosen positive or negative through the pairs sorted by row), in
+  float64 from the inputs' differences, without atomics.
 
 Kernels never index past what the wrapper checked; offsets are int64.
 """
@@ -91,6 +99,11 @@ EXACT_GRAD_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
     Config(BLOCK_N=16, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
+)
+# batch_hard's backward: float64 rows of features, gathered a pair at a time.
+HARD_GRAD_CONFIGS = (
+    Config(BLOCK_ROWS=16, BLOCK_F=64, num_warps=4, num_stages=2),
+    Config(BLOCK_ROWS=8, BLOCK_F=16, num_warps=2, num_stages=2),
 )
 ROW_CONFIGS = (
     Config(BLOCK_ROWS=16, BLOCK_D=128, num_warps=4, num_stages=2),
@@ -1062,6 +1075,260 @@ def contrastive_grad_kernel(
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=own_f)
 
 
+# --------------------------------------------------------------------------- Euclidean (batch-hard triplets)
+
+NO_INDEX = tl.constexpr(2**62)  # above any row index: a reduction's "none"
+
+
+@triton.jit
+def _slack(d, sq_a, sq_b, err, unit):
+    """How far the exact distance may be from the tile's d (float64; Inputs::slack: ∞ near 0)."""
+    e = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64))
+    return tl.where(d * d > e, e / tl.where(d == 0, 1.0, d) + 4.0 * unit * d, float("inf"))
+
+
+@triton.jit
+def _first(mask, cols):
+    """Per row, the lowest column where mask holds (NO_INDEX for none)."""
+    return tl.min(tl.where(mask, cols[None, :], NO_INDEX), axis=1)
+
+
+@triton.jit
+def hard_rows_kernel(
+    ca_ptr,
+    cb_ptr,
+    sq_a_ptr,
+    sq_b_ptr,
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a_ptr,
+    inv_b_ptr,
+    lab_ptr,
+    ref_lab_ptr,
+    idx_ptr,
+    bound_ptr,
+    N,
+    M,
+    D,
+    ERR_BITS,
+    UNIT_BITS,
+    SELF: tl.constexpr,
+    PASS: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """batch_hard's triplet per anchor: its farthest positive and nearest negative by exact
+    distance, ties to the lower index, the first at a NaN distance winning (batch_hard and
+    Extreme in the CPU kernels, where a directly computed entry's distance is the tile's,
+    rounded to ACC). idx: (N, 2) int64, positive then negative (−1 without one); bound:
+    (N, 2) float64.
+    PASS 0: each distance is known within its slack (0 for direct entries): the leader (the
+    largest lower bound of a positive, the smallest upper bound of a negative; the lowest
+    index among equals) is the answer unless another entry's bound reaches it; then its bound
+    goes to `bound` and the index is left −2 (open).
+    PASS 1, for the open ones only: every entry whose bound reaches the leader's, by its
+    exact distance."""
+    err = tm.f64(ERR_BITS)
+    unit = tm.f64(UNIT_BITS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
+    sq_a = tl.load(sq_a_ptr + rows, mask=row_mask, other=0.0)
+    # Per kind (_p: positives, the largest; _n: negatives, the smallest).
+    idx_p = tl.full((BLOCK_N,), -1, tl.int64)
+    idx_n = tl.full((BLOCK_N,), -1, tl.int64)
+    if PASS == 0:
+        open_p = row_mask
+        open_n = row_mask
+        lead_p = tl.full((BLOCK_N,), float("-inf"), tl.float64)  # the leader's bound
+        lead_n = tl.full((BLOCK_N,), float("inf"), tl.float64)
+        far_p = tl.full((BLOCK_N,), float("-inf"), tl.float64)  # the leader's other bound
+        far_n = tl.full((BLOCK_N,), float("inf"), tl.float64)
+        rest_p = tl.full((BLOCK_N,), float("-inf"), tl.float64)  # every other entry's, at best
+        rest_n = tl.full((BLOCK_N,), float("inf"), tl.float64)
+        nan_p = tl.full((BLOCK_N,), NO_INDEX, tl.int64)
+        nan_n = tl.full((BLOCK_N,), NO_INDEX, tl.int64)
+    else:
+        open_p = row_mask & (tl.load(idx_ptr + rows * 2, mask=row_mask, other=0) == -2)
+        open_n = row_mask & (tl.load(idx_ptr + rows * 2 + 1, mask=row_mask, other=0) == -2)
+        lead_p = tl.load(bound_ptr + rows * 2, mask=open_p, other=0.0)
+        lead_n = tl.load(bound_ptr + rows * 2 + 1, mask=open_n, other=0.0)
+        best_p = tl.full((BLOCK_N,), float("-inf"), tl.float64)
+        best_n = tl.full((BLOCK_N,), float("inf"), tl.float64)
+    live = open_p | open_n
+    M_live = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, M, 0)  # PASS 1: most blocks have none
+    for j0 in range(0, M_live, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < M
+        ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
+        sq_b = tl.load(sq_b_ptr + cols, mask=col_mask, other=0.0)
+        d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
+        valid = row_mask[:, None] & col_mask[None, :]
+        if SELF:
+            valid = valid & (rows[:, None] != cols[None, :])
+        pos = valid & (lab[:, None] == ref_lab[None, :]) & open_p[:, None]
+        neg = valid & (lab[:, None] != ref_lab[None, :]) & open_n[:, None]
+        direct = direct & (pos | neg)
+        d64 = d.to(tl.float64)
+        s = tl.where(direct, 0.0, _slack(d64, sq_a, sq_b, err, unit))
+        exact = d64
+        if _any(direct):
+            exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+            d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
+        nan = d64 != d64  # (only a direct entry's)
+        lo = d64 - s
+        hi = d64 + s
+        if PASS == 0:
+            nan_p = tl.minimum(nan_p, _first(pos & nan, cols))
+            nan_n = tl.minimum(nan_n, _first(neg & nan, cols))
+            ok = pos & (nan == 0)
+            t_lead = tl.max(tl.where(ok, lo, float("-inf")), axis=1)
+            t_idx = _first(ok & (lo == t_lead[:, None]), cols)
+            t_far = tl.max(tl.where(ok & (cols[None, :] == t_idx[:, None]), hi, float("-inf")), axis=1)
+            t_rest = tl.max(tl.where(ok & (cols[None, :] != t_idx[:, None]), hi, float("-inf")), axis=1)
+            better = (t_idx < NO_INDEX) & ((t_lead > lead_p) | (idx_p < 0))
+            rest_p = tl.maximum(tl.maximum(rest_p, t_rest), tl.where(better, far_p, t_far))
+            lead_p = tl.where(better, t_lead, lead_p)
+            far_p = tl.where(better, t_far, far_p)
+            idx_p = tl.where(better, t_idx, idx_p)
+            ok = neg & (nan == 0)
+            t_lead = tl.min(tl.where(ok, hi, float("inf")), axis=1)
+            t_idx = _first(ok & (hi == t_lead[:, None]), cols)
+            t_far = tl.min(tl.where(ok & (cols[None, :] == t_idx[:, None]), lo, float("inf")), axis=1)
+            t_rest = tl.min(tl.where(ok & (cols[None, :] != t_idx[:, None]), lo, float("inf")), axis=1)
+            better = (t_idx < NO_INDEX) & ((t_lead < lead_n) | (idx_n < 0))
+            rest_n = tl.minimum(tl.minimum(rest_n, t_rest), tl.where(better, far_n, t_far))
+            lead_n = tl.where(better, t_lead, lead_n)
+            far_n = tl.where(better, t_far, far_n)
+            idx_n = tl.where(better, t_idx, idx_n)
+        else:
+            cand_p = pos & (nan == 0) & (hi >= lead_p[:, None])
+            cand_n = neg & (nan == 0) & (lo <= lead_n[:, None])
+            if _any((cand_p | cand_n) & (direct == 0)):
+                exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+            key = tl.where(direct, d64, exact)
+            t_best = tl.max(tl.where(cand_p, key, float("-inf")), axis=1)
+            t_idx = _first(cand_p & (key == t_best[:, None]), cols)
+            better = (t_idx < NO_INDEX) & ((t_best > best_p) | (idx_p < 0))
+            best_p = tl.where(better, t_best, best_p)
+            idx_p = tl.where(better, t_idx, idx_p)
+            t_best = tl.min(tl.where(cand_n, key, float("inf")), axis=1)
+            t_idx = _first(cand_n & (key == t_best[:, None]), cols)
+            better = (t_idx < NO_INDEX) & ((t_best < best_n) | (idx_n < 0))
+            best_n = tl.where(better, t_best, best_n)
+            idx_n = tl.where(better, t_idx, idx_n)
+    if PASS == 0:
+        # Settled: a NaN (the first), none, or a leader no other entry's bound reaches.
+        settled_p = (nan_p < NO_INDEX) | (idx_p < 0) | (rest_p < lead_p)
+        settled_n = (nan_n < NO_INDEX) | (idx_n < 0) | (rest_n > lead_n)
+        idx_p = tl.where(nan_p < NO_INDEX, nan_p, tl.where(settled_p, idx_p, -2))
+        idx_n = tl.where(nan_n < NO_INDEX, nan_n, tl.where(settled_n, idx_n, -2))
+        tl.store(idx_ptr + rows * 2, idx_p, mask=row_mask)
+        tl.store(idx_ptr + rows * 2 + 1, idx_n, mask=row_mask)
+        tl.store(bound_ptr + rows * 2, lead_p, mask=row_mask)
+        tl.store(bound_ptr + rows * 2 + 1, lead_n, mask=row_mask)
+    else:
+        tl.store(idx_ptr + rows * 2, idx_p, mask=open_p)
+        tl.store(idx_ptr + rows * 2 + 1, idx_n, mask=open_n)
+
+
+@triton.jit
+def pair_dist_kernel(
+    xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, idx_ptr, out_ptr, N, M, D, K: tl.constexpr, BLOCK_ROWS: tl.constexpr
+):
+    """out[a, k] = the exact distance (Points::direct: float64, feature order) of anchor a and
+    ref row idx[a, k], for each of its K pairs; NaN where idx is outside [0, M)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
+    for k in range(0, K):
+        j = tl.load(idx_ptr + rows * K + k, mask=row_mask, other=-1)
+        ok = row_mask & (j >= 0) & (j < M)
+        inv_b = tl.load(inv_b_ptr + j, mask=ok, other=0.0)
+        total = tl.zeros((BLOCK_ROWS,), tl.float64)
+        for f in range(0, D):
+            a = tl.load(xa_ptr + rows * sa + f, mask=ok, other=0.0).to(tl.float64) * inv_a
+            b = tl.load(xb_ptr + j * sb + f, mask=ok, other=0.0).to(tl.float64) * inv_b
+            total += (a - b) * (a - b)
+        tl.store(out_ptr + rows * K + k, tl.where(ok, tl.sqrt(total), float("nan")), mask=row_mask)
+
+
+@triton.jit
+def hard_grad_kernel(
+    x_own_ptr,
+    s_own,
+    inv_own_ptr,
+    x_b_ptr,
+    s_b,
+    inv_b_ptr,
+    x_a_ptr,
+    s_a,
+    inv_a_ptr,
+    idx_ptr,
+    dist_ptr,
+    order_ptr,
+    lo_ptr,
+    hi_ptr,
+    scale_ptr,
+    out_ptr,
+    N_OWN,
+    N,
+    M,
+    D,
+    ANCHORS: tl.constexpr,
+    TARGETS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """batch_hard's backward for a block of own rows and features, in float64 from the
+    inputs' differences (triplet_backward's add_pair): a counted anchor a's pairs (a, p) and
+    (a, n) of exact distances d (idx, dist: (N, 2)) carry ±1/C (scale: 1/C)·(e_a − e_j)/d to
+    row a (ANCHORS: own rows are the anchors) and ±1/C·(e_j − e_a)/d to row j (TARGETS: own
+    rows are the refs; order: the pairs (k·N + a) sorted by j, [lo, hi) each own row's), in
+    pair order (deterministic, no atomics); nothing at d = 0."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    row_mask = rows < N_OWN
+    f_mask = fs < D
+    own_f = row_mask[:, None] & f_mask[None, :]
+    scale = tl.load(scale_ptr)
+    inv = tl.load(inv_own_ptr + rows, mask=row_mask, other=0.0)
+    e = tl.load(x_own_ptr + rows[:, None] * s_own + fs[None, :], mask=own_f, other=0.0).to(tl.float64) * inv[:, None]
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_F), tl.float64)
+    if ANCHORS:
+        for k in tl.static_range(2):
+            j = tl.load(idx_ptr + rows * 2 + k, mask=row_mask, other=-1)
+            d = tl.load(dist_ptr + rows * 2 + k, mask=row_mask, other=0.0)
+            ok = row_mask & (j >= 0) & (j < M) & (d != 0)
+            w = tl.where(ok, scale / tl.where(ok, d, 1.0), 0.0)
+            if k == 1:
+                w = 0.0 - w
+            inv_j = tl.load(inv_b_ptr + j, mask=ok, other=0.0)
+            f = tl.load(x_b_ptr + j[:, None] * s_b + fs[None, :], mask=ok[:, None] & f_mask[None, :], other=0.0)
+            acc += tl.where(ok[:, None], w[:, None] * (e - f.to(tl.float64) * inv_j[:, None]), 0.0)
+    if TARGETS:
+        lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
+        n = tl.load(hi_ptr + rows, mask=row_mask, other=0) - lo
+        for t in range(0, tl.max(n, axis=0)):
+            live = row_mask & (t < n)
+            pair = tl.load(order_ptr + lo + t, mask=live, other=0)
+            a = pair % N
+            kind = pair // N  # 0: the anchor's positive, 1: its negative
+            d = tl.load(dist_ptr + a * 2 + kind, mask=live, other=0.0)
+            ok = live & (d != 0) & (a >= 0) & (a < N)
+            w = tl.where(ok, scale / tl.where(ok, d, 1.0), 0.0)
+            w = tl.where(kind == 1, 0.0 - w, w)
+            inv_j = tl.load(inv_a_ptr + a, mask=ok, other=0.0)
+            f = tl.load(x_a_ptr + a[:, None] * s_a + fs[None, :], mask=ok[:, None] & f_mask[None, :], other=0.0)
+            acc += tl.where(ok[:, None], w[:, None] * (e - f.to(tl.float64) * inv_j[:, None]), 0.0)
+    tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc.to(out_ptr.dtype.element_ty), mask=own_f)
+
+
 # --------------------------------------------------------------------------- wrappers
 
 
@@ -1771,6 +2038,196 @@ def contrastive_backward(
     return ge, gr
 
 
+def _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining) -> tuple:
+    op = "triplet_margin_loss"
+    check_scalars(op, ("float", "margin", margin))
+    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    params = (float(margin), mining)
+    _check_params(op, params)
+    M = embeddings.shape[0] if ref_embeddings is None else ref_embeddings.shape[0]
+    if M > 2**31 - 1:  # (the CPU kernel's limit, kept: one op, one contract)
+        raise ValueError(f"{op}: at most 2^31 - 1 rows of ref_embeddings (or embeddings) are supported, got {M}")
+    if mining != "batch_hard":
+        raise NotImplementedError(
+            f"{op}: mining='{mining}' has no CUDA kernel yet (mining='batch_hard' has); compute it on CPU tensors"
+        )
+    return params
+
+
+def _triplet_stats_check(stats: Tensor, M: int, batch_hard: bool) -> None:
+    """csrc's check of the stats rows (the backward reads rows at their indices): a ValueError
+    naming the first bad row on CPU tensors, a device-side assertion on CUDA ones (no
+    synchronisation)."""
+    op = "triplet_margin_loss"
+    p, n, c = stats.unbind(1)
+    ok = (c >= 0) & (p >= -1) & (p < M) & (n >= -1) & (n < M)
+    if batch_hard:
+        ok = ok & ((c == 0) | ((c == 1) & (p >= 0) & (n >= 0)))
+    what = f"is not the forward's (hardest positive and negative in [-1, {M}), a count >= 0)"
+    if stats.device.type != "cpu":
+        torch._assert_async(ok.all(), f"{op}: backward: a stats row {what}")
+    elif not bool(ok.all()):
+        a = int((~ok).nonzero()[0, 0])
+        row = stats[a].tolist()
+        raise ValueError(f"{op}: backward: stats row {a} {what}, got [{row[0]}, {row[1]}, {row[2]}]")
+
+
+def _pair_dists(a: _Side, b: _Side, idx: Tensor, config: Config) -> Tensor:
+    """pair_dist_kernel: (N, K) exact distances of each anchor's K pairs (NaN where none)."""
+    N, K = idx.shape
+    out = torch.empty(N, K, dtype=torch.float64, device=idx.device)
+    if N > 0:
+        pair_dist_kernel[(blocks(N, config.kwargs["BLOCK_ROWS"]),)](
+            a.raw,
+            b.raw,
+            a.raw.stride(0),
+            b.raw.stride(0),
+            a.inv64,
+            b.inv64,
+            idx,
+            out,
+            N,
+            b.n,
+            a.raw.shape[1],
+            K=K,
+            BLOCK_ROWS=config.kwargs["BLOCK_ROWS"],
+            num_warps=config.num_warps,
+        )
+    return out
+
+
+def triplet_margin_forward(
+    embeddings, labels, ref_embeddings, ref_labels, margin, mining, *, config=None, row_config=None
+):
+    """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter)."""
+    margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
+    acc = acc_dtype(embeddings)
+    config = config or EXACT_ROWS_CONFIGS[0]
+    row_config = row_config or ROW_CONFIGS[0]
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
+    N, D = embeddings.shape
+    idx = torch.full((N, 2), -1, dtype=torch.int64, device=embeddings.device)
+    if N == 0 or b.n == 0:
+        return embeddings.new_zeros(()), torch.cat([idx, torch.zeros_like(idx[:, :1])], 1)
+    (ca, sq_a), (cb, sq_b) = _points(a, b, acc, row_config)
+    bound = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
+    for step in (0, 1):
+        hard_rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
+            ca,
+            cb,
+            sq_a,
+            sq_b,
+            a.raw,
+            b.raw,
+            a.raw.stride(0),
+            b.raw.stride(0),
+            a.inv64,
+            b.inv64,
+            a.labels,
+            b.labels,
+            idx,
+            bound,
+            N,
+            b.n,
+            D,
+            *_euclidean_bits((), D, acc),
+            SELF=ref_embeddings is None,
+            PASS=step,
+            ACC=acc_tl(acc),
+            IS64=acc == torch.float64,
+            **config.launch,
+        )
+    # triplet_forward (pair_losses_euclidean_cpu.cpp): per anchor with both, its triplet's
+    # d_ap − d_an + margin from the exact distances; the mean of those > 0 (or NaN).
+    dist = _pair_dists(a, b, idx, row_config)
+    per = dist[:, 0] - dist[:, 1] + margin
+    counted = (idx >= 0).all(1) & ~(per <= 0)
+    count = counted.sum()
+    total = torch.where(counted, per, 0.0).sum() / count.clamp(min=1)
+    stats = torch.cat([idx, counted[:, None].long()], 1)
+    return torch.where(count > 0, total, 0.0).to(embeddings.dtype), stats
+
+
+def triplet_margin_backward(
+    grad,
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    stats,
+    margin,
+    mining,
+    output_mask,
+    *,
+    config=None,
+    row_config=None,
+):
+    """torchkit::_triplet_margin_loss_backward's CUDA kernel."""
+    op = "triplet_margin_loss"
+    margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
+    _check_backward(op, grad, embeddings, stats, 3, stats_dtype=torch.int64)
+    self_ = ref_embeddings is None
+    N, D = embeddings.shape
+    M = N if self_ else ref_embeddings.shape[0]
+    _triplet_stats_check(stats, M, mining == "batch_hard")
+    want_e = bool(output_mask[0])
+    want_r = not self_ and bool(output_mask[1])
+    empty = embeddings.new_empty(0)
+    if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
+        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    config = config or HARD_GRAD_CONFIGS[0]
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    st = stats.contiguous()
+    count = st[:, 2].sum()
+    idx = torch.where(st[:, 2:] != 0, st[:, :2], -1).contiguous()  # the counted anchors' pairs
+    dist = _pair_dists(a, b, idx, row_config)
+    scale = 1.0 / count.clamp(min=1).double()
+    # Each pair k·N + a by its ref row (none: past the last), for the refs' side.
+    targets = idx.t().reshape(-1)
+    keys, order = torch.sort(torch.where(targets >= 0, targets, M), stable=True)
+    ref_rows = torch.arange(M, device=embeddings.device)
+    lo = torch.searchsorted(keys, ref_rows)
+    hi = torch.searchsorted(keys, ref_rows, right=True)
+
+    def rows_grad(own: _Side, anchors: bool, targets: bool, like: Tensor) -> Tensor:
+        g = torch.empty(own.n, D, dtype=acc, device=like.device)
+        k = config.kwargs
+        hard_grad_kernel[(blocks(own.n, k["BLOCK_ROWS"]), blocks(D, k["BLOCK_F"]))](
+            own.raw,
+            own.raw.stride(0),
+            own.inv64,
+            b.raw,
+            b.raw.stride(0),
+            b.inv64,
+            a.raw,
+            a.raw.stride(0),
+            a.inv64,
+            idx,
+            dist,
+            order,
+            lo,
+            hi,
+            scale,
+            g,
+            own.n,
+            N,
+            M,
+            D,
+            ANCHORS=anchors,
+            TARGETS=targets,
+            **config.launch,
+        )
+        return torch.where(count > 0, _jacobian(own, g, grad, like, row_config), 0.0)
+
+    if self_:
+        return rows_grad(a, True, True, embeddings), empty
+    ge = rows_grad(a, True, False, embeddings) if want_e else empty
+    gr = rows_grad(b, False, True, ref_embeddings) if want_r else empty
+    return ge, gr
+
+
 # --------------------------------------------------------------------------- compile check
 
 
@@ -1917,6 +2374,44 @@ def compile_cases() -> list[CompileCase]:
                         else EXACT_GRAD_CONFIGS[:1],
                     )
                 )
+            for self_ in (True, False):
+                for step in (0, 1):
+                    cases.append(
+                        CompileCase(
+                            f"pair_losses.hard_rows {step} {dtype}{' self' if self_ else ''}",
+                            hard_rows_kernel,
+                            {**euclidean, "idx_ptr": "*i64", "bound_ptr": "*fp64"},
+                            dict(SELF=self_, PASS=step, **flags),
+                            EXACT_ROWS_CONFIGS if every and self_ else EXACT_ROWS_CONFIGS[:1],
+                        )
+                    )
+            hard = {
+                **ms_types,
+                **dict.fromkeys(("x_b_ptr", "x_a_ptr"), "*" + dtype),
+                **dict.fromkeys(("inv_b_ptr", "inv_a_ptr", "dist_ptr", "scale_ptr"), "*fp64"),
+                **dict.fromkeys(("idx_ptr", "order_ptr", "lo_ptr", "hi_ptr"), "*i64"),
+                **dict.fromkeys(("s_b", "s_a"), "i32"),
+                "out_ptr": "*" + acc,
+            }
+            for anchors, targets in ((True, True), (True, False), (False, True)):
+                cases.append(
+                    CompileCase(
+                        f"pair_losses.hard_grad {dtype}{' anchors' if anchors else ''}{' targets' if targets else ''}",
+                        hard_grad_kernel,
+                        hard,
+                        dict(ANCHORS=anchors, TARGETS=targets),
+                        HARD_GRAD_CONFIGS if every and anchors and targets else HARD_GRAD_CONFIGS[:1],
+                    )
+                )
+            cases.append(
+                CompileCase(
+                    f"pair_losses.pair_dist {dtype}",
+                    pair_dist_kernel,
+                    {**ms_types, "idx_ptr": "*i64", "out_ptr": "*fp64"},
+                    dict(K=2),
+                    tuple(Config(BLOCK_ROWS=c.kwargs["BLOCK_ROWS"], num_warps=c.num_warps) for c in ROW_CONFIGS),
+                )
+            )
             cases.append(
                 CompileCase(
                     f"pair_losses.points {dtype}",
