@@ -15,7 +15,8 @@ either forward's stats. Nothing N×M exists:
   against every ref block (IEEE products in float32 or float64, never TF32) folded into per
   anchor running statistics: SupCon's log-sum-exp over the pairs, NT-Xent's over the
   negatives, the positives' sum of x = s/τ and the counts. NT-Xent then takes a second pass
-  for its positive pairs' terms, which need their anchor's whole negative sum. The per-anchor
+  for its positive pairs' terms, which need their anchor's whole negative sum, over only the
+  tiles that hold a positive pair (few, with a handful of samples per class). The per-anchor
   results become the loss and the stats with a few elementwise torch operations on the device
   (no host synchronisation), the totals in float64 as on the CPU.
 - Backward: per anchor the coefficients of ∂loss/∂x_ij = coef_i·exp(x_ij − shift_i), with the
@@ -137,6 +138,12 @@ def _tile(
         b = tl.load(f_ptr + cols[:, None] * D + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         s = _product(a, b, s, IS64)
     return s
+
+
+@triton.jit
+def _any(mask):
+    """Whether a 2-D mask holds anywhere (a branch that skips a tile's work)."""
+    return tl.max(tl.max(mask.to(tl.int32), axis=1), axis=0) > 0
 
 
 @triton.jit
@@ -292,19 +299,21 @@ def rows_kernel(
         cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
         col_mask = cols < M
         ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
-        x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
             valid = valid & (rows[:, None] != cols[None, :])
         pos = valid & (lab[:, None] == ref_lab[None, :])
         if MODE == NTXENT_POSITIVES:
-            lse = _log_add_exp(x, log_s[:, None])
-            q = tl.exp(x - lse)
-            total += tl.sum(tl.where(pos, -tl.log(q + tiny), 0.0), axis=1)
-            r = tl.where(q > 0, tl.log(tl.where(q > 0, q, 1.0) / (q + tiny)), float("-inf")) - lse
-            nan = nan | tl.max(tl.where(pos & (r != r), 1, 0), axis=1)
-            m, s = _lse_fold(m, s, r, pos)
+            if _any(pos):  # (only the tiles that hold a positive pair)
+                x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
+                lse = _log_add_exp(x, log_s[:, None])
+                q = tl.exp(x - lse)
+                total += tl.sum(tl.where(pos, -tl.log(q + tiny), 0.0), axis=1)
+                r = tl.where(q > 0, tl.log(tl.where(q > 0, q, 1.0) / (q + tiny)), float("-inf")) - lse
+                nan = nan | tl.max(tl.where(pos & (r != r), 1, 0), axis=1)
+                m, s = _lse_fold(m, s, r, pos)
         elif MODE == PROXY:
+            x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
             negative = valid & (pos == 0)
             y = x + shift
             nan = nan | tl.max(tl.where(negative & (y != y), 1, 0), axis=1)
@@ -315,6 +324,7 @@ def rows_kernel(
             npos += tl.sum(pos.to(tl.int32), axis=1)
             npairs += tl.sum(valid.to(tl.int32), axis=1)
         else:
+            x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
             keep = valid
             if MODE == NTXENT_NEGATIVES:
                 keep = valid & (pos == 0)
@@ -872,11 +882,6 @@ def _settled(d, exact, t, sq_a, sq_b, err, unit):
     e = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64))
     clear = tl.abs(d - t) * d > e + 4.0 * unit * d * d
     return tl.where(clear | (d != d), d, exact)
-
-
-@triton.jit
-def _any(mask):
-    return tl.max(tl.max(mask.to(tl.int32), axis=1), axis=0) > 0
 
 
 @triton.jit
