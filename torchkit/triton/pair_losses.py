@@ -1069,7 +1069,10 @@ def contrastive_grad_kernel(
                 j = tl.sum(tl.where(tl.arange(0, BLOCK_M) == c, cols, 0), axis=0)
                 w_c = tl.sum(tl.where(tl.arange(0, BLOCK_M)[None, :] == c, w_direct, 0.0), axis=1)
                 inv_j = tl.load(inv_other_ptr + j, mask=j < N_OTHER, other=0.0)
-                e_j = tl.load(x_other_ptr + j * s_other + fs, mask=f_mask & (j < N_OTHER), other=0.0)
+                # (the mask a vector compare: Triton 3.9's interpreter makes `vector & (scalar
+                # compare)` int64, which its load refuses)
+                j_ok = (j + tl.zeros((BLOCK_F,), tl.int64)) < N_OTHER
+                e_j = tl.load(x_other_ptr + j * s_other + fs, mask=f_mask & j_ok, other=0.0)
                 near += tl.where(w_c[:, None] != 0, w_c[:, None] * (e_i - e_j.to(tl.float64)[None, :] * inv_j), 0.0)
             acc += near.to(ACC)
         w = tl.where(direct, 0.0, w).to(ACC)
