@@ -875,13 +875,12 @@ def _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, AC
 
 
 @triton.jit
-def _settled(d, exact, t, sq_a, sq_b, err, unit):
-    """The distance a choice against threshold t is made on: the tile's d (float64) where
+def _clear(d, t, sq_a, sq_b, err, unit):
+    """Whether a choice against threshold t can be made on the tile's d (float64): where
     |d − t|·d > (D + 4)·u·(|c_i|² + |c_j|²) + 4u·d² leaves it on the exact distance's side of
-    t (Inputs::clear), or NaN; the exact one otherwise."""
+    t (Inputs::clear), or d is NaN; elsewhere it is made on the exact distance."""
     e = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64))
-    clear = tl.abs(d - t) * d > e + 4.0 * unit * d * d
-    return tl.where(clear | (d != d), d, exact)
+    return (tl.abs(d - t) * d > e + 4.0 * unit * d * d) | (d != d)
 
 
 @triton.jit
@@ -944,15 +943,11 @@ def contrastive_rows_kernel(
             valid = valid & (rows[:, None] != cols[None, :])
         pos = valid & (lab[:, None] == ref_lab[None, :])
         d64 = d.to(tl.float64)
-        t = tl.where(pos, pos_margin, neg_margin)
+        clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_a, sq_b, err, unit)
         dd = d64
-        near = valid & direct
-        if _any(near) == 0:
-            dd = _settled(d64, d64 + float("nan"), t, sq_a, sq_b, err, unit)
-            near = valid & (dd != dd) & (d64 == d64)
-        if _any(near):
+        if _any(valid & (direct | (clear == 0))):
             exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
-            dd = tl.where(direct, exact.to(ACC).to(tl.float64), _settled(d64, exact, t, sq_a, sq_b, err, unit))
+            dd = tl.where(direct, exact.to(ACC).to(tl.float64), tl.where(clear, d64, exact))
         v = tl.where(pos, dd - pos_margin, neg_margin - dd)
         counted = valid & ((v <= 0) == 0)
         sum_pos += tl.sum(tl.where(counted & pos, v, 0.0), axis=1)
@@ -1037,21 +1032,20 @@ def contrastive_grad_kernel(
             valid = valid & (rows[:, None] != cols[None, :])
         pos = valid & (lab[:, None] == other_lab[None, :])
         direct = direct & valid
-        t = tl.where(pos, pos_margin, neg_margin)
         exact = d.to(tl.float64)
-        if _any(direct):
+        have_exact = _any(direct)
+        if have_exact:
             exact = _exact_dist(
                 x_own_ptr, x_other_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, col_mask, D
             )
             d = tl.where(direct, exact.to(ACC), d)
         d64 = d.to(tl.float64)
-        dd = _settled(d64, d64 + float("nan"), t, sq_i, sq_j, err, unit)
-        unsettled = valid & (dd != dd) & (d64 == d64)
-        if _any(unsettled):
+        clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_i, sq_j, err, unit)
+        if _any(valid & (clear == 0)) & (have_exact == 0):
             exact = _exact_dist(
                 x_own_ptr, x_other_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, col_mask, D
             )
-            dd = _settled(d64, exact, t, sq_i, sq_j, err, unit)
+        dd = tl.where(clear, d64, exact)
         v = tl.where(pos, dd - pos_margin, neg_margin - dd)
         counted = valid & ((v <= 0) == 0)
         g = tl.where(counted, tl.where(pos, w_pos, 0.0 - w_neg), 0.0)
@@ -1185,7 +1179,8 @@ def hard_rows_kernel(
         d64 = d.to(tl.float64)
         s = tl.where(direct, 0.0, _slack(d64, sq_a, sq_b, err, unit))
         exact = d64
-        if _any(direct):
+        have_exact = _any(direct)
+        if have_exact:
             exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
             d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
         nan = d64 != d64  # (only a direct entry's)
@@ -1217,7 +1212,7 @@ def hard_rows_kernel(
         else:
             cand_p = pos & (nan == 0) & (hi >= lead_p[:, None])
             cand_n = neg & (nan == 0) & (lo <= lead_n[:, None])
-            if _any((cand_p | cand_n) & (direct == 0)):
+            if _any((cand_p | cand_n) & (direct == 0)) & (have_exact == 0):
                 exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
             key = tl.where(direct, d64, exact)
             t_best = tl.max(tl.where(cand_p, key, float("-inf")), axis=1)
