@@ -61,7 +61,7 @@ configs = pytest.mark.parametrize("loss,params", CONFIGS, ids=CONFIG_IDS)
 # run them too, under Triton's interpreter on CPU tensors ("triton"; skipped where a GPU is
 # visible, where test_triton_on_cuda_matches_the_cpu_kernel runs them compiled).
 TRITON = ("supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss")  # and proxy_anchor_loss
-TRITON_MINING = ("batch_hard",)  # triplet_margin_loss's minings that have them
+TRITON_MINING = ("all", "semi_hard", "batch_hard")  # triplet_margin_loss's minings that have them
 TRITON_MARK = pytest.mark.triton("pair_losses")
 
 
@@ -167,8 +167,9 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("N,C,D,M", CASES)
 def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M, device, request):
-    if loss == "multi_similarity_loss" and D > 64 and request.node.get_closest_marker("triton") is not None:
-        pytest.skip("the interpreter takes ~12 s here (exact cosines a feature at a time); smaller cases cover it")
+    slow = loss == "multi_similarity_loss" or params.get("mining") in ("all", "semi_hard")
+    if slow and D > 64 and request.node.get_closest_marker("triton") is not None:
+        pytest.skip("the interpreter takes 12-25 s here (exact distances a feature at a time); smaller cases cover it")
     e = make((N, D), dtype, seed=1)
     labels = make_labels(N, C)
     ref = None if M is None else make((M, D), dtype, seed=2)
@@ -895,6 +896,8 @@ TRITON_PARAMS = [
     ("ntxent_loss", (0.3,)),
     ("contrastive_loss", (0.3, 1.2)),
     ("triplet_margin_loss", (0.05, "batch_hard")),
+    ("triplet_margin_loss", (0.05, "all")),
+    ("triplet_margin_loss", (0.3, "semi_hard")),
     ("multi_similarity_loss", (2.0, 50.0, 0.5, 0.1)),
     ("multi_similarity_loss", (1.0, 10.0, 0.2, None)),
 ]
@@ -913,11 +916,12 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
     forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
     pick = lambda configs: configs[min(which, len(configs) - 1)]  # noqa: E731
     exact = loss != "supcon_loss" and loss != "ntxent_loss"  # float64 tiles beside ACC's
-    rows = pick(tp.EXACT_ROWS_CONFIGS if exact else tp.ROWS_CONFIGS)
-    grad = pick(
-        tp.HARD_GRAD_CONFIGS if loss == "triplet_margin_loss" else tp.EXACT_GRAD_CONFIGS if exact else tp.GRAD_CONFIGS
-    )
+    hard = params[-1] == "batch_hard"
+    triplets = loss == "triplet_margin_loss" and not hard  # all, semi_hard
+    rows = pick(tp.TRIPLET_ROWS_CONFIGS if triplets else tp.EXACT_ROWS_CONFIGS if exact else tp.ROWS_CONFIGS)
+    grad = pick(tp.HARD_GRAD_CONFIGS if hard else tp.EXACT_GRAD_CONFIGS if exact else tp.GRAD_CONFIGS)
     row = pick(tp.ROW_CONFIGS)
+    more = dict(rows_config=rows) if triplets else {}
     for e, labels, ref, ref_labels in triton_problems():
         value, stats = op(e, labels, ref, ref_labels, *params)
         got, got_stats = forward_t(e, labels, ref, ref_labels, *params, config=rows, row_config=row)
@@ -927,10 +931,31 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
         mask = [True, ref is not None]
         exp = backward(g, e, labels, ref, ref_labels, stats, *params, mask)
         for st in (stats, got_stats):
-            out = backward_t(g, e, labels, ref, ref_labels, st, *params, mask, config=grad, row_config=row)
+            out = backward_t(g, e, labels, ref, ref_labels, st, *params, mask, config=grad, row_config=row, **more)
             for a, b in zip(out, exp, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
         for a, b in zip(backward(g, e, labels, ref, ref_labels, got_stats, *params, mask), exp, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.triton("pair_losses")
+@pytest.mark.parametrize("mining", ["all", "semi_hard"])
+def test_triton_triplets_in_chunks_of_positives_and_bands_of_anchors(monkeypatch, mining):
+    """Two classes: each anchor's positives span several of triplet_rows_kernel's chunks; a
+    band of 2^6 pairs: the backward takes its anchors a block at a time."""
+    tp = triton_module()
+    monkeypatch.setattr(tp, "BAND_PAIRS", 64)
+    op, backward = raw("triplet_margin_loss")
+    e, labels = make((40, 6), seed=25), make_labels(40, 2)
+    ref, ref_labels = make((23, 6), seed=26), make_labels(23, 2, seed=4)
+    for r, rl in ((None, None), (ref, ref_labels)):
+        value, stats = op(e, labels, r, rl, 0.2, mining)
+        got, got_stats = tp.triplet_margin_forward(e, labels, r, rl, 0.2, mining)
+        torch.testing.assert_close(got, value, rtol=1e-12, atol=1e-12)
+        assert torch.equal(got_stats, stats)
+        g, mask = torch.tensor(0.7, dtype=e.dtype), [True, r is not None]
+        exp = backward(g, e, labels, r, rl, stats, 0.2, mining, mask)
+        for a, b in zip(tp.triplet_margin_backward(g, e, labels, r, rl, stats, 0.2, mining, mask), exp, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 

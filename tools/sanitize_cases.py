@@ -159,17 +159,18 @@ def pair_losses():
             torch.randn(37, 19, dtype=torch.float64),
             torch.arange(37) % 5,
         )
-    # contrastive_loss, batch-hard triplets: near-duplicates far from the origin too (the exact
-    # distances' paths).
+    # contrastive_loss, triplets: near-duplicates far from the origin too (the exact distances'
+    # paths).
     dup = 3.0 + 1e-4 * torch.randn(40, 24)
     for dtype in (torch.float32, torch.float64):
         for e in (torch.randn(70, 33, dtype=dtype), dup.to(dtype)):
             check(lambda e, labels: ops.contrastive_loss(e, labels, 0.1, 1.0), e, torch.arange(len(e)) % 9)
-            check(
-                lambda e, labels: ops.triplet_margin_loss(e, labels, 0.1, mining="batch_hard"),
-                e,
-                torch.arange(len(e)) % 9,
-            )
+            for mining in ("all", "semi_hard", "batch_hard"):
+                check(
+                    lambda e, labels, m=mining: ops.triplet_margin_loss(e, labels, 0.1, mining=m),
+                    e,
+                    torch.arange(len(e)) % 9,
+                )
         check(
             lambda e, r, labels, rl: ops.contrastive_loss(e, labels, ref_embeddings=r, ref_labels=rl),
             torch.randn(70, 33, dtype=dtype),
@@ -177,15 +178,16 @@ def pair_losses():
             torch.arange(70) % 9,
             torch.arange(41) % 7,
         )
-        check(
-            lambda e, r, labels, rl: ops.triplet_margin_loss(
-                e, labels, mining="batch_hard", ref_embeddings=r, ref_labels=rl
-            ),
-            torch.randn(70, 33, dtype=dtype),
-            torch.randn(41, 33, dtype=dtype),
-            torch.arange(70) % 9,
-            torch.arange(41) % 7,
-        )
+        for mining in ("all", "semi_hard", "batch_hard"):
+            check(
+                lambda e, r, labels, rl, m=mining: ops.triplet_margin_loss(
+                    e, labels, mining=m, ref_embeddings=r, ref_labels=rl
+                ),
+                torch.randn(70, 33, dtype=dtype),
+                torch.randn(41, 33, dtype=dtype),
+                torch.arange(70) % 9,
+                torch.arange(41) % 7,
+            )
     for dtype in (torch.float32, torch.float64):
         check(
             ops.proxy_anchor_loss,

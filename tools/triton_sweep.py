@@ -167,6 +167,16 @@ def sweep_pair_losses(results: dict) -> None:
         for i, config in enumerate(kernels.HARD_GRAD_CONFIGS):
             t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_backward(*args, config=c))
             rows.append(("triplet_batch_hard.grad", i, repr(config), t))
+        for mining in ("all", "semi_hard"):
+            for i, config in enumerate(kernels.TRIPLET_ROWS_CONFIGS):
+                args = (e, labels, r, rl, 0.05, mining)
+                t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_forward(*args, config=c))
+                rows.append((f"triplet_{mining}.rows", i, repr(config), t))
+            value, stats = kernels.triplet_margin_forward(e, labels, r, rl, 0.05, mining)
+            args = (torch.ones_like(value), e, labels, r, rl, stats, 0.05, mining, [True, r is not None])
+            for i, config in enumerate(kernels.EXACT_GRAD_CONFIGS):
+                t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_backward(*args, config=c))
+                rows.append((f"triplet_{mining}.grad", i, repr(config), t))
         # proxy_anchor_loss: the refs (or the embeddings) as its proxies.
         proxies = (e if r is None else r)[:1000]
         classes = labels % proxies.shape[0]

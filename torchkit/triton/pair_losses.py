@@ -1,6 +1,6 @@
 """The pair losses' Triton kernels (supcon_loss, ntxent_loss, contrastive_loss,
-triplet_margin_loss with mining="batch_hard", multi_similarity_loss, proxy_anchor_loss):
-their CUDA kernels where torchkit.triton selects them.
+triplet_margin_loss, multi_similarity_loss, proxy_anchor_loss): their CUDA kernels where
+torchkit.triton selects them.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
 csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either backward takes
@@ -49,6 +49,15 @@ either forward's stats. Nothing N×M exists:
   chosen pairs' exact distances (pair_dist_kernel); the backward gathers each row's pairs
   (as anchor, and as a chosen positive or negative through the pairs sorted by row), in
   float64 from the inputs' differences, without atomics.
+- triplet_margin_loss, all and semi_hard (triplet_rows_kernel): the CPU kernel sorts each
+  anchor's positives in a list whose size only the device knows; here an anchor's positives
+  are its label's segment of the refs sorted by label, a chunk of BLOCK_P at a time with
+  their exact distances, compared with every negative tile at once (anchors × chunk ×
+  negatives); per anchor the counted triplets and their sums. The backward takes the
+  anchors a band at a time (BAND_PAIRS): triplet_rows_kernel writes each pair's ∂loss/∂d·C
+  (a negative: minus its counted positives; a positive: its counted triplets), then
+  euclidean_grad_kernel (contrastive_loss's backward, reading the band) adds the band's
+  gradient to the anchors' and the refs' rows, bands in order.
 
 Kernels never index past what the wrapper checked; offsets are int64.
 """
@@ -77,6 +86,10 @@ PROXY = tl.constexpr(3)
 LOSS_SUPCON = tl.constexpr(0)
 LOSS_NTXENT = tl.constexpr(1)
 LOSS_PROXY = tl.constexpr(2)
+# euclidean_grad_kernel's sources of ∂loss/∂d: contrastive_loss's terms, a band of
+# triplet_rows_kernel's coefficients.
+CONTRASTIVE_TERMS = tl.constexpr(0)
+BAND_TERMS = tl.constexpr(1)
 
 # Launch configurations. Each is run by the tests (every masking path) and compiled by
 # tools/triton_check.py; `config` arguments pick one, the default being the first.
@@ -100,6 +113,12 @@ EXACT_GRAD_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
     Config(BLOCK_N=16, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
+)
+# triplet_rows_kernel: its 3-D comparisons (anchors × a chunk of their positives × refs).
+TRIPLET_ROWS_CONFIGS = (
+    Config(BLOCK_N=16, BLOCK_M=32, BLOCK_P=8, BLOCK_K=16, num_warps=8, num_stages=2),
+    Config(BLOCK_N=16, BLOCK_M=16, BLOCK_P=16, BLOCK_K=32, num_warps=8, num_stages=2),
+    Config(BLOCK_N=16, BLOCK_M=16, BLOCK_P=8, BLOCK_K=16, num_warps=8, num_stages=2),  # float64's
 )
 # batch_hard's backward: float64 rows of features, gathered a pair at a time.
 HARD_GRAD_CONFIGS = (
@@ -502,9 +521,21 @@ def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BL
     special = (top == 0) | (top != top) | (top == float("inf"))
     e = tl.where(special, 0, tm.ilogb(tl.where(special, 1.0, top), True) + 1)
     total = tl.zeros((BLOCK_ROWS,), tl.float64)
-    for k in range(0, D):
-        v = tm.ldexp(tl.load(x_ptr + rows * stride_row + k, mask=row_mask, other=0.0).to(tl.float64), 0 - e, True)
-        total += v * v
+    s = 0 - e
+    if tl.min(s, axis=0) >= -1022:
+        # x·2^s as ldexp rounds it, by normal powers of two: one (rounding once) down, two
+        # (exact) up.
+        half = tl.where(s >= 0, s // 2, s)
+        f1 = tm.pow2(half, True)
+        f2 = tm.pow2(s - half, True)
+        for k in range(0, D):
+            v = tl.load(x_ptr + rows * stride_row + k, mask=row_mask, other=0.0).to(tl.float64) * f1 * f2
+            total += v * v
+    else:  # a row of entries near the largest finite float: 2^s is subnormal
+        for k in range(0, D):
+            v = tl.load(x_ptr + rows * stride_row + k, mask=row_mask, other=0.0).to(tl.float64)
+            v = tm.ldexp(v, s, True)
+            total += v * v
     norm = tl.where(special, top, tm.ldexp(tl.sqrt(total), e, True))
     eps = tl.full((BLOCK_ROWS,), 1e-12, tl.float64)
     inv = 1.0 / tl.where(norm < eps, eps, tl.where(norm == 0, 1.0, norm))
@@ -965,7 +996,7 @@ def contrastive_rows_kernel(
 
 
 @triton.jit
-def contrastive_grad_kernel(
+def euclidean_grad_kernel(
     c_own_ptr,
     c_other_ptr,
     sq_own_ptr,
@@ -979,15 +1010,23 @@ def contrastive_grad_kernel(
     own_lab_ptr,
     other_lab_ptr,
     st_ptr,
+    band_ptr,
     out_ptr,
+    OWN0,
     N_OWN,
+    OTHER0,
     N_OTHER,
+    BAND0,
+    BAND_STRIDE,
     D,
     POS_BITS,
     NEG_BITS,
     ERR_BITS,
     UNIT_BITS,
+    TERMS: tl.constexpr,
     SELF: tl.constexpr,
+    ANCHORS_OWN: tl.constexpr,
+    ADD: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -995,22 +1034,30 @@ def contrastive_grad_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    """out[own rows, feature block] = ∂loss/∂(own's normalised rows): per pair
-    w = ∂loss/∂d / d (∂loss/∂d: 1/(positive terms) for a counted positive term, −1/(negative
-    terms) for a counted negative one, from the stats' first row; twice that without refs,
-    where the pair is in the loss from both its rows; 0 at d = 0), Σ_j w_ij (c_i − c_j) as
-    rowsum(w)·c_i − w·C per tile; entries the tiles computed directly take w_ij (e_i − e_j)
-    from the float64 differences of the inputs instead (contrastive_backward, rows_grad)."""
+    """out[own rows [OWN0, N_OWN), feature block] (ADD: +=) = ∂loss/∂(own's normalised rows)
+    from the pairs with the other side's rows [OTHER0, N_OTHER): per pair w = ∂loss/∂d / d
+    (0 at d = 0), Σ_j w_ij (c_i − c_j) as rowsum(w)·c_i − w·C per tile; entries the tiles
+    computed directly take w_ij (e_i − e_j) from the float64 differences of the inputs instead
+    (rows_grad in the CPU kernel). ∂loss/∂d by TERMS:
+    - CONTRASTIVE_TERMS: 1/(positive terms) for a counted positive term, −1/(negative terms)
+      for a counted negative one (st: the stats' first row), twice that without refs (SELF),
+      where the pair is in the loss from both its rows; its distance and decisions as
+      contrastive_rows_kernel's.
+    - BAND_TERMS: band[a − BAND0, r]·st[0] for anchor a and ref row r (triplet_rows_kernel's
+      band; ANCHORS_OWN: the own rows are the anchors), for a range of anchors at a time; a
+      tile whose entries are all 0 is skipped."""
     pos_margin = tm.f64(POS_BITS)
     neg_margin = tm.f64(NEG_BITS)
     err = tm.f64(ERR_BITS)
     unit = tm.f64(UNIT_BITS)
     w_pos = tl.load(st_ptr).to(tl.float64)
-    w_neg = tl.load(st_ptr + 1).to(tl.float64)
+    w_neg = w_pos
+    if TERMS == CONTRASTIVE_TERMS:
+        w_neg = tl.load(st_ptr + 1).to(tl.float64)
     if SELF:
         w_pos = 2.0 * w_pos
         w_neg = 2.0 * w_neg
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = OWN0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
     row_mask = rows < N_OWN
     f_mask = fs < D
@@ -1019,62 +1066,90 @@ def contrastive_grad_kernel(
     sq_i = tl.load(sq_own_ptr + rows, mask=row_mask, other=0.0)
     c_i = tl.load(c_own_ptr + rows[:, None] * D + fs[None, :], mask=own_f, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
-    for j0 in range(0, N_OTHER, BLOCK_M):
+    for j0 in range(OTHER0, N_OTHER, BLOCK_M):
         cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
         col_mask = cols < N_OTHER
-        other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=0)
-        sq_j = tl.load(sq_other_ptr + cols, mask=col_mask, other=0.0)
-        d, direct = _distances(
-            c_own_ptr, c_other_ptr, sq_i, sq_j, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K
-        )
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
             valid = valid & (rows[:, None] != cols[None, :])
-        pos = valid & (lab[:, None] == other_lab[None, :])
-        direct = direct & valid
-        exact = d.to(tl.float64)
-        have_exact = _any(direct)
-        if have_exact:
-            exact = _exact_dist(
-                x_own_ptr, x_other_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, col_mask, D
+        if TERMS == BAND_TERMS:
+            if ANCHORS_OWN:
+                at = band_ptr + (rows - BAND0)[:, None] * BAND_STRIDE + cols[None, :]
+            else:
+                at = band_ptr + (cols - BAND0)[None, :] * BAND_STRIDE + rows[:, None]
+            g = tl.load(at, mask=valid, other=0).to(tl.float64) * w_pos
+            live = _any(g != 0)
+        else:
+            live = True
+        if live:
+            other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=0)
+            sq_j = tl.load(sq_other_ptr + cols, mask=col_mask, other=0.0)
+            d, direct = _distances(
+                c_own_ptr, c_other_ptr, sq_i, sq_j, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K
             )
-            d = tl.where(direct, exact.to(ACC), d)
-        d64 = d.to(tl.float64)
-        clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_i, sq_j, err, unit)
-        if _any(valid & (clear == 0)) & (have_exact == 0):
-            exact = _exact_dist(
-                x_own_ptr, x_other_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, col_mask, D
+            direct = direct & valid
+            exact = d.to(tl.float64)
+            have_exact = _any(direct)
+            if have_exact:
+                exact = _exact_dist(
+                    x_own_ptr, x_other_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, col_mask, D
+                )
+                d = tl.where(direct, exact.to(ACC), d)
+            d64 = d.to(tl.float64)
+            if TERMS == CONTRASTIVE_TERMS:
+                pos = valid & (lab[:, None] == other_lab[None, :])
+                clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_i, sq_j, err, unit)
+                if _any(valid & (clear == 0)) & (have_exact == 0):
+                    exact = _exact_dist(
+                        x_own_ptr,
+                        x_other_ptr,
+                        s_own,
+                        s_other,
+                        inv_own_ptr,
+                        inv_other_ptr,
+                        rows,
+                        cols,
+                        row_mask,
+                        col_mask,
+                        D,
+                    )
+                dd = tl.where(clear, d64, exact)
+                v = tl.where(pos, dd - pos_margin, neg_margin - dd)
+                counted = valid & ((v <= 0) == 0)
+                g = tl.where(counted, tl.where(pos, w_pos, 0.0 - w_neg), 0.0)
+            w = tl.where((g == 0) | (d64 == 0), 0.0, g / tl.where(d64 == 0, 1.0, d64))
+            if _any(direct & (w != 0)):
+                # Σ_j w_ij (e_i − e_j) over the directly computed entries, per pair from the
+                # inputs' float64 differences (near-duplicates: the centred points keep only
+                # ACC's absolute accuracy).
+                inv_i = tl.load(inv_own_ptr + rows, mask=row_mask, other=0.0)
+                e_i = tl.load(x_own_ptr + rows[:, None] * s_own + fs[None, :], mask=own_f, other=0.0)
+                e_i = e_i.to(tl.float64) * inv_i[:, None]
+                w_direct = tl.where(direct, w, 0.0)
+                near = tl.zeros((BLOCK_N, BLOCK_F), tl.float64)
+                for c in range(0, BLOCK_M):
+                    j = tl.sum(tl.where(tl.arange(0, BLOCK_M) == c, cols, 0), axis=0)
+                    w_c = tl.sum(tl.where(tl.arange(0, BLOCK_M)[None, :] == c, w_direct, 0.0), axis=1)
+                    inv_j = tl.load(inv_other_ptr + j, mask=j < N_OTHER, other=0.0)
+                    # (the mask a vector compare: Triton 3.9's interpreter makes `vector &
+                    # (scalar compare)` int64, which its load refuses)
+                    j_ok = (j + tl.zeros((BLOCK_F,), tl.int64)) < N_OTHER
+                    e_j = tl.load(x_other_ptr + j * s_other + fs, mask=f_mask & j_ok, other=0.0)
+                    near += tl.where(
+                        w_c[:, None] != 0, w_c[:, None] * (e_i - e_j.to(tl.float64)[None, :] * inv_j), 0.0
+                    )
+                acc += near.to(ACC)
+            w = tl.where(direct, 0.0, w).to(ACC)
+            row_sum = tl.sum(w.to(tl.float64), axis=1)
+            f = tl.load(
+                c_other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0
             )
-        dd = tl.where(clear, d64, exact)
-        v = tl.where(pos, dd - pos_margin, neg_margin - dd)
-        counted = valid & ((v <= 0) == 0)
-        g = tl.where(counted, tl.where(pos, w_pos, 0.0 - w_neg), 0.0)
-        w = tl.where((g == 0) | (d64 == 0), 0.0, g / tl.where(d64 == 0, 1.0, d64))
-        if _any(direct & (w != 0)):
-            # Σ_j w_ij (e_i − e_j) over the directly computed entries, per pair from the inputs'
-            # float64 differences (near-duplicates: the centred points keep only ACC's
-            # absolute accuracy).
-            inv_i = tl.load(inv_own_ptr + rows, mask=row_mask, other=0.0)
-            e_i = tl.load(x_own_ptr + rows[:, None] * s_own + fs[None, :], mask=own_f, other=0.0).to(tl.float64)
-            e_i = e_i * inv_i[:, None]
-            w_direct = tl.where(direct, w, 0.0)
-            near = tl.zeros((BLOCK_N, BLOCK_F), tl.float64)
-            for c in range(0, BLOCK_M):
-                j = tl.sum(tl.where(tl.arange(0, BLOCK_M) == c, cols, 0), axis=0)
-                w_c = tl.sum(tl.where(tl.arange(0, BLOCK_M)[None, :] == c, w_direct, 0.0), axis=1)
-                inv_j = tl.load(inv_other_ptr + j, mask=j < N_OTHER, other=0.0)
-                # (the mask a vector compare: Triton 3.9's interpreter makes `vector & (scalar
-                # compare)` int64, which its load refuses)
-                j_ok = (j + tl.zeros((BLOCK_F,), tl.int64)) < N_OTHER
-                e_j = tl.load(x_other_ptr + j * s_other + fs, mask=f_mask & j_ok, other=0.0)
-                near += tl.where(w_c[:, None] != 0, w_c[:, None] * (e_i - e_j.to(tl.float64)[None, :] * inv_j), 0.0)
-            acc += near.to(ACC)
-        w = tl.where(direct, 0.0, w).to(ACC)
-        row_sum = tl.sum(w.to(tl.float64), axis=1)
-        f = tl.load(c_other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0)
-        acc += row_sum.to(ACC)[:, None] * c_i
-        acc = _product(0.0 - w, tl.trans(f), acc, IS64)
-    tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=own_f)
+            acc += row_sum.to(ACC)[:, None] * c_i
+            acc = _product(0.0 - w, tl.trans(f), acc, IS64)
+    out = out_ptr + rows[:, None] * D + fs[None, :]
+    if ADD:
+        acc += tl.load(out, mask=own_f, other=0.0)
+    tl.store(out, acc, mask=own_f)
 
 
 # --------------------------------------------------------------------------- Euclidean (batch-hard triplets)
@@ -1330,6 +1405,157 @@ def hard_grad_kernel(
             f = tl.load(x_a_ptr + a[:, None] * s_a + fs[None, :], mask=ok[:, None] & f_mask[None, :], other=0.0)
             acc += tl.where(ok[:, None], w[:, None] * (e - f.to(tl.float64) * inv_j[:, None]), 0.0)
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc.to(out_ptr.dtype.element_ty), mask=own_f)
+
+
+# --------------------------------------------------------------------------- Euclidean (all and semi-hard triplets)
+
+
+@triton.jit
+def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, mask, D):
+    """Exact distances (Points::direct: float64, feature order) of anchor rows[i] and ref rows
+    js[i, p]."""
+    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
+    inv_b = tl.load(inv_b_ptr + js, mask=mask, other=0.0)
+    out = tl.zeros(js.shape, tl.float64)
+    for k in range(0, D):
+        a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64) * inv_a
+        b = tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64) * inv_b
+        v = a[:, None] - b
+        out += v * v
+    return tl.sqrt(out)
+
+
+@triton.jit
+def triplet_rows_kernel(
+    ca_ptr,
+    cb_ptr,
+    sq_a_ptr,
+    sq_b_ptr,
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a_ptr,
+    inv_b_ptr,
+    lab_ptr,
+    ref_lab_ptr,
+    order_ptr,
+    lo_ptr,
+    hi_ptr,
+    sums_ptr,
+    count_ptr,
+    band_ptr,
+    ROW0,
+    N,
+    M,
+    D,
+    MARGIN_BITS,
+    ERR_BITS,
+    UNIT_BITS,
+    SELF: tl.constexpr,
+    SEMI: tl.constexpr,
+    BAND: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """mining="all" / "semi_hard" for anchors [ROW0, N): the triplets (a, p, n) with
+    d_ap − d_an + margin > 0 (semi_hard: and d_ap < d_an) and those with a NaN distance
+    (count_triplets in the CPU kernel). An anchor's positives are its label's segment
+    [lo, hi) of the refs sorted by label (order), taken BLOCK_P at a time with their exact
+    distances rounded to ACC (the CPU's sorted list); against them, every negative tile's
+    distances in one 3-D comparison. A negative's distance is the tile's, exact where it
+    cancelled (rounded to ACC) or where a threshold of the chunk lies within the tile's error
+    bound (Inputs::clear), so the choices are the exact distances'.
+    Forward (BAND false): per anchor, sums (N, 2) float64: Σ over counted triplets of
+    d_ap + margin and of d_an (the tile's value); count (N, 2) int64: the counted triplets
+    and the positives at a NaN distance (each counts with every negative).
+    BAND: ∂loss/∂d·C per pair of the anchors [ROW0, N) into band (rows from ROW0, M columns,
+    zeroed by the caller): −(the non-NaN positives counted with it) for a negative, +(its
+    counted triplets) for a positive (triplet_backward's coefficients)."""
+    margin = tm.f64(MARGIN_BITS)
+    err = tm.f64(ERR_BITS)
+    unit = tm.f64(UNIT_BITS)
+    rows = ROW0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
+    sq_a = tl.load(sq_a_ptr + rows, mask=row_mask, other=0.0)
+    lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
+    hi = tl.load(hi_ptr + rows, mask=row_mask, other=0)
+    count = tl.zeros((BLOCK_N,), tl.int64)
+    nan_count = tl.zeros((BLOCK_N,), tl.int64)
+    neg_sum = tl.zeros((BLOCK_N,), tl.float64)
+    pos_sum = tl.zeros((BLOCK_N,), tl.float64)
+    for p0 in range(0, tl.max(hi - lo, axis=0), BLOCK_P):
+        q = lo[:, None] + p0 + tl.arange(0, BLOCK_P)[None, :]
+        p_mask = row_mask[:, None] & (q < hi[:, None])
+        js = tl.load(order_ptr + q, mask=p_mask, other=0)
+        if SELF:
+            p_mask = p_mask & (js != rows[:, None])
+        t = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, p_mask, D)
+        t = t.to(ACC).to(tl.float64)
+        pok = p_mask & (t == t)
+        nan_p = tl.sum((p_mask & (t != t)).to(tl.int64), axis=1)
+        nan_count += nan_p
+        uses = tl.zeros((BLOCK_N, BLOCK_P), tl.int32)
+        # (a chunk without positives counts nothing: its rows skip the tiles)
+        M_live = tl.where(_any(pok) | (tl.max(nan_p, axis=0) > 0), M, 0)
+        for j0 in range(0, M_live, BLOCK_M):
+            cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+            col_mask = cols < M
+            ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
+            sq_b = tl.load(sq_b_ptr + cols, mask=col_mask, other=0.0)
+            d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
+            neg = row_mask[:, None] & col_mask[None, :] & (lab[:, None] != ref_lab[None, :])
+            direct = direct & neg
+            d64 = d.to(tl.float64)
+            exact = d64
+            have_exact = _any(direct)
+            if have_exact:
+                exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+                d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
+            # The entries with a threshold of the chunk (d_ap + margin; semi_hard: d_ap) within
+            # the tile's error bound: Inputs::clear, over each positive at once.
+            bound = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64)) + 4.0 * unit * d64 * d64
+            dn = d64[:, None, :]
+            near = tl.abs(dn - (t[:, :, None] + margin)) * dn <= bound[:, None, :]
+            if SEMI:
+                near = near | (tl.abs(dn - t[:, :, None]) * dn <= bound[:, None, :])
+            live = pok[:, :, None] & (neg & (direct == 0))[:, None, :]
+            unclear = tl.max((live & near).to(tl.int32), axis=1) > 0
+            choose = d64
+            if _any(unclear):
+                if have_exact == 0:
+                    exact = _exact_dist(
+                        xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D
+                    )
+                choose = tl.where(unclear, exact, d64)
+            dn = choose[:, None, :]
+            hit = t[:, :, None] - dn + margin > 0
+            if SEMI:
+                hit = hit & (t[:, :, None] < dn)
+            counted = pok[:, :, None] & neg[:, None, :] & (hit | (dn != dn))
+            k = tl.sum(counted.to(tl.int32), axis=1)
+            uses += tl.sum(counted.to(tl.int32), axis=2)
+            if BAND:
+                at = band_ptr + (rows - ROW0)[:, None] * M + cols[None, :]
+                tl.store(at, tl.load(at, mask=neg, other=0) - k, mask=neg)
+            else:
+                kk = tl.where(neg, k.to(tl.int64) + nan_p[:, None], 0)
+                count += tl.sum(kk, axis=1)
+                neg_sum += tl.sum(tl.where(kk > 0, kk.to(tl.float64) * d64, 0.0), axis=1)
+        if BAND:
+            tl.store(band_ptr + (rows - ROW0)[:, None] * M + js, uses, mask=pok & (uses != 0))
+        else:
+            pos_sum += tl.sum(tl.where(pok & (uses != 0), uses.to(tl.float64) * (t + margin), 0.0), axis=1)
+    if not BAND:
+        tl.store(sums_ptr + rows * 2, pos_sum, mask=row_mask)
+        tl.store(sums_ptr + rows * 2 + 1, neg_sum, mask=row_mask)
+        tl.store(count_ptr + rows * 2, count, mask=row_mask)
+        tl.store(count_ptr + rows * 2 + 1, nan_count, mask=row_mask)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -2008,7 +2234,7 @@ def contrastive_backward(
     def rows_grad(own: _Side, own_points, other: _Side, other_points, like: Tensor) -> Tensor:
         g = torch.empty(own.n, D, dtype=acc, device=like.device)
         k = config.kwargs
-        contrastive_grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
+        euclidean_grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
             own_points[0],
             other_points[0],
             own_points[1],
@@ -2022,12 +2248,20 @@ def contrastive_backward(
             own.labels,
             other.labels,
             st,
+            st,
             g,
+            0,
             own.n,
+            0,
             other.n,
+            0,
+            0,
             D,
             *bits,
+            TERMS=CONTRASTIVE_TERMS,
             SELF=self_,
+            ANCHORS_OWN=True,
+            ADD=False,
             ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             **config.launch,
@@ -2050,10 +2284,6 @@ def _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, minin
     M = embeddings.shape[0] if ref_embeddings is None else ref_embeddings.shape[0]
     if M > 2**31 - 1:  # (the CPU kernel's limit, kept: one op, one contract)
         raise ValueError(f"{op}: at most 2^31 - 1 rows of ref_embeddings (or embeddings) are supported, got {M}")
-    if mining != "batch_hard":
-        raise NotImplementedError(
-            f"{op}: mining='{mining}' has no CUDA kernel yet (mining='batch_hard' has); compute it on CPU tensors"
-        )
     return params
 
 
@@ -2099,20 +2329,85 @@ def _pair_dists(a: _Side, b: _Side, idx: Tensor, config: Config) -> Tensor:
     return out
 
 
+def _label_segments(a: _Side, b: _Side) -> tuple:
+    """Each anchor's positives as a segment of the refs sorted by label: (order, lo, hi), the
+    refs' rows in label order (stable) and per anchor [lo, hi) in it (its label's)."""
+    keys, order = torch.sort(b.labels, stable=True)
+    lo = torch.searchsorted(keys, a.labels)
+    hi = torch.searchsorted(keys, a.labels, right=True)
+    return order, lo, hi
+
+
+def _triplet_rows(a, b, points, segments, margin, semi, acc, config, sums=None, count=None, band=None, row0=0, end=0):
+    """triplet_rows_kernel over the anchors [row0, end): the forward's sums and counts, or
+    (band) the backward's coefficients of those anchors' pairs."""
+    (ca, sq_a), (cb, sq_b) = points
+    D = a.raw.shape[1]
+    if end <= row0:
+        return
+    triplet_rows_kernel[(blocks(end - row0, config.kwargs["BLOCK_N"]),)](
+        ca,
+        cb,
+        sq_a,
+        sq_b,
+        a.raw,
+        b.raw,
+        a.raw.stride(0),
+        b.raw.stride(0),
+        a.inv64,
+        b.inv64,
+        a.labels,
+        b.labels,
+        *segments,
+        sums if band is None else band,
+        count if band is None else band,
+        sq_a if band is None else band,
+        row0,
+        end,
+        b.n,
+        D,
+        *_euclidean_bits((margin,), D, acc),
+        SELF=a is b,
+        SEMI=semi,
+        BAND=band is not None,
+        ACC=acc_tl(acc),
+        IS64=acc == torch.float64,
+        **config.launch,
+    )
+
+
 def triplet_margin_forward(
     embeddings, labels, ref_embeddings, ref_labels, margin, mining, *, config=None, row_config=None
 ):
     """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter)."""
     margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
     acc = acc_dtype(embeddings)
-    config = config or EXACT_ROWS_CONFIGS[0]
+    hard = mining == "batch_hard"
+    if hard:
+        config = config or EXACT_ROWS_CONFIGS[0]
+    else:
+        config = config or TRIPLET_ROWS_CONFIGS[-1 if acc == torch.float64 else 0]
     row_config = row_config or ROW_CONFIGS[0]
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
     N, D = embeddings.shape
     idx = torch.full((N, 2), -1, dtype=torch.int64, device=embeddings.device)
     if N == 0 or b.n == 0:
         return embeddings.new_zeros(()), torch.cat([idx, torch.zeros_like(idx[:, :1])], 1)
-    (ca, sq_a), (cb, sq_b) = _points(a, b, acc, row_config)
+    points = _points(a, b, acc, row_config)
+    if not hard:
+        # triplet_forward (pair_losses_euclidean_cpu.cpp): Σ over the counted triplets of
+        # d_ap − d_an + margin over their number; NaN where a counted triplet has a positive at
+        # a NaN distance.
+        sums = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
+        count = torch.empty(N, 2, dtype=torch.int64, device=embeddings.device)
+        segments = _label_segments(a, b)
+        _triplet_rows(a, b, points, segments, margin, mining == "semi_hard", acc, config, sums, count, end=N)
+        per = sums[:, 0] - sums[:, 1]
+        per = torch.where((count[:, 0] > 0) & (count[:, 1] > 0), float("nan"), per)
+        total = count[:, 0].sum()
+        loss = torch.where(total > 0, per.sum() / total.clamp(min=1), 0.0)
+        return loss.to(embeddings.dtype), torch.cat([idx, count[:, :1]], 1)
+    (ca, sq_a), (cb, sq_b) = points
     bound = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
     for step in (0, 1):
         hard_rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
@@ -2151,6 +2446,85 @@ def triplet_margin_forward(
     return torch.where(count > 0, total, 0.0).to(embeddings.dtype), stats
 
 
+# The anchors of one band of the triplet backward: at most this many (anchor, ref) pairs' int32
+# coefficients (4 MiB), at least one block of anchors.
+BAND_PAIRS = 1 << 20
+
+
+def _triplet_band_backward(grad, a, b, margin, semi, count, want_e, want_r, config, rows_config, row_config):
+    """mining="all" / "semi_hard"'s backward (triplet_backward in the CPU kernel), a band of
+    anchors at a time: triplet_rows_kernel writes ∂loss/∂d·C of the band's pairs, then
+    euclidean_grad_kernel adds their gradient to the anchors' rows and to the refs' rows (in
+    band order: the same bits on every run); then the normalisation's Jacobian."""
+    acc = a.e.dtype
+    config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
+    rows_config = rows_config or TRIPLET_ROWS_CONFIGS[-1 if acc == torch.float64 else 0]
+    self_ = a is b
+    N, D = a.e.shape
+    M = b.n
+    points = _points(a, b, acc, row_config)
+    segments = _label_segments(a, b)
+    step = rows_config.kwargs["BLOCK_N"]
+    width = min(N, max(step, BAND_PAIRS // M // step * step))
+    band = torch.empty(width, M, dtype=torch.int32, device=a.e.device)
+    scale = (1.0 / count.clamp(min=1).double()).reshape(1)
+    bits = _euclidean_bits((0.0, 0.0), D, acc)
+    ge = torch.zeros(N, D, dtype=acc, device=a.e.device) if want_e or self_ else None
+    gr = torch.zeros(M, D, dtype=acc, device=a.e.device) if want_r else None
+    k = config.kwargs
+
+    def add(out, own, own_points, other, other_points, own0, own_end, other0, other_end, row0, anchors_own):
+        euclidean_grad_kernel[(blocks(own_end - own0, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
+            own_points[0],
+            other_points[0],
+            own_points[1],
+            other_points[1],
+            own.raw,
+            other.raw,
+            own.raw.stride(0),
+            other.raw.stride(0),
+            own.inv64,
+            other.inv64,
+            own.labels,
+            other.labels,
+            scale,
+            band,
+            out,
+            own0,
+            own_end,
+            other0,
+            other_end,
+            row0,
+            M,
+            D,
+            *bits,
+            TERMS=BAND_TERMS,
+            SELF=False,
+            ANCHORS_OWN=anchors_own,
+            ADD=True,
+            ACC=acc_tl(acc),
+            IS64=acc == torch.float64,
+            **config.launch,
+        )
+
+    pa, pb = points
+    for row0 in range(0, N, width):
+        end = min(row0 + width, N)
+        band.zero_()
+        _triplet_rows(a, b, points, segments, margin, semi, acc, rows_config, band=band, row0=row0, end=end)
+        if ge is not None:
+            add(ge, a, pa, b, pb, row0, end, 0, M, row0, True)
+        if self_:
+            add(ge, a, pa, a, pa, 0, N, row0, end, row0, False)
+        elif gr is not None:
+            add(gr, b, pb, a, pa, 0, M, row0, end, row0, False)
+    live = count > 0  # a zero loss: zero gradients, NaN rows included
+    empty = a.raw.new_empty(0)
+    out_e = torch.where(live, _jacobian(a, ge, grad, a.raw, row_config), 0.0) if want_e else empty
+    out_r = torch.where(live, _jacobian(b, gr, grad, b.raw, row_config), 0.0) if want_r else empty
+    return out_e, out_r
+
+
 def triplet_margin_backward(
     grad,
     embeddings,
@@ -2164,8 +2538,11 @@ def triplet_margin_backward(
     *,
     config=None,
     row_config=None,
+    rows_config=None,
 ):
-    """torchkit::_triplet_margin_loss_backward's CUDA kernel."""
+    """torchkit::_triplet_margin_loss_backward's CUDA kernel (config: hard_grad_kernel's for
+    batch_hard, euclidean_grad_kernel's for all and semi_hard, with triplet_rows_kernel's
+    rows_config)."""
     op = "triplet_margin_loss"
     margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
     _check_backward(op, grad, embeddings, stats, 3, stats_dtype=torch.int64)
@@ -2180,10 +2557,14 @@ def triplet_margin_backward(
         return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
-    config = config or HARD_GRAD_CONFIGS[0]
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     st = stats.contiguous()
     count = st[:, 2].sum()
+    if mining != "batch_hard":
+        return _triplet_band_backward(
+            grad, a, b, margin, mining == "semi_hard", count, want_e, want_r, config, rows_config, row_config
+        )
+    config = config or HARD_GRAD_CONFIGS[0]
     idx = torch.where(st[:, 2:] != 0, st[:, :2], -1).contiguous()  # the counted anchors' pairs
     dist = _pair_dists(a, b, idx, row_config)
     scale = 1.0 / count.clamp(min=1).double()
@@ -2350,7 +2731,8 @@ def compile_cases() -> list[CompileCase]:
                 **ms_types,
                 **dict.fromkeys(("ca_ptr", "cb_ptr", "sq_a_ptr", "sq_b_ptr", "c_own_ptr", "c_other_ptr"), "*" + acc),
                 **dict.fromkeys(("sq_own_ptr", "sq_other_ptr"), "*" + acc),
-                **dict.fromkeys(("POS_BITS", "NEG_BITS", "ERR_BITS", "UNIT_BITS"), "i64"),
+                **dict.fromkeys(("POS_BITS", "NEG_BITS", "ERR_BITS", "UNIT_BITS", "MARGIN_BITS"), "i64"),
+                **dict.fromkeys(("OWN0", "OTHER0", "BAND0", "BAND_STRIDE", "ROW0"), "i32"),
                 "st_ptr": "*" + acc,
                 "sums_ptr": "*fp64",
             }
@@ -2366,10 +2748,10 @@ def compile_cases() -> list[CompileCase]:
                 )
                 cases.append(
                     CompileCase(
-                        f"pair_losses.contrastive_grad {dtype}{' self' if self_ else ''}",
-                        contrastive_grad_kernel,
-                        euclidean,
-                        dict(SELF=self_, **flags),
+                        f"pair_losses.euclidean_grad contrastive {dtype}{' self' if self_ else ''}",
+                        euclidean_grad_kernel,
+                        {**euclidean, "band_ptr": "*" + acc},
+                        dict(TERMS=CONTRASTIVE_TERMS, SELF=self_, ANCHORS_OWN=True, ADD=False, **flags),
                         EXACT_GRAD_CONFIGS
                         if every and self_
                         else EXACT_GRAD_CONFIGS[-1:]
@@ -2377,6 +2759,39 @@ def compile_cases() -> list[CompileCase]:
                         else EXACT_GRAD_CONFIGS[:1],
                     )
                 )
+            for anchors_own in (True, False):
+                cases.append(
+                    CompileCase(
+                        f"pair_losses.euclidean_grad band {dtype}{' anchors' if anchors_own else ' refs'}",
+                        euclidean_grad_kernel,
+                        {**euclidean, "st_ptr": "*fp64", "band_ptr": "*i32"},
+                        dict(TERMS=BAND_TERMS, SELF=False, ANCHORS_OWN=anchors_own, ADD=True, **flags),
+                        EXACT_GRAD_CONFIGS[-1:] if is64 else EXACT_GRAD_CONFIGS[:1],
+                    )
+                )
+            segments = {**euclidean, **dict.fromkeys(("order_ptr", "lo_ptr", "hi_ptr"), "*i64")}
+            for semi in (False, True):
+                for band in (False, True):
+                    for self_ in (True, False) if not band and not semi else (True,):
+                        cases.append(
+                            CompileCase(
+                                f"pair_losses.triplet_rows {'semi_hard' if semi else 'all'}{' band' if band else ''}"
+                                f" {dtype}{' self' if self_ else ''}",
+                                triplet_rows_kernel,
+                                {
+                                    **segments,
+                                    "count_ptr": "*i32" if band else "*i64",
+                                    "sums_ptr": "*i32" if band else "*fp64",
+                                    "band_ptr": "*i32" if band else "*" + acc,
+                                },
+                                dict(SELF=self_, SEMI=semi, BAND=band, **flags),
+                                TRIPLET_ROWS_CONFIGS
+                                if every and self_
+                                else TRIPLET_ROWS_CONFIGS[-1:]
+                                if is64
+                                else TRIPLET_ROWS_CONFIGS[:1],
+                            )
+                        )
             for self_ in (True, False):
                 for step in (0, 1):
                     cases.append(
