@@ -48,10 +48,24 @@ std::vector<double> row_norms(const Tensor& a) {
       }
       int e = 0;
       std::frexp(top, &e);
+      // row·2^-e as std::ldexp rounds it, by normal powers of two (std::ldexp per entry costs
+      // more than the rest of a loss's preparation): one factor, rounding once, where 2^-e is
+      // normal; two, both exact, to scale a row of tiny entries up; std::ldexp itself for rows
+      // near the largest double, where 2^-e is subnormal.
+      const int s = -e;
       double sum = 0;
-      for (int64_t k = 0; k < D; ++k) {
-        const double v = std::ldexp(static_cast<double>(row[k]), -e);
-        sum += v * v;
+      if (s >= -1022) {
+        const int half = s > 1023 ? s / 2 : s;
+        const double f1 = std::ldexp(1.0, half), f2 = std::ldexp(1.0, s - half);
+        for (int64_t k = 0; k < D; ++k) {
+          const double v = static_cast<double>(row[k]) * f1 * f2;
+          sum += v * v;
+        }
+      } else {
+        for (int64_t k = 0; k < D; ++k) {
+          const double v = std::ldexp(static_cast<double>(row[k]), s);
+          sum += v * v;
+        }
       }
       out[i] = std::ldexp(std::sqrt(sum), e);
     }
