@@ -2359,6 +2359,7 @@ def _triplet_rows(a, b, points, segments, margin, semi, acc, config, sums=None, 
         a.labels,
         b.labels,
         *segments,
+        # (the pointers a mode leaves unread: any tensor)
         sums if band is None else band,
         count if band is None else band,
         sq_a if band is None else band,
