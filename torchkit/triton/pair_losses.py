@@ -1092,7 +1092,17 @@ def euclidean_grad_kernel(
             have_exact = _any(direct)
             if have_exact:
                 exact = _exact_dist(
-                    x_own_ptr, x_other_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, col_mask, D
+                    x_own_ptr,
+                    x_other_ptr,
+                    s_own,
+                    s_other,
+                    inv_own_ptr,
+                    inv_other_ptr,
+                    rows,
+                    cols,
+                    row_mask,
+                    col_mask,
+                    D,
                 )
                 d = tl.where(direct, exact.to(ACC), d)
             d64 = d.to(tl.float64)
@@ -1135,9 +1145,7 @@ def euclidean_grad_kernel(
                     # (scalar compare)` int64, which its load refuses)
                     j_ok = (j + tl.zeros((BLOCK_F,), tl.int64)) < N_OTHER
                     e_j = tl.load(x_other_ptr + j * s_other + fs, mask=f_mask & j_ok, other=0.0)
-                    near += tl.where(
-                        w_c[:, None] != 0, w_c[:, None] * (e_i - e_j.to(tl.float64)[None, :] * inv_j), 0.0
-                    )
+                    near += tl.where(w_c[:, None] != 0, w_c[:, None] * (e_i - e_j.to(tl.float64)[None, :] * inv_j), 0.0)
                 acc += near.to(ACC)
             w = tl.where(direct, 0.0, w).to(ACC)
             row_sum = tl.sum(w.to(tl.float64), axis=1)
@@ -1529,9 +1537,7 @@ def triplet_rows_kernel(
             choose = d64
             if _any(unclear):
                 if have_exact == 0:
-                    exact = _exact_dist(
-                        xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D
-                    )
+                    exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
                 choose = tl.where(unclear, exact, d64)
             dn = choose[:, None, :]
             hit = t[:, :, None] - dn + margin > 0
