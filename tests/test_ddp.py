@@ -2,6 +2,7 @@
 gradients as one process on the same global batch, eagerly and under torch.compile."""
 
 import faulthandler
+import gc
 import tempfile
 from pathlib import Path
 
@@ -62,6 +63,11 @@ def worker(rank, init_file, out_dir, compile_):
     if rank == 0:
         torch.save(grads(model.module), Path(out_dir) / "grads.pt")
     dist.barrier()  # no rank tears its connections down while another still talks to it
+    # DDP's reducer holds the process group: freed here, its gloo threads end while the
+    # interpreter is alive rather than in its finalisation, where an abort ("terminate called
+    # without an active exception") can follow (pytorch/pytorch#179291).
+    del net, model
+    gc.collect()
     dist.destroy_process_group()
 
 
