@@ -524,7 +524,7 @@ def test_device_mismatch():
 @pytest.mark.parametrize("device", DEVICES_TRITON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("E", [None, 5])
-def test_broadcast_upstream_gradient(device, dtype, E):
+def test_broadcast_upstream_gradient(device, dtype, E, request):
     """out.sum() hands backward an expanded gradient (all strides 0), read without a copy."""
     x, y = (t.detach() if t is not None else None for t in inputs((2, 70, 3, 3), E, dtype, device))
     out, norm = OP(x, y, 1e-5, 1e-12)
@@ -533,8 +533,12 @@ def test_broadcast_upstream_gradient(device, dtype, E):
     mask = [True, y is not None]
     got = BACKWARD(g, x, y, out, norm, 1e-5, 1e-12, mask)
     expected = BACKWARD(g.contiguous(), x, y, out, norm, 1e-5, 1e-12, mask)
+    # The same bits, except from compiled Triton kernels: Triton specialises a kernel on its
+    # strides (0 and 1 here), and the two compilations may sum a sample's products in another
+    # order (on an H200: 1 ulp apart in 45 of 1,260 float32 entries).
+    eps = 8 * torch.finfo(dtype).eps if device == "cuda" and request.node.get_closest_marker("triton") else 0
     for a, b in zip(got, expected, strict=False):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=eps, atol=eps * b.abs().max().item() if eps and b.numel() else 0)
 
 
 @pytest.mark.bad_input

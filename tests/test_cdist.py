@@ -298,11 +298,12 @@ def test_gradients_over_the_whole_finite_range(device, dtype, scale, layout, sel
     up = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(device)
     grads = torch.autograd.grad(out, inputs, up.to(dtype))
     k = int(np.frexp(scale)[1])
-    scaled = [torch.ldexp(t.detach().double(), torch.tensor(-k)).requires_grad_() for t in inputs]
-    grads64 = torch.autograd.grad(reference.cdist(*scaled, squared=squared), scaled, up)
+    # The float64 oracle on the CPU.
+    scaled = [torch.ldexp(t.detach().cpu().double(), torch.tensor(-k)).requires_grad_() for t in inputs]
+    grads64 = torch.autograd.grad(reference.cdist(*scaled, squared=squared), scaled, up.cpu())
     for actual, expected in zip(grads, grads64, strict=True):
         expected = torch.ldexp(expected, torch.tensor(k if squared else 0))
-        actual = actual.double()
+        actual = actual.cpu().double()
         # Within a factor of 4 of the range's end, a self gradient's two halves (as x1 and
         # as x2) may overflow apart though their sum would not.
         finite = expected.abs() <= torch.finfo(dtype).max / 4

@@ -878,6 +878,26 @@ def triton_module():
     return pair_losses
 
 
+# The configuration tests call the Triton kernels directly: under the interpreter on CPU
+# tensors, compiled on CUDA tensors where a GPU is visible (conftest.py).
+TRITON_DEVICE = pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+
+
+def on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def test_triton_kernels_round_as_the_cpu_kernels():
+    """Every launch configuration of the pair losses' Triton kernels keeps the compiler from
+    fusing a product and a sum into an FMA, which the CPU kernels never do: with it, a zero
+    row's exact distances to normalised rows (all 1 within an ulp) round otherwise, and
+    batch_hard chose another nearest negative than the CPU kernel on an H200."""
+    tp = triton_module()
+    configs = [c for name in dir(tp) if name.endswith("_CONFIGS") for c in getattr(tp, name)]
+    configs += [c for case in tp.compile_cases() for c in case.configs]
+    assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
+
+
 def triton_problems():
     """Ragged sizes around every configuration's blocks: without refs, with refs, and a batch
     with a zero row and one whose positives are all in the refs."""
@@ -904,9 +924,10 @@ TRITON_PARAMS = [
 
 
 @pytest.mark.triton("pair_losses")
+@TRITON_DEVICE
 @pytest.mark.parametrize("loss,params", TRITON_PARAMS)
 @pytest.mark.parametrize("which", [0, 1, 2])
-def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
+def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, device):
     """Each launch configuration of each kernel (configuration `which` of each, the last one
     where a kernel has fewer), in float64, against the CPU kernel: loss, stats, and each
     backward from the other's stats."""
@@ -924,23 +945,25 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which):
     more = dict(rows_config=rows) if triplets else {}
     for e, labels, ref, ref_labels in triton_problems():
         value, stats = op(e, labels, ref, ref_labels, *params)
-        got, got_stats = forward_t(e, labels, ref, ref_labels, *params, config=rows, row_config=row)
-        torch.testing.assert_close(got, value, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(got_stats, stats, rtol=1e-12, atol=1e-12)
+        inputs = on(device, e, labels, ref, ref_labels)
+        got, got_stats = forward_t(*inputs, *params, config=rows, row_config=row)
+        torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
         g = torch.tensor(0.7, dtype=e.dtype)
         mask = [True, ref is not None]
         exp = backward(g, e, labels, ref, ref_labels, stats, *params, mask)
-        for st in (stats, got_stats):
-            out = backward_t(g, e, labels, ref, ref_labels, st, *params, mask, config=grad, row_config=row, **more)
+        for st in on(device, stats, got_stats):
+            out = backward_t(*on(device, g), *inputs, st, *params, mask, config=grad, row_config=row, **more)
             for a, b in zip(out, exp, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
-        for a, b in zip(backward(g, e, labels, ref, ref_labels, got_stats, *params, mask), exp, strict=True):
+                torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
+        for a, b in zip(backward(g, e, labels, ref, ref_labels, got_stats.cpu(), *params, mask), exp, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.triton("pair_losses")
+@TRITON_DEVICE
 @pytest.mark.parametrize("mining", ["all", "semi_hard"])
-def test_triton_triplets_in_chunks_of_positives_and_bands_of_anchors(monkeypatch, mining):
+def test_triton_triplets_in_chunks_of_positives_and_bands_of_anchors(monkeypatch, mining, device):
     """Two classes: each anchor's positives span several of triplet_rows_kernel's chunks; a
     band of 2^6 pairs: the backward takes its anchors a block at a time."""
     tp = triton_module()
@@ -950,13 +973,15 @@ def test_triton_triplets_in_chunks_of_positives_and_bands_of_anchors(monkeypatch
     ref, ref_labels = make((23, 6), seed=26), make_labels(23, 2, seed=4)
     for r, rl in ((None, None), (ref, ref_labels)):
         value, stats = op(e, labels, r, rl, 0.2, mining)
-        got, got_stats = tp.triplet_margin_forward(e, labels, r, rl, 0.2, mining)
-        torch.testing.assert_close(got, value, rtol=1e-12, atol=1e-12)
-        assert torch.equal(got_stats, stats)
+        inputs = on(device, e, labels, r, rl)
+        got, got_stats = tp.triplet_margin_forward(*inputs, 0.2, mining)
+        torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
+        assert torch.equal(got_stats.cpu(), stats)
         g, mask = torch.tensor(0.7, dtype=e.dtype), [True, r is not None]
         exp = backward(g, e, labels, r, rl, stats, 0.2, mining, mask)
-        for a, b in zip(tp.triplet_margin_backward(g, e, labels, r, rl, stats, 0.2, mining, mask), exp, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+        out = tp.triplet_margin_backward(*on(device, g), *inputs, got_stats, 0.2, mining, mask)
+        for a, b in zip(out, exp, strict=True):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.triton("pair_losses")
@@ -1001,13 +1026,11 @@ def test_triton_on_cuda_matches_the_cpu_kernel(loss, params, dtype):
         g = torch.tensor(0.5, dtype=dtype)
         mask = [True, r is not None]
         exp = backward(g, e, labels, r, rl, stats, *params, mask)
-        cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
+        inputs, g_cuda = on("cuda", e, labels, r, rl), g.cuda()  # (a copy from the host synchronises)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got, got_stats = getattr(tp, f"{name}_forward")(cuda(e), cuda(labels), cuda(r), cuda(rl), *params)
-            out = getattr(tp, f"{name}_backward")(
-                cuda(g), cuda(e), cuda(labels), cuda(r), cuda(rl), got_stats, *params, mask
-            )
+            got, got_stats = getattr(tp, f"{name}_forward")(*inputs, *params)
+            out = getattr(tp, f"{name}_backward")(g_cuda, *inputs, got_stats, *params, mask)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.testing.assert_close(got.cpu(), value, rtol=tol, atol=tol)
@@ -1026,12 +1049,11 @@ def test_proxy_anchor_triton_on_cuda_matches_the_cpu_kernel(dtype):
     value, stats = torch.ops.torchkit.proxy_anchor_loss(e, labels, proxies, 0.1, 32.0)
     g = torch.tensor(0.5, dtype=dtype)
     exp = torch.ops.torchkit._proxy_anchor_loss_backward(g, e, labels, proxies, stats, 0.1, 32.0, [True, True])
+    inputs, g_cuda = on("cuda", e, labels, proxies), g.cuda()  # (a copy from the host synchronises)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got, got_stats = tp.proxy_anchor_forward(e.cuda(), labels.cuda(), proxies.cuda(), 0.1, 32.0)
-        out = tp.proxy_anchor_backward(
-            g.cuda(), e.cuda(), labels.cuda(), proxies.cuda(), got_stats, 0.1, 32.0, [True, True]
-        )
+        got, got_stats = tp.proxy_anchor_forward(*inputs, 0.1, 32.0)
+        out = tp.proxy_anchor_backward(g_cuda, *inputs, got_stats, 0.1, 32.0, [True, True])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(got.cpu(), value, rtol=tol, atol=tol)
@@ -1337,8 +1359,9 @@ def test_proxy_anchor_module(device):
 
 
 @pytest.mark.triton("pair_losses")
+@TRITON_DEVICE
 @pytest.mark.parametrize("which", [0, 1, 2])
-def test_proxy_anchor_triton_every_configuration_matches_the_cpu_kernel(which):
+def test_proxy_anchor_triton_every_configuration_matches_the_cpu_kernel(which, device):
     """test_triton_every_configuration_matches_the_cpu_kernel's, for proxy_anchor_loss: ragged
     sizes, a proxy without positives, a zero embedding."""
     tp = triton_module()
@@ -1348,16 +1371,17 @@ def test_proxy_anchor_triton_every_configuration_matches_the_cpu_kernel(which):
     e[3] = 0
     for margin, alpha in ((0.1, 32.0), (0.0, 4.0)):
         value, stats = torch.ops.torchkit.proxy_anchor_loss(e, labels, proxies, margin, alpha)
-        got, got_stats = tp.proxy_anchor_forward(e, labels, proxies, margin, alpha, config=rows, row_config=row)
-        torch.testing.assert_close(got, value, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(got_stats, stats, rtol=1e-12, atol=1e-12)
+        inputs = on(device, e, labels, proxies)
+        got, got_stats = tp.proxy_anchor_forward(*inputs, margin, alpha, config=rows, row_config=row)
+        torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
         g = torch.tensor(0.7, dtype=e.dtype)
         exp = torch.ops.torchkit._proxy_anchor_loss_backward(g, e, labels, proxies, stats, margin, alpha, [True, True])
         out = tp.proxy_anchor_backward(
-            g, e, labels, proxies, got_stats, margin, alpha, [True, True], config=grad, row_config=row
+            *on(device, g), *inputs, got_stats, margin, alpha, [True, True], config=grad, row_config=row
         )
         for a, b in zip(out, exp, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")

@@ -26,14 +26,15 @@ from torchkit import triton as triton_path
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def available() -> str | None:
-    """Why the Triton path cannot be tested here, or None."""
+def available(interpreted: bool = INTERPRETING) -> str | None:
+    """Why the Triton path cannot be tested here (compiled, or under the interpreter), or None."""
     found = triton_path.triton_version()
     if found is None:
         return "triton is not installed"
-    if found < triton_path.MIN_TRITON:
-        floor = ".".join(map(str, triton_path.MIN_TRITON))
-        return f"triton {'.'.join(map(str, found))} is below the Triton path's floor {floor}"
+    floor = triton_path.MIN_TRITON_INTERPRETER if interpreted else triton_path.MIN_TRITON
+    if found < floor:
+        what = "interpreter's" if interpreted else "Triton path's"
+        return f"triton {'.'.join(map(str, found))} is below the {what} floor {'.'.join(map(str, floor))}"
     return None
 
 

@@ -16,7 +16,9 @@
 # Exits non-zero if the build, a test or a sanitizer run fails. STEPS="test bench" (say) runs
 # only some of steps 2 to 4 ("test", "sanitize", "profile", "sweep", "bench"); TESTS (test files) and
 # SANITIZE_OPS (op names) narrow step 2 to a re-check of some ops, PROFILE_CASES (names from
-# tools/gpu_profile.py) step 3 and BENCHES (benchmark files) step 4.
+# tools/gpu_profile.py) step 3 and BENCHES (benchmark files) step 4; TEST_K and BENCH_K are
+# pytest -k expressions for steps 2 and 4, TEST_LIMIT and BENCH_LIMIT their limits in seconds
+# (at the limit pytest is interrupted and still reports, and writes the JSON of what ran).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PY:-python3}
@@ -24,7 +26,6 @@ LOGS=build/gpu-check
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-test sanitize profile sweep bench}
-TRITON_OPS=$($PY -c "from torchkit import triton as t; print(' '.join(t.TRITON_KERNELS))" 2>/dev/null)
 TESTS=${TESTS:-tests}
 SANITIZE_OPS=${SANITIZE_OPS:-cdist bilinear_pool covariance_pool knn label_smoothing_cross_entropy region_confusion pair_losses}
 TRITON_ONLY_OPS="pair_losses"  # no CUDA C++ kernels: sanitized as triton:<op> only
@@ -45,6 +46,8 @@ TORCHKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" MAX_JOBS=$
   $PY setup.py --quiet build_ext --inplace > "$LOGS/build.log" 2>&1 || { tail -40 "$LOGS/build.log"; exit 1; }
 echo "build for sm_$arch: $SECONDS s"
 $PY -c "import torchkit; print(torchkit.build_info())"
+# After the build: importing torchkit needs its extension.
+TRITON_OPS=$($PY -c "from torchkit import triton as t; print(' '.join(t.TRITON_KERNELS))") || exit 1
 
 sanitize() {  # tool op
   PYTHONPATH=$PWD timeout "${SANITIZER_LIMIT:-240}" compute-sanitizer --tool "$1" --error-exitcode 9 --print-limit 20 \
@@ -70,8 +73,8 @@ if [[ $STEPS == *sanitize* ]]; then
   sanitizers=$!
 fi
 if [[ $STEPS == *test* ]]; then
-  $PY -m pytest $TESTS -q -p no:cacheprovider -n "${TEST_WORKERS:-10}" --ignore tests/test_packaging.py \
-    > "$LOGS/tests.log" 2>&1 || status=1
+  timeout -s INT "${TEST_LIMIT:-0}" $PY -m pytest $TESTS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider \
+    -n "${TEST_WORKERS:-10}" --ignore tests/test_packaging.py > "$LOGS/tests.log" 2>&1 || status=1
   echo "tests ($SECONDS s): $(tail -1 "$LOGS/tests.log")"
   grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -40
 fi
@@ -101,7 +104,7 @@ BENCHES=${BENCHES:-benchmarks/bench_label_smoothing_cross_entropy.py benchmarks/
   benchmarks/bench_cdist.py benchmarks/bench_bilinear_pool.py benchmarks/bench_covariance_pool.py benchmarks/bench_knn.py \
   benchmarks/bench_pair_losses.py}
 TORCHKIT_BENCH_SECONDS=${TORCHKIT_BENCH_SECONDS:-0.3} timeout -s INT "${BENCH_LIMIT:-1200}" $PY -m pytest -m cuda -q -p no:cacheprovider \
-  $BENCHES --benchmark-json="$RESULTS/gpu.json" --benchmark-columns=median,rounds > "$LOGS/bench.log" 2>&1
+  $BENCHES ${BENCH_K:+-k "$BENCH_K"} --benchmark-json="$RESULTS/gpu.json" --benchmark-columns=median,rounds > "$LOGS/bench.log" 2>&1
 echo "benchmarks ($SECONDS s): $(tail -1 "$LOGS/bench.log")"
 grep -E "^(FAILED|ERROR)" "$LOGS/bench.log" | head -20
 $PY benchmarks/report.py "$RESULTS/gpu.json" > "$LOGS/report.log" 2>&1 || { tail -20 "$LOGS/report.log"; status=1; }

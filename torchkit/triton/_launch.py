@@ -11,22 +11,31 @@ import torch
 
 class Config:
     """One launch configuration: the kernel's block sizes (constexpr arguments) and the
-    compiler's num_warps and num_stages. Tests run every configuration under the interpreter;
-    tools/triton_check.py compiles every one for sm_80 and sm_90."""
+    compiler's num_warps, num_stages and whether it may fuse a product and a sum into an FMA
+    (fp_fusion: the compiler's default, which the interpreter and the CPU kernels never do).
+    Tests run every configuration under the interpreter; tools/triton_check.py compiles every
+    one for sm_80 and sm_90."""
 
-    def __init__(self, num_warps: int = 4, num_stages: int = 2, **kwargs: int):
+    def __init__(self, num_warps: int = 4, num_stages: int = 2, fp_fusion: bool = True, **kwargs: int):
         self.kwargs = dict(kwargs)
         self.num_warps = num_warps
         self.num_stages = num_stages
+        self.fp_fusion = fp_fusion
+
+    @property
+    def options(self) -> dict:
+        """The compiler's options: num_warps, num_stages and enable_fp_fusion."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, "enable_fp_fusion": self.fp_fusion}
 
     @property
     def launch(self) -> dict:
-        """Keyword arguments of a launch: the block sizes, num_warps and num_stages."""
-        return {**self.kwargs, "num_warps": self.num_warps, "num_stages": self.num_stages}
+        """Keyword arguments of a launch: the block sizes and the compiler's options."""
+        return {**self.kwargs, **self.options}
 
     def __repr__(self) -> str:
         blocks = ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
-        return f"Config({blocks}, num_warps={self.num_warps}, num_stages={self.num_stages})"
+        fusion = "" if self.fp_fusion else ", fp_fusion=False"
+        return f"Config({blocks}, num_warps={self.num_warps}, num_stages={self.num_stages}{fusion})"
 
 
 def interpreting() -> bool:
