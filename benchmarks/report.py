@@ -34,6 +34,7 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 
 TORCHKIT = "torchkit"
+TRITON = "torchkit (triton)"  # the Triton kernels, timed beside the CUDA C++ ones on a GPU
 ROOFLINE = "roofline"  # benchmarks/common.py
 BENCHMARKS = Path(__file__).resolve().parent
 RESULTS = BENCHMARKS / "results"
@@ -81,14 +82,27 @@ def _notes(extra: dict) -> str:
 
 
 def load(path: Path) -> dict:
-    """{op: {(case, pass): {impl: (median seconds, extra_info)}}}, in the order the run made them."""
+    """{op: {(case, pass): {impl: (median seconds, extra_info)}}}, in the order the run made them.
+    An op whose only kernels in the run are Triton's (the pair losses on a GPU) has them as
+    torchkit, each marked staged in its extra_info where TORCHKIT_CUDA_KERNELS does not yet
+    select them by default."""
     data = json.loads(path.read_text())
     ops: dict = defaultdict(dict)
     for bench in data["benchmarks"]:
         extra = bench["extra_info"]
         row = ops[extra["op"]].setdefault((extra["case"], extra["pass_"]), {})
         row[extra["impl"]] = (bench["stats"]["median"], extra)
+    for rows in ops.values():
+        if not any(TORCHKIT in impls for impls in rows.values()):
+            for impls in rows.values():
+                if TRITON in impls:
+                    t, extra = impls.pop(TRITON)
+                    impls[TORCHKIT] = (t, {**extra, "staged": True})
     return ops, data.get("machine_info", {})
+
+
+def _staged(rows: dict) -> bool:
+    return any(impls[TORCHKIT][1].get("staged") for impls in rows.values() if TORCHKIT in impls)
 
 
 def table(op: str, rows: dict) -> tuple[str, list[str], dict]:
@@ -174,7 +188,8 @@ def report(src: Path, image_dir: str = "", heading: str = "###", charts: bool = 
     parts = [f"Machine: {_machine(machine)}; ratios are peer time / torchkit time.\n"]
     for op, rows in ops.items():
         md, labels, ratios = table(op, rows)
-        parts.append(f"{heading} {op}\n\n{md}\n")
+        note = " (torchkit: its staged Triton kernels, `TORCHKIT_CUDA_KERNELS=triton`)" if _staged(rows) else ""
+        parts.append(f"{heading} {op}{note}\n\n{md}\n")
         png = src.with_name(f"{src.stem}_{op}.png")
         if charts:
             chart(op, labels, ratios, png)
@@ -211,6 +226,7 @@ def headline(runs: list[tuple[str, Path]]) -> str:
         cpu = machine.get("cpu", {})
         label = machine.get("gpu") or f"{cpu.get('brand_raw', 'CPU')}, {cpu.get('count', '?')} cores"
         for op, rows in ops.items():
+            staged = " (staged Triton)" if _staged(rows) else ""
             for case in headline_cases(rows):
                 passes = [p for c, p in rows if c == case and TORCHKIT in rows[(c, p)]]
                 pass_ = "forward+backward" if "forward+backward" in passes else passes[0]
@@ -219,7 +235,7 @@ def headline(runs: list[tuple[str, Path]]) -> str:
                 peers = ", ".join(
                     f"{peer} {pt / t:.2f}×" for peer, (pt, _) in impls.items() if peer not in (TORCHKIT, ROOFLINE)
                 )
-                by_op[op].append(f"| `{op}` | {label} | {case} | {pass_} | {_time(t)} | {peers} |")
+                by_op[op].append(f"| `{op}` | {label} | {case} | {pass_} | {_time(t)}{staged} | {peers} |")
     for op in sorted(by_op):
         lines += by_op[op]
     return "\n".join(lines)

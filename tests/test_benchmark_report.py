@@ -58,3 +58,27 @@ def test_ratios_and_headlines(tmp_path):
     # A run from before the marks were recorded: its first case.
     unmarked = write_run(tmp_path / "old.json", [entry("ce", "first", "forward", "torchkit", 1.0)])
     assert report.headline([("CPU", unmarked)]).splitlines()[2].split(" | ")[2] == "first"
+
+
+def test_an_op_with_only_triton_kernels_is_reported_through_them(tmp_path):
+    """A GPU run of the pair losses times their staged Triton kernels, not torchkit's (their
+    only CUDA kernels): those are the op's row, marked staged; where torchkit has its own, the
+    Triton kernels stay a column beside it."""
+    report = load_report()
+    run = write_run(
+        tmp_path / "gpu.json",
+        [
+            entry("loss", "big", "forward+backward", "torchkit (triton)", 2.0, True),
+            entry("loss", "big", "forward+backward", "peer", 4.0, True),
+            entry("dist", "big", "forward", "torchkit", 1.0, True),
+            entry("dist", "big", "forward", "torchkit (triton)", 3.0, True),
+        ],
+    )
+    ops, _ = report.load(run)
+    assert "**2.00×**" in report.table("loss", ops["loss"])[0].splitlines()[2]
+    assert "**3.00×**" in report.table("dist", ops["dist"])[0].splitlines()[2]
+    text = report.report(run, charts=False)
+    assert "### loss (torchkit: its staged Triton kernels" in text and "### dist\n" in text
+    table = report.headline([("GPU", run)])
+    assert "2 s (staged Triton) | peer 2.00×" in table.replace("2e+03 ms", "2 s")
+    assert "torchkit (triton) 3.00×" in table
