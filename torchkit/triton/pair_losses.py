@@ -55,7 +55,8 @@ either forward's stats. Nothing N×M exists:
   their exact distances, compared with every negative tile at once (anchors × chunk ×
   negatives); per anchor the counted triplets and their sums. The backward takes the
   anchors a band at a time (BAND_PAIRS): triplet_rows_kernel writes each pair's ∂loss/∂d·C
-  (a negative: minus its counted positives; a positive: its counted triplets), then
+  (a negative: minus its counted positives; a positive: its counted triplets; the refs split
+  into slices across programs, as a band has too few anchors to fill the GPU), then
   euclidean_grad_kernel (contrastive_loss's backward, reading the band) adds the band's
   gradient to the anchors' and the refs' rows, bands in order.
 
@@ -1459,6 +1460,7 @@ def triplet_rows_kernel(
     count_ptr,
     band_ptr,
     ROW0,
+    SLICE,
     N,
     M,
     D,
@@ -1488,7 +1490,11 @@ def triplet_rows_kernel(
     and the positives at a NaN distance (each counts with every negative).
     BAND: ∂loss/∂d·C per pair of the anchors [ROW0, N) into band (rows from ROW0, M columns,
     zeroed by the caller): −(the non-NaN positives counted with it) for a negative, +(its
-    counted triplets) for a positive (triplet_backward's coefficients)."""
+    counted triplets) for a positive (triplet_backward's coefficients). A band has few
+    anchors, so its launch also splits the refs into slices of SLICE columns (program_id 1):
+    each negative's coefficient is written by its slice's program, each positive's is the
+    sum of the slices' counts (an integer atomic add: the same on every run). The forward
+    takes the refs whole (SLICE ≥ M)."""
     margin = tm.f64(MARGIN_BITS)
     err = tm.f64(ERR_BITS)
     unit = tm.f64(UNIT_BITS)
@@ -1498,6 +1504,8 @@ def triplet_rows_kernel(
     sq_a = tl.load(sq_a_ptr + rows, mask=row_mask, other=0.0)
     lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
     hi = tl.load(hi_ptr + rows, mask=row_mask, other=0)
+    j_start = tl.program_id(1).to(tl.int64) * SLICE
+    j_end = tl.minimum(j_start + SLICE, M)
     count = tl.zeros((BLOCK_N,), tl.int64)
     nan_count = tl.zeros((BLOCK_N,), tl.int64)
     neg_sum = tl.zeros((BLOCK_N,), tl.float64)
@@ -1515,10 +1523,10 @@ def triplet_rows_kernel(
         nan_count += nan_p
         uses = tl.zeros((BLOCK_N, BLOCK_P), tl.int32)
         # (a chunk without positives counts nothing: its rows skip the tiles)
-        M_live = tl.where(_any(pok) | (tl.max(nan_p, axis=0) > 0), M, 0)
-        for j0 in range(0, M_live, BLOCK_M):
+        j_live = tl.where(_any(pok) | (tl.max(nan_p, axis=0) > 0), j_end, j_start)
+        for j0 in range(j_start, j_live, BLOCK_M):
             cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-            col_mask = cols < M
+            col_mask = cols < j_end
             ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
             sq_b = tl.load(sq_b_ptr + cols, mask=col_mask, other=0.0)
             d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
@@ -1559,7 +1567,7 @@ def triplet_rows_kernel(
                 count += tl.sum(kk, axis=1)
                 neg_sum += tl.sum(tl.where(kk > 0, kk.to(tl.float64) * d64, 0.0), axis=1)
         if BAND:
-            tl.store(band_ptr + (rows - ROW0)[:, None] * M + js, uses, mask=pok & (uses != 0))
+            tl.atomic_add(band_ptr + (rows - ROW0)[:, None] * M + js, uses, mask=pok & (uses != 0))
         else:
             pos_sum += tl.sum(tl.where(pok & (uses != 0), uses.to(tl.float64) * (t + margin), 0.0), axis=1)
     if not BAND:
@@ -2350,14 +2358,30 @@ def _label_segments(a: _Side, b: _Side) -> tuple:
     return order, lo, hi
 
 
+# A launch of the triplet backward's band (few anchors) has at least this many programs per
+# SM, its refs split into slices; under the interpreter, as if on 2 SMs (so that the tests
+# take several slices).
+PROGRAMS_PER_SM = 4
+
+
+def _ref_slice(programs: int, M: int, block: int, device: torch.device) -> int:
+    """The columns of a slice of the refs, a multiple of `block`: as many slices as bring
+    `programs` blocks of anchors to PROGRAMS_PER_SM programs per SM, at most one per block."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    slices = max(1, min(blocks(M, block), blocks(PROGRAMS_PER_SM * sms, programs)))
+    return blocks(blocks(M, block), slices) * block
+
+
 def _triplet_rows(a, b, points, segments, margin, semi, acc, config, sums=None, count=None, band=None, row0=0, end=0):
     """triplet_rows_kernel over the anchors [row0, end): the forward's sums and counts, or
     (band) the backward's coefficients of those anchors' pairs."""
     (ca, sq_a), (cb, sq_b) = points
-    D = a.raw.shape[1]
+    D, M = a.raw.shape[1], b.n
     if end <= row0:
         return
-    triplet_rows_kernel[(blocks(end - row0, config.kwargs["BLOCK_N"]),)](
+    programs = blocks(end - row0, config.kwargs["BLOCK_N"])
+    slice_ = _ref_slice(programs, M, config.kwargs["BLOCK_M"], a.raw.device) if band is not None else max(M, 1)
+    triplet_rows_kernel[(programs, blocks(M, slice_))](
         ca,
         cb,
         sq_a,
@@ -2376,8 +2400,9 @@ def _triplet_rows(a, b, points, segments, margin, semi, acc, config, sums=None, 
         count if band is None else band,
         sq_a if band is None else band,
         row0,
+        slice_,
         end,
-        b.n,
+        M,
         D,
         *_euclidean_bits((margin,), D, acc),
         SELF=a is b,
@@ -2745,7 +2770,7 @@ def compile_cases() -> list[CompileCase]:
                 **dict.fromkeys(("ca_ptr", "cb_ptr", "sq_a_ptr", "sq_b_ptr", "c_own_ptr", "c_other_ptr"), "*" + acc),
                 **dict.fromkeys(("sq_own_ptr", "sq_other_ptr"), "*" + acc),
                 **dict.fromkeys(("POS_BITS", "NEG_BITS", "ERR_BITS", "UNIT_BITS", "MARGIN_BITS"), "i64"),
-                **dict.fromkeys(("OWN0", "OTHER0", "BAND0", "BAND_STRIDE", "ROW0"), "i32"),
+                **dict.fromkeys(("OWN0", "OTHER0", "BAND0", "BAND_STRIDE", "ROW0", "SLICE"), "i32"),
                 "st_ptr": "*" + acc,
                 "sums_ptr": "*fp64",
             }
