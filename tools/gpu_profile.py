@@ -54,6 +54,9 @@ def cases():
     emb = _randn(20000 // s, 128)
     queries, gallery = _randn(1000 // s, 512), _randn(100000 // s, 512)
     images = _randn(256 // s, 3, 448, 448)
+    emb_loss, emb_proxy = _randn(8192 // s, 128, grad=True), _randn(8192 // s, 512 // s, grad=True)
+    labels = torch.arange(8192 // s, device=DEVICE) // 8
+    proxies = _randn(11318 // s, 512 // s, grad=True)
     return {
         "cdist-forward": lambda: ops.cdist(x.detach(), y.detach()),
         "cdist-forward+backward": _grad(ops.cdist, x, y),
@@ -66,7 +69,29 @@ def cases():
             lambda z: ops.label_smoothing_cross_entropy(z, target, label_smoothing=0.1), logits
         ),
         "region_confusion-forward": lambda: ops.region_confusion(images, 7, 2),
+        # The pair losses on CUDA: their staged Triton kernels (_pair_losses_on_triton).
+        "supcon_loss-forward+backward": _grad(lambda e: ops.supcon_loss(e, labels), emb_loss),
+        "contrastive_loss-forward+backward": _grad(lambda e: ops.contrastive_loss(e, labels), emb_loss),
+        "triplet_margin_loss-all-forward+backward": _grad(
+            lambda e: ops.triplet_margin_loss(e, labels, mining="all"), emb_loss
+        ),
+        "multi_similarity_loss-forward+backward": _grad(lambda e: ops.multi_similarity_loss(e, labels), emb_loss),
+        "proxy_anchor_loss-forward+backward": _grad(
+            lambda e, p: ops.proxy_anchor_loss(e, labels, p), emb_proxy, proxies
+        ),
     }
+
+
+def _pair_losses_on_triton():
+    """The pair losses' only CUDA kernels are their staged Triton ones: registered for the
+    profile, as TORCHKIT_CUDA_KERNELS=triton would, for these ops alone (the other cases keep
+    the CUDA C++ kernels). Returns the registration, which lasts as long as it is held."""
+    from torchkit import triton as triton_path
+
+    library = torch.library.Library("torchkit", "IMPL")
+    for name, function in triton_path.TRITON_KERNELS["pair_losses"].items():
+        library.impl(name.split("::")[1], triton_path._kernel("pair_losses", function), "CUDA")
+    return library
 
 
 def _sync():
@@ -108,6 +133,7 @@ def profile_case(name, fn, calls=5):
 
 
 def main(names):
+    registration = _pair_losses_on_triton() if DEVICE == "cuda" else None  # noqa: F841 (held)
     all_cases = cases()
     unknown = [n for n in names if n not in all_cases]
     if unknown:
