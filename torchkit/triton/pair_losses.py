@@ -92,48 +92,53 @@ LOSS_PROXY = tl.constexpr(2)
 CONTRASTIVE_TERMS = tl.constexpr(0)
 BAND_TERMS = tl.constexpr(1)
 
+
+def _config(**kwargs) -> Config:
+    """A launch configuration of this module's kernels, none of which lets the compiler fuse a
+    product and a sum into an FMA: the exact distances and cosines, the norms and the centred
+    points must round as the CPU kernels' do (their C++ contracts nothing), or a choice between
+    near-equal distances could differ from theirs (a zero row is at distance 1 from every
+    normalised row: batch_hard chose another negative for it on an H200 before)."""
+    return Config(fp_fusion=False, **kwargs)
+
+
 # Launch configurations. Each is run by the tests (every masking path) and compiled by
-# tools/triton_check.py; `config` arguments pick one, the default being the first. None lets
-# the compiler fuse a product and a sum into an FMA: the exact distances and cosines, the
-# norms and the centred points must round as the CPU kernels' do (their C++ contracts
-# nothing), or a choice between near-equal distances could differ from theirs (a zero row is
-# at distance 1 from every normalised row: batch_hard chose another negative for it on an H200
-# before).
+# tools/triton_check.py; `config` arguments pick one, the default being the first.
 ROWS_CONFIGS = (
-    Config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=3, fp_fusion=False),
-    Config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=4, num_stages=3, fp_fusion=False),
-    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2, fp_fusion=False),
+    _config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    _config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
 )
 GRAD_CONFIGS = (
-    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2, fp_fusion=False),
-    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2, fp_fusion=False),
+    _config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
+    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
 )
 # The kernels that carry float64 tiles beside the float32 ones (multi-similarity's exact
 # cosines, the Euclidean losses' exact distances and float64 terms): smaller tiles keep them
 # within the registers.
 EXACT_ROWS_CONFIGS = (
-    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2, fp_fusion=False),
-    Config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=2, fp_fusion=False),
+    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    _config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=2),
 )
 EXACT_GRAD_CONFIGS = (
-    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2, fp_fusion=False),
-    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2, fp_fusion=False),
-    Config(BLOCK_N=16, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2, fp_fusion=False),  # float64's
+    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
+    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
+    _config(BLOCK_N=16, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
 )
 # triplet_rows_kernel: its 3-D comparisons (anchors × a chunk of their positives × refs).
 TRIPLET_ROWS_CONFIGS = (
-    Config(BLOCK_N=16, BLOCK_M=32, BLOCK_P=8, BLOCK_K=16, num_warps=8, num_stages=2, fp_fusion=False),
-    Config(BLOCK_N=16, BLOCK_M=16, BLOCK_P=16, BLOCK_K=32, num_warps=8, num_stages=2, fp_fusion=False),
-    Config(BLOCK_N=16, BLOCK_M=16, BLOCK_P=8, BLOCK_K=16, num_warps=8, num_stages=2, fp_fusion=False),  # float64's
+    _config(BLOCK_N=16, BLOCK_M=32, BLOCK_P=8, BLOCK_K=16, num_warps=8, num_stages=2),
+    _config(BLOCK_N=16, BLOCK_M=16, BLOCK_P=16, BLOCK_K=32, num_warps=8, num_stages=2),
+    _config(BLOCK_N=16, BLOCK_M=16, BLOCK_P=8, BLOCK_K=16, num_warps=8, num_stages=2),  # float64's
 )
 # batch_hard's backward: float64 rows of features, gathered a pair at a time.
 HARD_GRAD_CONFIGS = (
-    Config(BLOCK_ROWS=16, BLOCK_F=64, num_warps=4, num_stages=2, fp_fusion=False),
-    Config(BLOCK_ROWS=8, BLOCK_F=16, num_warps=2, num_stages=2, fp_fusion=False),
+    _config(BLOCK_ROWS=16, BLOCK_F=64, num_warps=4, num_stages=2),
+    _config(BLOCK_ROWS=8, BLOCK_F=16, num_warps=2, num_stages=2),
 )
 ROW_CONFIGS = (
-    Config(BLOCK_ROWS=16, BLOCK_D=128, num_warps=4, num_stages=2, fp_fusion=False),
-    Config(BLOCK_ROWS=8, BLOCK_D=16, num_warps=2, num_stages=2, fp_fusion=False),
+    _config(BLOCK_ROWS=16, BLOCK_D=128, num_warps=4, num_stages=2),
+    _config(BLOCK_ROWS=8, BLOCK_D=16, num_warps=2, num_stages=2),
 )
 
 
@@ -2343,8 +2348,7 @@ def _pair_dists(a: _Side, b: _Side, idx: Tensor, config: Config) -> Tensor:
             a.raw.shape[1],
             K=K,
             BLOCK_ROWS=config.kwargs["BLOCK_ROWS"],
-            num_warps=config.num_warps,
-            enable_fp_fusion=config.fp_fusion,
+            **config.options,
         )
     return out
 
@@ -2865,10 +2869,7 @@ def compile_cases() -> list[CompileCase]:
                     pair_dist_kernel,
                     {**ms_types, "idx_ptr": "*i64", "out_ptr": "*fp64"},
                     dict(K=2),
-                    tuple(
-                        Config(BLOCK_ROWS=c.kwargs["BLOCK_ROWS"], num_warps=c.num_warps, fp_fusion=False)
-                        for c in ROW_CONFIGS
-                    ),
+                    tuple(_config(BLOCK_ROWS=c.kwargs["BLOCK_ROWS"], num_warps=c.num_warps) for c in ROW_CONFIGS),
                 )
             )
             cases.append(
