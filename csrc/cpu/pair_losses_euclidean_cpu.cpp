@@ -628,22 +628,60 @@ std::tuple<Tensor, Tensor> triplet_backward(const Problem& p, const Inputs<acc_t
   for (int64_t a = 0; a < p.N; ++a) count += st[a * S + 2];
   const double inv_count = 1.0 / static_cast<double>(count);
   if (p.mining == Mining::BatchHard) {
-    // Two pairs per counted anchor, directly: +1/C on (a, p), −1/C on (a, n); in anchor order.
+    // Two pairs per counted anchor, directly: +1/C on (a, p), −1/C on (a, n). Each row sums
+    // its terms in anchor order (as an anchor its own two pairs, as a chosen ref row those
+    // that chose it: a CSR of the pairs by ref row, filled in anchor order), so that the rows
+    // are independent tasks and the bits do not depend on the number of threads.
     Tensor ge = at::zeros_like(in.a.side.raw), gr;
     Tensor& gref = p.self ? ge : (gr = at::zeros_like(in.b->side.raw));
     acc_t* e = ge.data_ptr<acc_t>();
     acc_t* r = gref.data_ptr<acc_t>();
     const int64_t D = p.D;
+    std::vector<double> dist(2 * p.N, 0.0);  // per pair (a, k): its exact distance
+    at::parallel_for(0, p.N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t a = begin; a < end; ++a) {
+        if (st[a * S + 2] == 0) continue;
+        for (int k = 0; k < 2; ++k) dist[2 * a + k] = in.exact(a, st[a * S + k]);
+      }
+    });
+    std::vector<int64_t> start(p.M + 1, 0), chosen;  // ref row j: its pairs 2a + k
     for (int64_t a = 0; a < p.N; ++a) {
       if (st[a * S + 2] == 0) continue;
-      for (int k = 0; k < 2; ++k) {
-        const int64_t j = st[a * S + k];
-        const double d = in.exact(a, j);
-        const double g = k == 0 ? inv_count : -inv_count;
-        add_pair(e + a * D, in.a, a, *in.b, j, d, g);
-        add_pair(r + j * D, *in.b, j, in.a, a, d, g);
-      }
+      for (int k = 0; k < 2; ++k) ++start[st[a * S + k] + 1];
     }
+    for (int64_t j = 0; j < p.M; ++j) start[j + 1] += start[j];
+    chosen.resize(start[p.M]);
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t a = 0; a < p.N; ++a) {
+      if (st[a * S + 2] == 0) continue;
+      for (int k = 0; k < 2; ++k) chosen[fill[st[a * S + k]]++] = 2 * a + k;
+    }
+    auto weight = [&](int64_t pair) { return pair % 2 == 0 ? inv_count : -inv_count; };
+    auto own_pairs = [&](int64_t a) {  // anchor a's terms, into its row of e
+      for (int k = 0; k < 2; ++k)
+        add_pair(e + a * D, in.a, a, *in.b, st[a * S + k], dist[2 * a + k], weight(2 * a + k));
+    };
+    // Ref row j's terms from the anchors that chose it, those before `until` (an anchor index).
+    auto chosen_pairs = [&](int64_t j, int64_t& next, int64_t until) {
+      for (; next < start[j + 1] && chosen[next] / 2 < until; ++next) {
+        const int64_t pair = chosen[next];
+        add_pair(r + j * D, *in.b, j, in.a, pair / 2, dist[pair], weight(pair));
+      }
+    };
+    at::parallel_for(0, p.self ? p.N : std::max(p.N, p.M), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const bool anchor = m < p.N && st[m * S + 2] != 0;
+        int64_t next = m < p.M ? start[m] : 0;
+        if (p.self) {  // one row: the pairs that chose it before m, its own, the rest
+          chosen_pairs(m, next, m);
+          if (anchor) own_pairs(m);
+          chosen_pairs(m, next, p.N);
+          continue;
+        }
+        if (anchor) own_pairs(m);
+        if (m < p.M) chosen_pairs(m, next, p.N);
+      }
+    });
     through_normalisation<acc_t>(ge, in.a.side, grad);
     if (!p.self && want_r) through_normalisation<acc_t>(gr, in.b->side, grad);
     return {want_e ? ge.to(dtype) : Tensor(), want_r ? gr.to(dtype) : Tensor()};
