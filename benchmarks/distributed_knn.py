@@ -110,7 +110,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, cases: dict, rep
         dist.destroy_process_group()
 
 
-def run(world: int, cases: dict, repeats: int) -> list[dict]:
+def run(world: int, cases: dict, repeats: int, worker=worker) -> list[dict]:
+    """Each rank's results of ``worker`` (this one, or another benchmark's) on `world` processes."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, str(Path(tmp) / "init"), tmp, cases, repeats), nprocs=world, join=True)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]

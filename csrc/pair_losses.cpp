@@ -26,7 +26,7 @@ void check_labels(const char* op, const char* name, const at::Tensor& labels, co
 
 Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Tensor& labels,
                      const std::optional<at::Tensor>& ref_embeddings,
-                     const std::optional<at::Tensor>& ref_labels) {
+                     const std::optional<at::Tensor>& ref_labels, std::optional<int64_t> shard) {
   Problem p;
   p.op = op;
   check_floating(op, "embeddings", embeddings);
@@ -52,7 +52,37 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
     check_labels(op, "ref_labels", *ref_labels, "ref_embeddings", r);
     p.M = r.size(0);
   }
+  p.offset = p.self ? 0 : -1;
+  if (shard.has_value()) {
+    TK_CHECK_VALUE(op, !p.self,
+                   "shard needs ref_embeddings (every rank's rows, of which the anchors are a "
+                   "shard), got ref_embeddings=None");
+    TK_CHECK_VALUE(op, *shard >= -1 && *shard <= p.M - p.N,
+                   "shard must be -1 (refs apart from the anchors) or the anchors' first row in "
+                   "ref_embeddings, in [0, M - N] = [0, ",
+                   p.M - p.N, "], got ", *shard);
+    p.shard = true;
+    p.offset = *shard;
+    // The anchors are those ref rows: their labels must be too (the kernels count an anchor's
+    // positives less itself).
+    if (p.offset >= 0 && p.N > 0 && labels.device().is_cpu()) {
+      const at::Tensor mine = labels.to(at::kLong);
+      const at::Tensor theirs = ref_labels->narrow(0, p.offset, p.N).to(at::kLong);
+      const at::Tensor differ = mine.ne(theirs).nonzero();
+      TK_CHECK_VALUE(op, differ.numel() == 0, "with shard = ", p.offset,
+                     ", labels must equal ref_labels[shard:shard + N] (the anchors are those ref "
+                     "rows), got a different label at anchor ",
+                     differ.numel() ? differ[0].item<int64_t>() : 0);
+    }
+  }
   return p;
+}
+
+at::Tensor Problem::parts(std::initializer_list<double> values, const at::Tensor& like) const {
+  at::Tensor out = at::empty({static_cast<int64_t>(values.size())},
+                             like.options().dtype(at::kDouble).device(at::kCPU));
+  std::copy(values.begin(), values.end(), out.data_ptr<double>());
+  return out.to(like.device());
 }
 
 double check_temperature(const char* op, const c10::Scalar& temperature) {
@@ -122,7 +152,9 @@ void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::T
   const char* op = p.op;
   TK_CHECK_VALUE(op, grad.dim() == 0, "backward: grad must be a scalar (the loss's), got shape ",
                  grad.sizes());
-  check_same_dtype(op, "embeddings", embeddings, "grad", grad);
+  // A shard's grad is its caller's scale of the whole loss's, which a reduced dtype would round.
+  if (!(p.shard && grad.scalar_type() == at::kDouble))
+    check_same_dtype(op, "embeddings", embeddings, "grad", grad);
   check_same_device(op, "embeddings", embeddings, "grad", grad);
   const auto acc =
       stats_type.value_or(embeddings.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
@@ -145,49 +177,50 @@ std::tuple<at::Tensor, at::Tensor> backward_outputs(
 }
 
 TORCH_LIBRARY_FRAGMENT(torchkit, m) {
-  // Each loss returns (loss, stats): the loss (a scalar of embeddings' dtype) and per anchor
-  // what the backward needs, of the accumulation type (pair_losses.h). Each backward returns
-  // (grad_embeddings, grad_ref_embeddings); one output_mask leaves out (and the second for
-  // ref_embeddings = None) is (0,).
+  // Each loss returns (loss, stats): the loss (a scalar of embeddings' dtype; a shard's parts)
+  // and per anchor what the backward needs, of the accumulation type (pair_losses.h). Each
+  // backward returns (grad_embeddings, grad_ref_embeddings); one output_mask leaves out (and
+  // the second for ref_embeddings = None) is (0,). shard: one rank's part of a larger problem
+  // (pair_losses.h); proxy_anchor_loss's backward has none (its stats say all).
   m.def(
       "supcon_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? ref_labels, "
-      "Scalar temperature) -> (Tensor, Tensor)");
+      "Scalar temperature, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "_supcon_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar temperature, bool[2] "
-      "output_mask) -> (Tensor, Tensor)");
+      "output_mask, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "ntxent_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? ref_labels, "
-      "Scalar temperature) -> (Tensor, Tensor)");
+      "Scalar temperature, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "_ntxent_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar temperature, bool[2] "
-      "output_mask) -> (Tensor, Tensor)");
+      "output_mask, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "contrastive_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
-      "ref_labels, Scalar pos_margin, Scalar neg_margin) -> (Tensor, Tensor)");
+      "ref_labels, Scalar pos_margin, Scalar neg_margin, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "_contrastive_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar pos_margin, Scalar neg_margin, "
-      "bool[2] output_mask) -> (Tensor, Tensor)");
+      "bool[2] output_mask, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "triplet_margin_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
-      "ref_labels, Scalar margin, str mining) -> (Tensor, Tensor)");
+      "ref_labels, Scalar margin, str mining, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "_triplet_margin_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar margin, str mining, bool[2] "
-      "output_mask) -> (Tensor, Tensor)");
+      "output_mask, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "multi_similarity_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
-      "ref_labels, Scalar alpha, Scalar beta, Scalar base, Scalar? miner_epsilon) -> (Tensor, "
-      "Tensor)");
+      "ref_labels, Scalar alpha, Scalar beta, Scalar base, Scalar? miner_epsilon, int? "
+      "shard=None) -> (Tensor, Tensor)");
   m.def(
       "_multi_similarity_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar alpha, Scalar beta, Scalar base, "
-      "Scalar? miner_epsilon, bool[2] output_mask) -> (Tensor, Tensor)");
+      "Scalar? miner_epsilon, bool[2] output_mask, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "proxy_anchor_loss(Tensor embeddings, Tensor labels, Tensor proxies, Scalar margin, Scalar "
-      "alpha) -> (Tensor, Tensor)");
+      "alpha, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "_proxy_anchor_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor "
       "proxies, Tensor stats, Scalar margin, Scalar alpha, bool[2] output_mask) -> (Tensor, "

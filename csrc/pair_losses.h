@@ -44,12 +44,34 @@
 //   positives (0 for none) plus Σ Ln_c over the C proxies. Problem: the proxies are the
 //   anchors (N = C), the embeddings the refs (M). stats (C, 4): Lp_c, Ln_c, α/P (0 for none),
 //   α/C.
+//
+// A shard (shard given: torchkit's losses across ranks, torchkit/ops/_pair_losses_across_ranks.py):
+// the call computes one rank's anchors of a larger problem against all of its refs. shard >= 0:
+// the anchors are ref rows [shard, shard + N) (the global batch without ref_embeddings), and
+// anchor i with ref row shard + i is that row itself, not a pair; shard = −1: ref_embeddings
+// are the pairs' other side. The loss output is then the reducer's parts (float64, below),
+// which summed over the ranks give the problem's loss, and the stats are normalised by this
+// call's own counts, without PML's batch rules (a rank cannot see them): the caller applies
+// the rules to the summed parts and scales the backward's grad (contrastive_loss: rewrites
+// its two stats columns).
+//   supcon_loss: Σ of the loss_i in the mean, their count, positive pairs, negative pairs.
+//   ntxent_loss: Σ loss_ip, positive pairs, negative pairs.
+//   contrastive_loss: Σ and count of the positive terms > 0, the same of the negative ones,
+//     positive pairs, negative pairs.
+//   triplet_margin_loss: Σ of the triplets' losses in the mean, their count.
+//   multi_similarity_loss: Σ of the anchors' losses, anchors, kept negative pairs, kept
+//     positive pairs.
+//   proxy_anchor_loss (shard = −1: the embeddings are one rank's, the proxies everyone's):
+//     (C, 3) per proxy log Σ_positives exp(α(margin − s)) and log Σ_negatives exp(α(s +
+//     margin)), without the 1 (−∞ for none), and whether it has positives; its caller merges
+//     the log-sums, forms the stats and calls the backward, whose stats say everything.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Scalar.h>
 #include <c10/util/string_view.h>
 
+#include <initializer_list>
 #include <optional>
 
 namespace torchkit::pair_losses {
@@ -60,6 +82,11 @@ constexpr int64_t kContrastiveStats = 2;
 constexpr int64_t kTripletStats = 3;
 constexpr int64_t kMultiSimilarityStats = 5;
 constexpr int64_t kProxyAnchorStats = 4;
+constexpr int64_t kSupConParts = 4;
+constexpr int64_t kNTXentParts = 3;
+constexpr int64_t kContrastiveParts = 6;
+constexpr int64_t kTripletParts = 2;
+constexpr int64_t kMultiSimilarityParts = 4;
 
 enum class Mining { All, BatchHard, SemiHard };
 
@@ -67,18 +94,25 @@ struct Problem {
   const char* op = nullptr;
   int64_t N = 0, M = 0, D = 0;            // anchors, ref rows (M = N without refs), features
   bool self = true;                       // ref_embeddings = None: the pairs of the batch itself
+  int64_t offset = -1;                    // anchor i is ref row offset + i (0 for self; -1: none)
+  bool shard = false;                     // a shard of a larger problem (above)
   double temperature = 0;                 // supcon_loss, ntxent_loss
   double pos_margin = 0, neg_margin = 0;  // contrastive_loss
   double margin = 0;                      // triplet_margin_loss
   Mining mining = Mining::All;            // triplet_margin_loss
   double alpha = 0, beta = 0, base = 0;   // multi_similarity_loss
   double miner_epsilon = -1;              // multi_similarity_loss; < 0: no miner
+
+  // Whether anchor i and ref row j are one row (not a pair).
+  bool itself(int64_t i, int64_t j) const { return offset >= 0 && j == offset + i; }
+  // A shard's loss output: its parts, float64 on like's device.
+  at::Tensor parts(std::initializer_list<double> values, const at::Tensor& like) const;
 };
 
 // The tensors' checks, common to the family; then each loss checks its own parameters.
 Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Tensor& labels,
                      const std::optional<at::Tensor>& ref_embeddings,
-                     const std::optional<at::Tensor>& ref_labels);
+                     const std::optional<at::Tensor>& ref_labels, std::optional<int64_t> shard);
 double check_temperature(const char* op, const c10::Scalar& temperature);
 // A margin: finite and >= 0.
 double check_margin(const char* op, const char* name, const c10::Scalar& margin);
@@ -91,8 +125,8 @@ Problem check_proxy_inputs(const at::Tensor& embeddings, const at::Tensor& label
                            const at::Tensor& proxies, const c10::Scalar& margin,
                            const c10::Scalar& alpha);
 
-// grad is the loss's gradient (a scalar of embeddings' dtype), stats the forward's, with
-// `columns` per anchor, of stats_type (the accumulation type if undefined).
+// grad is the loss's gradient (a scalar of embeddings' dtype, or float64 for a shard), stats the
+// forward's, with `columns` per anchor, of stats_type (the accumulation type if undefined).
 void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::Tensor& embeddings,
                            const at::Tensor& stats, int64_t columns,
                            std::optional<at::ScalarType> stats_type = std::nullopt);

@@ -4,36 +4,16 @@ rank for arguments one rank refuses or the ranks disagree on."""
 
 from __future__ import annotations
 
-import re
-import tempfile
-import time
-import warnings
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import assert_every_rank_raised, save, spawn, split
 from testing import DEVICES
 
 import torchkit
 from torchkit import metrics, ops
-
-TIMEOUT_S = 240  # a rank left waiting fails the test instead of hanging the suite
-
-
-def split(n: int, world: int, empty: int | None = None) -> list[int]:
-    """Uneven shard sizes summing to n: about a third on the first rank, the rest on the
-    last, none in between; rank ``empty`` (if given) gets nothing."""
-    if world == 1:
-        return [n]
-    sizes = [0] * world
-    sizes[0], sizes[-1] = n // 3, n - n // 3
-    if empty is not None:
-        sizes[(empty + 1) % world] += sizes[empty]
-        sizes[empty] = 0
-    return sizes
 
 
 def shard(x: torch.Tensor | None, sizes: list[int], rank: int):
@@ -124,40 +104,9 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             results[name] = None
         except (TypeError, ValueError) as err:
             results[name] = (type(err).__name__, str(err))
-    partial = Path(out_dir) / f"rank{rank}.partial"
-    torch.save(results, partial)
-    partial.rename(Path(out_dir) / f"rank{rank}.pt")  # whole or absent
+    save(results, out_dir, rank)
     dist.barrier()  # no rank tears its connections down while another still talks to it
     dist.destroy_process_group()
-
-
-def spawn(world: int) -> list[dict]:
-    """Runs every case on `world` processes; each rank's results.
-
-    A rank that dies after every rank has saved its results died in the teardown of
-    torch.distributed and the interpreter (gloo's threads at exit), after the work under test
-    had finished: that is reported as a warning, not as a failure of torchkit's results. A
-    rank that dies or waits before then fails the test."""
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(
-            worker, args=(world, str(Path(tmp) / "init"), tmp), nprocs=world, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + TIMEOUT_S
-        saved = [Path(tmp) / f"rank{r}.pt" for r in range(world)]
-        try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    for process in context.processes:
-                        process.kill()
-                    pytest.fail(f"{world} ranks did not finish in {TIMEOUT_S} s: a rank is waiting on another")
-        except mp.ProcessExitedException as died:
-            if not all(path.exists() for path in saved):
-                raise
-            warnings.warn(
-                f"{world} ranks: {died} in torch.distributed's teardown, after every rank saved its results",
-                stacklevel=2,
-            )
-        return [torch.load(path) for path in saved]
 
 
 WORLDS = [2, 3]
@@ -165,7 +114,7 @@ WORLDS = [2, 3]
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
 def ranks(request):
-    return request.param, spawn(request.param)
+    return request.param, spawn(worker, request.param)
 
 
 def assert_identical(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -213,12 +162,8 @@ ERRORS = {
 def test_every_rank_raises(ranks, name):
     _, results = ranks
     kind, match = ERRORS[name]
-    for rank in results:
-        assert rank[name] is not None, f"{name}: a rank returned instead of raising"
-        assert rank[name][0] == kind.__name__
-        assert rank[name][1].startswith("torchkit.distributed.knn: ")
-        assert re.search(match, rank[name][1]), rank[name][1]
-    assert len({rank[name] for rank in results}) == 1  # the same message everywhere
+    assert_every_rank_raised(results, name, kind, match)
+    assert all(rank[name][1].startswith("torchkit.distributed.knn: ") for rank in results)
 
 
 def test_needs_a_process_group():

@@ -535,6 +535,79 @@ def test_opcheck(loss, params, dtype, device):
     check_opcheck(backward, (g, e.detach(), labels, None, None, stats, *values, [True, False]))
 
 
+@variants
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shard_opcheck(loss, params, dtype):
+    """The raw ops as the losses across ranks call them: a shard of the rows (its own rows
+    left out of its pairs) and a shard of separate refs; the backward with a float64 grad."""
+    op, backward = raw(loss)
+    values = list(params.values())
+    rows, labels = make((10, 4), dtype), make_labels(10, 3)
+    for shard, e, e_labels in ((3, rows[3:8], labels[3:8]), (-1, make((4, 4), dtype, seed=2), make_labels(4, 3, 2))):
+        e, refs = e.clone().requires_grad_(), rows.clone().requires_grad_()
+        check_opcheck(op, (e, e_labels, refs, labels, *values, shard))
+        parts, stats = op(e.detach(), e_labels, refs.detach(), labels, *values, shard)
+        assert parts.dtype == torch.float64 and parts.shape == (ops.pair_losses._PARTS[loss],)
+        for g in (torch.ones((), dtype=torch.float64), torch.ones((), dtype=dtype)):
+            args = (g, e.detach(), e_labels, refs.detach(), labels, stats, *values, [True, True], shard)
+            check_opcheck(backward, args)
+
+
+@variants
+def test_shards_make_the_whole_loss(loss, params):
+    """What group= does, in one process: the parts of two shards of the anchors against every
+    row, summed, give the loss, and their backwards the gradient (tests/test_pair_losses_distributed.py
+    runs it across processes)."""
+    from torchkit.ops._pair_losses_across_ranks import _whole
+
+    op, backward = raw(loss)
+    values = list(params.values())
+    rows, labels = make((13, 5), seed=3), make_labels(13, 3, seed=3)
+    x = rows.clone().requires_grad_()
+    expected = getattr(ops, loss)(x, labels, **params)
+    expected.backward()
+    shards = [(0, 5), (5, 13)]
+    results = [op(rows[a:b], labels[a:b], rows, labels, *values, a) for a, b in shards]
+    total = sum(parts for parts, _ in results)
+    grad = torch.zeros_like(rows)
+    for (a, b), (parts, stats) in zip(shards, results, strict=True):
+        value, scale, stats = _whole(loss, parts, total, stats)
+        torch.testing.assert_close(value, expected.detach(), rtol=1e-12, atol=0)
+        ge, gr = backward(scale, rows[a:b], labels[a:b], rows, labels, stats, *values, [True, True], a)
+        grad[a:b] += ge
+        grad += gr
+    torch.testing.assert_close(grad, x.grad, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.bad_input
+@variants
+def test_shard_is_checked(loss, params):
+    op, backward = raw(loss)
+    values = list(params.values())
+    rows, labels = make((6, 3)), make_labels(6, 2)
+    bad = [
+        ((rows, labels, None, None, *values, 0), r"shard needs ref_embeddings"),
+        ((rows[:2], labels[:2], rows, labels, *values, 5), r"shard must be -1 .* in \[0, M - N\] = \[0, 4\], got 5"),
+        ((rows[:2], labels[:2], rows, labels, *values, -2), r"shard must be -1 .*, got -2"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=rf"^{loss}: {match}"):
+            op(*args)
+        with pytest.raises(ValueError, match=rf"^{loss}: {match}"):  # the fake kernel
+            op(*(a.to("meta") if torch.is_tensor(a) else a for a in args))
+    other = labels.clone()
+    other[3] += 1
+    with pytest.raises(
+        ValueError, match=rf"^{loss}: with shard = 2, labels must equal ref_labels\[shard:shard \+ N\].* anchor 1$"
+    ):
+        op(rows[2:4], other[2:4], rows, labels, *values, 2)
+    _, stats = op(rows[2:4], labels[2:4], rows, labels, *values, 2)
+    with pytest.raises(ValueError, match=rf"^{loss}: shard must be -1"):
+        backward(
+            torch.ones((), dtype=torch.float64), rows[2:4], labels[2:4], rows, labels, stats, *values, [True, True], 5
+        )
+
+
 @variants_k
 def test_compile_dynamic(loss, params, device):
     fn = getattr(ops, loss)
@@ -1287,6 +1360,26 @@ def test_proxy_anchor_gradcheck(with_proxies, device):
     labels = torch.tensor([0, 1, 0, 2, 1, 0, 2])
     proxies = make((4, 3), seed=10).requires_grad_(with_proxies)
     check_gradcheck(lambda a, p: ops.proxy_anchor_loss(a, labels, p, 0.1, 4.0), (e, proxies))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_proxy_anchor_shard(dtype):
+    """The raw op as proxy_anchor_loss(group=) calls it: per proxy its two log-sums without the
+    1 and whether it has positives; two shards of the embeddings merge into the whole's."""
+    op, _ = raw("proxy_anchor_loss")
+    e, labels, proxies = make((10, 4), dtype).requires_grad_(), make_labels(10, 4), make((5, 4), dtype, seed=1)
+    check_opcheck(op, (e, labels, proxies, 0.1, 32.0, -1))
+    whole, _ = op(e.detach(), labels, proxies, 0.1, 32.0, -1)
+    halves = [op(e.detach()[a:b], labels[a:b], proxies, 0.1, 32.0, -1)[0] for a, b in ((0, 4), (4, 10))]
+    assert whole.shape == (5, 3) and whole.dtype == torch.float64
+    assert torch.equal(whole[:, 2], (labels.unsqueeze(1) == torch.arange(5)).any(0).double())
+    assert torch.isneginf(whole[4, 0])  # no positives: log of an empty sum
+    merged = torch.logaddexp(halves[0][:, :2], halves[1][:, :2])
+    torch.testing.assert_close(merged, whole[:, :2], rtol=1e-6, atol=0)  # float32 exponentials
+    with pytest.raises(ValueError, match=r"^proxy_anchor_loss: shard must be -1 .*, got 0$"):
+        op(e.detach(), labels, proxies, 0.1, 32.0, 0)
+    with pytest.raises(ValueError, match=r"^proxy_anchor_loss: shard must be -1 .*, got 0$"):
+        op(e.detach().to("meta"), labels.to("meta"), proxies.to("meta"), 0.1, 32.0, 0)
 
 
 @kernels

@@ -266,12 +266,14 @@ class CovariancePool2d(nn.Module):
 class _PairLoss(nn.Module):
     """A pair loss of torchkit.ops as PML's module: its parameters at construction,
     ``forward(embeddings, labels, ref_embeddings=None, ref_labels=None)`` as PML's
-    ``(embeddings, labels, ref_emb=, ref_labels=)``."""
+    ``(embeddings, labels, ref_emb=, ref_labels=)``. ``group``: the loss across the ranks of
+    that process group (the functions' ``group=``)."""
 
     _op: str
 
-    def __init__(self, **params) -> None:
+    def __init__(self, group=None, **params) -> None:
         super().__init__()
+        self.group = group
         name = type(self).__name__
         kinds = _PAIR_PARAMS[self._op][0]
         values = _as_params(name, tuple(params[key] for _, key in kinds), loss=self._op)
@@ -289,7 +291,7 @@ class _PairLoss(nn.Module):
     ) -> Tensor:
         params = {key: getattr(self, key) for key in self._params}
         return getattr(ops, self._op)(
-            embeddings, labels, **params, ref_embeddings=ref_embeddings, ref_labels=ref_labels
+            embeddings, labels, **params, ref_embeddings=ref_embeddings, ref_labels=ref_labels, group=self.group
         )
 
     def extra_repr(self) -> str:
@@ -302,8 +304,8 @@ class SupConLoss(_PairLoss):
 
     _op = "supcon_loss"
 
-    def __init__(self, temperature: float = 0.1) -> None:
-        super().__init__(temperature=temperature)
+    def __init__(self, temperature: float = 0.1, *, group=None) -> None:
+        super().__init__(group, temperature=temperature)
 
 
 class NTXentLoss(_PairLoss):
@@ -312,8 +314,8 @@ class NTXentLoss(_PairLoss):
 
     _op = "ntxent_loss"
 
-    def __init__(self, temperature: float = 0.07) -> None:
-        super().__init__(temperature=temperature)
+    def __init__(self, temperature: float = 0.07, *, group=None) -> None:
+        super().__init__(group, temperature=temperature)
 
 
 class ContrastiveLoss(_PairLoss):
@@ -322,8 +324,8 @@ class ContrastiveLoss(_PairLoss):
 
     _op = "contrastive_loss"
 
-    def __init__(self, pos_margin: float = 0.0, neg_margin: float = 1.0) -> None:
-        super().__init__(pos_margin=pos_margin, neg_margin=neg_margin)
+    def __init__(self, pos_margin: float = 0.0, neg_margin: float = 1.0, *, group=None) -> None:
+        super().__init__(group, pos_margin=pos_margin, neg_margin=neg_margin)
 
 
 class TripletMarginLoss(_PairLoss):
@@ -332,8 +334,8 @@ class TripletMarginLoss(_PairLoss):
 
     _op = "triplet_margin_loss"
 
-    def __init__(self, margin: float = 0.05, mining: str = "all") -> None:
-        super().__init__(margin=margin, mining=mining)
+    def __init__(self, margin: float = 0.05, mining: str = "all", *, group=None) -> None:
+        super().__init__(group, margin=margin, mining=mining)
 
 
 class MultiSimilarityLoss(_PairLoss):
@@ -344,9 +346,15 @@ class MultiSimilarityLoss(_PairLoss):
     _op = "multi_similarity_loss"
 
     def __init__(
-        self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, miner_epsilon: Optional[float] = 0.1
+        self,
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        base: float = 0.5,
+        miner_epsilon: Optional[float] = 0.1,
+        *,
+        group=None,
     ) -> None:
-        super().__init__(alpha=alpha, beta=beta, base=base, miner_epsilon=miner_epsilon)
+        super().__init__(group, alpha=alpha, beta=beta, base=base, miner_epsilon=miner_epsilon)
 
 
 class ProxyAnchorLoss(nn.Module):
@@ -354,10 +362,14 @@ class ProxyAnchorLoss(nn.Module):
     alpha=32)`` on the fused kernel: it holds the proxies, a ``(num_classes, embedding_size)``
     parameter initialised as PML's (Kaiming normal, fan-out); see
     :func:`torchkit.ops.proxy_anchor_loss`. Train them with their own optimiser group (the
-    paper uses a 100× larger learning rate)."""
+    paper uses a 100× larger learning rate). ``group``: the loss across the ranks of that
+    process group (the function's ``group=``)."""
 
-    def __init__(self, num_classes: int, embedding_size: int, margin: float = 0.1, alpha: float = 32.0) -> None:
+    def __init__(
+        self, num_classes: int, embedding_size: int, margin: float = 0.1, alpha: float = 32.0, *, group=None
+    ) -> None:
         super().__init__()
+        self.group = group
         name = "ProxyAnchorLoss"
         num_classes = as_int(name, "num_classes", num_classes)
         embedding_size = as_int(name, "embedding_size", embedding_size)
@@ -372,7 +384,7 @@ class ProxyAnchorLoss(nn.Module):
         nn.init.kaiming_normal_(self.proxies, mode="fan_out")
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        return ops.proxy_anchor_loss(embeddings, labels, self.proxies, self.margin, self.alpha)
+        return ops.proxy_anchor_loss(embeddings, labels, self.proxies, self.margin, self.alpha, group=self.group)
 
     def extra_repr(self) -> str:
         n, d = self.proxies.shape

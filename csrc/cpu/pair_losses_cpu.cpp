@@ -22,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "checks.h"
 #include "cpu/pair_losses_cpu.h"
 #include "pair_losses.h"
 
@@ -84,8 +85,8 @@ struct RowSums {
   int64_t positives = 0, pairs = 0;
 };
 
-// x = s/τ for the tile's row r (anchor i) in place, with the batch's own pair (i, i) set to
-// −∞ (not a pair); returns its column or −1.
+// x = s/τ for the tile's row r (anchor i) in place, with the anchor's own row (not a pair:
+// Problem::itself) set to −∞; returns its column or −1.
 template <typename acc_t>
 int64_t scaled_row(const Problem& p, const Inputs& in, acc_t* x, int64_t i, int64_t b0,
                    int64_t dj) {
@@ -94,7 +95,8 @@ int64_t scaled_row(const Problem& p, const Inputs& in, acc_t* x, int64_t i, int6
       in.a.scale.const_data_ptr<acc_t>()[i] * static_cast<acc_t>(1.0 / p.temperature);
   at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, x,
                 in.b.scale.const_data_ptr<acc_t>() + b0, dj);
-  const int64_t self_col = p.self && i >= b0 && i < b0 + dj ? i - b0 : -1;
+  const int64_t own = p.offset < 0 ? -1 : p.offset + i;
+  const int64_t self_col = own >= b0 && own < b0 + dj ? own - b0 : -1;
   if (self_col >= 0) x[self_col] = -std::numeric_limits<acc_t>::infinity();
   return self_col;
 }
@@ -151,16 +153,25 @@ std::tuple<Tensor, Tensor> supcon_forward(const Problem& p, const Inputs& in,
     if (loss[i] > 0 || std::isnan(loss[i])) ++counted;  // PML's AvgNonZero, keeping NaN
   }
   double total = 0;
-  // PML: nothing without a positive or a negative pair, or with at most one of each.
-  if (positives > 0 && negatives > 0 && (positives > 1 || negatives > 1) && counted > 0) {
+  // PML: nothing without a positive or a negative pair, or with at most one of each (a
+  // shard's caller decides that on the whole problem).
+  const bool rules =
+      p.shard || (positives > 0 && negatives > 0 && (positives > 1 || negatives > 1));
+  if (rules && counted > 0) {
     for (int64_t i = 0; i < p.N; ++i) {
       if (!(loss[i] > 0 || std::isnan(loss[i]))) continue;
       total += loss[i];
       st[i * kStats + 1] = static_cast<acc_t>(
           1.0 / (static_cast<double>(rows[i].positives) * static_cast<double>(counted)));
     }
-    total /= static_cast<double>(counted);
   }
+  if (p.shard) {
+    return {p.parts({total, static_cast<double>(counted), static_cast<double>(positives),
+                     static_cast<double>(negatives)},
+                    embeddings),
+            stats};
+  }
+  if (counted > 0) total /= static_cast<double>(counted);
   return {at::scalar_tensor(total, embeddings.options()), stats};
 }
 
@@ -190,7 +201,7 @@ void ntxent_positives(const Problem& p, const Inputs& in, const std::vector<RowS
       LogSumExp r;
       double total = 0;
       for (const int64_t j : members.at(lab[i])) {
-        if (p.self && j == i) continue;
+        if (p.itself(i, j)) continue;
         const acc_t dot = at::vec::map2_reduce_all<acc_t>([](V u, V v) { return u * v; },
                                                           [](V u, V v) { return u + v; },
                                                           a + i * p.D, b + j * p.D, p.D);
@@ -220,8 +231,14 @@ std::tuple<Tensor, Tensor> ntxent_forward(const Problem& p, const Inputs& in,
     positives += row.positives;
     negatives += row.pairs - row.positives;
   }
-  if (positives == 0 || negatives == 0 || (positives <= 1 && negatives <= 1)) {
-    return {at::zeros({}, embeddings.options()), stats};  // as PML (supcon_forward)
+  auto parts = [&](double total) {
+    return p.parts({total, static_cast<double>(positives), static_cast<double>(negatives)},
+                   embeddings);
+  };
+  // As PML (supcon_forward). A shard without positives or negatives has no terms; the rest is
+  // its caller's to decide.
+  if (positives == 0 || negatives == 0 || (!p.shard && positives <= 1 && negatives <= 1)) {
+    return {p.shard ? parts(0) : at::zeros({}, embeddings.options()), stats};
   }
   std::vector<double> loss(p.N, 0.0), log_r(p.N, -std::numeric_limits<double>::infinity());
   ntxent_positives<acc_t>(p, in, rows, loss, log_r);
@@ -232,6 +249,7 @@ std::tuple<Tensor, Tensor> ntxent_forward(const Problem& p, const Inputs& in,
     st[i * kStats + 1] = static_cast<acc_t>(log_r[i]);
     st[i * kStats + 2] = static_cast<acc_t>(1.0 / static_cast<double>(positives));
   }
+  if (p.shard) return {parts(total), stats};
   return {at::scalar_tensor(total / static_cast<double>(positives), embeddings.options()), stats};
 }
 
@@ -304,7 +322,14 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
   MultiSimilarity<acc_t> ms(p, in);
   Tensor stats = at::zeros({p.N, S}, in.a.rows.options().dtype(at::kDouble));
   double* st = stats.data_ptr<double>();
-  if (p.N == 0 || p.M == 0) return {at::zeros({}, embeddings.options()), stats};
+  // A loss of 0 (a shard's: no terms, its anchors counted).
+  auto zero = [&] {
+    return std::tuple<Tensor, Tensor>{p.shard
+                                          ? p.parts({0, static_cast<double>(p.N), 0, 0}, embeddings)
+                                          : at::zeros({}, embeddings.options()),
+                                      stats};
+  };
+  if (p.N == 0 || p.M == 0) return zero();
   const int64_t* lab = in.lab.const_data_ptr<int64_t>();
   const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
   const bool mining = p.miner_epsilon >= 0;
@@ -356,8 +381,10 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
             positive[i].slack == 0 ? positive[i].value : ms.exact(i, positive[i].index);
       }
     }
-    // PML's miner returns nothing without a positive or a negative pair: the loss is 0.
-    if (!any[0] || !any[1]) return {at::zeros({}, embeddings.options()), stats};
+    // PML's miner returns nothing without a positive or a negative pair: the loss is 0. (A
+    // shard's anchors see every ref: without a negative the whole problem has none, and
+    // anchors without positives keep no pair.)
+    if (!any[0] || !any[1]) return zero();
   }
   // The terms: log(1 + Σ exp(α(base − s))) over the kept positives, log(1 + Σ exp(β(s − base)))
   // over the kept negatives.
@@ -391,8 +418,8 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
     kept[0] += pairs[2 * i];
     kept[1] += pairs[2 * i + 1];
   }
-  // PML: nothing when each kind has at most one pair.
-  if (kept[0] <= 1 && kept[1] <= 1) return {at::zeros({}, embeddings.options()), stats};
+  // PML: nothing when each kind has at most one pair (a shard's caller decides that).
+  if (!p.shard && kept[0] <= 1 && kept[1] <= 1) return zero();
   const double w = 1.0 / static_cast<double>(p.N);
   double total = 0;
   for (int64_t i = 0; i < p.N; ++i) {
@@ -404,6 +431,12 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
     row[2] = lp;
     row[3] = ln;
     row[4] = w;
+  }
+  if (p.shard) {
+    return {p.parts({total, static_cast<double>(p.N), static_cast<double>(kept[0]),
+                     static_cast<double>(kept[1])},
+                    embeddings),
+            stats};
   }
   return {at::scalar_tensor(total * w, embeddings.options()), stats};
 }
@@ -436,7 +469,8 @@ Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc
         const int64_t j = b0 + c;
         x[c] = x[c] * ib[j] * scale;  // s, as cos_row forms it
         e1[c] = e2[c] = -std::numeric_limits<acc_t>::infinity();
-        if ((p.self && i == j) || la[anchors_own ? i : j] == lb[anchors_own ? j : i]) continue;
+        const bool itself = anchors_own ? p.itself(i, j) : p.itself(j, i);
+        if (itself || la[anchors_own ? i : j] == lb[anchors_own ? j : i]) continue;
         const double s_ij = x[c];
         e1[c] = static_cast<acc_t>(anchors_own ? terms.negative(i, j, s_ij)
                                                : terms.negative(j, i, s_ij));
@@ -451,7 +485,8 @@ Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc
       for (c = 0; c < dj; ++c) {
         const int64_t j = b0 + c;
         double g = e1[c];
-        if (!(p.self && i == j) && la[anchors_own ? i : j] == lb[anchors_own ? j : i]) {
+        const bool itself = anchors_own ? p.itself(i, j) : p.itself(j, i);
+        if (!itself && la[anchors_own ? i : j] == lb[anchors_own ? j : i]) {
           const double s_ij = x[c];
           g = anchors_own ? terms.positive(i, j, s_ij) : terms.positive(j, i, s_ij);
           if (p.self) g += terms.positive(j, i, s_ij);
@@ -496,8 +531,9 @@ std::tuple<Tensor, Tensor> proxy_anchor_forward(const Problem& p, const Inputs& 
   const int64_t C = p.N;
   Tensor stats = at::zeros({C, S}, in.a.rows.options());
   acc_t* st = stats.data_ptr<acc_t>();
-  std::vector<LogSumExp> lse(2 * C);    // per proxy: [negatives, positives]
-  for (LogSumExp& l : lse) l.add(0.0);  // the 1
+  std::vector<LogSumExp> lse(2 * C);  // per proxy: [negatives, positives]
+  if (!p.shard)
+    for (LogSumExp& l : lse) l.add(0.0);  // the 1 (a shard's caller adds it to the sums)
   std::vector<char> with_positives(C, 0);
   const int64_t* lab = in.lab.const_data_ptr<int64_t>();
   const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
@@ -520,6 +556,16 @@ std::tuple<Tensor, Tensor> proxy_anchor_forward(const Problem& p, const Inputs& 
         lse[2 * c].add(y, dj);
       }
     });
+  }
+  if (p.shard) {  // per proxy: log Σ over its positives, over its negatives, whether any
+    Tensor parts = at::empty({C, 3}, stats.options().dtype(at::kDouble));
+    double* out = parts.data_ptr<double>();
+    for (int64_t c = 0; c < C; ++c) {
+      out[3 * c] = lse[2 * c + 1].value();
+      out[3 * c + 1] = lse[2 * c].value();
+      out[3 * c + 2] = with_positives[c];
+    }
+    return {parts, stats};
   }
   int64_t P = 0;
   for (int64_t c = 0; c < C; ++c) P += with_positives[c];
@@ -563,9 +609,10 @@ template <bool NTXENT>
 std::tuple<Tensor, Tensor> forward_cpu(const Tensor& embeddings, const Tensor& labels,
                                        const std::optional<Tensor>& ref_embeddings,
                                        const std::optional<Tensor>& ref_labels,
-                                       const c10::Scalar& temperature) {
+                                       const c10::Scalar& temperature,
+                                       std::optional<int64_t> shard) {
   Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
-                           ref_embeddings, ref_labels);
+                           ref_embeddings, ref_labels, shard);
   p.temperature = check_temperature(p.op, temperature);
   const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
   std::tuple<Tensor, Tensor> result;
@@ -679,7 +726,7 @@ Tensor rows_grad(const Problem& p, const Side& own, const Side& other, const Ten
       // with τ's 1/τ (∂x/∂s).
       for (c = 0; c < dj; ++c) {
         const int64_t j = b0 + c;
-        if (p.self && i == j) {
+        if (anchors_own ? p.itself(i, j) : p.itself(j, i)) {
           row[c] = 0;
           continue;
         }
@@ -704,9 +751,10 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
                                         const std::optional<Tensor>& ref_embeddings,
                                         const std::optional<Tensor>& ref_labels,
                                         const Tensor& stats, const c10::Scalar& temperature,
-                                        std::array<bool, 2> output_mask) {
+                                        std::array<bool, 2> output_mask,
+                                        std::optional<int64_t> shard) {
   Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
-                           ref_embeddings, ref_labels);
+                           ref_embeddings, ref_labels, shard);
   p.temperature = check_temperature(p.op, temperature);
   check_backward_inputs(p, grad, embeddings, stats, NTXENT ? kNTXentStats : kSupConStats);
   const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
@@ -741,8 +789,9 @@ Problem ms_problem(const Tensor& embeddings, const Tensor& labels,
                    const std::optional<Tensor>& ref_embeddings,
                    const std::optional<Tensor>& ref_labels, const c10::Scalar& alpha,
                    const c10::Scalar& beta, const c10::Scalar& base,
-                   const std::optional<c10::Scalar>& miner_epsilon) {
-  Problem p = check_inputs("multi_similarity_loss", embeddings, labels, ref_embeddings, ref_labels);
+                   const std::optional<c10::Scalar>& miner_epsilon, std::optional<int64_t> shard) {
+  Problem p =
+      check_inputs("multi_similarity_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   p.alpha = check_positive(p.op, "alpha", alpha);
   p.beta = check_positive(p.op, "beta", beta);
   p.base = check_finite(p.op, "base", base);
@@ -756,9 +805,10 @@ std::tuple<Tensor, Tensor> ms_forward_cpu(const Tensor& embeddings, const Tensor
                                           const std::optional<Tensor>& ref_labels,
                                           const c10::Scalar& alpha, const c10::Scalar& beta,
                                           const c10::Scalar& base,
-                                          const std::optional<c10::Scalar>& miner_epsilon) {
-  const Problem p =
-      ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon);
+                                          const std::optional<c10::Scalar>& miner_epsilon,
+                                          std::optional<int64_t> shard) {
+  const Problem p = ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base,
+                               miner_epsilon, shard);
   const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
   std::tuple<Tensor, Tensor> result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embeddings.scalar_type(),
@@ -771,9 +821,10 @@ std::tuple<Tensor, Tensor> ms_backward_cpu(
     const Tensor& grad, const Tensor& embeddings, const Tensor& labels,
     const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
     const Tensor& stats, const c10::Scalar& alpha, const c10::Scalar& beta, const c10::Scalar& base,
-    const std::optional<c10::Scalar>& miner_epsilon, std::array<bool, 2> output_mask) {
-  const Problem p =
-      ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon);
+    const std::optional<c10::Scalar>& miner_epsilon, std::array<bool, 2> output_mask,
+    std::optional<int64_t> shard) {
+  const Problem p = ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base,
+                               miner_epsilon, shard);
   check_backward_inputs(p, grad, embeddings, stats, kMultiSimilarityStats, at::kDouble);
   const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
   Tensor ge, gr;
@@ -817,8 +868,16 @@ Inputs proxy_inputs(const Problem& p, const Tensor& embeddings, const Tensor& la
 
 std::tuple<Tensor, Tensor> proxy_anchor_cpu(const Tensor& embeddings, const Tensor& labels,
                                             const Tensor& proxies, const c10::Scalar& margin,
-                                            const c10::Scalar& alpha) {
-  const Problem p = check_proxy_inputs(embeddings, labels, proxies, margin, alpha);
+                                            const c10::Scalar& alpha,
+                                            std::optional<int64_t> shard) {
+  Problem p = check_proxy_inputs(embeddings, labels, proxies, margin, alpha);
+  if (shard.has_value()) {
+    TK_CHECK_VALUE(p.op, *shard == -1,
+                   "shard must be -1 (the embeddings are a shard of the refs, the proxies the "
+                   "anchors), got ",
+                   *shard);
+    p.shard = true;
+  }
   const Inputs in = proxy_inputs(p, embeddings, labels, proxies);
   std::tuple<Tensor, Tensor> result;
   AT_DISPATCH_FLOATING_TYPES_AND2(

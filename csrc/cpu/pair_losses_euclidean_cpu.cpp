@@ -221,7 +221,7 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
       for (int64_t c = 0; c < dj; ++c) {
         const int64_t j = b0 + c;
         const acc_t d = x[c];
-        if (p.self && i == j) {
+        if (anchors_own ? p.itself(i, j) : p.itself(j, i)) {
           x[c] = 0;
           continue;
         }
@@ -313,7 +313,7 @@ std::tuple<Tensor, Tensor> contrastive_forward(const Problem& p, const Tensor& e
         distance_row(in, true, x, i, b0, dj, direct);
         PairSums& row = rows[i];
         for (int64_t c = 0; c < dj; ++c) {
-          if (p.self && i == b0 + c) continue;
+          if (p.itself(i, b0 + c)) continue;
           const int positive = in.la[i] == in.lb[b0 + c];
           ++row.pairs[positive];
           const double d = direct[c] ? x[c] : t.settled(in, i, b0 + c, x[c], positive);
@@ -334,6 +334,20 @@ std::tuple<Tensor, Tensor> contrastive_forward(const Problem& p, const Tensor& e
     }
   }
   Tensor stats = at::zeros({p.N, kContrastiveStats}, in.a.centred.options());
+  if (p.shard) {  // the stats as if the rules held; its caller rewrites them
+    acc_t* st = stats.data_ptr<acc_t>();
+    for (int k = 0; k < 2; ++k) {
+      if (total.terms[k] == 0) continue;
+      for (int64_t i = 0; i < p.N; ++i)
+        st[i * kContrastiveStats + 1 - k] =
+            static_cast<acc_t>(1 / static_cast<double>(total.terms[k]));
+    }
+    auto n = [](int64_t v) { return static_cast<double>(v); };
+    return {p.parts({total.sum[1], n(total.terms[1]), total.sum[0], n(total.terms[0]),
+                     n(total.pairs[1]), n(total.pairs[0])},
+                    embeddings),
+            stats};
+  }
   double loss = 0;
   if (total.pairs[0] > 1 || total.pairs[1] > 1) {  // PML: nothing when every index list is <= 1
     acc_t* st = stats.data_ptr<acc_t>();
@@ -383,7 +397,9 @@ struct Positives {
     for (int64_t j = 0; j < p.M; ++j) members[in.lb[j]].push_back(j);
     for (int64_t a = 0; a < p.N; ++a) {
       const auto* m = of(in.la[a]);
-      const int64_t n = m == nullptr ? 0 : static_cast<int64_t>(m->size()) - (p.self ? 1 : 0);
+      // (less the anchor's own row, a ref row of its label)
+      const int64_t n =
+          m == nullptr ? 0 : static_cast<int64_t>(m->size()) - (p.offset >= 0 ? 1 : 0);
       start[a + 1] = start[a] + n;
     }
     dist.resize(start[p.N]);
@@ -415,7 +431,7 @@ struct Positives {
     const auto* m = of(in.la[a]);
     if (m == nullptr) return;
     for (const int64_t j : *m) {
-      if (p.self && j == a) continue;
+      if (p.itself(a, j)) continue;
       fn(j, in.exact(a, j));
     }
   }
@@ -543,7 +559,7 @@ void batch_hard(const Problem& p, const Inputs<acc_t>& in, int64_t* hardest) {
       auto exact = [&](int64_t j) { return in.exact(a, j); };
       for (int64_t c = 0; c < dj; ++c) {
         const int64_t j = b0 + c;
-        if (p.self && j == a) continue;
+        if (p.itself(a, j)) continue;
         const double d = x[c];
         const double slack = direct[c] || std::isnan(d) ? 0.0 : in.slack(a, j, d);
         if (in.la[a] == in.lb[j]) {
@@ -570,7 +586,9 @@ std::tuple<Tensor, Tensor> triplet_forward(const Problem& p, const Tensor& embed
   Tensor stats = at::full({p.N, S}, -1, labels.options().dtype(at::kLong));
   int64_t* st = stats.data_ptr<int64_t>();
   for (int64_t a = 0; a < p.N; ++a) st[a * S + 2] = 0;
-  if (p.N == 0 || p.M == 0) return {at::zeros({}, embeddings.options()), stats};
+  if (p.N == 0 || p.M == 0) {
+    return {p.shard ? p.parts({0, 0}, embeddings) : at::zeros({}, embeddings.options()), stats};
+  }
   Inputs<acc_t> in;
   prepare(in, p, embeddings, labels, ref_embeddings, ref_labels);
   double total = 0;
@@ -605,6 +623,7 @@ std::tuple<Tensor, Tensor> triplet_forward(const Problem& p, const Tensor& embed
       count += rows[a].count;
     }
   }
+  if (p.shard) return {p.parts({total, static_cast<double>(count)}, embeddings), stats};
   const double loss = count > 0 ? total / static_cast<double>(count) : 0.0;
   return {at::scalar_tensor(loss, embeddings.options()), stats};
 }
@@ -728,6 +747,7 @@ std::tuple<Tensor, Tensor> triplet_backward(const Problem& p, const Inputs<acc_t
         const auto it = anchors.find(in.lb[j]);
         if (it == anchors.end()) continue;
         for (const int64_t a : it->second) {
+          if (p.itself(a, j)) continue;
           const double d = in.exact(a, j);
           add_pair(o + j * D, *in.b, j, in.a, a, d, uses(a, d) * inv_count);
         }
@@ -744,8 +764,10 @@ std::tuple<Tensor, Tensor> contrastive_cpu(const Tensor& embeddings, const Tenso
                                            const std::optional<Tensor>& ref_embeddings,
                                            const std::optional<Tensor>& ref_labels,
                                            const c10::Scalar& pos_margin,
-                                           const c10::Scalar& neg_margin) {
-  Problem p = check_inputs("contrastive_loss", embeddings, labels, ref_embeddings, ref_labels);
+                                           const c10::Scalar& neg_margin,
+                                           std::optional<int64_t> shard) {
+  Problem p =
+      check_inputs("contrastive_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   p.pos_margin = check_margin(p.op, "pos_margin", pos_margin);
   p.neg_margin = check_margin(p.op, "neg_margin", neg_margin);
   std::tuple<Tensor, Tensor> result;
@@ -760,8 +782,9 @@ std::tuple<Tensor, Tensor> contrastive_backward_cpu(
     const Tensor& grad, const Tensor& embeddings, const Tensor& labels,
     const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
     const Tensor& stats, const c10::Scalar& pos_margin, const c10::Scalar& neg_margin,
-    std::array<bool, 2> output_mask) {
-  Problem p = check_inputs("contrastive_loss", embeddings, labels, ref_embeddings, ref_labels);
+    std::array<bool, 2> output_mask, std::optional<int64_t> shard) {
+  Problem p =
+      check_inputs("contrastive_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   p.pos_margin = check_margin(p.op, "pos_margin", pos_margin);
   p.neg_margin = check_margin(p.op, "neg_margin", neg_margin);
   check_backward_inputs(p, grad, embeddings, stats, kContrastiveStats);
@@ -791,8 +814,10 @@ std::tuple<Tensor, Tensor> contrastive_backward_cpu(
 std::tuple<Tensor, Tensor> triplet_cpu(const Tensor& embeddings, const Tensor& labels,
                                        const std::optional<Tensor>& ref_embeddings,
                                        const std::optional<Tensor>& ref_labels,
-                                       const c10::Scalar& margin, c10::string_view mining) {
-  Problem p = check_inputs("triplet_margin_loss", embeddings, labels, ref_embeddings, ref_labels);
+                                       const c10::Scalar& margin, c10::string_view mining,
+                                       std::optional<int64_t> shard) {
+  Problem p =
+      check_inputs("triplet_margin_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   p.margin = check_margin(p.op, "margin", margin);
   p.mining = check_mining(p.op, mining);
   // A positive pair counts its triplets in an int32 (at most M).
@@ -807,14 +832,13 @@ std::tuple<Tensor, Tensor> triplet_cpu(const Tensor& embeddings, const Tensor& l
   return result;
 }
 
-std::tuple<Tensor, Tensor> triplet_backward_cpu(const Tensor& grad, const Tensor& embeddings,
-                                                const Tensor& labels,
-                                                const std::optional<Tensor>& ref_embeddings,
-                                                const std::optional<Tensor>& ref_labels,
-                                                const Tensor& stats, const c10::Scalar& margin,
-                                                c10::string_view mining,
-                                                std::array<bool, 2> output_mask) {
-  Problem p = check_inputs("triplet_margin_loss", embeddings, labels, ref_embeddings, ref_labels);
+std::tuple<Tensor, Tensor> triplet_backward_cpu(
+    const Tensor& grad, const Tensor& embeddings, const Tensor& labels,
+    const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
+    const Tensor& stats, const c10::Scalar& margin, c10::string_view mining,
+    std::array<bool, 2> output_mask, std::optional<int64_t> shard) {
+  Problem p =
+      check_inputs("triplet_margin_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   p.margin = check_margin(p.op, "margin", margin);
   p.mining = check_mining(p.op, mining);
   check_backward_inputs(p, grad, embeddings, stats, kTripletStats, at::kLong);

@@ -30,6 +30,7 @@ def supcon_loss(
     *,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
+    group=None,
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al., 2020) without the N×N similarity matrix.
 
@@ -49,6 +50,11 @@ def supcon_loss(
             itself (PML's ``ref_emb``: a cross-batch memory, another view); then every
             (anchor, ref) pair counts, none is left out as "itself".
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
+        group (optional): a ``torch.distributed`` process group: every rank passes its own
+            batch and gets the loss of the ranks' batches concatenated in rank order (their
+            ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
+            gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
+            losses across ranks"). CPU tensors. Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype. 0 (with zero gradients) when the batch has no
@@ -61,7 +67,7 @@ def supcon_loss(
         >>> emb = model(images)  # (N, 128)
         >>> loss = torchkit.ops.supcon_loss(emb, labels, temperature=0.1)
     """
-    return _loss("supcon_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels)
+    return _loss("supcon_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels, group)
 
 
 def ntxent_loss(
@@ -71,6 +77,7 @@ def ntxent_loss(
     *,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
+    group=None,
 ) -> Tensor:
     """NT-Xent (normalised temperature-scaled cross-entropy; SimCLR's InfoNCE) with labels,
     without the N×N similarity matrix nor PML's (positive pairs × negative pairs) one.
@@ -90,6 +97,11 @@ def ntxent_loss(
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
+        group (optional): a ``torch.distributed`` process group: every rank passes its own
+            batch and gets the loss of the ranks' batches concatenated in rank order (their
+            ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
+            gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
+            losses across ranks"). CPU tensors. Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; 0 (with zero gradients) when the batch has no
@@ -102,7 +114,7 @@ def ntxent_loss(
         >>> z = model(torch.cat([view1, view2]))  # (2B, 128)
         >>> loss = torchkit.ops.ntxent_loss(z, torch.arange(B).repeat(2), temperature=0.5)
     """
-    return _loss("ntxent_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels)
+    return _loss("ntxent_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels, group)
 
 
 def contrastive_loss(
@@ -113,6 +125,7 @@ def contrastive_loss(
     *,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
+    group=None,
 ) -> Tensor:
     """Contrastive loss (Hadsell et al., 2006) over every pair, without the N×N distance matrix.
 
@@ -131,6 +144,11 @@ def contrastive_loss(
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
+        group (optional): a ``torch.distributed`` process group: every rank passes its own
+            batch and gets the loss of the ranks' batches concatenated in rank order (their
+            ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
+            gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
+            losses across ranks"). CPU tensors. Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; a kind of pair with no term > 0 adds 0, and a batch
@@ -141,7 +159,7 @@ def contrastive_loss(
 
         >>> loss = torchkit.ops.contrastive_loss(model(images), labels, neg_margin=1.0)
     """
-    return _loss("contrastive_loss", embeddings, labels, (pos_margin, neg_margin), ref_embeddings, ref_labels)
+    return _loss("contrastive_loss", embeddings, labels, (pos_margin, neg_margin), ref_embeddings, ref_labels, group)
 
 
 def triplet_margin_loss(
@@ -152,6 +170,7 @@ def triplet_margin_loss(
     mining: str = "all",
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
+    group=None,
 ) -> Tensor:
     """Triplet margin loss over all, semi-hard or batch-hard triplets, without the N×N distance
     matrix nor PML's N³ triplet indices.
@@ -180,6 +199,11 @@ def triplet_margin_loss(
         ref_embeddings (Tensor[M, D], optional): the positives' and negatives' rows instead
             of the batch itself (PML's ``ref_emb``).
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
+        group (optional): a ``torch.distributed`` process group: every rank passes its own
+            batch and gets the loss of the ranks' batches concatenated in rank order (their
+            ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
+            gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
+            losses across ranks"). CPU tensors. Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; 0 (with zero gradients) when no triplet has a loss
@@ -190,7 +214,7 @@ def triplet_margin_loss(
 
         >>> loss = torchkit.ops.triplet_margin_loss(model(images), labels, 0.2, mining="batch_hard")
     """
-    return _loss("triplet_margin_loss", embeddings, labels, (margin, mining), ref_embeddings, ref_labels)
+    return _loss("triplet_margin_loss", embeddings, labels, (margin, mining), ref_embeddings, ref_labels, group)
 
 
 def multi_similarity_loss(
@@ -203,6 +227,7 @@ def multi_similarity_loss(
     miner_epsilon: Optional[float] = 0.1,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
+    group=None,
 ) -> Tensor:
     """Multi-similarity loss (Wang et al., 2019) with its pair miner, without the N×N similarity
     matrix.
@@ -225,6 +250,11 @@ def multi_similarity_loss(
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``).
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
+        group (optional): a ``torch.distributed`` process group: every rank passes its own
+            batch and gets the loss of the ranks' batches concatenated in rank order (their
+            ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
+            gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
+            losses across ranks"). CPU tensors. Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; 0 (with zero gradients) when each kind of pair
@@ -237,7 +267,13 @@ def multi_similarity_loss(
         >>> loss = torchkit.ops.multi_similarity_loss(model(images), labels)
     """
     return _loss(
-        "multi_similarity_loss", embeddings, labels, (alpha, beta, base, miner_epsilon), ref_embeddings, ref_labels
+        "multi_similarity_loss",
+        embeddings,
+        labels,
+        (alpha, beta, base, miner_epsilon),
+        ref_embeddings,
+        ref_labels,
+        group,
     )
 
 
@@ -247,6 +283,8 @@ def proxy_anchor_loss(
     proxies: Tensor,
     margin: float = 0.1,
     alpha: float = 32.0,
+    *,
+    group=None,
 ) -> Tensor:
     """Proxy-anchor loss (Kim et al., 2020) without the N×C similarity matrix, differentiable in
     the embeddings and the proxies.
@@ -265,6 +303,11 @@ def proxy_anchor_loss(
         proxies (Tensor[C, D]): one per class, of ``embeddings``' dtype and device (PML's
             ``loss.proxies``; ``torchkit.nn.ProxyAnchorLoss`` holds them as a parameter).
         margin: finite and >= 0. alpha: finite and > 0.
+        group (optional): a ``torch.distributed`` process group: every rank passes its own
+            batch and the same proxies, and gets the loss of the ranks' batches concatenated;
+            the gradient of its embeddings is theirs of that loss, and the proxies' gradient
+            its batch's share (summed over the ranks it is the proxies' gradient; docs/ops.md,
+            "The pair losses across ranks"). CPU tensors. Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; 0 for an empty batch. A NaN embedding or proxy
@@ -276,13 +319,21 @@ def proxy_anchor_loss(
         >>> loss = torchkit.ops.proxy_anchor_loss(model(images), labels, proxies)
     """
     op = "proxy_anchor_loss"
-    check_tensor(op, "embeddings", embeddings)
-    check_tensor(op, "labels", labels)
-    check_tensor(op, "proxies", proxies)
-    m, a = as_float(op, "margin", margin), as_float(op, "alpha", alpha)
-    _check_device(op, embeddings)
-    _check_proxy_inputs(embeddings, labels, proxies, m, a)
-    loss, _ = _PROXY_ANCHOR(embeddings, labels, proxies, m, a)
+
+    def check() -> tuple:
+        check_tensor(op, "embeddings", embeddings)
+        check_tensor(op, "labels", labels)
+        check_tensor(op, "proxies", proxies)
+        m, a = as_float(op, "margin", margin), as_float(op, "alpha", alpha)
+        _check_device(op, embeddings)
+        _check_proxy_inputs(embeddings, labels, proxies, m, a)
+        return m, a
+
+    if group is not None:
+        from torchkit.ops._pair_losses_across_ranks import proxy_anchor_across_ranks
+
+        return proxy_anchor_across_ranks(embeddings, labels, proxies, group, check)
+    loss, _ = _PROXY_ANCHOR(embeddings, labels, proxies, *check())
     return loss
 
 
@@ -320,10 +371,16 @@ def _register_proxy_anchor():
     op = "proxy_anchor_loss"
 
     @torch.library.register_fake(f"torchkit::{op}")
-    def _(embeddings, labels, proxies, margin, alpha):
+    def _(embeddings, labels, proxies, margin, alpha, shard=None):
         check_scalars(op, ("float", "margin", margin), ("float", "alpha", alpha))
         _check_proxy_inputs(embeddings, labels, proxies, margin, alpha)
+        if shard is not None and shard != -1:
+            raise ValueError(
+                f"{op}: shard must be -1 (the embeddings are a shard of the refs, the proxies the anchors), got {shard}"
+            )
         stats = embeddings.new_empty((proxies.shape[0], 4), dtype=acc_dtype(embeddings))
+        if shard is not None:
+            return embeddings.new_empty((proxies.shape[0], 3), dtype=torch.float64), stats
         return embeddings.new_empty(()), stats
 
     @torch.library.register_fake(f"torchkit::_{op}_backward")
@@ -335,19 +392,27 @@ def _register_proxy_anchor():
         return (embeddings.new_empty(0) if ge is None else ge), (embeddings.new_empty(0) if gp is None else gp)
 
     def setup_context(ctx, inputs, output):
-        embeddings, labels, proxies, margin, alpha = inputs
-        _loss, stats = output
+        embeddings, labels, proxies, margin, alpha, *rest = inputs
+        loss, stats = output
         ctx.mark_non_differentiable(stats)
+        ctx.inputs = len(inputs)
+        ctx.shard = rest[0] if rest else None
+        if ctx.shard is not None:
+            ctx.mark_non_differentiable(loss)  # a shard's parts (_register's)
+            return
         ctx.save_for_backward(embeddings, labels, proxies, stats)  # and a few numbers per proxy
         ctx.params = (margin, alpha)
 
     def backward(ctx, grad, _grad_stats):
+        none = (None,) * (ctx.inputs - 3)
+        if ctx.shard is not None:
+            return None, None, None, *none
         embeddings, labels, proxies, stats = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
         if not any(mask):
-            return None, None, None, None, None
+            return None, None, None, *none
         ge, gp = backward_op(grad, embeddings, labels, proxies, stats, *ctx.params, mask)
-        return (ge if mask[0] else None), None, (gp if mask[1] else None), None, None
+        return (ge if mask[0] else None), None, (gp if mask[1] else None), *none
 
     forward_op, backward_op = register_op(
         op, setup_context, backward, autograd_in_python=True, autocast_to=torch.float32
@@ -367,23 +432,38 @@ _PARAMS = {
         5,
     ),
 }
+# A shard's parts (csrc/pair_losses.h): how many.
+_PARTS = {
+    "supcon_loss": 4,
+    "ntxent_loss": 3,
+    "contrastive_loss": 6,
+    "triplet_margin_loss": 2,
+    "multi_similarity_loss": 4,
+}
 # The stats' dtype where it is not the accumulation type (csrc/pair_losses.h).
 _STATS_DTYPE = {"triplet_margin_loss": torch.int64, "multi_similarity_loss": torch.float64}
 _MINING = ("all", "batch_hard", "semi_hard")
 
 
-def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels) -> Tensor:
-    check_tensor(op, "embeddings", embeddings)
-    check_tensor(op, "labels", labels)
-    check_tensor(op, "ref_embeddings", ref_embeddings, optional=True)
-    check_tensor(op, "ref_labels", ref_labels, optional=True)
-    params = _as_params(op, params)
-    _check_device(op, embeddings)
-    # Checked here too, not only by the kernels and the fake kernel: torch.compile then raises
-    # eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
-    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
-    _check_params(op, params)
-    loss, _ = _FORWARD[op](embeddings, labels, ref_embeddings, ref_labels, *params)
+def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None) -> Tensor:
+    def check() -> tuple:
+        check_tensor(op, "embeddings", embeddings)
+        check_tensor(op, "labels", labels)
+        check_tensor(op, "ref_embeddings", ref_embeddings, optional=True)
+        check_tensor(op, "ref_labels", ref_labels, optional=True)
+        checked = _as_params(op, params)
+        _check_device(op, embeddings)
+        # Checked here too, not only by the kernels and the fake kernel: torch.compile then
+        # raises eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
+        _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+        _check_params(op, checked)
+        return checked
+
+    if group is not None:
+        from torchkit.ops._pair_losses_across_ranks import loss_across_ranks
+
+        return loss_across_ranks(op, embeddings, labels, params, ref_embeddings, ref_labels, group, check)
+    loss, _ = _FORWARD[op](embeddings, labels, ref_embeddings, ref_labels, *check())
     return loss
 
 
@@ -480,9 +560,28 @@ def _check_inputs(
     _check_labels(op, "ref_labels", ref_labels, "ref_embeddings", ref_embeddings)
 
 
+def _check_shard(op: str, shard: Optional[int], embeddings: Tensor, ref_embeddings: Optional[Tensor]) -> None:
+    """csrc/pair_losses.cpp's checks of shard (but for the labels' values, the kernel's to read)."""
+    if shard is None:
+        return
+    if ref_embeddings is None:
+        raise ValueError(
+            f"{op}: shard needs ref_embeddings (every rank's rows, of which the anchors are a shard), "
+            "got ref_embeddings=None"
+        )
+    high = ref_embeddings.shape[0] - embeddings.shape[0]
+    if not -1 <= shard <= high:
+        raise ValueError(
+            f"{op}: shard must be -1 (refs apart from the anchors) or the anchors' first row in ref_embeddings, "
+            f"in [0, M - N] = [0, {high}], got {shard}"
+        )
+
+
 def _register(op: str) -> tuple:
     """The fake kernels and autograd formula of one pair loss; returns its (forward, backward)
-    callables."""
+    callables. A call with shard (the losses across ranks) returns the reducer's parts, which
+    carry no gradient: torchkit/ops/_pair_losses_across_ranks.py differentiates them through
+    the backward op."""
     kinds, columns = _PARAMS[op]
     n = len(kinds)
 
@@ -492,18 +591,23 @@ def _register(op: str) -> tuple:
         # (a str argument is the schema's: the dispatcher refuses anything else)
 
     @torch.library.register_fake(f"torchkit::{op}")
-    def _(embeddings, labels, ref_embeddings, ref_labels, *params):
+    def _(embeddings, labels, ref_embeddings, ref_labels, *rest):
+        params, shard = rest[:n], (rest[n] if len(rest) > n else None)
         check_raw(params)
         _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
         _check_params(op, params)
+        _check_shard(op, shard, embeddings, ref_embeddings)
         dtype = _STATS_DTYPE.get(op, acc_dtype(embeddings))
         stats = embeddings.new_empty((embeddings.shape[0], columns), dtype=dtype)
+        if shard is not None:
+            return embeddings.new_empty((_PARTS[op],), dtype=torch.float64), stats
         return embeddings.new_empty(()), stats
 
     @torch.library.register_fake(f"torchkit::_{op}_backward")
     def _(grad, embeddings, labels, ref_embeddings, ref_labels, stats, *rest):
-        *params, output_mask = rest
+        params, output_mask, shard = rest[:n], rest[n], (rest[n + 1] if len(rest) > n + 1 else None)
         check_raw(params)
+        _check_shard(op, shard, embeddings, ref_embeddings)
         check_same_device(op, embeddings=embeddings, grad=grad, stats=stats)
         want_ref = ref_embeddings is not None and output_mask[1]
         ge = torch.empty_like(embeddings, memory_format=torch.contiguous_format) if output_mask[0] else None
@@ -511,20 +615,28 @@ def _register(op: str) -> tuple:
         return (embeddings.new_empty(0) if ge is None else ge), (embeddings.new_empty(0) if gr is None else gr)
 
     def setup_context(ctx, inputs, output):
-        embeddings, labels, ref_embeddings, ref_labels, *params = inputs
-        _loss, stats = output
+        embeddings, labels, ref_embeddings, ref_labels, *rest = inputs
+        loss, stats = output
         ctx.mark_non_differentiable(stats)
+        ctx.inputs = len(inputs)
+        ctx.params = rest[:n]
+        ctx.shard = rest[n] if len(rest) > n else None
+        if ctx.shard is not None:
+            ctx.mark_non_differentiable(loss)  # a shard's parts
+            return
         # Inputs and a few numbers per anchor: nothing N×M.
         ctx.save_for_backward(embeddings, labels, ref_embeddings, ref_labels, stats)
-        ctx.params = params
 
     def backward(ctx, grad, _grad_stats):
+        none = (None,) * (ctx.inputs - 4)
+        if ctx.shard is not None:
+            return None, None, None, None, *none
         embeddings, labels, ref_embeddings, ref_labels, stats = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ref_embeddings is not None and ctx.needs_input_grad[2]]
         if not any(mask):
-            return (None,) * (4 + n)
+            return None, None, None, None, *none
         ge, gr = backward_op(grad, embeddings, labels, ref_embeddings, ref_labels, stats, *ctx.params, mask)
-        return (ge if mask[0] else None), None, (gr if mask[1] else None), None, *((None,) * n)
+        return (ge if mask[0] else None), None, (gr if mask[1] else None), None, *none
 
     # Under autocast: in float32, as a loss.
     forward_op, backward_op = register_op(

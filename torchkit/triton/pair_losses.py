@@ -1688,8 +1688,19 @@ def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature)
     return float(temperature)
 
 
-def supcon_forward(embeddings, labels, ref_embeddings, ref_labels, temperature, *, config=None, row_config=None):
+def _refuse_shard(op: str, shard) -> None:
+    """A shard (one rank's part of a loss across ranks) has CPU kernels only so far."""
+    if shard is not None:
+        raise NotImplementedError(
+            f"{op}: a shard (the loss across ranks, group=) has no CUDA kernel yet; compute it on CPU tensors"
+        )
+
+
+def supcon_forward(
+    embeddings, labels, ref_embeddings, ref_labels, temperature, shard=None, *, config=None, row_config=None
+):
     """torchkit::supcon_loss's CUDA kernel (any device under the interpreter)."""
+    _refuse_shard("supcon_loss", shard)
     op = "supcon_loss"
     t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
     acc = acc_dtype(embeddings)
@@ -1709,8 +1720,11 @@ def supcon_forward(embeddings, labels, ref_embeddings, ref_labels, temperature, 
     return total.to(embeddings.dtype), stats
 
 
-def ntxent_forward(embeddings, labels, ref_embeddings, ref_labels, temperature, *, config=None, row_config=None):
+def ntxent_forward(
+    embeddings, labels, ref_embeddings, ref_labels, temperature, shard=None, *, config=None, row_config=None
+):
     """torchkit::ntxent_loss's CUDA kernel (any device under the interpreter)."""
+    _refuse_shard("ntxent_loss", shard)
     op = "ntxent_loss"
     t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
     acc = acc_dtype(embeddings)
@@ -1880,11 +1894,13 @@ def supcon_backward(
     stats,
     temperature,
     output_mask,
+    shard=None,
     *,
     config=None,
     row_config=None,
 ):
     """torchkit::_supcon_loss_backward's CUDA kernel."""
+    _refuse_shard("supcon_loss", shard)
     args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask)
     return _backward(False, *args, config, row_config)
 
@@ -1898,11 +1914,13 @@ def ntxent_backward(
     stats,
     temperature,
     output_mask,
+    shard=None,
     *,
     config=None,
     row_config=None,
 ):
     """torchkit::_ntxent_loss_backward's CUDA kernel."""
+    _refuse_shard("ntxent_loss", shard)
     args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask)
     return _backward(True, *args, config, row_config)
 
@@ -1934,8 +1952,9 @@ def _proxy_sides(embeddings, labels, proxies, acc, row_config):
     return _Side(proxies, classes, acc, row_config), _Side(embeddings, labels, acc, row_config)
 
 
-def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, *, config=None, row_config=None):
+def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None, *, config=None, row_config=None):
     """torchkit::proxy_anchor_loss's CUDA kernel (any device under the interpreter)."""
+    _refuse_shard("proxy_anchor_loss", shard)
     margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
     acc = acc_dtype(embeddings)
     a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config or ROW_CONFIGS[0])
@@ -2001,9 +2020,21 @@ def _ms_bits(params, D: int, acc: torch.dtype) -> tuple:
 
 
 def multi_similarity_forward(
-    embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, *, config=None, row_config=None
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    alpha,
+    beta,
+    base,
+    miner_epsilon,
+    shard=None,
+    *,
+    config=None,
+    row_config=None,
 ):
     """torchkit::multi_similarity_loss's CUDA kernel (any device under the interpreter)."""
+    _refuse_shard("multi_similarity_loss", shard)
     params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
     mining = params[3] is not None
     acc = acc_dtype(embeddings)
@@ -2061,11 +2092,13 @@ def multi_similarity_backward(
     base,
     miner_epsilon,
     output_mask,
+    shard=None,
     *,
     config=None,
     row_config=None,
 ):
     """torchkit::_multi_similarity_loss_backward's CUDA kernel."""
+    _refuse_shard("multi_similarity_loss", shard)
     op = "multi_similarity_loss"
     params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
     _check_backward(op, grad, embeddings, stats, 5, stats_dtype=torch.float64)
@@ -2170,9 +2203,10 @@ def _euclidean_bits(margins: tuple, D: int, acc: torch.dtype) -> tuple:
 
 
 def contrastive_forward(
-    embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, *, config=None, row_config=None
+    embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard=None, *, config=None, row_config=None
 ):
     """torchkit::contrastive_loss's CUDA kernel (any device under the interpreter)."""
+    _refuse_shard("contrastive_loss", shard)
     margins = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin)
     acc = acc_dtype(embeddings)
     config = config or EXACT_ROWS_CONFIGS[0]
@@ -2230,11 +2264,13 @@ def contrastive_backward(
     pos_margin,
     neg_margin,
     output_mask,
+    shard=None,
     *,
     config=None,
     row_config=None,
 ):
     """torchkit::_contrastive_loss_backward's CUDA kernel."""
+    _refuse_shard("contrastive_loss", shard)
     op = "contrastive_loss"
     margins = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin)
     _check_backward(op, grad, embeddings, stats, 2)
@@ -2419,9 +2455,10 @@ def _triplet_rows(a, b, points, segments, margin, semi, acc, config, sums=None, 
 
 
 def triplet_margin_forward(
-    embeddings, labels, ref_embeddings, ref_labels, margin, mining, *, config=None, row_config=None
+    embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard=None, *, config=None, row_config=None
 ):
     """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter)."""
+    _refuse_shard("triplet_margin_loss", shard)
     margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
     acc = acc_dtype(embeddings)
     hard = mining == "batch_hard"
@@ -2577,6 +2614,7 @@ def triplet_margin_backward(
     margin,
     mining,
     output_mask,
+    shard=None,
     *,
     config=None,
     row_config=None,
@@ -2585,6 +2623,7 @@ def triplet_margin_backward(
     """torchkit::_triplet_margin_loss_backward's CUDA kernel (config: hard_grad_kernel's for
     batch_hard, euclidean_grad_kernel's for all and semi_hard, with triplet_rows_kernel's
     rows_config)."""
+    _refuse_shard("triplet_margin_loss", shard)
     op = "triplet_margin_loss"
     margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
     _check_backward(op, grad, embeddings, stats, 3, stats_dtype=torch.int64)
