@@ -11,7 +11,8 @@ BUILD_STAMP := $(VENV)/.torchkit-built
 SOURCES     := setup.py pyproject.toml $(shell find csrc torchkit -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' 2>/dev/null)
 
 # Benchmarks: QUICK=1 runs the headline case of each op only (and one small case of
-# torchkit.distributed.knn, which otherwise runs two, on 1 and 2 processes). CONTENDED=1 runs
+# torchkit.distributed.knn and of the pair losses' group=, which otherwise run two each, on 1
+# and 2 processes). CONTENDED=1 runs
 # the headline cases with one more CPU-bound process alive the whole time, as a DataLoader
 # worker is beside training. Each writes its own report (cpu-quick.*, cpu-contended.*), so that it
 # never replaces the full one. The report then rewrites benchmarks/RESULTS.md and README's
@@ -46,6 +47,7 @@ test: build
 bench: build
 	TORCHKIT_BENCH_CONTENDED=$(if $(CONTENDED),1,0) $(PY) -m pytest benchmarks -v -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
 	$(if $(CONTENDED),,$(PY) benchmarks/distributed_knn.py $(if $(QUICK),--quick,))
+	$(if $(CONTENDED),,$(PY) benchmarks/distributed_pair_losses.py $(if $(QUICK),--quick,))
 	$(PY) benchmarks/report.py $(BENCH_JSON)
 
 # CUDA build check, no GPU needed: compile and link every .cu with the nvcc that matches
