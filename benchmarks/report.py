@@ -15,9 +15,10 @@ and one PNG bar chart per op (<name>_<op>.png).
 
 benchmarks/RESULTS.md holds the full tables of the latest full runs (results/cpu.json,
 results/cpu-contended.json, results/<gpu>/gpu.json) and the distributed benchmarks' reports
-(results/cpu-distributed.md, results/cpu-distributed-losses.md); README's headline table (between its `headline` markers) holds,
-per op and machine, the headline cases (those marked `headline` in benchmarks/, recorded in
-each entry's extra_info; the op's first case where the run marked none) against each peer.
+(results/cpu-distributed.md, results/cpu-distributed-losses.md); README's headline table
+(between its `headline` markers) holds, per op and machine, the headline cases (those marked
+`headline` in benchmarks/, recorded in each entry's extra_info; the op's first case where the
+run marked none) against each peer.
 """
 
 from __future__ import annotations
