@@ -36,7 +36,6 @@ def loss_across_ranks(
     op: str,
     embeddings: Tensor,
     labels: Tensor,
-    params: tuple,
     ref_embeddings: Optional[Tensor],
     ref_labels: Optional[Tensor],
     group,
@@ -123,7 +122,6 @@ def _agree(op: str, group, check, embeddings: Tensor, describe) -> tuple[Any, tu
     from torchkit import distributed  # (it imports torchkit.ops)
 
     group = distributed._resolve_group(op, group)
-    params: tuple = ()
     try:
         params = check()
         if embeddings.device.type != "cpu":
@@ -155,7 +153,7 @@ def _gather(x: Tensor, sizes: list, group) -> Tensor:
     padded = x.new_zeros((widest, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(out, padded.contiguous(), group=group)
+    dist.all_gather(out, padded, group=group)
     return torch.cat([o[:n] for o, n in zip(out, sizes, strict=True)])
 
 

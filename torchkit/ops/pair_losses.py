@@ -462,7 +462,7 @@ def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None
     if group is not None:
         from torchkit.ops._pair_losses_across_ranks import loss_across_ranks
 
-        return loss_across_ranks(op, embeddings, labels, params, ref_embeddings, ref_labels, group, check)
+        return loss_across_ranks(op, embeddings, labels, ref_embeddings, ref_labels, group, check)
     loss, _ = _FORWARD[op](embeddings, labels, ref_embeddings, ref_labels, *check())
     return loss
 
