@@ -11,8 +11,8 @@ PML's batch rules (no positive pair, at most one of each kind, ...) and the mean
 denominators then hold on the whole problem. The backward calls the backward op on the same
 shard with the gradient scaled from the shard's own normalisation to the whole problem's (a
 float64 scale; contrastive_loss's two means rewrite its two stats columns instead), and the
-gathered rows' gradient goes back through the all-gather: an all-reduce, each rank keeping its
-rows. So each rank's gradient is its rows' gradient of the whole loss; the rank's terms are
+gathered rows' gradient goes back through the all-gather: a reduce-scatter, each rank receiving
+its rows' sum over the ranks. So each rank's gradient is its rows' gradient of the whole loss; the rank's terms are
 exact as on one process, and only the sums' order differs.
 
 Before any data moves, the ranks exchange a description of their arguments, so that an
@@ -158,8 +158,8 @@ def _gather(x: Tensor, sizes: list, group) -> Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """_gather, differentiable: each rank's rows of the gathered copy's gradient summed over
-    the ranks."""
+    """_gather, differentiable: the gathered copy's gradient reduce-scattered, each rank
+    receiving its rows summed over the ranks."""
 
     @staticmethod
     def forward(ctx, x, sizes, rank, group):
@@ -168,11 +168,23 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        if grad.numel():
-            dist.all_reduce(grad, group=ctx.group)
-        start = sum(ctx.sizes[: ctx.rank])
-        return grad[start : start + ctx.sizes[ctx.rank]], None, None, None
+        sizes, widest = ctx.sizes, max(ctx.sizes)
+        mine = grad.new_empty((widest, *grad.shape[1:]))
+        if widest == 0:
+            return mine, None, None, None
+        # Each rank's rows padded to the widest shard: the equal blocks reduce-scatter takes.
+        if min(sizes) == widest:
+            padded = grad.contiguous()
+        else:
+            padded = grad.new_zeros((len(sizes) * widest, *grad.shape[1:]))
+            for r, block in enumerate(grad.split(sizes)):
+                padded[r * widest : r * widest + block.shape[0]] = block
+        _reduce_scatter(mine, padded, group=ctx.group)
+        return mine[: sizes[ctx.rank]], None, None, None
+
+
+# torch 2.14 renamed reduce_scatter_tensor (and deprecated the old name).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _ShardLoss(torch.autograd.Function):
