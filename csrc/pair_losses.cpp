@@ -78,6 +78,16 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
   return p;
 }
 
+Problem whole_of(const Problem& p) {
+  Problem q = p;
+  q.self = true;
+  q.N = p.M;
+  q.offset = 0;
+  q.grad_first = p.offset;
+  q.grad_rows = p.N;
+  return q;
+}
+
 at::Tensor Problem::parts(std::initializer_list<double> values, const at::Tensor& like) const {
   at::Tensor out = at::empty({static_cast<int64_t>(values.size())},
                              like.options().dtype(at::kDouble).device(at::kCPU));
@@ -158,10 +168,13 @@ void check_backward_inputs(const Problem& p, const at::Tensor& grad, const at::T
   check_same_device(op, "embeddings", embeddings, "grad", grad);
   const auto acc =
       stats_type.value_or(embeddings.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  // (a shard's backward with the whole problem's stats: p is whole_of's, N every rank's rows)
+  const bool whole = p.grad_rows >= 0;
   TK_CHECK_VALUE(op,
                  stats.dim() == 2 && stats.size(0) == p.N && stats.size(1) == columns &&
                      stats.scalar_type() == acc,
-                 "backward: stats must be (N, ", columns, ") = (", p.N, ", ", columns, ") of ", acc,
+                 "backward: stats must be (", whole ? "M" : "N", ", ", columns, ") = (", p.N, ", ",
+                 columns, ") of ", acc, whole ? " (with shard >= 0: the whole problem's)" : "",
                  ", got ", stats.sizes(), " of ", stats.scalar_type());
   check_same_device(op, "embeddings", embeddings, "stats", stats);
 }

@@ -54,6 +54,14 @@
 // call's own counts, without PML's batch rules (a rank cannot see them): the caller applies
 // the rules to the summed parts and scales the backward's grad (contrastive_loss: rewrites
 // its two stats columns).
+// A shard's backward: supcon_loss, ntxent_loss, contrastive_loss and multi_similarity_loss with
+// shard >= 0 take the whole problem's stats (M rows, every rank's anchors', normalised to the
+// whole problem: whole_of) and return the anchors' whole gradient, each anchor's pairs taken as
+// anchor and as every anchor's ref (rows [shard, shard + N) of the gradient the loss without
+// refs over ref_embeddings has; the refs' gradient is not computed: zeros where asked). Every
+// other shard's backward (triplet_margin_loss's mining would need every anchor's per-positive
+// counts; shard = −1) takes the shard's stats and returns the refs' gradient from the shard's
+// anchors too, which the caller sums over the ranks.
 //   supcon_loss: Σ of the loss_i in the mean, their count, positive pairs, negative pairs.
 //   ntxent_loss: Σ loss_ip, positive pairs, negative pairs.
 //   contrastive_loss: Σ and count of the positive terms > 0, the same of the negative ones,
@@ -92,22 +100,31 @@ enum class Mining { All, BatchHard, SemiHard };
 
 struct Problem {
   const char* op = nullptr;
-  int64_t N = 0, M = 0, D = 0;            // anchors, ref rows (M = N without refs), features
-  bool self = true;                       // ref_embeddings = None: the pairs of the batch itself
-  int64_t offset = -1;                    // anchor i is ref row offset + i (0 for self; -1: none)
-  bool shard = false;                     // a shard of a larger problem (above)
-  double temperature = 0;                 // supcon_loss, ntxent_loss
-  double pos_margin = 0, neg_margin = 0;  // contrastive_loss
-  double margin = 0;                      // triplet_margin_loss
-  Mining mining = Mining::All;            // triplet_margin_loss
-  double alpha = 0, beta = 0, base = 0;   // multi_similarity_loss
-  double miner_epsilon = -1;              // multi_similarity_loss; < 0: no miner
+  int64_t N = 0, M = 0, D = 0;             // anchors, ref rows (M = N without refs), features
+  bool self = true;                        // ref_embeddings = None: the pairs of the batch itself
+  int64_t offset = -1;                     // anchor i is ref row offset + i (0 for self; -1: none)
+  bool shard = false;                      // a shard of a larger problem (above)
+  int64_t grad_first = 0, grad_rows = -1;  // the anchors' gradient rows computed (< 0: all N)
+  double temperature = 0;                  // supcon_loss, ntxent_loss
+  double pos_margin = 0, neg_margin = 0;   // contrastive_loss
+  double margin = 0;                       // triplet_margin_loss
+  Mining mining = Mining::All;             // triplet_margin_loss
+  double alpha = 0, beta = 0, base = 0;    // multi_similarity_loss
+  double miner_epsilon = -1;               // multi_similarity_loss; < 0: no miner
 
   // Whether anchor i and ref row j are one row (not a pair).
   bool itself(int64_t i, int64_t j) const { return offset >= 0 && j == offset + i; }
   // A shard's loss output: its parts, float64 on like's device.
   at::Tensor parts(std::initializer_list<double> values, const at::Tensor& like) const;
+  // Whether a shard's backward of the losses that take the whole problem's stats (above) does.
+  bool takes_whole_stats() const { return shard && offset >= 0; }
+  // The anchors' gradient rows a backward computes: [grad_first, grad_end()).
+  int64_t grad_end() const { return grad_rows < 0 ? N : grad_first + grad_rows; }
 };
+
+// The problem a shard's backward with the whole problem's stats solves: p's refs without refs
+// (every rank's rows, N = M), of whose anchors' gradient it computes p's rows.
+Problem whole_of(const Problem& p);
 
 // The tensors' checks, common to the family; then each loss checks its own parameters.
 Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Tensor& labels,

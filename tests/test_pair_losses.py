@@ -539,7 +539,10 @@ def test_opcheck(loss, params, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shard_opcheck(loss, params, dtype):
     """The raw ops as the losses across ranks call them: a shard of the rows (its own rows
-    left out of its pairs) and a shard of separate refs; the backward with a float64 grad."""
+    left out of its pairs) and a shard of separate refs; the backward with a float64 grad
+    (and, of a shard of the rows, the whole problem's stats where the loss takes them)."""
+    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
+
     op, backward = raw(loss)
     values = list(params.values())
     rows, labels = make((10, 4), dtype), make_labels(10, 3)
@@ -548,6 +551,8 @@ def test_shard_opcheck(loss, params, dtype):
         check_opcheck(op, (e, e_labels, refs, labels, *values, shard))
         parts, stats = op(e.detach(), e_labels, refs.detach(), labels, *values, shard)
         assert parts.dtype == torch.float64 and parts.shape == (ops.pair_losses._PARTS[loss],)
+        if shard >= 0 and loss in WHOLE_STATS:
+            stats = op(rows, labels, None, None, *values)[1]
         for g in (torch.ones((), dtype=torch.float64), torch.ones((), dtype=dtype)):
             args = (g, e.detach(), e_labels, refs.detach(), labels, stats, *values, [True, True], shard)
             check_opcheck(backward, args)
@@ -556,9 +561,10 @@ def test_shard_opcheck(loss, params, dtype):
 @variants
 def test_shards_make_the_whole_loss(loss, params):
     """What group= does, in one process: the parts of two shards of the anchors against every
-    row, summed, give the loss, and their backwards the gradient (tests/test_pair_losses_distributed.py
-    runs it across processes)."""
-    from torchkit.ops._pair_losses_across_ranks import _whole
+    row, summed, give the loss, and their backwards the gradient: each shard's rows' whole
+    gradient from the whole problem's stats (WHOLE_STATS), or its rows' as anchors and every
+    row's as its anchors' refs (tests/test_pair_losses_distributed.py runs it across processes)."""
+    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _whole, _whole_stats
 
     op, backward = raw(loss)
     values = list(params.values())
@@ -569,13 +575,20 @@ def test_shards_make_the_whole_loss(loss, params):
     shards = [(0, 5), (5, 13)]
     results = [op(rows[a:b], labels[a:b], rows, labels, *values, a) for a, b in shards]
     total = sum(parts for parts, _ in results)
-    grad = torch.zeros_like(rows)
-    for (a, b), (parts, stats) in zip(shards, results, strict=True):
-        value, scale, stats = _whole(loss, parts, total, stats)
+    wholes = [_whole(loss, parts, total, stats) for parts, stats in results]
+    for value, _, _ in wholes:
         torch.testing.assert_close(value, expected.detach(), rtol=1e-12, atol=0)
-        ge, gr = backward(scale, rows[a:b], labels[a:b], rows, labels, stats, *values, [True, True], a)
+    whole_stats = torch.cat([_whole_stats(loss, stats, scale) for _, scale, stats in wholes])
+    grad = torch.zeros_like(rows)
+    for (a, b), (_, scale, stats) in zip(shards, wholes, strict=True):
+        if loss in WHOLE_STATS:
+            g = torch.ones((), dtype=torch.float64)
+            ge, gr = backward(g, rows[a:b], labels[a:b], rows, labels, whole_stats, *values, [True, True], a)
+            assert not gr.any()  # (the refs' gradient is not computed: zeros)
+        else:
+            ge, gr = backward(scale, rows[a:b], labels[a:b], rows, labels, stats, *values, [True, True], a)
+            grad += gr
         grad[a:b] += ge
-        grad += gr
     torch.testing.assert_close(grad, x.grad, rtol=1e-10, atol=1e-13)
 
 
@@ -602,10 +615,18 @@ def test_shard_is_checked(loss, params):
     ):
         op(rows[2:4], other[2:4], rows, labels, *values, 2)
     _, stats = op(rows[2:4], labels[2:4], rows, labels, *values, 2)
+    g = torch.ones((), dtype=torch.float64)
     with pytest.raises(ValueError, match=rf"^{loss}: shard must be -1"):
-        backward(
-            torch.ones((), dtype=torch.float64), rows[2:4], labels[2:4], rows, labels, stats, *values, [True, True], 5
-        )
+        backward(g, rows[2:4], labels[2:4], rows, labels, stats, *values, [True, True], 5)
+    # A shard of the rows: the whole problem's stats where the loss takes them, else its own.
+    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
+
+    if loss in WHOLE_STATS:
+        match = rf"^{loss}: backward: stats must be \(M, {stats.shape[1]}\) = \(6, .* the whole problem's\), got \[2, "
+    else:
+        stats, match = op(rows, labels, None, None, *values)[1], rf"^{loss}: backward: stats must be \(N, .*, got \[6, "
+    with pytest.raises(ValueError, match=match):
+        backward(g, rows[2:4], labels[2:4], rows, labels, stats, *values, [True, True], 2)
 
 
 @variants_k

@@ -49,6 +49,15 @@ Inputs prepare(const Problem& p, const Tensor& embeddings, const Tensor& labels,
   return in;
 }
 
+// A backward's inputs: those of the call, or, for a shard's backward with the whole problem's
+// stats (p = whole_of(call)), its refs without refs.
+Inputs backward_inputs(const Problem& call, const Problem& p, const Tensor& embeddings,
+                       const Tensor& labels, const std::optional<Tensor>& ref_embeddings,
+                       const std::optional<Tensor>& ref_labels) {
+  if (p.self && !call.self) return prepare(p, *ref_embeddings, *ref_labels, {}, {});
+  return prepare(p, embeddings, labels, ref_embeddings, ref_labels);
+}
+
 // A running log-sum-exp: max and Σ exp(x − max), in double.
 struct LogSumExp {
   double max = -std::numeric_limits<double>::infinity();
@@ -446,7 +455,7 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
 // −∞ where the pair does not count), and for its positive j terms.positive(i, j, s): per
 // tile (both anchors' terms without refs: s is symmetric), the negatives' exponentials
 // vectorised and the positives (few) one at a time, times other's scale into one GEMM; then
-// the normalisation's Jacobian.
+// the normalisation's Jacobian. Of the anchors, the rows p asks for (own_rows).
 template <typename acc_t, typename Terms>
 Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc_t weight,
                      bool anchors_own, acc_t grad) {
@@ -457,12 +466,14 @@ Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc
   const int64_t* lb = in.ref_lab.const_data_ptr<int64_t>();
   const acc_t* io = own.scale.const_data_ptr<acc_t>();
   const acc_t* ib = other.scale.const_data_ptr<acc_t>();
-  Tensor out = at::zeros_like(own.rows);
-  for_each_tile(own.rows, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
+  const auto [first, rows] = own_rows(p, own.rows, anchors_own);
+  const Tensor mine = own.rows.narrow(0, first, rows);
+  Tensor out = at::zeros_like(mine);
+  for_each_tile(mine, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t e1[kCols], e2[kCols];
     for (int64_t r = 0; r < di; ++r) {
-      const int64_t i = a0 + r;
+      const int64_t i = first + a0 + r;
       acc_t* x = s.data_ptr<acc_t>() + r * stride;
       const acc_t scale = io[i];
       for (int64_t c = 0; c < dj; ++c) {
@@ -496,7 +507,7 @@ Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc
     }
     out.narrow(0, a0, di).addmm_(s, other.rows.narrow(0, b0, dj));
   });
-  through_normalisation<acc_t>(out, own, grad);
+  through_normalisation<acc_t>(out, own, grad, first);
   return out;
 }
 
@@ -680,13 +691,15 @@ struct PairGrad {
 // ∂loss/∂s_ij from the recomputed cosine, times inv_j (the GEMM takes other's raw rows), into
 // Σ_j ·other_j; then through own's normalisation. anchors_own says which side holds the
 // anchors (their stats); symmetric adds ∂/∂s_ji (no refs: s is symmetric, and both
-// directions are one row's gradient).
+// directions are one row's gradient). Of the anchors, the rows p asks for (own_rows).
 template <typename acc_t>
 Tensor rows_grad(const Problem& p, const Side& own, const Side& other, const Tensor& own_lab,
                  const Tensor& other_lab, const PairGrad<acc_t>& pg, bool anchors_own,
                  bool symmetric, acc_t grad) {
   using V = Vectorized<acc_t>;
-  Tensor out = at::zeros_like(own.rows);
+  const auto [first, rows] = own_rows(p, own.rows, anchors_own);
+  const Tensor mine = own.rows.narrow(0, first, rows);
+  Tensor out = at::zeros_like(mine);
   const int64_t* la = own_lab.const_data_ptr<int64_t>();
   const int64_t* lb = other_lab.const_data_ptr<int64_t>();
   const acc_t* io = own.scale.const_data_ptr<acc_t>();
@@ -695,12 +708,12 @@ Tensor rows_grad(const Problem& p, const Side& own, const Side& other, const Ten
   const acc_t* shift = pg.shift.data();
   const acc_t inv_tau = static_cast<acc_t>(1.0 / p.temperature);
   const bool columns = !anchors_own || symmetric;  // terms of the anchors in the columns
-  for_each_tile(own.rows, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
+  for_each_tile(mine, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
     acc_t x[kCols];
     for (int64_t r = 0; r < di; ++r) {
-      const int64_t i = a0 + r;
+      const int64_t i = first + a0 + r;
       acc_t* row = base + r * stride;
       const acc_t scale = io[i] * inv_tau;
       at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, row, ib + b0, dj);
@@ -741,7 +754,7 @@ Tensor rows_grad(const Problem& p, const Side& own, const Side& other, const Ten
     Tensor dst = out.narrow(0, a0, di);
     dst.addmm_(s, other.rows.narrow(0, b0, dj));
   });
-  through_normalisation<acc_t>(out, own, grad);
+  through_normalisation<acc_t>(out, own, grad, first);
   return out;
 }
 
@@ -753,17 +766,18 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
                                         const Tensor& stats, const c10::Scalar& temperature,
                                         std::array<bool, 2> output_mask,
                                         std::optional<int64_t> shard) {
-  Problem p = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
-                           ref_embeddings, ref_labels, shard);
-  p.temperature = check_temperature(p.op, temperature);
+  Problem call = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
+                              ref_embeddings, ref_labels, shard);
+  call.temperature = check_temperature(call.op, temperature);
+  const Problem p = call.takes_whole_stats() ? whole_of(call) : call;
   check_backward_inputs(p, grad, embeddings, stats, NTXENT ? kNTXentStats : kSupConStats);
-  const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
+  const bool want_e = output_mask[0], want_r = !call.self && output_mask[1];
   Tensor ge, gr;
   auto outputs = [&] {
     return backward_outputs(ge, gr, want_e, want_r, embeddings, ref_embeddings);
   };
-  if ((!want_e && !want_r) || p.N == 0 || p.M == 0 || p.D == 0) return outputs();
-  const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
+  if ((!want_e && !want_r) || call.N == 0 || call.M == 0 || call.D == 0) return outputs();
+  const Inputs in = backward_inputs(call, p, embeddings, labels, ref_embeddings, ref_labels);
   const Tensor st = stats.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, embeddings.scalar_type(), "pair_loss_backward_cpu", [&] {
@@ -774,7 +788,8 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
         const acc_t gv = static_cast<acc_t>(g);
         const auto dtype = embeddings.scalar_type();
         if (p.self) {
-          ge = rows_grad<acc_t>(p, in.a, in.a, in.lab, in.lab, pg, true, true, gv).to(dtype);
+          if (want_e)
+            ge = rows_grad<acc_t>(p, in.a, in.a, in.lab, in.lab, pg, true, true, gv).to(dtype);
           return;
         }
         if (want_e)
@@ -823,19 +838,20 @@ std::tuple<Tensor, Tensor> ms_backward_cpu(
     const Tensor& stats, const c10::Scalar& alpha, const c10::Scalar& beta, const c10::Scalar& base,
     const std::optional<c10::Scalar>& miner_epsilon, std::array<bool, 2> output_mask,
     std::optional<int64_t> shard) {
-  const Problem p = ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base,
-                               miner_epsilon, shard);
+  const Problem call = ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base,
+                                  miner_epsilon, shard);
+  const Problem p = call.takes_whole_stats() ? whole_of(call) : call;
   check_backward_inputs(p, grad, embeddings, stats, kMultiSimilarityStats, at::kDouble);
-  const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
+  const bool want_e = output_mask[0], want_r = !call.self && output_mask[1];
   Tensor ge, gr;
   auto outputs = [&] {
     return backward_outputs(ge, gr, want_e, want_r, embeddings, ref_embeddings);
   };
-  if ((!want_e && !want_r) || p.N == 0 || p.M == 0 || p.D == 0) return outputs();
+  if ((!want_e && !want_r) || call.N == 0 || call.M == 0 || call.D == 0) return outputs();
   const Tensor st = stats.contiguous();
   const double* sp = st.const_data_ptr<double>();
   if (sp[kMultiSimilarityStats - 1] == 0) return outputs();  // a loss of 0 by PML's rules
-  const Inputs in = prepare(p, embeddings, labels, ref_embeddings, ref_labels);
+  const Inputs in = backward_inputs(call, p, embeddings, labels, ref_embeddings, ref_labels);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, embeddings.scalar_type(), "multi_similarity_loss_backward_cpu",
       [&] {
@@ -849,7 +865,7 @@ std::tuple<Tensor, Tensor> ms_backward_cpu(
         const auto dtype = embeddings.scalar_type();
         const MultiSimilarityTerms<acc_t> terms{p, ms, sp};
         const acc_t w = static_cast<acc_t>(sp[kMultiSimilarityStats - 1]);  // 1/N in every row
-        if (want_e || p.self) ge = cos_rows_grad<acc_t>(p, in, terms, w, true, g).to(dtype);
+        if (want_e) ge = cos_rows_grad<acc_t>(p, in, terms, w, true, g).to(dtype);
         if (want_r && !p.self) gr = cos_rows_grad<acc_t>(p, in, terms, w, false, g).to(dtype);
       });
   return outputs();

@@ -13,9 +13,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
+#include "pair_losses.h"
 
 namespace torchkit::pair_losses::cpu {
 
@@ -142,18 +144,26 @@ void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
   });
 }
 
+// The rows of one side a backward's pass computes (first, count): of the anchors, those the
+// problem asks for (Problem::grad_first); of the refs, all.
+inline std::pair<int64_t, int64_t> own_rows(const Problem& p, const Tensor& rows,
+                                            bool anchors_own) {
+  if (!anchors_own) return {0, rows.size(0)};
+  return {p.grad_first, p.grad_end() - p.grad_first};
+}
+
 // g ← grad·∂/∂x of g·e for e = x / max(‖x‖, eps), in place, per row, from the side's rows r
 // (x, or e itself) and their tile scale (e = r·scale): inv·(g − e·(e·g)) where ‖x‖ > eps,
-// inv·g where the clamp holds (its constant).
+// inv·g where the clamp holds (its constant). g holds the side's rows [first, first + rows).
 template <typename acc_t>
-void through_normalisation(Tensor& g, const Side& own, acc_t grad) {
+void through_normalisation(Tensor& g, const Side& own, acc_t grad, int64_t first = 0) {
   using V = Vectorized<acc_t>;
   const int64_t rows = g.size(0), D = g.size(1);
   acc_t* gp = g.data_ptr<acc_t>();
-  const acc_t* rp = own.rows.const_data_ptr<acc_t>();
-  const acc_t* sp = own.scale.const_data_ptr<acc_t>();
-  const acc_t* ip = own.inv.const_data_ptr<acc_t>();
-  const bool* cp = own.clamped.const_data_ptr<bool>();
+  const acc_t* rp = own.rows.const_data_ptr<acc_t>() + first * D;
+  const acc_t* sp = own.scale.const_data_ptr<acc_t>() + first;
+  const acc_t* ip = own.inv.const_data_ptr<acc_t>() + first;
+  const bool* cp = own.clamped.const_data_ptr<bool>() + first;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       acc_t* gi = gp + i * D;

@@ -195,7 +195,8 @@ void distance_row(const Inputs<acc_t>& in, bool anchors_own, acc_t* x, int64_t i
 // the anchors; symmetric (no refs) adds the pair (j, i) to (i, j), both one row's gradient.
 // Per tile: w = Σ coef / d (0 at d = 0, cdist's subgradient), Σ_j w_ij (c_i − c_j) by one GEMM
 // and a row sum; directly computed entries outside the GEMM, in float64. extra(out) adds what
-// the tiles leave out (∂loss/∂e, before the normalisation's Jacobian).
+// the tiles leave out (∂loss/∂e, before the normalisation's Jacobian). Of the anchors, the rows
+// p asks for (own_rows).
 template <typename acc_t, typename Coef, typename Extra>
 Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, acc_t grad, Coef coef,
                  Extra extra) {
@@ -205,15 +206,17 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
   const int64_t* other_lab = anchors_own ? in.lb : in.la;
   const bool symmetric = p.self;
   const int64_t D = own.D;
-  Tensor out = at::zeros_like(own.centred);
+  const auto [first, rows] = own_rows(p, own.centred, anchors_own);
+  const Tensor mine = own.centred.narrow(0, first, rows);
+  Tensor out = at::zeros_like(mine);
   acc_t* op = out.data_ptr<acc_t>();
-  for_each_tile(own.centred, other.centred, [&](Tensor& s, int64_t a0, int64_t b0) {
+  for_each_tile(mine, other.centred, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
     bool direct[kCols];
     std::vector<double> acc(D);
     for (int64_t r = 0; r < di; ++r) {
-      const int64_t i = a0 + r;
+      const int64_t i = first + a0 + r;
       acc_t* x = base + r * stride;
       distance_row(in, anchors_own, x, i, b0, dj, direct);
       double row_sum = 0;
@@ -239,7 +242,7 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
         x[c] = static_cast<acc_t>(w);
         row_sum += static_cast<double>(x[c]);
       }
-      acc_t* orow = op + i * D;
+      acc_t* orow = op + (i - first) * D;
       const acc_t* ci = own.c + i * D;
       for (int64_t k = 0; k < D; ++k) {
         orow[k] += static_cast<acc_t>(row_sum) * ci[k] +
@@ -249,7 +252,7 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
     out.narrow(0, a0, di).addmm_(s, other.centred.narrow(0, b0, dj), 1, -1);
   });
   extra(out);
-  through_normalisation<acc_t>(out, own.side, grad);
+  through_normalisation<acc_t>(out, own.side, grad, first);
   return out;
 }
 
@@ -783,25 +786,31 @@ std::tuple<Tensor, Tensor> contrastive_backward_cpu(
     const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
     const Tensor& stats, const c10::Scalar& pos_margin, const c10::Scalar& neg_margin,
     std::array<bool, 2> output_mask, std::optional<int64_t> shard) {
-  Problem p =
+  Problem call =
       check_inputs("contrastive_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
-  p.pos_margin = check_margin(p.op, "pos_margin", pos_margin);
-  p.neg_margin = check_margin(p.op, "neg_margin", neg_margin);
+  call.pos_margin = check_margin(call.op, "pos_margin", pos_margin);
+  call.neg_margin = check_margin(call.op, "neg_margin", neg_margin);
+  const bool whole = call.takes_whole_stats();
+  const Problem p = whole ? whole_of(call) : call;
   check_backward_inputs(p, grad, embeddings, stats, kContrastiveStats);
-  const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
+  const bool want_e = output_mask[0], want_r = !call.self && output_mask[1];
   Tensor ge, gr;
   auto outputs = [&] {
     return backward_outputs(ge, gr, want_e, want_r, embeddings, ref_embeddings);
   };
-  if ((!want_e && !want_r) || p.N == 0 || p.M == 0 || p.D == 0) return outputs();
+  if ((!want_e && !want_r) || (whole && !want_e) || call.N == 0 || call.M == 0 || call.D == 0)
+    return outputs();
   const Tensor st = stats.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, embeddings.scalar_type(), "contrastive_loss_backward_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        if (p.N == 0 || (st.const_data_ptr<acc_t>()[0] == 0 && st.const_data_ptr<acc_t>()[1] == 0))
-          return;
+        if (st.const_data_ptr<acc_t>()[0] == 0 && st.const_data_ptr<acc_t>()[1] == 0) return;
         Inputs<acc_t> in;
-        prepare(in, p, embeddings, labels, ref_embeddings, ref_labels);
+        if (whole) {  // the refs without refs
+          prepare(in, p, *ref_embeddings, *ref_labels, std::nullopt, std::nullopt);
+        } else {
+          prepare(in, p, embeddings, labels, ref_embeddings, ref_labels);
+        }
         auto [e, r] = contrastive_backward<acc_t>(p, in, st, want_e, want_r,
                                                   static_cast<acc_t>(grad.item<double>()),
                                                   embeddings.scalar_type());

@@ -8,12 +8,19 @@ shard (csrc/pair_losses.h): its anchors are rows [offset, offset + N_rank) of th
 pair of an anchor with its own row left out, and the kernel returns the reducer's parts (sums
 and counts of the terms and the pairs) instead of the loss. One all-reduce sums the parts;
 PML's batch rules (no positive pair, at most one of each kind, ...) and the mean's
-denominators then hold on the whole problem. The backward calls the backward op on the same
-shard with the gradient scaled from the shard's own normalisation to the whole problem's (a
-float64 scale; contrastive_loss's two means rewrite its two stats columns instead), and the
-gathered rows' gradient goes back through the all-gather: a reduce-scatter, each rank receiving
-its rows' sum over the ranks. So each rank's gradient is its rows' gradient of the whole loss; the rank's terms are
-exact as on one process, and only the sums' order differs.
+denominators then hold on the whole problem.
+
+The backward, without ``ref_embeddings`` (WHOLE_STATS): each rank scales its anchors' stats
+to the whole problem's normalisation, the ranks all-gather them (a few numbers per row), and
+each rank's backward op takes its rows' pairs with every row once, as anchor and as ref: its
+rows' whole gradient, N_local × N_global pairs, and nothing goes back through the gather.
+triplet_margin_loss (its mining would need every anchor's per-positive counts) and the losses
+with ``ref_embeddings`` call the backward op on the shard with the gradient scaled from the
+shard's own normalisation to the whole problem's (a float64 scale), for the anchors' rows and
+the gathered rows' from those anchors; the gathered rows' gradient goes back through the
+all-gather: a reduce-scatter, each rank receiving its rows' sum over the ranks. Either way
+each rank's gradient is its rows' gradient of the whole loss; the rank's terms are exact as on
+one process, and only the sums' order differs.
 
 Before any data moves, the ranks exchange a description of their arguments, so that an
 argument one rank refuses, or that the ranks disagree on, raises the same exception on every
@@ -30,6 +37,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype
+
+# The losses whose shard backward (shard >= 0) takes the whole problem's stats and gives each
+# rank its rows' whole gradient (csrc/pair_losses.h; the module's docstring).
+WHOLE_STATS = frozenset({"supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss"})
+# The stats column of each of them that holds its shard's own normalisation.
+_NORMALISED_COLUMN = {"supcon_loss": 1, "ntxent_loss": 2, "multi_similarity_loss": 4}
 
 
 def loss_across_ranks(
@@ -60,14 +73,17 @@ def loss_across_ranks(
     group, params, everyone = _agree(op, group, check, embeddings, describe)
     shards, ref_shards = [r["rows"] for r in everyone], [r["ref_rows"] for r in everyone]
     rank = dist.get_rank(group)
-    gathered = _Gather.apply(embeddings, shards, rank, group)
-    gathered_labels = _gather(labels.long(), shards, group)
-    if ref_embeddings is None:
-        refs, ref_labels, shard = gathered, gathered_labels, sum(shards[:rank])
+    if ref_embeddings is None and op in WHOLE_STATS:
+        # The backward gives each rank its rows' whole gradient: the gathered copy needs none.
+        refs = _gather(embeddings.detach(), shards, group)
+        ref_labels, shard = _gather(labels.long(), shards, group), sum(shards[:rank])
+    elif ref_embeddings is None:
+        refs, shard = _Gather.apply(embeddings, shards, rank, group), sum(shards[:rank])
+        ref_labels = _gather(labels.long(), shards, group)
     else:
         refs = _Gather.apply(ref_embeddings, ref_shards, rank, group)
         ref_labels, shard = _gather(ref_labels.long(), ref_shards, group), -1
-    return _ShardLoss.apply(embeddings, refs, op, labels, ref_labels, params, shard, group)
+    return _ShardLoss.apply(embeddings, refs, op, labels, ref_labels, params, shard, shards, group)
 
 
 def proxy_anchor_across_ranks(embeddings: Tensor, labels: Tensor, proxies: Tensor, group, check) -> Tensor:
@@ -192,24 +208,28 @@ class _ShardLoss(torch.autograd.Function):
     differentiable in the anchors and the refs."""
 
     @staticmethod
-    def forward(ctx, embeddings, refs, op, labels, ref_labels, params, shard, group):
+    def forward(ctx, embeddings, refs, op, labels, ref_labels, params, shard, shards, group):
         forward = getattr(torch.ops.torchkit, op).default
         parts, stats = forward(embeddings, labels, refs, ref_labels, *params, shard)
         total = parts.clone()
         dist.all_reduce(total, group=group)
         loss, scale, stats = _whole(op, parts, total, stats)
+        if shard >= 0 and op in WHOLE_STATS:
+            stats, scale = _whole_stats(op, stats, scale), scale.new_ones(())
         ctx.save_for_backward(embeddings, refs, labels, ref_labels, stats, scale)
-        ctx.op, ctx.params, ctx.shard = op, params, shard
+        ctx.op, ctx.params, ctx.shard, ctx.shards, ctx.group = op, params, shard, shards, group
         return loss.to(embeddings.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         embeddings, refs, labels, ref_labels, stats, scale = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+        if ctx.shard >= 0 and ctx.op in WHOLE_STATS:  # every rank's stats: N_global rows
+            stats, mask = _gather(stats, ctx.shards, ctx.group), [mask[0], False]
         backward = getattr(torch.ops.torchkit, f"_{ctx.op}_backward").default
         g = grad.double() * scale
         ge, gr = backward(g, embeddings, labels, refs, ref_labels, stats, *ctx.params, mask, ctx.shard)
-        return (ge if mask[0] else None), (gr if mask[1] else None), None, None, None, None, None, None
+        return (ge if mask[0] else None), (gr if mask[1] else None), *(None,) * 7
 
 
 class _ProxyShardLoss(torch.autograd.Function):
@@ -284,3 +304,12 @@ def _whole(op: str, mine: Tensor, total: Tensor, stats: Tensor) -> tuple[Tensor,
     loss = torch.where(ok, (zero + mean_neg) + mean_pos, zero)
     stats = torch.stack([w_pos, w_neg]).to(stats.dtype).expand(stats.shape[0], 2).contiguous()
     return loss, total.new_ones(()), stats
+
+
+def _whole_stats(op: str, stats: Tensor, scale: Tensor) -> Tensor:
+    """This shard's rows of the whole problem's stats: its own normalisation scaled to the
+    whole problem's (contrastive_loss's are already the whole problem's)."""
+    if op in _NORMALISED_COLUMN:
+        stats = stats.clone()
+        stats[:, _NORMALISED_COLUMN[op]] *= scale.to(stats.dtype)
+    return stats
