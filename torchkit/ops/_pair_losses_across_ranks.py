@@ -199,7 +199,7 @@ class _Gather(torch.autograd.Function):
         return mine[: sizes[ctx.rank]], None, None, None
 
 
-# torch 2.14 renamed reduce_scatter_tensor (and deprecated the old name).
+# reduce_scatter_tensor under its newer name, where torch has it (the old name warns there).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
