@@ -60,6 +60,15 @@ either forward's stats. Nothing N×M exists:
   euclidean_grad_kernel (contrastive_loss's backward, reading the band) adds the band's
   gradient to the anchors' and the refs' rows, bands in order.
 
+- A shard (the losses across ranks; csrc/pair_losses.h) of supcon_loss, ntxent_loss,
+  contrastive_loss and multi_similarity_loss: the forward is the one with refs, anchor i's
+  pair with ref row OFFSET + i left out (shard >= 0), and returns the reducer's parts, formed
+  on the device like the loss. The backward of a shard of the rows takes the whole problem's
+  stats and is the refs' own problem (without refs) restricted to the anchors' rows: own
+  rows [shard, shard + N) against every row, as anchor and as ref (grad_kernel's and
+  ms_grad_kernel's OFFSET, euclidean_grad_kernel's OWN0 and OUT0). triplet_margin_loss and
+  proxy_anchor_loss have no shard kernels yet.
+
 Kernels never index past what the wrapper checked; offsets are int64.
 """
 
@@ -71,7 +80,7 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
-from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_inputs
+from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_inputs, _check_shard
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits
 
@@ -288,6 +297,7 @@ def rows_kernel(
     N,
     M,
     D,
+    OFFSET,
     INV_T_BITS,
     SHIFT_BITS,
     SELF: tl.constexpr,
@@ -299,7 +309,7 @@ def rows_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Per anchor of a block, over every ref (x = s/τ; pairs: every ref but the anchor itself
-    without refs; positives: equal labels):
+    with SELF, anchor i being ref OFFSET + i; positives: equal labels):
     SUPCON: out = log Σ_pairs exp(x) (0 without pairs), sum = Σ_positives x, and the counts;
     NTXENT_NEGATIVES: out = log Σ_negatives exp(x) (−∞ without), sum = Σ_positives x, counts;
     NTXENT_POSITIVES (log_s: the negatives' pass's out): out = log R = log Σ_p q/(q + tiny) /
@@ -331,7 +341,7 @@ def rows_kernel(
         ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
-            valid = valid & (rows[:, None] != cols[None, :])
+            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
         pos = valid & (lab[:, None] == ref_lab[None, :])
         if MODE == NTXENT_POSITIVES:
             if _any(pos):  # (only the tiles that hold a positive pair)
@@ -409,6 +419,7 @@ def grad_kernel(
     N_OWN,
     N_OTHER,
     D,
+    OFFSET,
     INV_T_BITS,
     SELF: tl.constexpr,
     ANCHORS_OWN: tl.constexpr,
@@ -423,7 +434,9 @@ def grad_kernel(
 ):
     """out[own rows, feature block] = Σ_other ∂loss/∂s · other's normalised rows, ∂/∂s of the
     pairs whose anchor is the own row (ANCHORS_OWN) and of those whose anchor is the other row
-    (ANCHORS_OTHER; both without refs), the per-anchor arrays indexed by anchor."""
+    (ANCHORS_OTHER; both without refs), the per-anchor arrays indexed by anchor. SELF: own row
+    i is other's row OFFSET + i (a shard's rows of the whole problem; 0: the same rows), not
+    a pair."""
     inv_t, tiny = _scalars(INV_T_BITS, IS64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -431,10 +444,10 @@ def grad_kernel(
     f_mask = fs < D
     lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
     if ANCHORS_OWN:
-        ci = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
-        hi = tl.load(shift_ptr + rows, mask=row_mask, other=0.0)
-        wi = tl.load(w_ptr + rows, mask=row_mask, other=0.0)
-        si = tl.load(log_s_ptr + rows, mask=row_mask, other=0.0)
+        ci = tl.load(coef_ptr + OFFSET + rows, mask=row_mask, other=0.0)
+        hi = tl.load(shift_ptr + OFFSET + rows, mask=row_mask, other=0.0)
+        wi = tl.load(w_ptr + OFFSET + rows, mask=row_mask, other=0.0)
+        si = tl.load(log_s_ptr + OFFSET + rows, mask=row_mask, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
     for j0 in range(0, N_OTHER, BLOCK_M):
         cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -457,7 +470,7 @@ def grad_kernel(
             p += positive
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
-            valid = valid & (rows[:, None] != cols[None, :])
+            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
         g = tl.where(lab[:, None] == other_lab[None, :], p, g)
         if LOSS != LOSS_PROXY:  # (proxy anchor's coefficients, its stats', hold ∂x/∂s = α)
             g = g * inv_t
@@ -629,6 +642,7 @@ def ms_grad_kernel(
     N_OWN,
     N_OTHER,
     D,
+    OFFSET,
     ALPHA_BITS,
     BETA_BITS,
     BASE_BITS,
@@ -646,7 +660,8 @@ def ms_grad_kernel(
     BLOCK_F: tl.constexpr,
 ):
     """grad_kernel's product for multi-similarity: the miner's choices remade from the stats'
-    thresholds (on exact cosines near them, as the forward), ∂loss/∂s by _ms_terms."""
+    thresholds (on exact cosines near them, as the forward), ∂loss/∂s by _ms_terms; OFFSET as
+    grad_kernel's."""
     alpha = tm.f64(ALPHA_BITS)
     beta = tm.f64(BETA_BITS)
     base = tm.f64(BASE_BITS)
@@ -658,8 +673,8 @@ def ms_grad_kernel(
     f_mask = fs < D
     lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
     if ANCHORS_OWN:
-        hn_i = tl.load(st_ptr + rows * 5, mask=row_mask, other=0.0)
-        hp_i = tl.load(st_ptr + rows * 5 + 1, mask=row_mask, other=0.0)
+        hn_i = tl.load(st_ptr + (OFFSET + rows) * 5, mask=row_mask, other=0.0)
+        hp_i = tl.load(st_ptr + (OFFSET + rows) * 5 + 1, mask=row_mask, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
     for j0 in range(0, N_OTHER, BLOCK_M):
         cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -668,7 +683,7 @@ def ms_grad_kernel(
         x = _tile(own_ptr, other_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K).to(tl.float64)
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
-            valid = valid & (rows[:, None] != cols[None, :])
+            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
         pos = valid & (lab[:, None] == other_lab[None, :])
         neg = valid & (lab[:, None] != other_lab[None, :])
         exact = x
@@ -696,8 +711,9 @@ def ms_grad_kernel(
                 )
         g = tl.zeros((BLOCK_N, BLOCK_M), ACC)
         if ANCHORS_OWN:
+            anchors = OFFSET + rows[:, None]
             g += _ms_terms(
-                x, exact, pos, neg, st_ptr, rows[:, None], row_mask[:, None], alpha, beta, base, eps, slack, ACC, MINING
+                x, exact, pos, neg, st_ptr, anchors, row_mask[:, None], alpha, beta, base, eps, slack, ACC, MINING
             )
         if ANCHORS_OTHER:
             g += _ms_terms(
@@ -725,6 +741,7 @@ def ms_rows_kernel(
     N,
     M,
     D,
+    OFFSET,
     ALPHA_BITS,
     BETA_BITS,
     BASE_BITS,
@@ -740,7 +757,7 @@ def ms_rows_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """multi-similarity's passes over every anchor's pairs (st: (N, 5) float64, the op's stats
-    layout; count: (N, 2) int32):
+    layout; count: (N, 2) int32; SELF: anchor i is ref OFFSET + i, not a pair):
     PASS 0: the tiles' largest negative and smallest positive cosine per anchor into st[:, 0:2]
     (NaN if any is NaN), and the anchor's negatives and positives into count;
     PASS 1: the exact ones: each candidate within two slacks of those, exactly;
@@ -782,7 +799,7 @@ def ms_rows_kernel(
         x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K).to(tl.float64)
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
-            valid = valid & (rows[:, None] != cols[None, :])
+            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
         pos = valid & (lab[:, None] == ref_lab[None, :])
         neg = valid & (lab[:, None] != ref_lab[None, :])
         if PASS == 0:
@@ -944,6 +961,7 @@ def contrastive_rows_kernel(
     N,
     M,
     D,
+    OFFSET,
     POS_BITS,
     NEG_BITS,
     ERR_BITS,
@@ -955,11 +973,12 @@ def contrastive_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Per anchor, over every ref: the counted terms' sums (sums: (N, 2) float64, negative
-    then positive) and counts, and the pairs of each kind (count: (N, 4) int32: negative and
-    positive terms, negative and positive pairs). A positive pair's term d − pos_margin, a
-    negative's neg_margin − d, counted where not <= 0 (NaN counts); d the tile's, or exact
-    where it cancelled or is too near its margin to tell (contrastive_forward)."""
+    """Per anchor, over every ref (SELF: anchor i is ref OFFSET + i, not a pair): the counted
+    terms' sums (sums: (N, 2) float64, negative then positive) and counts, and the pairs of
+    each kind (count: (N, 4) int32: negative and positive terms, negative and positive pairs).
+    A positive pair's term d − pos_margin, a negative's neg_margin − d, counted where not <= 0
+    (NaN counts); d the tile's, or exact where it cancelled or is too near its margin to tell
+    (contrastive_forward)."""
     pos_margin = tm.f64(POS_BITS)
     neg_margin = tm.f64(NEG_BITS)
     err = tm.f64(ERR_BITS)
@@ -982,7 +1001,7 @@ def contrastive_rows_kernel(
         d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
-            valid = valid & (rows[:, None] != cols[None, :])
+            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
         pos = valid & (lab[:, None] == ref_lab[None, :])
         d64 = d.to(tl.float64)
         clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_a, sq_b, err, unit)
@@ -1025,6 +1044,7 @@ def euclidean_grad_kernel(
     out_ptr,
     OWN0,
     N_OWN,
+    OUT0,
     OTHER0,
     N_OTHER,
     BAND0,
@@ -1045,7 +1065,8 @@ def euclidean_grad_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    """out[own rows [OWN0, N_OWN), feature block] (ADD: +=) = ∂loss/∂(own's normalised rows)
+    """out[own rows [OWN0, N_OWN) (out's row 0: own row OUT0), feature block] (ADD: +=) =
+    ∂loss/∂(own's normalised rows)
     from the pairs with the other side's rows [OTHER0, N_OTHER): per pair w = ∂loss/∂d / d
     (0 at d = 0), Σ_j w_ij (c_i − c_j) as rowsum(w)·c_i − w·C per tile; entries the tiles
     computed directly take w_ij (e_i − e_j) from the float64 differences of the inputs instead
@@ -1165,7 +1186,7 @@ def euclidean_grad_kernel(
             )
             acc += row_sum.to(ACC)[:, None] * c_i
             acc = _product(0.0 - w, tl.trans(f), acc, IS64)
-    out = out_ptr + rows[:, None] * D + fs[None, :]
+    out = out_ptr + (rows - OUT0)[:, None] * D + fs[None, :]
     if ADD:
         acc += tl.load(out, mask=own_f, other=0.0)
     tl.store(out, acc, mask=own_f)
@@ -1621,6 +1642,16 @@ class _Side:
             **config.launch,
         )
 
+    def narrow(self, first: int, n: int) -> _Side:
+        """Rows [first, first + n) of this side, as views."""
+        view = object.__new__(_Side)
+        view.n, view.config = n, self.config
+        for name in ("labels", "raw", "e", "exp", "inv", "clamped"):
+            if hasattr(self, name):
+                setattr(view, name, getattr(self, name).narrow(0, first, n))
+        view._inv64 = None if self._inv64 is None else self._inv64.narrow(0, first, n)
+        return view
+
     @property
     def inv64(self) -> Tensor:
         """1 / max(‖x‖, eps) per row in float64, as the CPU kernels' Side::inv64 (norm64_kernel),
@@ -1641,8 +1672,9 @@ def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, config, normalis
     return a, b
 
 
-def _rows(a: _Side, b: _Side, mode, self_: bool, scale: float, acc, config: Config, log_s=None, shift=0.0):
-    """rows_kernel over every anchor, x = s·scale: (out, sum, positives, pairs) per anchor."""
+def _rows(a: _Side, b: _Side, mode, self_: bool, scale: float, acc, config: Config, log_s=None, shift=0.0, offset=0):
+    """rows_kernel over every anchor, x = s·scale: (out, sum, positives, pairs) per anchor
+    (self_: anchor i is b's row offset + i, not a pair)."""
     N, D = a.e.shape
     out = torch.empty(N, dtype=acc, device=a.e.device)
     total = torch.empty(N, dtype=acc, device=a.e.device)
@@ -1662,6 +1694,7 @@ def _rows(a: _Side, b: _Side, mode, self_: bool, scale: float, acc, config: Conf
             N,
             b.n,
             D,
+            offset,
             float_bits(scale),
             float_bits(shift),
             SELF=self_,
@@ -1689,80 +1722,144 @@ def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature)
 
 
 def _refuse_shard(op: str, shard) -> None:
-    """A shard (one rank's part of a loss across ranks) has CPU kernels only so far."""
+    """A shard (one rank's part of a loss across ranks) of the losses without a Triton kernel
+    for one yet."""
     if shard is not None:
         raise NotImplementedError(
             f"{op}: a shard (the loss across ranks, group=) has no CUDA kernel yet; compute it on CPU tensors"
         )
 
 
+def _shard(op: str, shard, embeddings, labels, ref_embeddings, ref_labels) -> int | None:
+    """csrc/pair_losses.cpp's checks of a shard (None: none; −1: refs apart from the anchors;
+    >= 0: the anchors' first ref row), with the anchors' labels, which must be those ref rows':
+    read on the host for CPU tensors (the interpreter), asserted on the device for CUDA ones
+    (no synchronisation)."""
+    if shard is None:
+        return None
+    _check_shard(op, shard, embeddings, ref_embeddings)
+    N = embeddings.shape[0]
+    if shard >= 0 and N > 0:
+        mine, theirs = labels.long(), ref_labels.narrow(0, shard, N).long()
+        rule = (
+            f"{op}: with shard = {shard}, labels must equal ref_labels[shard:shard + N] (the anchors are "
+            "those ref rows)"
+        )
+        if labels.device.type == "cpu":
+            differ = (mine != theirs).nonzero()
+            if differ.numel():
+                raise ValueError(f"{rule}, got a different label at anchor {int(differ[0, 0])}")
+        else:
+            torch._assert_async((mine == theirs).all(), rule)
+    return int(shard)
+
+
+def _self_pairs(ref_embeddings, shard: int | None) -> tuple[bool, int]:
+    """Whether the anchors are rows of the refs (left out of their own pairs), and the first's
+    row there."""
+    if shard is not None and shard >= 0:
+        return True, shard
+    return ref_embeddings is None, 0
+
+
+def _whole_rows(shard: int | None, ref_embeddings) -> int | None:
+    """The whole problem's rows, whose stats a shard's backward with shard >= 0 takes (the
+    losses of _pair_losses_across_ranks.WHOLE_STATS; None: its own anchors')."""
+    return ref_embeddings.shape[0] if shard is not None and shard >= 0 else None
+
+
+def _parts(*values: Tensor) -> Tensor:
+    """A shard's loss output: its reducer's parts (csrc/pair_losses.h), float64."""
+    return torch.stack([v.double() for v in values])
+
+
 def supcon_forward(
     embeddings, labels, ref_embeddings, ref_labels, temperature, shard=None, *, config=None, row_config=None
 ):
     """torchkit::supcon_loss's CUDA kernel (any device under the interpreter)."""
-    _refuse_shard("supcon_loss", shard)
     op = "supcon_loss"
     t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
     acc = acc_dtype(embeddings)
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
-    lse, possum, npos, npairs = _rows(a, b, SUPCON, ref_embeddings is None, 1.0 / t, acc, config or ROWS_CONFIGS[0])
+    self_, offset = _self_pairs(ref_embeddings, shard)
+    lse, possum, npos, npairs = _rows(a, b, SUPCON, self_, 1.0 / t, acc, config or ROWS_CONFIGS[0], offset=offset)
     # Per anchor as supcon_forward (pair_losses_cpu.cpp), in float64.
     lse64 = lse.double()
     has = npos > 0
     loss = torch.where(has, lse64 - possum.double() / npos.clamp(min=1).double(), 0.0)
     kept = (loss > 0) | loss.isnan()  # PML's AvgNonZero, keeping NaN
     counted = kept.sum(dtype=torch.int64)
-    use = _pml_counts(npos, npairs) & (counted > 0)
+    # PML's batch rules (a shard's caller applies them to the whole problem's parts).
+    use = (_pml_counts(npos, npairs) if shard is None else True) & (counted > 0)
     denominator = counted.clamp(min=1).double()
-    total = torch.where(use, torch.where(kept, loss, 0.0).sum() / denominator, 0.0)
+    total = torch.where(use, torch.where(kept, loss, 0.0).sum(), 0.0)
     w = torch.where(use & kept, 1.0 / (npos.clamp(min=1).double() * denominator), 0.0)
     stats = torch.stack([lse, w.to(acc)], dim=1)
-    return total.to(embeddings.dtype), stats
+    if shard is not None:
+        positives = npos.sum(dtype=torch.int64)
+        return _parts(total, counted, positives, npairs.sum(dtype=torch.int64) - positives), stats
+    return (total / denominator).to(embeddings.dtype), stats
 
 
 def ntxent_forward(
     embeddings, labels, ref_embeddings, ref_labels, temperature, shard=None, *, config=None, row_config=None
 ):
     """torchkit::ntxent_loss's CUDA kernel (any device under the interpreter)."""
-    _refuse_shard("ntxent_loss", shard)
     op = "ntxent_loss"
     t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
     acc = acc_dtype(embeddings)
     config = config or ROWS_CONFIGS[0]
-    self_ = ref_embeddings is None
+    self_, offset = _self_pairs(ref_embeddings, shard)
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
-    log_s, _, npos, npairs = _rows(a, b, NTXENT_NEGATIVES, self_, 1.0 / t, acc, config)
-    log_r, loss, _, _ = _rows(a, b, NTXENT_POSITIVES, self_, 1.0 / t, acc, config, log_s=log_s)
-    use = _pml_counts(npos, npairs)
+    log_s, _, npos, npairs = _rows(a, b, NTXENT_NEGATIVES, self_, 1.0 / t, acc, config, offset=offset)
+    log_r, loss, _, _ = _rows(a, b, NTXENT_POSITIVES, self_, 1.0 / t, acc, config, log_s=log_s, offset=offset)
     positives = npos.sum(dtype=torch.int64)
+    negatives = npairs.sum(dtype=torch.int64) - positives
+    # PML's batch rules; a shard's terms need only a positive and a negative pair (its caller
+    # applies the rules to the whole problem's parts).
+    use = _pml_counts(npos, npairs) if shard is None else (positives > 0) & (negatives > 0)
     has = npos > 0
     log_r = torch.where(has, log_r, float("-inf"))
-    total = torch.where(use, torch.where(has, loss.double(), 0.0).sum() / positives.clamp(min=1).double(), 0.0)
+    total = torch.where(use, torch.where(has, loss.double(), 0.0).sum(), 0.0)
     share = torch.where(use, 1.0 / positives.clamp(min=1).double(), 0.0).to(acc)
     # All zero where the loss is zero by PML's rule, as the CPU kernel's.
     stats = torch.where(use, torch.stack([log_s, log_r, share.expand(a.n)], dim=1), 0.0)
-    return total.to(embeddings.dtype), stats
+    if shard is not None:
+        return _parts(total, positives, negatives), stats
+    return (total / positives.clamp(min=1).double()).to(embeddings.dtype), stats
 
 
 def _check_backward(
-    op: str, grad: Tensor, embeddings: Tensor, stats: Tensor, columns: int, anchors=None, stats_dtype=None
+    op: str,
+    grad: Tensor,
+    embeddings: Tensor,
+    stats: Tensor,
+    columns: int,
+    anchors=None,
+    stats_dtype=None,
+    shard: int | None = None,
+    whole: int | None = None,
 ) -> None:
     """csrc/pair_losses.cpp's check_backward_inputs, with its messages (anchors: their number
     where they are not the embeddings' rows; stats_dtype where it is not the accumulation
-    type)."""
+    type; a shard's grad may be float64; whole: the whole problem's rows, whose stats a shard's
+    backward takes)."""
     if grad.dim() != 0:
         raise ValueError(f"{op}: backward: grad must be a scalar (the loss's), got shape {list(grad.shape)}")
-    if grad.dtype != embeddings.dtype:
+    if grad.dtype != embeddings.dtype and not (shard is not None and grad.dtype == torch.float64):
         raise TypeError(
             f"{op}: embeddings and grad must have the same dtype, got {dtype_name(embeddings.dtype)} and "
             f"{dtype_name(grad.dtype)}"
         )
     check_same_device(op, embeddings=embeddings, grad=grad)
     acc = stats_dtype or acc_dtype(embeddings)
-    N = embeddings.shape[0] if anchors is None else anchors
+    N = whole if whole is not None else embeddings.shape[0] if anchors is None else anchors
     if stats.dim() != 2 or stats.shape[0] != N or stats.shape[1] != columns or stats.dtype != acc:
+        rows, why = ("M", " (with shard >= 0: the whole problem's)") if whole is not None else ("N", "")
         raise ValueError(
-            f"{op}: backward: stats must be (N, {columns}) = ({N}, {columns}) of {dtype_name(acc)}, got "
+            f"{op}: backward: stats must be ({rows}, {columns}) = ({N}, {columns}) of {dtype_name(acc)}{why}, got "
             f"{list(stats.shape)} of {dtype_name(stats.dtype)}"
         )
     check_same_device(op, embeddings=embeddings, stats=stats)
@@ -1784,12 +1881,15 @@ def _backward(
     stats,
     temperature,
     output_mask,
+    shard,
     config,
     row_config,
 ):
     op = "ntxent_loss" if ntxent else "supcon_loss"
     t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
-    _check_backward(op, grad, embeddings, stats, 3 if ntxent else 2)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    whole = _whole_rows(shard, ref_embeddings)
+    _check_backward(op, grad, embeddings, stats, 3 if ntxent else 2, shard=shard, whole=whole)
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
     want_r = not self_ and bool(output_mask[1])
@@ -1801,7 +1901,10 @@ def _backward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or GRAD_CONFIGS[0]
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    if whole is not None:  # the refs' problem without refs, the anchors its rows [shard, shard + N)
+        a = b = _Side(ref_embeddings, ref_labels, acc, row_config)
+    else:
+        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     # Per anchor: coef, shift, w and log S (PairGrad in pair_losses_cpu.cpp). (Python scalars,
     # never a tensor made from one: that would be a copy from the host.)
     inf = float("inf")
@@ -1820,11 +1923,28 @@ def _backward(
     terms = (coef, shift, w, log_s)
     loss = LOSS_NTXENT if ntxent else LOSS_SUPCON
 
-    def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor) -> Tensor:
+    pairs_self = self_ or whole is not None
+
+    def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor, offset=0) -> Tensor:
         return _grad(
-            own, other, terms, self_, anchors_own, anchors_other, loss, 1.0 / t, grad, like, config, row_config
+            own,
+            other,
+            terms,
+            pairs_self,
+            anchors_own,
+            anchors_other,
+            loss,
+            1.0 / t,
+            grad,
+            like,
+            config,
+            row_config,
+            offset,
         )
 
+    if whole is not None:
+        ge = rows_grad(b.narrow(shard, N), b, True, True, embeddings, offset=shard) if want_e else empty
+        return ge, _zeros(want_r, ref_embeddings, empty)
     if self_:
         return rows_grad(a, a, True, True, embeddings), empty
     ge = rows_grad(a, b, True, False, embeddings) if want_e else empty
@@ -1833,10 +1953,23 @@ def _backward(
 
 
 def _grad(
-    own: _Side, other: _Side, terms, self_, anchors_own, anchors_other, loss, scale, grad, like, config, row_config
+    own: _Side,
+    other: _Side,
+    terms,
+    self_,
+    anchors_own,
+    anchors_other,
+    loss,
+    scale,
+    grad,
+    like,
+    config,
+    row_config,
+    offset=0,
 ):
     """The gradient of the rows of `own` (in like's dtype): grad_kernel, x = s·scale, with the
-    per-anchor (coef, shift, w, log_s) of `terms`, then jacobian_kernel."""
+    per-anchor (coef, shift, w, log_s) of `terms`, then jacobian_kernel (self_: own row i is
+    other's row offset + i)."""
     acc = own.e.dtype
     D = own.e.shape[1]
     k = config.kwargs
@@ -1851,6 +1984,7 @@ def _grad(
         own.n,
         other.n,
         D,
+        offset,
         float_bits(scale),
         SELF=self_,
         ANCHORS_OWN=anchors_own,
@@ -1900,8 +2034,7 @@ def supcon_backward(
     row_config=None,
 ):
     """torchkit::_supcon_loss_backward's CUDA kernel."""
-    _refuse_shard("supcon_loss", shard)
-    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask)
+    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard)
     return _backward(False, *args, config, row_config)
 
 
@@ -1920,8 +2053,7 @@ def ntxent_backward(
     row_config=None,
 ):
     """torchkit::_ntxent_loss_backward's CUDA kernel."""
-    _refuse_shard("ntxent_loss", shard)
-    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask)
+    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard)
     return _backward(True, *args, config, row_config)
 
 
@@ -2034,12 +2166,13 @@ def multi_similarity_forward(
     row_config=None,
 ):
     """torchkit::multi_similarity_loss's CUDA kernel (any device under the interpreter)."""
-    _refuse_shard("multi_similarity_loss", shard)
+    op = "multi_similarity_loss"
     params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
     mining = params[3] is not None
     acc = acc_dtype(embeddings)
     config = config or EXACT_ROWS_CONFIGS[0]
-    self_ = ref_embeddings is None
+    self_, offset = _self_pairs(ref_embeddings, shard)
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
     N, D = embeddings.shape
     st = torch.zeros(N, 5, dtype=torch.float64, device=embeddings.device)
@@ -2067,17 +2200,26 @@ def multi_similarity_forward(
         bits = _ms_bits(params, D, acc)
         for step in (0, 1, 2) if mining else (2,):
             count = found if step == 0 else kept
-            ms_rows_kernel[grid](*launch, count, N, b.n, D, *bits, PASS=step, **flags)
+            ms_rows_kernel[grid](*launch, count, N, b.n, D, offset, *bits, PASS=step, **flags)
     # ms_forward (pair_losses_cpu.cpp): with the miner, nothing without a negative or a positive
-    # pair in the batch; and nothing when each kind keeps at most one pair.
-    use = ~((kept[:, 0].sum() <= 1) & (kept[:, 1].sum() <= 1))
+    # pair in the batch; and nothing when each kind keeps at most one pair (a shard's caller
+    # applies that rule to the whole problem's parts).
+    kept_negatives, kept_positives = kept.sum(dim=0, dtype=torch.int64).unbind()
+    if shard is None:
+        use = ~((kept_negatives <= 1) & (kept_positives <= 1))
+    else:
+        use = torch.full((), N > 0 and b.n > 0, dtype=torch.bool, device=embeddings.device)
     if mining:
         use = use & (found[:, 0].sum() > 0) & (found[:, 1].sum() > 0)
     w = 1.0 / max(N, 1)
-    total = (st[:, 2] / params[0] + st[:, 3] / params[1]).sum() * w
+    total = (st[:, 2] / params[0] + st[:, 3] / params[1]).sum()
     st[:, 4] = w
     stats = torch.where(use, st, 0.0)
-    return torch.where(use, total, 0.0).to(embeddings.dtype), stats
+    if shard is not None:
+        zero = total.new_zeros(())
+        kept_negatives, kept_positives = (torch.where(use, k, 0) for k in (kept_negatives, kept_positives))
+        return _parts(torch.where(use, total, zero), zero + N, kept_negatives, kept_positives), stats
+    return torch.where(use, total * w, 0.0).to(embeddings.dtype), stats
 
 
 def multi_similarity_backward(
@@ -2098,10 +2240,11 @@ def multi_similarity_backward(
     row_config=None,
 ):
     """torchkit::_multi_similarity_loss_backward's CUDA kernel."""
-    _refuse_shard("multi_similarity_loss", shard)
     op = "multi_similarity_loss"
     params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
-    _check_backward(op, grad, embeddings, stats, 5, stats_dtype=torch.float64)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    whole = _whole_rows(shard, ref_embeddings)
+    _check_backward(op, grad, embeddings, stats, 5, stats_dtype=torch.float64, shard=shard, whole=whole)
     mining = params[3] is not None
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
@@ -2114,11 +2257,15 @@ def multi_similarity_backward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    if whole is not None:  # the refs' problem without refs, the anchors its rows [shard, shard + N)
+        a = b = _Side(ref_embeddings, ref_labels, acc, row_config)
+    else:
+        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     st = stats.contiguous()
     bits = _ms_bits(params, D, acc)
+    pairs_self = self_ or whole is not None
 
-    def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor) -> Tensor:
+    def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor, offset=0) -> Tensor:
         g = torch.empty(own.n, D, dtype=acc, device=like.device)
         k = config.kwargs
         ms_grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
@@ -2137,8 +2284,9 @@ def multi_similarity_backward(
             own.n,
             other.n,
             D,
+            offset,
             *bits,
-            SELF=self_,
+            SELF=pairs_self,
             ANCHORS_OWN=anchors_own,
             ANCHORS_OTHER=anchors_other,
             MINING=mining,
@@ -2148,6 +2296,9 @@ def multi_similarity_backward(
         )
         return _jacobian(own, g, grad, like, row_config)
 
+    if whole is not None:
+        ge = rows_grad(b.narrow(shard, N), b, True, True, embeddings, offset=shard) if want_e else empty
+        return ge, _zeros(want_r, ref_embeddings, empty)
     if self_:
         return rows_grad(a, a, True, True, embeddings), empty
     ge = rows_grad(a, b, True, False, embeddings) if want_e else empty
@@ -2206,12 +2357,13 @@ def contrastive_forward(
     embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard=None, *, config=None, row_config=None
 ):
     """torchkit::contrastive_loss's CUDA kernel (any device under the interpreter)."""
-    _refuse_shard("contrastive_loss", shard)
+    op = "contrastive_loss"
     margins = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
     acc = acc_dtype(embeddings)
     config = config or EXACT_ROWS_CONFIGS[0]
     row_config = row_config or ROW_CONFIGS[0]
-    self_ = ref_embeddings is None
+    self_, offset = _self_pairs(ref_embeddings, shard)
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
     N, D = embeddings.shape
     sums = torch.zeros(N, 2, dtype=torch.float64, device=embeddings.device)
@@ -2236,6 +2388,7 @@ def contrastive_forward(
             N,
             b.n,
             D,
+            offset,
             *_euclidean_bits(margins, D, acc),
             SELF=self_,
             ACC=acc_tl(acc),
@@ -2243,9 +2396,15 @@ def contrastive_forward(
             **config.launch,
         )
     # contrastive_forward (pair_losses_euclidean_cpu.cpp): each kind's mean of its counted terms
-    # (negative, positive), nothing when each kind has at most one pair.
+    # (negative, positive), nothing when each kind has at most one pair (a shard's stats as if
+    # the rule held: its caller decides on the whole problem's parts).
     terms = counts[:, :2].sum(0, dtype=torch.int64)
     pairs = counts[:, 2:].sum(0, dtype=torch.int64)
+    if shard is not None:
+        share = torch.where(terms > 0, 1.0 / terms.clamp(min=1).double(), 0.0).to(acc)
+        sums = sums.sum(0)
+        parts = _parts(sums[1], terms[1], sums[0], terms[0], pairs[1], pairs[0])
+        return parts, share.flip(0).expand(N, 2).contiguous()
     use = (pairs > 1).any()
     part = torch.where(terms > 0, sums.sum(0) / terms.clamp(min=1), 0.0)
     total = torch.where(use, part[0] + part[1], 0.0)
@@ -2270,10 +2429,11 @@ def contrastive_backward(
     row_config=None,
 ):
     """torchkit::_contrastive_loss_backward's CUDA kernel."""
-    _refuse_shard("contrastive_loss", shard)
     op = "contrastive_loss"
     margins = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin)
-    _check_backward(op, grad, embeddings, stats, 2)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    whole = _whole_rows(shard, ref_embeddings)
+    _check_backward(op, grad, embeddings, stats, 2, shard=shard, whole=whole)
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
     want_r = not self_ and bool(output_mask[1])
@@ -2285,16 +2445,22 @@ def contrastive_backward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    if whole is not None:  # the refs' problem without refs, the anchors its rows [shard, shard + N)
+        a = b = _Side(ref_embeddings, ref_labels, acc, row_config)
+    else:
+        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     pa, pb = _points(a, b, acc, row_config)
     st = stats.contiguous()
     live = (st[0] != 0).any()  # a zero loss (PML's rule): zero gradients, NaN rows included
     bits = _euclidean_bits(margins, D, acc)
+    first = 0 if whole is None else shard
 
     def rows_grad(own: _Side, own_points, other: _Side, other_points, like: Tensor) -> Tensor:
-        g = torch.empty(own.n, D, dtype=acc, device=like.device)
+        # (own's rows [first, first + N) of like's N)
+        n = like.shape[0]
+        g = torch.empty(n, D, dtype=acc, device=like.device)
         k = config.kwargs
-        euclidean_grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
+        euclidean_grad_kernel[(blocks(n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
             own_points[0],
             other_points[0],
             own_points[1],
@@ -2310,8 +2476,9 @@ def contrastive_backward(
             st,
             st,
             g,
-            0,
-            own.n,
+            first,
+            first + n,
+            first,
             0,
             other.n,
             0,
@@ -2319,15 +2486,17 @@ def contrastive_backward(
             D,
             *bits,
             TERMS=CONTRASTIVE_TERMS,
-            SELF=self_,
+            SELF=a is b,
             ANCHORS_OWN=True,
             ADD=False,
             ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             **config.launch,
         )
-        return torch.where(live, _jacobian(own, g, grad, like, row_config), 0.0)
+        return torch.where(live, _jacobian(own.narrow(first, n), g, grad, like, row_config), 0.0)
 
+    if whole is not None:
+        return (rows_grad(b, pb, b, pb, embeddings) if want_e else empty), _zeros(want_r, ref_embeddings, empty)
     if self_:
         return rows_grad(a, pa, a, pa, embeddings), empty
     ge = rows_grad(a, pa, b, pb, embeddings) if want_e else empty
@@ -2571,6 +2740,7 @@ def _triplet_band_backward(grad, a, b, margin, semi, count, want_e, want_r, conf
             out,
             own0,
             own_end,
+            0,
             other0,
             other_end,
             row0,
@@ -2704,7 +2874,7 @@ def compile_cases() -> list[CompileCase]:
         is64 = acc == "fp64"
         every = dtype == "fp32"
         flags = dict(ACC=tl.float64 if is64 else tl.float32, IS64=is64)
-        ints = dict.fromkeys(("N", "M", "D", "N_OWN", "N_OTHER", "stride_row"), "i32")
+        ints = dict.fromkeys(("N", "M", "D", "N_OWN", "N_OTHER", "OFFSET", "stride_row"), "i32")
         accs = dict.fromkeys(
             (
                 "a_ptr",
@@ -2813,7 +2983,7 @@ def compile_cases() -> list[CompileCase]:
                 **dict.fromkeys(("ca_ptr", "cb_ptr", "sq_a_ptr", "sq_b_ptr", "c_own_ptr", "c_other_ptr"), "*" + acc),
                 **dict.fromkeys(("sq_own_ptr", "sq_other_ptr"), "*" + acc),
                 **dict.fromkeys(("POS_BITS", "NEG_BITS", "ERR_BITS", "UNIT_BITS", "MARGIN_BITS"), "i64"),
-                **dict.fromkeys(("OWN0", "OTHER0", "BAND0", "BAND_STRIDE", "ROW0", "SLICE"), "i32"),
+                **dict.fromkeys(("OWN0", "OUT0", "OTHER0", "BAND0", "BAND_STRIDE", "ROW0", "SLICE"), "i32"),
                 "st_ptr": "*" + acc,
                 "sums_ptr": "*fp64",
             }
@@ -2939,6 +3109,16 @@ def compile_cases() -> list[CompileCase]:
                     {**types, "out_ptr": "*" + dtype},
                     flags,
                     ROW_CONFIGS if every else ROW_CONFIGS[:1],
+                )
+            )
+        if dtype != "fp64":  # a shard's backward: the caller's float64 grad
+            cases.append(
+                CompileCase(
+                    f"pair_losses.jacobian {dtype} shard",
+                    jacobian_kernel,
+                    {**types, "out_ptr": "*" + dtype, "grad_ptr": "*fp64"},
+                    flags,
+                    ROW_CONFIGS[:1],
                 )
             )
     return cases
