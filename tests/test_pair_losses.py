@@ -1180,6 +1180,25 @@ def test_triton_shard_is_checked(loss, params):
 
 
 @pytest.mark.triton("pair_losses")
+@TRITON_DEVICE
+def test_proxy_anchor_triton_shard_matches_the_cpu_kernel(device):
+    """proxy_anchor_loss's shard (group=): per proxy the two log-sums without the 1 and whether
+    it has positives, from the Triton kernel against the CPU kernel's, in float64; a proxy
+    without positives (−∞), a shard of no embeddings, and shard = 0 refused."""
+    tp = triton_module()
+    op, _ = raw("proxy_anchor_loss")
+    e, labels, proxies = make((45, 19), seed=29), make_labels(45, 6, seed=7), make((8, 19), seed=30)
+    for a, b in ((0, 45), (0, 0), (7, 20)):
+        parts, stats = op(e[a:b], labels[a:b], proxies, 0.1, 32.0, -1)
+        got, got_stats = tp.proxy_anchor_forward(*on(device, e[a:b], labels[a:b], proxies), 0.1, 32.0, -1)
+        assert torch.isneginf(parts[6:, 0]).all()  # labels < 6: proxies 6 and 7 have no positives
+        torch.testing.assert_close(got.cpu(), parts, rtol=1e-12, atol=1e-12)
+        assert got_stats.shape == stats.shape and got_stats.dtype == stats.dtype
+    with pytest.raises(ValueError, match=r"^proxy_anchor_loss: shard must be -1 .*, got 0$"):
+        tp.proxy_anchor_forward(e, labels, proxies, 0.1, 32.0, 0)
+
+
+@pytest.mark.triton("pair_losses")
 @pytest.mark.parametrize("loss,params", [p for p in TRITON_PARAMS if p[0] == "triplet_margin_loss"][:1])
 def test_triton_triplet_shard_is_refused_with_a_reason(loss, params):
     tp = triton_module()

@@ -66,8 +66,9 @@ either forward's stats. Nothing N×M exists:
   on the device like the loss. The backward of a shard of the rows takes the whole problem's
   stats and is the refs' own problem (without refs) restricted to the anchors' rows: own
   rows [shard, shard + N) against every row, as anchor and as ref (grad_kernel's and
-  ms_grad_kernel's OFFSET, euclidean_grad_kernel's OWN0 and OUT0). triplet_margin_loss and
-  proxy_anchor_loss have no shard kernels yet.
+  ms_grad_kernel's OFFSET, euclidean_grad_kernel's OWN0 and OUT0). proxy_anchor_loss's shard
+  (one rank's embeddings) is rows_kernel's PROXY_SHARD mode: its log-sums without the 1.
+  triplet_margin_loss has no shard kernels yet.
 
 Kernels never index past what the wrapper checked; offsets are int64.
 """
@@ -87,11 +88,12 @@ from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_b
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
 # rows_kernel's modes: SupCon's pass, NT-Xent's negatives, NT-Xent's positive pairs, proxy
-# anchor's pass.
+# anchor's pass, and a shard's (its log-sums without the 1).
 SUPCON = tl.constexpr(0)
 NTXENT_NEGATIVES = tl.constexpr(1)
 NTXENT_POSITIVES = tl.constexpr(2)
 PROXY = tl.constexpr(3)
+PROXY_SHARD = tl.constexpr(4)
 # grad_kernel's losses.
 LOSS_SUPCON = tl.constexpr(0)
 LOSS_NTXENT = tl.constexpr(1)
@@ -315,7 +317,8 @@ def rows_kernel(
     NTXENT_POSITIVES (log_s: the negatives' pass's out): out = log R = log Σ_p q/(q + tiny) /
     (exp(x_p) + S), sum = Σ_p −log(q_p + tiny), q_p = exp(x_p)/(exp(x_p) + S); no counts;
     PROXY (anchors: the proxies, 1/τ = α, shift = α·margin): out = Ln = log(1 + Σ_negatives
-    exp(x + shift)), sum = Lp = log(1 + Σ_positives exp(shift − x)), and the counts."""
+    exp(x + shift)), sum = Lp = log(1 + Σ_positives exp(shift − x)), and the counts;
+    PROXY_SHARD: PROXY's without the 1 (−∞ for an empty sum)."""
     inv_t, tiny = _scalars(INV_T_BITS, IS64)
     shift = tm.f64(SHIFT_BITS).to(tiny.dtype)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -330,6 +333,10 @@ def rows_kernel(
         s = tl.full((BLOCK_N,), 1.0, ACC)
         m2 = tl.zeros((BLOCK_N,), ACC)
         s2 = tl.full((BLOCK_N,), 1.0, ACC)
+        nan2 = tl.zeros((BLOCK_N,), tl.int32)
+    if MODE == PROXY_SHARD:
+        m2 = tl.full((BLOCK_N,), float("-inf"), ACC)
+        s2 = tl.zeros((BLOCK_N,), ACC)
         nan2 = tl.zeros((BLOCK_N,), tl.int32)
     npos = tl.zeros((BLOCK_N,), tl.int32)
     npairs = tl.zeros((BLOCK_N,), tl.int32)
@@ -352,7 +359,7 @@ def rows_kernel(
                 r = tl.where(q > 0, tl.log(tl.where(q > 0, q, 1.0) / (q + tiny)), float("-inf")) - lse
                 nan = nan | tl.max(tl.where(pos & (r != r), 1, 0), axis=1)
                 m, s = _lse_fold(m, s, r, pos)
-        elif MODE == PROXY:
+        elif MODE >= PROXY:  # PROXY, PROXY_SHARD
             x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
             negative = valid & (pos == 0)
             y = x + shift
@@ -376,7 +383,7 @@ def rows_kernel(
     out = _lse_value(m, s, nan != 0)
     if MODE == SUPCON:
         out = tl.where(npairs > 0, out, 0.0)
-    if MODE == PROXY:
+    if MODE >= PROXY:
         total = _lse_value(m2, s2, nan2 != 0)
     tl.store(out_ptr + rows, out, mask=row_mask)
     tl.store(sum_ptr + rows, total, mask=row_mask)
@@ -2085,12 +2092,22 @@ def _proxy_sides(embeddings, labels, proxies, acc, row_config):
 
 
 def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None, *, config=None, row_config=None):
-    """torchkit::proxy_anchor_loss's CUDA kernel (any device under the interpreter)."""
-    _refuse_shard("proxy_anchor_loss", shard)
+    """torchkit::proxy_anchor_loss's CUDA kernel (any device under the interpreter). A shard
+    (−1: these embeddings are one rank's): per proxy its two log-sums without the 1 and whether
+    it has positives (csrc/pair_losses.h)."""
     margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
+    if shard is not None and shard != -1:
+        raise ValueError(
+            "proxy_anchor_loss: shard must be -1 (the embeddings are a shard of the refs, the proxies the "
+            f"anchors), got {shard}"
+        )
     acc = acc_dtype(embeddings)
     a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config or ROW_CONFIGS[0])
-    ln, lp, npos, _ = _rows(a, b, PROXY, False, alpha, acc, config or ROWS_CONFIGS[0], shift=alpha * margin)
+    mode = PROXY if shard is None else PROXY_SHARD
+    ln, lp, npos, _ = _rows(a, b, mode, False, alpha, acc, config or ROWS_CONFIGS[0], shift=alpha * margin)
+    if shard is not None:
+        parts = torch.stack([lp.double(), ln.double(), (npos > 0).double()], dim=1)
+        return parts, torch.zeros(a.n, 4, dtype=acc, device=proxies.device)
     # PML's DivisorReducer: the positive terms over the P proxies with positives (0 without
     # any), the negative ones over all C proxies (proxy_anchor_forward in pair_losses_cpu.cpp).
     C = a.n
@@ -2914,9 +2931,10 @@ def compile_cases() -> list[CompileCase]:
                 (NTXENT_NEGATIVES, "negatives"),
                 (NTXENT_POSITIVES, "positives"),
                 (PROXY, "proxy"),
+                (PROXY_SHARD, "proxy shard"),
             )
             for mode, name in modes:
-                for self_ in (True, False) if mode == SUPCON else ((False,) if mode == PROXY else (True,)):
+                for self_ in (True, False) if mode == SUPCON else ((False,) if mode >= PROXY else (True,)):
                     cases.append(
                         CompileCase(
                             f"pair_losses.rows {name} {dtype}{' self' if self_ else ''}",
