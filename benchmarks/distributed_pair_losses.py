@@ -6,7 +6,9 @@ rank gathers the embeddings and computes the whole N × N loss).
 
 Per configuration: the median wall time of a forward and backward (the slowest rank's, after a
 barrier) and each rank's peak extra resident memory during it (the kernel's peak-RSS counter,
-reset before the call). Writes benchmarks/results/cpu-distributed-losses.{json,md}.
+reset before the call); and the collectives of a group= step alone, the most that passing the
+embeddings around a ring of the ranks instead could hide. Writes
+benchmarks/results/cpu-distributed-losses.{json,md}.
 """
 
 from __future__ import annotations
@@ -61,6 +63,27 @@ def step(fn, x, labels):
     fn(e, labels).backward()
 
 
+def exchange(loss: str, x, labels, group) -> None:
+    """The collectives of one group= step alone, with their volumes (torchkit/ops/
+    _pair_losses_across_ranks.py): the arguments' description, the embeddings and labels
+    all-gathered, the parts all-reduced, then every anchor's stats all-gathered (WHOLE_STATS) or
+    the gathered rows' gradient reduce-scattered. The most a ring of the ranks, which overlaps
+    its exchange with the tiles, could take off a step."""
+    from torchkit import distributed
+    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _gather, _reduce_scatter
+    from torchkit.ops.pair_losses import _PARAMS, _PARTS
+
+    sizes = [r["rows"] for r in distributed._all_gather({"rows": x.shape[0]}, group)]
+    _gather(x, sizes, group)
+    _gather(labels, sizes, group)
+    dist.all_reduce(torch.zeros(_PARTS[loss], dtype=torch.float64), group=group)
+    if loss in WHOLE_STATS:
+        _gather(torch.zeros(x.shape[0], _PARAMS[loss][1], dtype=x.dtype), sizes, group)
+    else:
+        widest = max(sizes)
+        _reduce_scatter(x.new_empty(widest, x.shape[1]), x.new_zeros(len(sizes) * widest, x.shape[1]), group=group)
+
+
 def worker(rank: int, world: int, init_file: str, out_dir: str, cases: dict, repeats: int) -> None:
     from torchkit import ops
 
@@ -78,6 +101,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, cases: dict, rep
         group = dist.group.WORLD
         results[name] = {
             "torchkit group=": measure(partial(step, partial(fn, **params, group=group), x, labels), repeats, world),
+            "torchkit group=, its exchange alone": measure(partial(exchange, loss, x, labels, group), repeats, world),
             f"pytorch-metric-learning {pml} (DistributedLossWrapper)": measure(
                 partial(step, pml_loss(pml, params), x, labels), repeats, world
             ),
@@ -104,12 +128,16 @@ def main() -> None:
             f"| {name} | 1 process, {os.cpu_count()} threads, torchkit | {1e3 * single['median_s']:.0f} ms | "
             f"{single['peak_extra_mib']:.1f} MiB |"
         )
+        step_s = two[0][name]["torchkit group="]["median_s"]
         for how in two[0][name]:
             t = two[0][name][how]["median_s"]
             peak = max(r[name][how]["peak_extra_mib"] for r in two)
-            rows.append(
-                f"| | 2 ranks, {how} | {1e3 * t:.0f} ms ({single['median_s'] / t:.2f}× one process) | {peak:.1f} MiB |"
+            ratio = (
+                f"{t / step_s:.0%} of the group= step"
+                if how.endswith("alone")
+                else f"{single['median_s'] / t:.2f}× one process"
             )
+            rows.append(f"| | 2 ranks, {how} | {1e3 * t:.0f} ms ({ratio}) | {peak:.1f} MiB |")
     table = "\n".join(
         [
             "| case | configuration | forward+backward, median (slowest rank) | peak extra memory per rank |",

@@ -73,13 +73,12 @@ def loss_across_ranks(
     group, params, everyone = _agree(op, group, check, embeddings, describe)
     shards, ref_shards = [r["rows"] for r in everyone], [r["ref_rows"] for r in everyone]
     rank = dist.get_rank(group)
-    if ref_embeddings is None and op in WHOLE_STATS:
-        # The backward gives each rank its rows' whole gradient: the gathered copy needs none.
-        refs = _gather(embeddings.detach(), shards, group)
+    if ref_embeddings is None:
+        if op in WHOLE_STATS:  # the backward gives each rank its rows' whole gradient: none for the copy
+            refs = _gather(embeddings.detach(), shards, group)
+        else:
+            refs = _Gather.apply(embeddings, shards, rank, group)
         ref_labels, shard = _gather(labels.long(), shards, group), sum(shards[:rank])
-    elif ref_embeddings is None:
-        refs, shard = _Gather.apply(embeddings, shards, rank, group), sum(shards[:rank])
-        ref_labels = _gather(labels.long(), shards, group)
     else:
         refs = _Gather.apply(ref_embeddings, ref_shards, rank, group)
         ref_labels, shard = _gather(ref_labels.long(), ref_shards, group), -1
