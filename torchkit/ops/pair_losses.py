@@ -367,6 +367,15 @@ def _check_proxy_params(op: str, margin: float, alpha: float) -> None:
         raise ValueError(f"{op}: alpha must be finite and > 0, got {alpha:g}")
 
 
+def _check_proxy_shard(shard: Optional[int]) -> None:
+    """csrc/pair_losses.cpp's check of proxy_anchor_loss's shard: only -1 (or none)."""
+    if shard is not None and shard != -1:
+        raise ValueError(
+            "proxy_anchor_loss: shard must be -1 (the embeddings are a shard of the refs, the proxies the anchors), "
+            f"got {shard}"
+        )
+
+
 def _register_proxy_anchor():
     op = "proxy_anchor_loss"
 
@@ -374,10 +383,7 @@ def _register_proxy_anchor():
     def _(embeddings, labels, proxies, margin, alpha, shard=None):
         check_scalars(op, ("float", "margin", margin), ("float", "alpha", alpha))
         _check_proxy_inputs(embeddings, labels, proxies, margin, alpha)
-        if shard is not None and shard != -1:
-            raise ValueError(
-                f"{op}: shard must be -1 (the embeddings are a shard of the refs, the proxies the anchors), got {shard}"
-            )
+        _check_proxy_shard(shard)
         stats = embeddings.new_empty((proxies.shape[0], 4), dtype=acc_dtype(embeddings))
         if shard is not None:
             return embeddings.new_empty((proxies.shape[0], 3), dtype=torch.float64), stats

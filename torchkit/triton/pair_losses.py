@@ -81,7 +81,13 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
-from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_inputs, _check_shard
+from torchkit.ops.pair_losses import (
+    _check_inputs,
+    _check_params,
+    _check_proxy_inputs,
+    _check_proxy_shard,
+    _check_shard,
+)
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits
 
@@ -1679,6 +1685,16 @@ def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, config, normalis
     return a, b
 
 
+def _backward_sides(embeddings, labels, ref_embeddings, ref_labels, acc, config, whole: int | None):
+    """A backward's sides: the call's, or, for a shard's backward with the whole problem's stats
+    (whole: its rows), the refs' problem without refs, of whose rows the anchors are some (the
+    CPU kernels' backward_inputs)."""
+    if whole is not None:
+        b = _Side(ref_embeddings, ref_labels, acc, config)
+        return b, b
+    return _sides(embeddings, labels, ref_embeddings, ref_labels, acc, config)
+
+
 def _rows(a: _Side, b: _Side, mode, self_: bool, scale: float, acc, config: Config, log_s=None, shift=0.0, offset=0):
     """rows_kernel over every anchor, x = s·scale: (out, sum, positives, pairs) per anchor
     (self_: anchor i is b's row offset + i, not a pair)."""
@@ -1908,10 +1924,7 @@ def _backward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or GRAD_CONFIGS[0]
-    if whole is not None:  # the refs' problem without refs, the anchors its rows [shard, shard + N)
-        a = b = _Side(ref_embeddings, ref_labels, acc, row_config)
-    else:
-        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    a, b = _backward_sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, whole)
     # Per anchor: coef, shift, w and log S (PairGrad in pair_losses_cpu.cpp). (Python scalars,
     # never a tensor made from one: that would be a copy from the host.)
     inf = float("inf")
@@ -2096,11 +2109,7 @@ def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None,
     (−1: these embeddings are one rank's): per proxy its two log-sums without the 1 and whether
     it has positives (csrc/pair_losses.h)."""
     margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
-    if shard is not None and shard != -1:
-        raise ValueError(
-            "proxy_anchor_loss: shard must be -1 (the embeddings are a shard of the refs, the proxies the "
-            f"anchors), got {shard}"
-        )
+    _check_proxy_shard(shard)
     acc = acc_dtype(embeddings)
     a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config or ROW_CONFIGS[0])
     mode = PROXY if shard is None else PROXY_SHARD
@@ -2274,10 +2283,7 @@ def multi_similarity_backward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
-    if whole is not None:  # the refs' problem without refs, the anchors its rows [shard, shard + N)
-        a = b = _Side(ref_embeddings, ref_labels, acc, row_config)
-    else:
-        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    a, b = _backward_sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, whole)
     st = stats.contiguous()
     bits = _ms_bits(params, D, acc)
     pairs_self = self_ or whole is not None
@@ -2462,10 +2468,7 @@ def contrastive_backward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
-    if whole is not None:  # the refs' problem without refs, the anchors its rows [shard, shard + N)
-        a = b = _Side(ref_embeddings, ref_labels, acc, row_config)
-    else:
-        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    a, b = _backward_sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, whole)
     pa, pb = _points(a, b, acc, row_config)
     st = stats.contiguous()
     live = (st[0] != 0).any()  # a zero loss (PML's rule): zero gradients, NaN rows included
