@@ -24,15 +24,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _triton_kernels(request):
     """A test marked `triton(op)` runs with op's Triton kernels in the slot of its `device`
-    parameter (triton_testing.installed)."""
+    parameter (triton_testing.installed); one marked `triton(op, dispatch=False)` calls the
+    Triton wrappers itself and compares them with the ops, whose slots keep the C++ kernels."""
     marker = request.node.get_closest_marker("triton")
     if marker is None:
         yield
         return
     import triton_testing
 
+    if triton_testing.INTERPRETING:
+        triton_testing.poison_masked_loads()
+    if not marker.kwargs.get("dispatch", True):
+        yield
+        return
     device = request.node.callspec.params.get("device", "cpu")
     with triton_testing.installed(marker.args[0], device):
-        if triton_testing.INTERPRETING:
-            triton_testing.poison_masked_loads()
         yield

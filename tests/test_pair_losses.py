@@ -1017,7 +1017,7 @@ TRITON_PARAMS = [
 ]
 
 
-@pytest.mark.triton("pair_losses")
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
 @pytest.mark.parametrize("loss,params", TRITON_PARAMS)
 @pytest.mark.parametrize("which", [0, 1, 2])
@@ -1054,7 +1054,7 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.triton("pair_losses")
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
 @pytest.mark.parametrize("mining", ["all", "semi_hard"])
 def test_triton_triplets_in_chunks_of_positives_and_bands_of_anchors(monkeypatch, mining, device):
@@ -1106,7 +1106,7 @@ def test_triton_backward_checks_its_inputs(loss, params):
 TRITON_SHARD_PARAMS = [(loss, params) for loss, params in TRITON_PARAMS if loss != "triplet_margin_loss"]
 
 
-@pytest.mark.triton("pair_losses")
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
 @pytest.mark.parametrize("loss,params", TRITON_SHARD_PARAMS)
 def test_triton_shards_match_the_cpu_kernel(loss, params, device):
@@ -1179,7 +1179,7 @@ def test_triton_shard_is_checked(loss, params):
         backward_t(g.float(), rows[2:4], labels[2:4], rows, labels, stats, *params, [True, True], -1)
 
 
-@pytest.mark.triton("pair_losses")
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
 def test_proxy_anchor_triton_shard_matches_the_cpu_kernel(device):
     """proxy_anchor_loss's shard (group=): per proxy the two log-sums without the 1 and whether
@@ -1617,7 +1617,7 @@ def test_proxy_anchor_module(device):
         torchkit.nn.ProxyAnchorLoss(0, 8)
 
 
-@pytest.mark.triton("pair_losses")
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_proxy_anchor_triton_every_configuration_matches_the_cpu_kernel(which, device):

@@ -5,7 +5,9 @@ compiled on CUDA tensors where one is.
 - `installed(op, device)`: the op's Triton kernels hold the dispatcher's slot for `device`
   ("cpu": the CPU slot, so that the op's own tests, its C++ autograd kernel, opcheck and
   torch.compile included, run through the Triton kernels on CPU tensors; "cuda": the CUDA slot)
-  for the duration, and the C++ kernels hold it again after.
+  for the duration, and the C++ kernels hold it again after. A test marked
+  `triton(op, dispatch=False)` skips it: it calls the Triton wrappers itself and compares them
+  with the ops, which then are the C++ kernels (on CPU tensors, the CPU kernels).
 - `poison_masked_loads()`: the interpreter reads 0 in the masked-off lanes of a tl.load without
   `other`, where a GPU reads whatever is there; patched to NaN (floats) or a sentinel (integers),
   so that a kernel relying on those lanes fails on the CPU too.
