@@ -1102,25 +1102,22 @@ def test_triton_backward_checks_its_inputs(loss, params):
         getattr(tp, f"{name}_forward")(e4, l6, None, None, *bad)
 
 
-# The losses whose Triton kernels take a shard (the losses across ranks), with their parameters.
-TRITON_SHARD_PARAMS = [(loss, params) for loss, params in TRITON_PARAMS if loss != "triplet_margin_loss"]
-
-
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
-@pytest.mark.parametrize("loss,params", TRITON_SHARD_PARAMS)
+@pytest.mark.parametrize("loss,params", TRITON_PARAMS)
 def test_triton_shards_match_the_cpu_kernel(loss, params, device):
     """The raw ops as group= calls them, in float64 against the CPU kernel: shards of the rows
     (one empty, one of a single row) and a shard of separate refs; parts and stats, and each
-    backward: a shard of the rows' from the whole problem's stats (its rows' whole gradient),
-    the refs' shard's from its own stats and a float64 grad."""
-    from torchkit.ops._pair_losses_across_ranks import _whole, _whole_stats
+    backward with a float64 grad: a shard of the rows' from the whole problem's stats where
+    the loss takes them (its rows' whole gradient), else from its own."""
+    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _whole, _whole_stats
 
     tp = triton_module()
     op, backward = raw(loss)
     name = loss.removesuffix("_loss")
     forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
     rows, labels = make((41, 19), seed=27), make_labels(41, 6, seed=5)
+    labels[25] = 6  # alone in its class: no positive but itself
     shards = [(0, 0), (0, 17), (17, 18), (18, 41)]
     results = [op(rows[a:b], labels[a:b], rows, labels, *params, a) for a, b in shards]
     total = sum(parts for parts, _ in results)
@@ -1128,14 +1125,15 @@ def test_triton_shards_match_the_cpu_kernel(loss, params, device):
         [_whole_stats(loss, s, scale) for _, scale, s in (_whole(loss, p, total, s) for p, s in results)]
     )
     g, mask = torch.tensor(0.7, dtype=torch.float64), [True, True]
-    on_device = on(device, rows, labels, whole_stats, g)
+    on_device = on(device, rows, labels, g)
     for (a, b), (parts, stats) in zip(shards, results, strict=True):
-        e, e_labels, refs, ref_labels, st, g_ = (*on(device, rows[a:b], labels[a:b]), *on_device)
+        e, e_labels, refs, ref_labels, g_ = (*on(device, rows[a:b], labels[a:b]), *on_device)
         got, got_stats = forward_t(e, e_labels, refs, ref_labels, *params, a)
         torch.testing.assert_close(got.cpu(), parts, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
-        exp = backward(g, rows[a:b], labels[a:b], rows, labels, whole_stats, *params, mask, a)
-        out = backward_t(g_, e, e_labels, refs, ref_labels, st, *params, mask, a)
+        st = whole_stats if loss in WHOLE_STATS else stats
+        exp = backward(g, rows[a:b], labels[a:b], rows, labels, st, *params, mask, a)
+        out = backward_t(g_, e, e_labels, refs, ref_labels, *on(device, st), *params, mask, a)
         for x, y in zip(out, exp, strict=True):
             torch.testing.assert_close(x.cpu(), y, rtol=1e-12, atol=1e-13)
     e, e_labels = make((13, 19), seed=28), make_labels(13, 6, seed=6)
@@ -1151,9 +1149,11 @@ def test_triton_shards_match_the_cpu_kernel(loss, params, device):
 
 
 @pytest.mark.triton("pair_losses")
-@pytest.mark.parametrize("loss,params", list(dict(TRITON_SHARD_PARAMS).items()))  # one case per loss
+@pytest.mark.parametrize("loss,params", list(dict(TRITON_PARAMS).items()))  # one case per loss
 def test_triton_shard_is_checked(loss, params):
     """test_shard_is_checked's refusals, from the Triton kernels."""
+    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
+
     tp = triton_module()
     name = loss.removesuffix("_loss")
     forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
@@ -1171,10 +1171,12 @@ def test_triton_shard_is_checked(loss, params):
     _, stats = raw(loss)[0](rows[2:4], labels[2:4], rows, labels, *params, 2)
     g = torch.ones((), dtype=torch.float64)
     columns = stats.shape[1]
-    with pytest.raises(
-        ValueError, match=rf"^{loss}: backward: stats must be \(M, {columns}\) = \(6, .* whole problem's\)"
-    ):
-        backward_t(g, rows[2:4], labels[2:4], rows, labels, stats, *params, [True, True], 2)
+    if loss in WHOLE_STATS:  # a shard of the rows' backward takes the whole problem's stats
+        rule, bad = rf"\(M, {columns}\) = \(6, .* whole problem's\)", stats
+    else:  # its own
+        rule, bad = rf"\(N, {columns}\) = \(2, {columns}\)", stats.repeat(3, 1)
+    with pytest.raises(ValueError, match=rf"^{loss}: backward: stats must be {rule}"):
+        backward_t(g, rows[2:4], labels[2:4], rows, labels, bad, *params, [True, True], 2)
     with pytest.raises(TypeError, match=r"embeddings and grad must have the same dtype"):  # float64: a shard's only
         backward_t(g.float(), rows[2:4], labels[2:4], rows, labels, stats, *params, [True, True], -1)
 
@@ -1196,15 +1198,6 @@ def test_proxy_anchor_triton_shard_matches_the_cpu_kernel(device):
         assert got_stats.shape == stats.shape and got_stats.dtype == stats.dtype
     with pytest.raises(ValueError, match=r"^proxy_anchor_loss: shard must be -1 .*, got 0$"):
         tp.proxy_anchor_forward(e, labels, proxies, 0.1, 32.0, 0)
-
-
-@pytest.mark.triton("pair_losses")
-@pytest.mark.parametrize("loss,params", [p for p in TRITON_PARAMS if p[0] == "triplet_margin_loss"][:1])
-def test_triton_triplet_shard_is_refused_with_a_reason(loss, params):
-    tp = triton_module()
-    rows, labels = make((6, 3)), make_labels(6, 2)
-    with pytest.raises(NotImplementedError, match=r"^triplet_margin_loss: a shard .* has no CUDA kernel yet"):
-        tp.triplet_margin_forward(rows[:2], labels[:2], rows, labels, *params, 0)
 
 
 @pytest.mark.cuda
@@ -1240,13 +1233,13 @@ def test_triton_on_cuda_matches_the_cpu_kernel(loss, params, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("loss,params", TRITON_SHARD_PARAMS)
+@pytest.mark.parametrize("loss,params", TRITON_PARAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_shards_on_cuda_match_the_cpu_kernel(loss, params, dtype):
     """The shards' Triton kernels compiled, on CUDA tensors, against the CPU kernel: a shard of
-    the rows (its backward from the whole problem's stats) and a shard of separate refs, with
-    a float64 grad; no host synchronisation."""
-    from torchkit.ops._pair_losses_across_ranks import _whole, _whole_stats
+    the rows (its backward from the whole problem's stats where the loss takes them) and a
+    shard of separate refs, with a float64 grad; no host synchronisation."""
+    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _whole, _whole_stats
 
     tp = triton_module()
     name = loss.removesuffix("_loss")
@@ -1260,7 +1253,8 @@ def test_triton_shards_on_cuda_match_the_cpu_kernel(loss, params, dtype):
     wholes = (_whole(loss, p, total, s) for p, s in results)
     whole_stats = torch.cat([_whole_stats(loss, s, scale) for _, scale, s in wholes])
     g, mask = torch.tensor(0.5, dtype=torch.float64), [True, True]
-    cases = [(rows[a:b], labels[a:b], whole_stats, a) for a, b in shards] + [(e, e_labels, None, -1)]
+    whole = whole_stats if loss in WHOLE_STATS else None  # (None: the shard's own)
+    cases = [(rows[a:b], labels[a:b], whole, a) for a, b in shards] + [(e, e_labels, None, -1)]
     for x, x_labels, stats, shard in cases:
         parts, own_stats = op(x, x_labels, rows, labels, *params, shard)
         stats = own_stats if stats is None else stats

@@ -68,7 +68,10 @@ either forward's stats. Nothing N×M exists:
   rows [shard, shard + N) against every row, as anchor and as ref (grad_kernel's and
   ms_grad_kernel's OFFSET, euclidean_grad_kernel's OWN0 and OUT0). proxy_anchor_loss's shard
   (one rank's embeddings) is rows_kernel's PROXY_SHARD mode: its log-sums without the 1.
-  triplet_margin_loss has no shard kernels yet.
+  triplet_margin_loss's shard is its forward with refs, hard_rows_kernel and
+  triplet_rows_kernel leaving out anchor i's pair with ref row OFFSET + i, returning the
+  mean's sum and count; its backward takes the shard's own stats (a float64 grad scaled by
+  the caller) and gives the refs' gradient from the shard's anchors, as the CPU kernel's.
 
 Kernels never index past what the wrapper checked; offsets are int64.
 """
@@ -1242,6 +1245,7 @@ def hard_rows_kernel(
     N,
     M,
     D,
+    OFFSET,
     ERR_BITS,
     UNIT_BITS,
     SELF: tl.constexpr,
@@ -1255,8 +1259,8 @@ def hard_rows_kernel(
     """batch_hard's triplet per anchor: its farthest positive and nearest negative by exact
     distance, ties to the lower index, the first at a NaN distance winning (batch_hard and
     Extreme in the CPU kernels, where a directly computed entry's distance is the tile's,
-    rounded to ACC). idx: (N, 2) int64, positive then negative (−1 without one); bound:
-    (N, 2) float64.
+    rounded to ACC; SELF: anchor i is ref row OFFSET + i, not a pair). idx: (N, 2) int64,
+    positive then negative (−1 without one); bound: (N, 2) float64.
     PASS 0: each distance is known within its slack (0 for direct entries): the leader (the
     largest lower bound of a positive, the smallest upper bound of a negative; the lowest
     index among equals) is the answer unless another entry's bound reaches it; then its bound
@@ -1300,7 +1304,7 @@ def hard_rows_kernel(
         d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
-            valid = valid & (rows[:, None] != cols[None, :])
+            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
         pos = valid & (lab[:, None] == ref_lab[None, :]) & open_p[:, None]
         neg = valid & (lab[:, None] != ref_lab[None, :]) & open_n[:, None]
         direct = direct & (pos | neg)
@@ -1503,6 +1507,7 @@ def triplet_rows_kernel(
     N,
     M,
     D,
+    OFFSET,
     MARGIN_BITS,
     ERR_BITS,
     UNIT_BITS,
@@ -1519,11 +1524,12 @@ def triplet_rows_kernel(
     """mining="all" / "semi_hard" for anchors [ROW0, N): the triplets (a, p, n) with
     d_ap − d_an + margin > 0 (semi_hard: and d_ap < d_an) and those with a NaN distance
     (count_triplets in the CPU kernel). An anchor's positives are its label's segment
-    [lo, hi) of the refs sorted by label (order), taken BLOCK_P at a time with their exact
-    distances rounded to ACC (the CPU's sorted list); against them, every negative tile's
-    distances in one 3-D comparison. A negative's distance is the tile's, exact where it
-    cancelled (rounded to ACC) or where a threshold of the chunk lies within the tile's error
-    bound (Inputs::clear), so the choices are the exact distances'.
+    [lo, hi) of the refs sorted by label (order), less itself (SELF: anchor i is ref row
+    OFFSET + i), taken BLOCK_P at a time with their exact distances rounded to ACC (the CPU's
+    sorted list); against them, every negative tile's distances in one 3-D comparison. A
+    negative's distance is the tile's, exact where it cancelled (rounded to ACC) or where a
+    threshold of the chunk lies within the tile's error bound (Inputs::clear), so the choices
+    are the exact distances'.
     Forward (BAND false): per anchor, sums (N, 2) float64: Σ over counted triplets of
     d_ap + margin and of d_an (the tile's value); count (N, 2) int64: the counted triplets
     and the positives at a NaN distance (each counts with every negative).
@@ -1554,7 +1560,7 @@ def triplet_rows_kernel(
         p_mask = row_mask[:, None] & (q < hi[:, None])
         js = tl.load(order_ptr + q, mask=p_mask, other=0)
         if SELF:
-            p_mask = p_mask & (js != rows[:, None])
+            p_mask = p_mask & (js - OFFSET != rows[:, None])
         t = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, p_mask, D)
         t = t.to(ACC).to(tl.float64)
         pok = p_mask & (t == t)
@@ -1742,15 +1748,6 @@ def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature)
     _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
     _check_params(op, (float(temperature),))
     return float(temperature)
-
-
-def _refuse_shard(op: str, shard) -> None:
-    """A shard (one rank's part of a loss across ranks) of the losses without a Triton kernel
-    for one yet."""
-    if shard is not None:
-        raise NotImplementedError(
-            f"{op}: a shard (the loss across ranks, group=) has no CUDA kernel yet; compute it on CPU tensors"
-        )
 
 
 def _shard(op: str, shard, embeddings, labels, ref_embeddings, ref_labels) -> int | None:
@@ -2601,9 +2598,12 @@ def _ref_slice(programs: int, M: int, block: int, device: torch.device) -> int:
     return blocks(blocks(M, block), slices) * block
 
 
-def _triplet_rows(a, b, points, segments, margin, semi, acc, config, sums=None, count=None, band=None, row0=0, end=0):
+def _triplet_rows(
+    a, b, points, segments, margin, semi, acc, config, self_, offset, sums=None, count=None, band=None, row0=0, end=0
+):
     """triplet_rows_kernel over the anchors [row0, end): the forward's sums and counts, or
-    (band) the backward's coefficients of those anchors' pairs."""
+    (band) the backward's coefficients of those anchors' pairs (self_: anchor i is b's row
+    offset + i, not a pair)."""
     (ca, sq_a), (cb, sq_b) = points
     D, M = a.raw.shape[1], b.n
     if end <= row0:
@@ -2633,8 +2633,9 @@ def _triplet_rows(a, b, points, segments, margin, semi, acc, config, sums=None, 
         end,
         M,
         D,
+        offset,
         *_euclidean_bits((margin,), D, acc),
-        SELF=a is b,
+        SELF=self_,
         SEMI=semi,
         BAND=band is not None,
         ACC=acc_tl(acc),
@@ -2647,8 +2648,9 @@ def triplet_margin_forward(
     embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard=None, *, config=None, row_config=None
 ):
     """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter)."""
-    _refuse_shard("triplet_margin_loss", shard)
     margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
+    shard = _shard("triplet_margin_loss", shard, embeddings, labels, ref_embeddings, ref_labels)
+    self_, offset = _self_pairs(ref_embeddings, shard)
     acc = acc_dtype(embeddings)
     hard = mining == "batch_hard"
     if hard:
@@ -2660,8 +2662,16 @@ def triplet_margin_forward(
     N, D = embeddings.shape
     idx = torch.full((N, 2), -1, dtype=torch.int64, device=embeddings.device)
     if N == 0 or b.n == 0:
-        return embeddings.new_zeros(()), torch.cat([idx, torch.zeros_like(idx[:, :1])], 1)
+        zero = _parts(*idx.new_zeros(2)) if shard is not None else embeddings.new_zeros(())
+        return zero, torch.cat([idx, torch.zeros_like(idx[:, :1])], 1)
     points = _points(a, b, acc, row_config)
+
+    def result(total: Tensor, count: Tensor, stats: Tensor) -> tuple[Tensor, Tensor]:
+        """The loss (the mean of the counted terms, 0 for none), or a shard's parts."""
+        if shard is not None:
+            return _parts(total, count), stats
+        return torch.where(count > 0, total / count.clamp(min=1), 0.0).to(embeddings.dtype), stats
+
     if not hard:
         # triplet_forward (pair_losses_euclidean_cpu.cpp): Σ over the counted triplets of
         # d_ap − d_an + margin over their number; NaN where a counted triplet has a positive at
@@ -2669,12 +2679,11 @@ def triplet_margin_forward(
         sums = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
         count = torch.empty(N, 2, dtype=torch.int64, device=embeddings.device)
         segments = _label_segments(a, b)
-        _triplet_rows(a, b, points, segments, margin, mining == "semi_hard", acc, config, sums, count, end=N)
+        semi = mining == "semi_hard"
+        _triplet_rows(a, b, points, segments, margin, semi, acc, config, self_, offset, sums, count, end=N)
         per = sums[:, 0] - sums[:, 1]
         per = torch.where((count[:, 0] > 0) & (count[:, 1] > 0), float("nan"), per)
-        total = count[:, 0].sum()
-        loss = torch.where(total > 0, per.sum() / total.clamp(min=1), 0.0)
-        return loss.to(embeddings.dtype), torch.cat([idx, count[:, :1]], 1)
+        return result(per.sum(), count[:, 0].sum(), torch.cat([idx, count[:, :1]], 1))
     (ca, sq_a), (cb, sq_b) = points
     bound = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
     for step in (0, 1):
@@ -2696,8 +2705,9 @@ def triplet_margin_forward(
             N,
             b.n,
             D,
+            offset,
             *_euclidean_bits((), D, acc),
-            SELF=ref_embeddings is None,
+            SELF=self_,
             PASS=step,
             ACC=acc_tl(acc),
             IS64=acc == torch.float64,
@@ -2708,10 +2718,8 @@ def triplet_margin_forward(
     dist = _pair_dists(a, b, idx, row_config)
     per = dist[:, 0] - dist[:, 1] + margin
     counted = (idx >= 0).all(1) & ~(per <= 0)
-    count = counted.sum()
-    total = torch.where(counted, per, 0.0).sum() / count.clamp(min=1)
     stats = torch.cat([idx, counted[:, None].long()], 1)
-    return torch.where(count > 0, total, 0.0).to(embeddings.dtype), stats
+    return result(torch.where(counted, per, 0.0).sum(), counted.sum(), stats)
 
 
 # The anchors of one band of the triplet backward: at most this many (anchor, ref) pairs' int32
@@ -2719,11 +2727,14 @@ def triplet_margin_forward(
 BAND_PAIRS = 1 << 20
 
 
-def _triplet_band_backward(grad, a, b, margin, semi, count, want_e, want_r, config, rows_config, row_config):
+def _triplet_band_backward(
+    grad, a, b, margin, semi, count, want_e, want_r, config, rows_config, row_config, pairs: tuple[bool, int]
+):
     """mining="all" / "semi_hard"'s backward (triplet_backward in the CPU kernel), a band of
     anchors at a time: triplet_rows_kernel writes ∂loss/∂d·C of the band's pairs, then
     euclidean_grad_kernel adds their gradient to the anchors' rows and to the refs' rows (in
-    band order: the same bits on every run); then the normalisation's Jacobian."""
+    band order: the same bits on every run); then the normalisation's Jacobian. pairs:
+    _self_pairs's (a shard's anchors are rows of the refs apart from a)."""
     acc = a.e.dtype
     config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
     rows_config = rows_config or TRIPLET_ROWS_CONFIGS[-1 if acc == torch.float64 else 0]
@@ -2780,7 +2791,7 @@ def _triplet_band_backward(grad, a, b, margin, semi, count, want_e, want_r, conf
     for row0 in range(0, N, width):
         end = min(row0 + width, N)
         band.zero_()
-        _triplet_rows(a, b, points, segments, margin, semi, acc, rows_config, band=band, row0=row0, end=end)
+        _triplet_rows(a, b, points, segments, margin, semi, acc, rows_config, *pairs, band=band, row0=row0, end=end)
         if ge is not None:
             add(ge, a, pa, b, pb, row0, end, 0, M, row0, True)
         if self_:
@@ -2812,11 +2823,12 @@ def triplet_margin_backward(
 ):
     """torchkit::_triplet_margin_loss_backward's CUDA kernel (config: hard_grad_kernel's for
     batch_hard, euclidean_grad_kernel's for all and semi_hard, with triplet_rows_kernel's
-    rows_config)."""
-    _refuse_shard("triplet_margin_loss", shard)
+    rows_config). A shard's takes its own stats and gives the refs' gradient from its anchors
+    (csrc/pair_losses.h)."""
     op = "triplet_margin_loss"
     margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
-    _check_backward(op, grad, embeddings, stats, 3, stats_dtype=torch.int64)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    _check_backward(op, grad, embeddings, stats, 3, stats_dtype=torch.int64, shard=shard)
     self_ = ref_embeddings is None
     N, D = embeddings.shape
     M = N if self_ else ref_embeddings.shape[0]
@@ -2832,8 +2844,9 @@ def triplet_margin_backward(
     st = stats.contiguous()
     count = st[:, 2].sum()
     if mining != "batch_hard":
+        pairs = _self_pairs(ref_embeddings, shard)
         return _triplet_band_backward(
-            grad, a, b, margin, mining == "semi_hard", count, want_e, want_r, config, rows_config, row_config
+            grad, a, b, margin, mining == "semi_hard", count, want_e, want_r, config, rows_config, row_config, pairs
         )
     config = config or HARD_GRAD_CONFIGS[0]
     idx = torch.where(st[:, 2:] != 0, st[:, :2], -1).contiguous()  # the counted anchors' pairs
