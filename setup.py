@@ -208,7 +208,12 @@ def make_extension():
     sanitize = os.environ.get("SANITIZE", "")
     sanitizer_flags = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"] if sanitize else []
     info = build_facts(torch.__version__, archs)
-    cxx = [*opt, "-fdiagnostics-color=always", *isa_flags, *info, *sanitizer_flags, *OPENMP_FLAGS]
+    # -ffp-contract=off: the CPU kernels round as their source says, whatever the ISA and the
+    # optimiser (GCC otherwise fuses a·b + c into an FMA where -mfma allows it, and differently
+    # under -fsanitize); explicit at::vec::fmadd stays fused. The pair losses' Triton kernels,
+    # compiled without FMA fusion, then round as they do: a zero row's distances to normalised
+    # rows are 1 within an ulp, and rounding decides margins and candidates there.
+    cxx = [*opt, "-ffp-contract=off", "-fdiagnostics-color=always", *isa_flags, *info, *sanitizer_flags, *OPENMP_FLAGS]
     extra_compile_args = {"cxx": cxx}
     if use_cuda:
         extra_compile_args["nvcc"] = [*opt, *NVCC_LANGUAGE_FLAGS, "-lineinfo"]

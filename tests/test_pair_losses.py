@@ -983,13 +983,35 @@ def on(device, *tensors):
 
 def test_triton_kernels_round_as_the_cpu_kernels():
     """Every launch configuration of the pair losses' Triton kernels keeps the compiler from
-    fusing a product and a sum into an FMA, which the CPU kernels never do: with it, a zero
-    row's exact distances to normalised rows (all 1 within an ulp) round otherwise, and
-    batch_hard chose another nearest negative than the CPU kernel on an H200."""
+    fusing a product and a sum into an FMA, which the CPU kernels never do (setup.py builds
+    them with -ffp-contract=off): with it, a zero row's exact distances to normalised rows
+    (all 1 within an ulp) round otherwise, and batch_hard chose another nearest negative than
+    the CPU kernel on an H200."""
     tp = triton_module()
     configs = [c for name in dir(tp) if name.endswith("_CONFIGS") for c in getattr(tp, name)]
     configs += [c for case in tp.compile_cases() for c in case.configs]
     assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
+@TRITON_DEVICE
+@pytest.mark.parametrize(
+    "loss,params", [("contrastive_loss", (0.0, 1.0)), ("triplet_margin_loss", (0.05, "batch_hard"))]
+)
+def test_triton_breaks_a_zero_rows_ties_as_the_cpu_kernel(loss, params, device):
+    """A zero row's distances to the normalised rows are 1 within an ulp: on neg_margin = 1 and
+    between candidates, the choice is the rounding's, so the Triton kernels must round as the
+    CPU kernels. These cases chose otherwise (contrastive: 1.4598 against 1.4568; batch_hard:
+    another negative) while the CPU build let the compiler fuse products and sums into FMAs."""
+    tp = triton_module()
+    forward_t = getattr(tp, f"{loss.removesuffix('_loss')}_forward")
+    for seed in (4, 6, 11):
+        e, labels = make((24, 9), seed=seed), make_labels(24, 3, seed=seed)
+        e[3] = 0
+        value, stats = raw(loss)[0](e, labels, None, None, *params)
+        got, got_stats = forward_t(*on(device, e, labels), None, None, *params)
+        torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
+        assert torch.equal(got_stats.cpu(), stats)
 
 
 def triton_problems():
