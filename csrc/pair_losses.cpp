@@ -57,7 +57,8 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
     TK_CHECK_VALUE(op, !p.self,
                    "shard needs ref_embeddings (every rank's rows, of which the anchors are a "
                    "shard), got ref_embeddings=None");
-    TK_CHECK_VALUE(op, *shard >= -1 && *shard <= p.M - p.N,
+    // -1 takes any refs; an offset needs the N anchors among the M refs.
+    TK_CHECK_VALUE(op, *shard == -1 || (*shard >= 0 && *shard <= p.M - p.N),
                    "shard must be -1 (refs apart from the anchors) or the anchors' first row in "
                    "ref_embeddings, in [0, M - N] = [0, ",
                    p.M - p.N, "], got ", *shard);

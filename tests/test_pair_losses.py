@@ -539,22 +539,26 @@ def test_opcheck(loss, params, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shard_opcheck(loss, params, dtype):
     """The raw ops as the losses across ranks call them: a shard of the rows (its own rows
-    left out of its pairs) and a shard of separate refs; the backward with a float64 grad
-    (and, of a shard of the rows, the whole problem's stats where the loss takes them)."""
+    left out of its pairs) and a shard of separate refs, as many as the anchors or fewer; the
+    backward with a float64 grad (and, of a shard of the rows, the whole problem's stats where
+    the loss takes them)."""
     from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
 
     op, backward = raw(loss)
     values = list(params.values())
     rows, labels = make((10, 4), dtype), make_labels(10, 3)
-    for shard, e, e_labels in ((3, rows[3:8], labels[3:8]), (-1, make((4, 4), dtype, seed=2), make_labels(4, 3, 2))):
-        e, refs = e.clone().requires_grad_(), rows.clone().requires_grad_()
-        check_opcheck(op, (e, e_labels, refs, labels, *values, shard))
-        parts, stats = op(e.detach(), e_labels, refs.detach(), labels, *values, shard)
+    apart, apart_labels = make((12, 4), dtype, seed=2), make_labels(12, 3, 2)
+    cases = [(3, rows[3:8], labels[3:8], rows, labels), (-1, apart[:4], apart_labels[:4], rows, labels)]
+    cases.append((-1, apart, apart_labels, rows[:3], labels[:3]))  # fewer refs than anchors
+    for shard, e, e_labels, refs, ref_labels in cases:
+        e, refs = e.clone().requires_grad_(), refs.clone().requires_grad_()
+        check_opcheck(op, (e, e_labels, refs, ref_labels, *values, shard))
+        parts, stats = op(e.detach(), e_labels, refs.detach(), ref_labels, *values, shard)
         assert parts.dtype == torch.float64 and parts.shape == (ops.pair_losses._PARTS[loss],)
         if shard >= 0 and loss in WHOLE_STATS:
             stats = op(rows, labels, None, None, *values)[1]
         for g in (torch.ones((), dtype=torch.float64), torch.ones((), dtype=dtype)):
-            args = (g, e.detach(), e_labels, refs.detach(), labels, stats, *values, [True, True], shard)
+            args = (g, e.detach(), e_labels, refs.detach(), ref_labels, stats, *values, [True, True], shard)
             check_opcheck(backward, args)
 
 
@@ -608,6 +612,14 @@ def test_shard_is_checked(loss, params):
             op(*args)
         with pytest.raises(ValueError, match=rf"^{loss}: {match}"):  # the fake kernel
             op(*(a.to("meta") if torch.is_tensor(a) else a for a in args))
+    # -1 takes any refs, fewer than the anchors or none: one such shard is the whole loss.
+    from torchkit.ops._pair_losses_across_ranks import _whole
+
+    for refs in (rows[:2], rows[:0]):
+        args = (rows, labels, refs, labels[: len(refs)], *values)
+        parts, stats = op(*args, -1)
+        op(*(a.to("meta") if torch.is_tensor(a) else a for a in args), -1)
+        torch.testing.assert_close(_whole(loss, parts, parts, stats)[0], op(*args)[0], rtol=1e-12, atol=0)
     other = labels.clone()
     other[3] += 1
     with pytest.raises(
@@ -1001,8 +1013,9 @@ def test_triton_kernels_round_as_the_cpu_kernels():
 def test_triton_breaks_a_zero_rows_ties_as_the_cpu_kernel(loss, params, device):
     """A zero row's distances to the normalised rows are 1 within an ulp: on neg_margin = 1 and
     between candidates, the choice is the rounding's, so the Triton kernels must round as the
-    CPU kernels. These cases chose otherwise (contrastive: 1.4598 against 1.4568; batch_hard:
-    another negative) while the CPU build let the compiler fuse products and sums into FMAs."""
+    CPU kernels, which are compiled without FMA contraction (setup.py). These seeds meet such
+    ties: a kernel that fuses products and sums gives another contrastive loss or another
+    batch-hard negative."""
     tp = triton_module()
     forward_t = getattr(tp, f"{loss.removesuffix('_loss')}_forward")
     for seed in (4, 6, 11):
@@ -1129,9 +1142,10 @@ def test_triton_backward_checks_its_inputs(loss, params):
 @pytest.mark.parametrize("loss,params", TRITON_PARAMS)
 def test_triton_shards_match_the_cpu_kernel(loss, params, device):
     """The raw ops as group= calls them, in float64 against the CPU kernel: shards of the rows
-    (one empty, one of a single row) and a shard of separate refs; parts and stats, and each
-    backward with a float64 grad: a shard of the rows' from the whole problem's stats where
-    the loss takes them (its rows' whole gradient), else from its own."""
+    (one empty, one of a single row) and shards of separate refs (more than the anchors, and
+    fewer); parts and stats, and each backward with a float64 grad: a shard of the rows' from
+    the whole problem's stats where the loss takes them (its rows' whole gradient), else from
+    its own."""
     from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _whole, _whole_stats
 
     tp = triton_module()
@@ -1159,15 +1173,16 @@ def test_triton_shards_match_the_cpu_kernel(loss, params, device):
         for x, y in zip(out, exp, strict=True):
             torch.testing.assert_close(x.cpu(), y, rtol=1e-12, atol=1e-13)
     e, e_labels = make((13, 19), seed=28), make_labels(13, 6, seed=6)
-    parts, stats = op(e, e_labels, rows, labels, *params, -1)
-    inputs = on(device, e, e_labels, rows, labels)
-    got, got_stats = forward_t(*inputs, *params, -1)
-    torch.testing.assert_close(got.cpu(), parts, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
-    exp = backward(g, e, e_labels, rows, labels, stats, *params, mask, -1)
-    out = backward_t(*on(device, g), *inputs, got_stats, *params, mask, -1)
-    for x, y in zip(out, exp, strict=True):
-        torch.testing.assert_close(x.cpu(), y, rtol=1e-12, atol=1e-13)
+    for refs, ref_labels in ((rows, labels), (rows[:5], labels[:5])):  # (the second: fewer than the anchors)
+        parts, stats = op(e, e_labels, refs, ref_labels, *params, -1)
+        inputs = on(device, e, e_labels, refs, ref_labels)
+        got, got_stats = forward_t(*inputs, *params, -1)
+        torch.testing.assert_close(got.cpu(), parts, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
+        exp = backward(g, e, e_labels, refs, ref_labels, stats, *params, mask, -1)
+        out = backward_t(*on(device, g), *inputs, got_stats, *params, mask, -1)
+        for x, y in zip(out, exp, strict=True):
+            torch.testing.assert_close(x.cpu(), y, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.triton("pair_losses")

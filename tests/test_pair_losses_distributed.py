@@ -46,6 +46,9 @@ def cases(world: int) -> dict:
     r, ry = data(2, 17, 6, 5)
     for name in ("supcon", "contrastive", "triplet_semi_hard", "multi_similarity"):
         out[f"{name}_refs"] = (name, LOSSES[name][1], x[:11], y[:11], split(11, world, 0), r, ry, split(17, world))
+    # Fewer refs over all ranks than one rank's anchors (a small bank beside a large batch).
+    for name in ("supcon", "triplet_batch_hard"):
+        out[f"{name}_few_refs"] = (name, LOSSES[name][1], x, y, split(29, world), r[:4], ry[:4], split(4, world))
     out["supcon_empty_rank"] = ("supcon", {}, x, y, split(29, world, world - 1), None, None, None)
     out["triplet_batch_hard_float32"] = (
         "triplet_batch_hard",

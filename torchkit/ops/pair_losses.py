@@ -576,7 +576,7 @@ def _check_shard(op: str, shard: Optional[int], embeddings: Tensor, ref_embeddin
             "got ref_embeddings=None"
         )
     high = ref_embeddings.shape[0] - embeddings.shape[0]
-    if not -1 <= shard <= high:
+    if shard != -1 and not 0 <= shard <= high:  # -1 takes any refs
         raise ValueError(
             f"{op}: shard must be -1 (refs apart from the anchors) or the anchors' first row in ref_embeddings, "
             f"in [0, M - N] = [0, {high}], got {shard}"

@@ -2661,10 +2661,6 @@ def triplet_margin_forward(
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
     N, D = embeddings.shape
     idx = torch.full((N, 2), -1, dtype=torch.int64, device=embeddings.device)
-    if N == 0 or b.n == 0:
-        zero = _parts(*idx.new_zeros(2)) if shard is not None else embeddings.new_zeros(())
-        return zero, torch.cat([idx, torch.zeros_like(idx[:, :1])], 1)
-    points = _points(a, b, acc, row_config)
 
     def result(total: Tensor, count: Tensor, stats: Tensor) -> tuple[Tensor, Tensor]:
         """The loss (the mean of the counted terms, 0 for none), or a shard's parts."""
@@ -2672,6 +2668,10 @@ def triplet_margin_forward(
             return _parts(total, count), stats
         return torch.where(count > 0, total / count.clamp(min=1), 0.0).to(embeddings.dtype), stats
 
+    if N == 0 or b.n == 0:
+        zero = idx.new_zeros(())
+        return result(zero.double(), zero, torch.cat([idx, torch.zeros_like(idx[:, :1])], 1))
+    points = _points(a, b, acc, row_config)
     if not hard:
         # triplet_forward (pair_losses_euclidean_cpu.cpp): Σ over the counted triplets of
         # d_ap − d_an + margin over their number; NaN where a counted triplet has a positive at
