@@ -263,6 +263,30 @@ def test_near_duplicates_far_from_the_origin(loss, params, device):
         assert abs(pml(loss, params)(e, labels).double() - exp).item() > 0.5 * exp.abs().item()
 
 
+@with_kernels(
+    [
+        ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0}),
+        ("triplet_margin_loss", {"margin": 0.2, "mining": "all"}),
+        ("triplet_margin_loss", {"margin": 0.2, "mining": "semi_hard"}),
+        ("triplet_margin_loss", {"margin": 0.2, "mining": "batch_hard"}),
+    ],
+    ["contrastive", "triplet-all", "triplet-semi_hard", "triplet-batch_hard"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_feature_rows_lie_at_0_and_2_exactly(loss, params, dtype, device):
+    """With D = 1, F.normalize's rows are exactly ±1: rows of one sign lie at distance 0 and
+    opposite ones at 2, also in the exact recomputations (x·(1/|x|) is 1 − ulp for many x: a
+    positive pair at 1e-16 counts as a non-zero term of contrastive_loss at pos_margin = 0 and
+    makes a negative semi-hard). Rows of every scale, the clamped ones (|x| < 1e-12) apart."""
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        e = torch.randn(17, 1, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-6, 7, (17, 1), generator=g)
+        e = e.to(dtype)
+        labels = torch.randint(0, 3, (17,), generator=g)
+        got = ours(loss, params)(e, labels)
+        torch.testing.assert_close(got, pml(loss, params)(e, labels), rtol=1e-6, atol=1e-7)
+
+
 @variants_k
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
 def test_any_integer_label_dtype(loss, params, dtype, device):
@@ -1025,6 +1049,40 @@ def test_triton_breaks_a_zero_rows_ties_as_the_cpu_kernel(loss, params, device):
         got, got_stats = forward_t(*on(device, e, labels), None, None, *params)
         torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
         assert torch.equal(got_stats.cpu(), stats)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
+@TRITON_DEVICE
+@pytest.mark.parametrize(
+    "params", [(0.0, 1.0), (0.2, "all"), (0.2, "semi_hard"), (0.2, "batch_hard")], ids=lambda p: str(p[-1])
+)
+def test_triton_one_feature_rows_as_the_cpu_kernel(params, device):
+    """At D = 1 the exact distances divide (rows exactly ±1, x/eps where clamped): the Triton
+    kernels' choices and loss are the CPU kernel's, with and without refs, and so are the
+    gradients, within float64's rounding of their scale 1/max(|x|, eps) (the normalisation's
+    Jacobian vanishes at D = 1 but for the clamped rows: the others' gradients are rounding
+    noise, of either kernel)."""
+    loss = "contrastive_loss" if params[1] == 1.0 else "triplet_margin_loss"
+    tp = triton_module()
+    op, backward = raw(loss)
+    name = loss.removesuffix("_loss")
+    forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
+    g = torch.Generator().manual_seed(5)
+    e = torch.randn(30, 1, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-14, 7, (30, 1), generator=g)
+    e[4] = 0
+    labels = make_labels(30, 3, seed=5)
+    for ref, ref_labels in ((None, None), (e[:11].flip(0) * 3, labels[:11])):
+        value, stats = op(e, labels, ref, ref_labels, *params)
+        inputs = on(device, e, labels, ref, ref_labels)
+        got, got_stats = forward_t(*inputs, *params)
+        torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
+        grad, mask = torch.tensor(0.7, dtype=e.dtype), [True, ref is not None]
+        exp = backward(grad, e, labels, ref, ref_labels, stats, *params, mask)
+        out = backward_t(*on(device, grad), *inputs, got_stats, *params, mask)
+        for a, b, x in zip(out, exp, (e, ref if ref is not None else e[:0]), strict=True):
+            scale = 1 / x.abs().clamp_min(1e-12)
+            assert ((a.cpu() - b).abs() <= 1e-12 * b.abs() + 1e-15 * scale).all()
 
 
 def triton_problems():

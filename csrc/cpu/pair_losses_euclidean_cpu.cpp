@@ -40,19 +40,36 @@ struct Points {
   std::vector<acc_t> sq;  // |centred_i|²
   const acc_t* raw = nullptr;
   const double* inv = nullptr;
+  const double* norm = nullptr;
   const acc_t* c = nullptr;
   int64_t D = 0;
 
   // e_i − e_j in float64, from the inputs and their float64 1/norm: exact to float64's
   // rounding, where the rounded normalised rows would keep only float32's absolute accuracy.
-  double diff(int64_t i, const Points& o, int64_t j, int64_t k) const {
-    return static_cast<double>(raw[i * D + k]) * inv[i] -
-           static_cast<double>(o.raw[j * D + k]) * o.inv[j];
+  // x·(1/n) rather than x/n: a multiplication for a division, at most an ulp apart, except
+  // at D = 1, where F.normalize's rows are exactly ±1 (or x/eps) and x·(1/n) is 1 − ulp for
+  // many x: two rows of one sign must lie at 0 (a positive pair at 1e-16 would count at
+  // contrastive_loss's pos_margin = 0, a negative there would be semi-hard) and opposite
+  // ones at 2.
+  struct Pair {
+    const acc_t* x;
+    const acc_t* y;
+    double fx, fy;  // 1/n_i and 1/n_j, or n_i and n_j where D = 1
+    bool divide;
+    double diff(int64_t k) const {
+      const double a = static_cast<double>(x[k]), b = static_cast<double>(y[k]);
+      return divide ? a / fx - b / fy : a * fx - b * fy;
+    }
+  };
+  Pair pair(int64_t i, const Points& o, int64_t j) const {
+    return D == 1 ? Pair{raw + i, o.raw + j, norm[i], o.norm[j], true}
+                  : Pair{raw + i * D, o.raw + j * D, inv[i], o.inv[j], false};
   }
   double direct(int64_t i, const Points& o, int64_t j) const {
+    const Pair p = pair(i, o, j);
     double s = 0;
     for (int64_t k = 0; k < D; ++k) {
-      const double v = diff(i, o, j, k);
+      const double v = p.diff(k);
       s += v * v;
     }
     return std::sqrt(s);
@@ -74,6 +91,7 @@ void make_points(Points<acc_t>& a, Points<acc_t>* b, const Tensor& x, const Tens
     pts->D = D;
     pts->raw = pts->side.raw.template const_data_ptr<acc_t>();
     pts->inv = pts->side.inv64.template const_data_ptr<double>();
+    pts->norm = pts->side.norm64.template const_data_ptr<double>();
   }
   if (!tiles) return;
   for (Points<acc_t>* pts : {&a, b}) {
@@ -235,7 +253,8 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
         if (direct[c] && w != 0) {
           if (!any_direct) std::fill(acc.begin(), acc.end(), 0.0);
           any_direct = true;
-          for (int64_t k = 0; k < D; ++k) acc[k] += w * own.diff(i, other, j, k);
+          const auto pr = own.pair(i, other, j);
+          for (int64_t k = 0; k < D; ++k) acc[k] += w * pr.diff(k);
           x[c] = 0;
           continue;
         }
@@ -637,8 +656,8 @@ void add_pair(acc_t* out_row, const Points<acc_t>& own, int64_t i, const Points<
               int64_t j, double d, double g) {
   if (g == 0 || d == 0) return;
   const double w = g / d;
-  for (int64_t k = 0; k < own.D; ++k)
-    out_row[k] += static_cast<acc_t>(w * own.diff(i, other, j, k));
+  const auto pr = own.pair(i, other, j);
+  for (int64_t k = 0; k < own.D; ++k) out_row[k] += static_cast<acc_t>(w * pr.diff(k));
 }
 
 template <typename acc_t>

@@ -78,6 +78,8 @@ Kernels never index past what the wrapper checked; offsets are int64.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -923,15 +925,32 @@ def points_kernel(
 
 
 @triton.jit
-def _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D):
-    """Exact distances of a tile, as the CPU kernel's Points::direct: √Σ_k (x_ik·inv_i −
-    y_jk·inv_j)² in float64, in feature order."""
+def _unit(x, inv, ONE_FEATURE: tl.constexpr):
+    """F.normalize's rows x / max(‖x‖, eps) in float64 from x (float64) and its float64 1/norm,
+    as the CPU kernel's Points::Pair: x·inv, a multiplication for a division, except for rows
+    of one feature (ONE_FEATURE: D = 1, a launch of its own), where x·inv is 1 − ulp for many x
+    and the division exactly ±1 (or x/eps)."""
+    if ONE_FEATURE:
+        a = tl.abs(x)
+        eps = tl.full(x.shape, 1e-12, tl.float64)
+        out = x / tl.where(a < eps, eps, a)  # NaN stays NaN, ±∞ gives NaN as ∞/∞
+    else:
+        out = x * inv
+    return out
+
+
+@triton.jit
+def _exact_dist(
+    xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE: tl.constexpr
+):
+    """Exact distances of a tile, as the CPU kernel's Points::direct: √Σ_k (e_ik − e_jk)² in
+    float64, in feature order (e: _unit)."""
     inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
     inv_b = tl.load(inv_b_ptr + cols, mask=col_mask, other=0.0)
     out = tl.zeros((rows.shape[0], cols.shape[0]), tl.float64)
     for k in range(0, D):
-        a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64) * inv_a
-        b = tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64) * inv_b
+        a = _unit(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64), inv_a, ONE_FEATURE)
+        b = _unit(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
         v = a[:, None] - b[None, :]
         out += v * v
     return tl.sqrt(out)
@@ -983,6 +1002,7 @@ def contrastive_rows_kernel(
     ERR_BITS,
     UNIT_BITS,
     SELF: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1023,7 +1043,9 @@ def contrastive_rows_kernel(
         clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_a, sq_b, err, unit)
         dd = d64
         if _any(valid & (direct | (clear == 0))):
-            exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+            exact = _exact_dist(
+                xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
+            )
             dd = tl.where(direct, exact.to(ACC).to(tl.float64), tl.where(clear, d64, exact))
         v = tl.where(pos, dd - pos_margin, neg_margin - dd)
         counted = valid & ((v <= 0) == 0)
@@ -1074,6 +1096,7 @@ def euclidean_grad_kernel(
     SELF: tl.constexpr,
     ANCHORS_OWN: tl.constexpr,
     ADD: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1151,6 +1174,7 @@ def euclidean_grad_kernel(
                     row_mask,
                     col_mask,
                     D,
+                    ONE_FEATURE,
                 )
                 d = tl.where(direct, exact.to(ACC), d)
             d64 = d.to(tl.float64)
@@ -1170,6 +1194,7 @@ def euclidean_grad_kernel(
                         row_mask,
                         col_mask,
                         D,
+                        ONE_FEATURE,
                     )
                 dd = tl.where(clear, d64, exact)
                 v = tl.where(pos, dd - pos_margin, neg_margin - dd)
@@ -1182,7 +1207,7 @@ def euclidean_grad_kernel(
                 # ACC's absolute accuracy).
                 inv_i = tl.load(inv_own_ptr + rows, mask=row_mask, other=0.0)
                 e_i = tl.load(x_own_ptr + rows[:, None] * s_own + fs[None, :], mask=own_f, other=0.0)
-                e_i = e_i.to(tl.float64) * inv_i[:, None]
+                e_i = _unit(e_i.to(tl.float64), inv_i[:, None], ONE_FEATURE)
                 w_direct = tl.where(direct, w, 0.0)
                 near = tl.zeros((BLOCK_N, BLOCK_F), tl.float64)
                 for c in range(0, BLOCK_M):
@@ -1193,7 +1218,8 @@ def euclidean_grad_kernel(
                     # (scalar compare)` int64, which its load refuses)
                     j_ok = (j + tl.zeros((BLOCK_F,), tl.int64)) < N_OTHER
                     e_j = tl.load(x_other_ptr + j * s_other + fs, mask=f_mask & j_ok, other=0.0)
-                    near += tl.where(w_c[:, None] != 0, w_c[:, None] * (e_i - e_j.to(tl.float64)[None, :] * inv_j), 0.0)
+                    e_j = _unit(e_j.to(tl.float64)[None, :], inv_j, ONE_FEATURE)
+                    near += tl.where(w_c[:, None] != 0, w_c[:, None] * (e_i - e_j), 0.0)
                 acc += near.to(ACC)
             w = tl.where(direct, 0.0, w).to(ACC)
             row_sum = tl.sum(w.to(tl.float64), axis=1)
@@ -1250,6 +1276,7 @@ def hard_rows_kernel(
     UNIT_BITS,
     SELF: tl.constexpr,
     PASS: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1313,7 +1340,9 @@ def hard_rows_kernel(
         exact = d64
         have_exact = _any(direct)
         if have_exact:
-            exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+            exact = _exact_dist(
+                xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
+            )
             d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
         nan = d64 != d64  # (only a direct entry's)
         lo = d64 - s
@@ -1345,7 +1374,9 @@ def hard_rows_kernel(
             cand_p = pos & (nan == 0) & (hi >= lead_p[:, None])
             cand_n = neg & (nan == 0) & (lo <= lead_n[:, None])
             if _any((cand_p | cand_n) & (direct == 0)) & (have_exact == 0):
-                exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+                exact = _exact_dist(
+                    xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
+                )
             key = tl.where(direct, d64, exact)
             t_best = tl.max(tl.where(cand_p, key, float("-inf")), axis=1)
             t_idx = _first(cand_p & (key == t_best[:, None]), cols)
@@ -1374,7 +1405,20 @@ def hard_rows_kernel(
 
 @triton.jit
 def pair_dist_kernel(
-    xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, idx_ptr, out_ptr, N, M, D, K: tl.constexpr, BLOCK_ROWS: tl.constexpr
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a_ptr,
+    inv_b_ptr,
+    idx_ptr,
+    out_ptr,
+    N,
+    M,
+    D,
+    K: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
 ):
     """out[a, k] = the exact distance (Points::direct: float64, feature order) of anchor a and
     ref row idx[a, k], for each of its K pairs; NaN where idx is outside [0, M)."""
@@ -1387,8 +1431,8 @@ def pair_dist_kernel(
         inv_b = tl.load(inv_b_ptr + j, mask=ok, other=0.0)
         total = tl.zeros((BLOCK_ROWS,), tl.float64)
         for f in range(0, D):
-            a = tl.load(xa_ptr + rows * sa + f, mask=ok, other=0.0).to(tl.float64) * inv_a
-            b = tl.load(xb_ptr + j * sb + f, mask=ok, other=0.0).to(tl.float64) * inv_b
+            a = _unit(tl.load(xa_ptr + rows * sa + f, mask=ok, other=0.0).to(tl.float64), inv_a, ONE_FEATURE)
+            b = _unit(tl.load(xb_ptr + j * sb + f, mask=ok, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
             total += (a - b) * (a - b)
         tl.store(out_ptr + rows * K + k, tl.where(ok, tl.sqrt(total), float("nan")), mask=row_mask)
 
@@ -1417,6 +1461,7 @@ def hard_grad_kernel(
     D,
     ANCHORS: tl.constexpr,
     TARGETS: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
@@ -1433,7 +1478,8 @@ def hard_grad_kernel(
     own_f = row_mask[:, None] & f_mask[None, :]
     scale = tl.load(scale_ptr)
     inv = tl.load(inv_own_ptr + rows, mask=row_mask, other=0.0)
-    e = tl.load(x_own_ptr + rows[:, None] * s_own + fs[None, :], mask=own_f, other=0.0).to(tl.float64) * inv[:, None]
+    e = tl.load(x_own_ptr + rows[:, None] * s_own + fs[None, :], mask=own_f, other=0.0)
+    e = _unit(e.to(tl.float64), inv[:, None], ONE_FEATURE)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_F), tl.float64)
     if ANCHORS:
         for k in tl.static_range(2):
@@ -1445,7 +1491,7 @@ def hard_grad_kernel(
                 w = 0.0 - w
             inv_j = tl.load(inv_b_ptr + j, mask=ok, other=0.0)
             f = tl.load(x_b_ptr + j[:, None] * s_b + fs[None, :], mask=ok[:, None] & f_mask[None, :], other=0.0)
-            acc += tl.where(ok[:, None], w[:, None] * (e - f.to(tl.float64) * inv_j[:, None]), 0.0)
+            acc += tl.where(ok[:, None], w[:, None] * (e - _unit(f.to(tl.float64), inv_j[:, None], ONE_FEATURE)), 0.0)
     if TARGETS:
         lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
         n = tl.load(hi_ptr + rows, mask=row_mask, other=0) - lo
@@ -1460,7 +1506,7 @@ def hard_grad_kernel(
             w = tl.where(kind == 1, 0.0 - w, w)
             inv_j = tl.load(inv_a_ptr + a, mask=ok, other=0.0)
             f = tl.load(x_a_ptr + a[:, None] * s_a + fs[None, :], mask=ok[:, None] & f_mask[None, :], other=0.0)
-            acc += tl.where(ok[:, None], w[:, None] * (e - f.to(tl.float64) * inv_j[:, None]), 0.0)
+            acc += tl.where(ok[:, None], w[:, None] * (e - _unit(f.to(tl.float64), inv_j[:, None], ONE_FEATURE)), 0.0)
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc.to(out_ptr.dtype.element_ty), mask=own_f)
 
 
@@ -1468,15 +1514,15 @@ def hard_grad_kernel(
 
 
 @triton.jit
-def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, mask, D):
+def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, mask, D, ONE_FEATURE: tl.constexpr):
     """Exact distances (Points::direct: float64, feature order) of anchor rows[i] and ref rows
     js[i, p]."""
     inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
     inv_b = tl.load(inv_b_ptr + js, mask=mask, other=0.0)
     out = tl.zeros(js.shape, tl.float64)
     for k in range(0, D):
-        a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64) * inv_a
-        b = tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64) * inv_b
+        a = _unit(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64), inv_a, ONE_FEATURE)
+        b = _unit(tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
         v = a[:, None] - b
         out += v * v
     return tl.sqrt(out)
@@ -1514,6 +1560,7 @@ def triplet_rows_kernel(
     SELF: tl.constexpr,
     SEMI: tl.constexpr,
     BAND: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1561,7 +1608,7 @@ def triplet_rows_kernel(
         js = tl.load(order_ptr + q, mask=p_mask, other=0)
         if SELF:
             p_mask = p_mask & (js - OFFSET != rows[:, None])
-        t = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, p_mask, D)
+        t = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, p_mask, D, ONE_FEATURE)
         t = t.to(ACC).to(tl.float64)
         pok = p_mask & (t == t)
         nan_p = tl.sum((p_mask & (t != t)).to(tl.int64), axis=1)
@@ -1581,7 +1628,9 @@ def triplet_rows_kernel(
             exact = d64
             have_exact = _any(direct)
             if have_exact:
-                exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+                exact = _exact_dist(
+                    xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
+                )
                 d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
             # The entries with a threshold of the chunk (d_ap + margin; semi_hard: d_ap) within
             # the tile's error bound: Inputs::clear, over each positive at once.
@@ -1595,7 +1644,9 @@ def triplet_rows_kernel(
             choose = d64
             if _any(unclear):
                 if have_exact == 0:
-                    exact = _exact_dist(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+                    exact = _exact_dist(
+                        xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
+                    )
                 choose = tl.where(unclear, exact, d64)
             dn = choose[:, None, :]
             hit = t[:, :, None] - dn + margin > 0
@@ -2410,6 +2461,7 @@ def contrastive_forward(
             D,
             offset,
             *_euclidean_bits(margins, D, acc),
+            ONE_FEATURE=D == 1,
             SELF=self_,
             ACC=acc_tl(acc),
             IS64=acc == torch.float64,
@@ -2502,6 +2554,7 @@ def contrastive_backward(
             0,
             D,
             *bits,
+            ONE_FEATURE=D == 1,
             TERMS=CONTRASTIVE_TERMS,
             SELF=a is b,
             ANCHORS_OWN=True,
@@ -2568,6 +2621,7 @@ def _pair_dists(a: _Side, b: _Side, idx: Tensor, config: Config) -> Tensor:
             N,
             b.n,
             a.raw.shape[1],
+            ONE_FEATURE=a.raw.shape[1] == 1,
             K=K,
             BLOCK_ROWS=config.kwargs["BLOCK_ROWS"],
             **config.options,
@@ -2635,6 +2689,7 @@ def _triplet_rows(
         D,
         offset,
         *_euclidean_bits((margin,), D, acc),
+        ONE_FEATURE=D == 1,
         SELF=self_,
         SEMI=semi,
         BAND=band is not None,
@@ -2707,6 +2762,7 @@ def triplet_margin_forward(
             D,
             offset,
             *_euclidean_bits((), D, acc),
+            ONE_FEATURE=D == 1,
             SELF=self_,
             PASS=step,
             ACC=acc_tl(acc),
@@ -2778,6 +2834,7 @@ def _triplet_band_backward(
             M,
             D,
             *bits,
+            ONE_FEATURE=D == 1,
             TERMS=BAND_TERMS,
             SELF=False,
             ANCHORS_OWN=anchors_own,
@@ -2883,6 +2940,7 @@ def triplet_margin_backward(
             N,
             M,
             D,
+            ONE_FEATURE=D == 1,
             ANCHORS=anchors,
             TARGETS=targets,
             **config.launch,
@@ -3155,4 +3213,30 @@ def compile_cases() -> list[CompileCase]:
                     ROW_CONFIGS[:1],
                 )
             )
-    return cases
+    # The kernels of exact distances: each case as a launch with D > 1 compiles it, and the
+    # first in float32 also as one with D = 1.
+    one_feature = {
+        contrastive_rows_kernel,
+        euclidean_grad_kernel,
+        hard_rows_kernel,
+        triplet_rows_kernel,
+        hard_grad_kernel,
+        pair_dist_kernel,
+    }
+    out, seen = [], set()
+    for case in cases:
+        if case.kernel not in one_feature:
+            out.append(case)
+            continue
+        out.append(dataclasses.replace(case, constexprs={**case.constexprs, "ONE_FEATURE": False}))
+        if case.kernel not in seen and " fp32" in case.name:
+            seen.add(case.kernel)
+            out.append(
+                dataclasses.replace(
+                    case,
+                    name=case.name + " one feature",
+                    constexprs={**case.constexprs, "ONE_FEATURE": True},
+                    configs=case.configs[:1],
+                )
+            )
+    return out
