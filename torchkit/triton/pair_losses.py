@@ -579,7 +579,7 @@ def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BL
             v = tm.ldexp(v, s, True)
             total += v * v
     norm = tl.where(special, top, tm.ldexp(tl.sqrt(total), e, True))
-    eps = tl.full((BLOCK_ROWS,), 1e-12, tl.float64)
+    eps = tl.full((BLOCK_ROWS,), NORM_EPS, tl.float64)
     inv = 1.0 / tl.where(norm < eps, eps, tl.where(norm == 0, 1.0, norm))
     tl.store(inv_ptr + rows, tl.where(norm < eps, 1.0 / eps, inv), mask=row_mask)
 
@@ -932,7 +932,7 @@ def _unit(x, inv, ONE_FEATURE: tl.constexpr):
     and the division exactly ±1 (or x/eps)."""
     if ONE_FEATURE:
         a = tl.abs(x)
-        eps = tl.full(x.shape, 1e-12, tl.float64)
+        eps = tl.full(x.shape, NORM_EPS, tl.float64)
         out = x / tl.where(a < eps, eps, a)  # NaN stays NaN, ±∞ gives NaN as ∞/∞
     else:
         out = x * inv
