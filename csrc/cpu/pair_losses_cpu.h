@@ -87,7 +87,6 @@ struct Side {
   Tensor clamped;  // (rows,) bool: ‖x‖ < eps (F.normalize's clamp holds)
   Tensor raw;      // (rows, D): the inputs in the accumulation type (rows itself, or its source)
   Tensor inv64;    // (rows,) float64: inv before rounding
-  Tensor norm64;   // (rows,) float64: max(‖x‖, eps), F.normalize's divisor
 };
 
 inline Side side(const Tensor& x) {
@@ -99,16 +98,13 @@ inline Side side(const Tensor& x) {
   const int64_t n = out.rows.size(0);
   const double window = acc == at::kDouble ? std::ldexp(1.0, 400) : std::ldexp(1.0, 40);
   Tensor inv = at::empty({n}, out.rows.options().dtype(at::kDouble));
-  out.norm64 = at::empty({n}, inv.options());
-  double* np = out.norm64.data_ptr<double>();
   out.clamped = at::empty({n}, out.rows.options().dtype(at::kBool));
   double* ip = inv.data_ptr<double>();
   bool* cp = out.clamped.data_ptr<bool>();
   bool ordinary = true;
   for (int64_t i = 0; i < n; ++i) {
     cp[i] = norm[i] < kNormEps;
-    np[i] = cp[i] ? kNormEps : norm[i];  // NaN stays NaN
-    ip[i] = 1.0 / np[i];
+    ip[i] = 1.0 / (cp[i] ? kNormEps : norm[i]);  // NaN stays NaN
     ordinary = ordinary && (norm[i] == 0 || (norm[i] >= 1 / window && norm[i] <= window));
   }
   out.inv = inv.to(acc);

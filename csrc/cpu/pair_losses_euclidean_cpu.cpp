@@ -40,7 +40,6 @@ struct Points {
   std::vector<acc_t> sq;  // |centred_i|²
   const acc_t* raw = nullptr;
   const double* inv = nullptr;
-  const double* norm = nullptr;
   const acc_t* c = nullptr;
   int64_t D = 0;
 
@@ -54,15 +53,20 @@ struct Points {
   struct Pair {
     const acc_t* x;
     const acc_t* y;
-    double fx, fy;  // 1/n_i and 1/n_j, or n_i and n_j where D = 1
+    double fx, fy;  // 1/n_i and 1/n_j, or n_i = max(|x_i|, eps) and n_j where D = 1
     bool divide;
     double diff(int64_t k) const {
       const double a = static_cast<double>(x[k]), b = static_cast<double>(y[k]);
       return divide ? a / fx - b / fy : a * fx - b * fy;
     }
   };
+  // F.normalize's divisor of a one-feature row: its norm is |x| exactly.
+  static double clamp(acc_t x) {
+    const double a = std::abs(static_cast<double>(x));
+    return a < kNormEps ? kNormEps : a;  // NaN stays NaN
+  }
   Pair pair(int64_t i, const Points& o, int64_t j) const {
-    return D == 1 ? Pair{raw + i, o.raw + j, norm[i], o.norm[j], true}
+    return D == 1 ? Pair{raw + i, o.raw + j, clamp(raw[i]), clamp(o.raw[j]), true}
                   : Pair{raw + i * D, o.raw + j * D, inv[i], o.inv[j], false};
   }
   double direct(int64_t i, const Points& o, int64_t j) const {
@@ -91,7 +95,6 @@ void make_points(Points<acc_t>& a, Points<acc_t>* b, const Tensor& x, const Tens
     pts->D = D;
     pts->raw = pts->side.raw.template const_data_ptr<acc_t>();
     pts->inv = pts->side.inv64.template const_data_ptr<double>();
-    pts->norm = pts->side.norm64.template const_data_ptr<double>();
   }
   if (!tiles) return;
   for (Points<acc_t>* pts : {&a, b}) {
