@@ -580,8 +580,8 @@ def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BL
             total += v * v
     norm = tl.where(special, top, tm.ldexp(tl.sqrt(total), e, True))
     eps = tl.full((BLOCK_ROWS,), NORM_EPS, tl.float64)
-    inv = 1.0 / tl.where(norm < eps, eps, tl.where(norm == 0, 1.0, norm))
-    tl.store(inv_ptr + rows, tl.where(norm < eps, 1.0 / eps, inv), mask=row_mask)
+    inv = 1.0 / tl.where(norm < eps, eps, norm)  # NaN stays NaN
+    tl.store(inv_ptr + rows, inv, mask=row_mask)
 
 
 @triton.jit
