@@ -65,20 +65,25 @@ TRITON_MINING = ("all", "semi_hard", "batch_hard")  # triplet_margin_loss's mini
 TRITON_MARK = pytest.mark.triton("pair_losses")
 
 
-def with_kernels(cases, ids, names="loss,params,device"):
-    """Each (loss, params) case on the CPU kernel, and again through the Triton kernels for the
-    losses that have them."""
+def has_triton(loss, params=None):
+    return loss in TRITON or (loss == "triplet_margin_loss" and params["mining"] in TRITON_MINING)
+
+
+def with_kernels(cases, ids, names="loss,params,device", triton=lambda *case: True):
+    """Each (loss, params, ...) case on the CPU kernel, and again through the Triton kernels for
+    the losses that have them where `triton(*case)` says so: a test whose cases only vary what
+    the configuration tests below already cover (float64 values, ragged shapes, refs) runs one
+    slice of them through the interpreter, not all of them again."""
     out = [pytest.param(*case, "cpu", id=i) for case, i in zip(cases, ids, strict=True)]
     out += [
         pytest.param(*case, "cpu", id=f"{i}-triton", marks=TRITON_MARK)
         for case, i in zip(cases, ids, strict=True)
-        if case[0] in TRITON or (case[0] == "triplet_margin_loss" and case[1]["mining"] in TRITON_MINING)
+        if has_triton(*case[:2]) and triton(*case)
     ]
     return pytest.mark.parametrize(names, out)
 
 
 variants_k = with_kernels(VARIANTS, VARIANT_IDS)
-configs_k = with_kernels(CONFIGS, CONFIG_IDS)
 # A test of one loss that has Triton kernels, on each kernel.
 kernels = pytest.mark.parametrize(
     "device", [pytest.param("cpu", id="cpu"), pytest.param("cpu", id="triton", marks=TRITON_MARK)]
@@ -163,13 +168,21 @@ CASES = [
 ]
 
 
-@configs_k
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("N,C,D,M", CASES)
-def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M, device, request):
-    slow = loss == "multi_similarity_loss" or params.get("mining") in ("all", "semi_hard")
-    if slow and D > 64 and request.node.get_closest_marker("triton") is not None:
-        pytest.skip("the interpreter takes 12-25 s here (exact distances a feature at a time); smaller cases cover it")
+# Through the Triton kernels, every configuration in float32 on the first case: the configuration
+# tests compare them with the CPU kernel in float64 at 1e-12 on ragged shapes, with and without
+# refs, and the CPU kernel meets PML on every case here.
+@with_kernels(
+    [(*config, dtype, *case) for config in CONFIGS for dtype in (torch.float64, torch.float32) for case in CASES],
+    [
+        f"{i}-{dtype}-{'-'.join(map(str, case))}"
+        for i in CONFIG_IDS
+        for dtype in ("float64", "float32")
+        for case in CASES
+    ],
+    "loss,params,dtype,N,C,D,M,device",
+    triton=lambda loss, params, dtype, *case: dtype == torch.float32 and case == CASES[0],
+)
+def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M, device):
     e = make((N, D), dtype, seed=1)
     labels = make_labels(N, C)
     ref = None if M is None else make((M, D), dtype, seed=2)
@@ -183,11 +196,16 @@ def test_matches_pytorch_metric_learning(loss, params, dtype, N, C, D, M, device
         torch.testing.assert_close(a, b, **tol)
 
 
-@variants_k
-@pytest.mark.parametrize("M", [None, 90])
+@with_kernels(
+    [(*v, M) for v in VARIANTS for M in (None, 90)],
+    [f"{i}-{M}" for i in VARIANT_IDS for M in (None, 90)],
+    "loss,params,M,device",
+    triton=lambda loss, params, M: M is not None,
+)
 def test_float32_is_within_1e5_of_float64(loss, params, M, device):
     """Loss and gradients of float32 inputs against the float64 reference on the same values,
-    relative to the largest gradient entry."""
+    relative to the largest gradient entry (through the Triton kernels with refs, the anchors'
+    own pairs in float32 being test_matches_pytorch_metric_learning's)."""
     e = make((200, 64), torch.float32, seed=4, offset=0.3)
     labels = make_labels(200, 10)
     ref = None if M is None else make((M, 64), torch.float32, seed=5)
@@ -214,16 +232,15 @@ def test_reduced_precision_accumulates_in_float32(loss, params, dtype, device):
     assert (g.double() - g64).abs().max() <= 4 * eps * g64.abs().max()
 
 
-@variants_k
-def test_real_embeddings(loss, params, device, request):
+@variants
+def test_real_embeddings(loss, params):
     """sklearn's digits (64 pixel features, 10 classes) as embeddings, against PML (NT-Xent and
     all triplets on fewer: PML's (positive pairs × negative pairs) matrix for 600 digits is
-    46 GB, and its N×N×N triplet mask 216 MB; multi-similarity's Triton kernels too, whose
-    exact cosines near the miner's thresholds take the interpreter a feature at a time)."""
+    46 GB, and its N×N×N triplet mask 216 MB). The CPU kernel only: the Triton kernels meet it
+    in the configuration tests, ties between exact distances included."""
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits()
     few = loss == "ntxent_loss" or params.get("mining") in ("all", "semi_hard")
-    few = few or (loss == "multi_similarity_loss" and request.node.get_closest_marker("triton") is not None)
     n = 150 if few else 600
     e = torch.tensor(digits.data[:n], dtype=torch.float32)
     labels = torch.tensor(digits.target[:n])
@@ -525,9 +542,11 @@ def test_deterministic_on_any_number_of_threads(loss, params):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1][0], results[1][1][0])
 
 
-@variants_k
+# The CPU kernel only: the Triton kernels' backward equals the CPU kernel's in float64 at 1e-12
+# (test_triton_every_configuration_matches_the_cpu_kernel, with and without refs).
+@variants
 @pytest.mark.parametrize("M", [None, 5])
-def test_gradcheck(loss, params, M, device):
+def test_gradcheck(loss, params, M):
     fn = getattr(ops, loss)
     if loss == "supcon_loss" or loss == "ntxent_loss":
         params = {"temperature": 0.5}
@@ -541,8 +560,12 @@ def test_gradcheck(loss, params, M, device):
         check_gradcheck(lambda a, b: fn(a, labels, **params, ref_embeddings=b, ref_labels=ref_labels), (e, ref))
 
 
-@variants_k
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@with_kernels(
+    [(*v, dtype) for v in VARIANTS for dtype in (torch.float32, torch.bfloat16)],
+    [f"{i}-{dtype}" for i in VARIANT_IDS for dtype in ("float32", "bfloat16")],
+    "loss,params,dtype,device",
+    triton=lambda loss, params, dtype: dtype == torch.float32,
+)
 def test_opcheck(loss, params, dtype, device):
     op, backward = raw(loss)
     values = list(params.values())
@@ -1488,13 +1511,21 @@ def proxy_loss_and_grads(fn, e, labels, proxies):
     return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
 
 
-@kernels
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "dtype,device",
+    [
+        pytest.param(torch.float64, "cpu", id="float64"),
+        pytest.param(torch.float32, "cpu", id="float32"),
+        pytest.param(torch.float32, "cpu", id="float32-triton", marks=TRITON_MARK),
+    ],
+)
 @pytest.mark.parametrize("N,C,D", [(50, 5, 16), (160, 40, 33), (129, 300, 65), (9, 1, 5), (0, 3, 4), (70, 70, 8)])
 @pytest.mark.parametrize("margin,alpha", [(0.1, 32.0), (0.0, 4.0)])
 def test_proxy_anchor_matches_pytorch_metric_learning(dtype, N, C, D, margin, alpha, device):
     """Values and the gradients of the embeddings and the proxies; classes without samples
-    (C = 300 > N) count only in the negative term, as PML's divisors have it."""
+    (C = 300 > N) count only in the negative term, as PML's divisors have it. Through the
+    Triton kernels in float32: their float64 values are the configuration test's, against the
+    CPU kernel at 1e-12."""
     e, labels, proxies = make((N, D), dtype, seed=1), make_labels(N, C), make((C, D), dtype, seed=2)
     got, got_grads = proxy_loss_and_grads(
         lambda a, lab, p: ops.proxy_anchor_loss(a, lab, p, margin, alpha), e, labels, proxies
