@@ -41,8 +41,11 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
+# The whole suite on every core (pytest-xdist; TEST_WORKERS=0 runs it in this process). Tests
+# that start processes of their own share one worker (tests/conftest.py).
+TEST_WORKERS ?= auto
 test: build
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
 
 bench: build
 	TORCHKIT_BENCH_CONTENDED=$(if $(CONTENDED),1,0) $(PY) -m pytest benchmarks -v -p no:cacheprovider $(BENCH_SEL) --benchmark-json=$(BENCH_JSON) --benchmark-columns=median,iqr,rounds
@@ -52,15 +55,17 @@ bench: build
 
 # CUDA build check, no GPU needed: compile and link every .cu with the nvcc that matches
 # torch's CUDA, in build/cuda (the default .venv's extension is left alone), then ask the
-# dispatcher for each op's CUDA kernel and run a representative CPU test subset on that build
-# (not the tests through the Triton kernels: they do not depend on the build, and make test
-# runs them).
+# dispatcher for each op's CUDA kernel and run a smoke subset of the CPU tests on that build:
+# the build tests and every op's and backward's opcheck and gradcheck, which call each kernel
+# through the dispatcher, autograd and the fake kernels. The CPU kernels' sources are the same
+# as in make test's build, which runs the whole suite on them.
+CUDA_SMOKE := -m "not slow and not triton" -k "test_build or opcheck or gradcheck"
 cuda-build: $(DEPS_STAMP)
 	mkdir -p build && $(PY) tools/cuda_toolkit.py > build/cuda_home
 	CUDA_HOME=$$(cat build/cuda_home) TORCHKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" \
 		$(PY) setup.py --quiet build --build-base build/cuda --build-lib build/cuda/lib --build-temp build/cuda/temp
 	cd build && PYTHONPATH=$(CURDIR)/build/cuda/lib ../$(PY) ../tools/check_cuda_build.py
-	TORCHKIT_EXPECT_CUDA_BUILD=1 PYTHONPATH=$(CURDIR)/build/cuda/lib $(VENV)/bin/pytest tests -m "not slow and not triton" -q -p no:cacheprovider
+	TORCHKIT_EXPECT_CUDA_BUILD=1 PYTHONPATH=$(CURDIR)/build/cuda/lib $(VENV)/bin/pytest tests $(CUDA_SMOKE) -q -p no:cacheprovider
 
 # Triton compile check, no GPU needed: every Triton kernel and launch configuration compiled for
 # sm_80 and sm_90 (tools/triton_check.py: registers, spills, shared memory, mma/wgmma), cached

@@ -133,6 +133,20 @@ def test_a_bad_kernel_selection_names_the_variable(value):
     assert f"TORCHKIT_CUDA_KERNELS must be one of auto, triton, cuda (or unset), got {value!r}" in out.stderr
 
 
+def test_interpreted_tests_stay_within_the_budget(request):
+    """The suite's tests under Triton's interpreter (marked `triton`, not `cuda`) stay within
+    conftest.INTERPRETER_TEST_BUDGET: they take most of `make test`'s time, so a new kernel adds
+    its configuration tests and one slice of its op's semantics, not the op's whole suite again.
+    Counted over the tests this run collected (the whole suite in `make test`)."""
+    import conftest
+
+    count = sum(map(conftest.interpreted, request.session.items))
+    assert count <= conftest.INTERPRETER_TEST_BUDGET, (
+        f"{count} tests run Triton kernels under the interpreter, past the budget of "
+        f"{conftest.INTERPRETER_TEST_BUDGET} (tests/conftest.py)"
+    )
+
+
 def test_importing_torchkit_does_not_import_triton():
     out = run_python("import sys, torchkit, torchkit.ops\nprint('triton' in sys.modules)")
     assert out.returncode == 0, out.stderr
@@ -184,6 +198,7 @@ def _device():
     return "cpu" if triton_testing.INTERPRETING else "cuda"
 
 
+@pytest.mark.triton("cdist", dispatch=False)  # (the ops: the C++ kernels)
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("config", range(3))
@@ -211,6 +226,7 @@ def test_cdist_forward_in_every_configuration(dtype, config, prefix):
         assert torch.equal(got.isnan(), expected.isnan())
 
 
+@pytest.mark.triton("cdist", dispatch=False)  # (the ops: the C++ kernels)
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale,gemm", list(itertools.product(range(2), range(2))))
@@ -271,6 +287,7 @@ def _bilinear_tolerance(dtype):
     }[dtype]
 
 
+@pytest.mark.triton("bilinear_pool", dispatch=False)  # (the ops: the C++ kernels)
 @needs_triton
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, 1.0), (torch.float64, 1e200), (torch.bfloat16, 1e25)])
 @pytest.mark.parametrize("config", range(3))
@@ -300,6 +317,7 @@ def test_bilinear_pool_forward_in_every_configuration(dtype, scale, config, elem
         assert (norm[2] < 0).item() == (scale != 1.0 and dtype != torch.float32)
 
 
+@pytest.mark.triton("bilinear_pool", dispatch=False)  # (the ops: the C++ kernels)
 @needs_triton
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e-30), (torch.float64, 1.0), (torch.bfloat16, 1.0)])
 @pytest.mark.parametrize("config", range(2))
