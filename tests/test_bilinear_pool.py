@@ -192,11 +192,32 @@ def maps(shape, dtype, scales, device, seed):
     return (t * torch.tensor(scales, dtype=torch.float64).view(-1, 1, 1, 1)).to(dtype).to(device)
 
 
-@pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
+# Through the Triton kernels, channels_last with the default epsilons only: the scaled samples
+# are read by the same strided loads as the others, and test_memory_formats runs channels_last
+# through them.
+def whole_range_cases():
+    for device in map(as_param, DEVICES_SCALED_TRITON):
+        name = device.id or device.values[0]
+        for sqrt_eps, l2_eps in [(1e-5, 1e-12), (0.0, 1e-12), (1e30, 1e-12), (0.0, "clamp")]:
+            for layout, memory_format in (
+                ("contiguous", torch.contiguous_format),
+                ("channels_last", torch.channels_last),
+            ):
+                if "triton" in name and layout == "channels_last" and sqrt_eps != 1e-5:
+                    continue
+                yield pytest.param(
+                    *device.values,
+                    sqrt_eps,
+                    l2_eps,
+                    memory_format,
+                    marks=device.marks,
+                    id=f"{name}-{sqrt_eps}-{l2_eps}-{layout}",
+                )
+
+
+@pytest.mark.parametrize("device,sqrt_eps,l2_eps,memory_format", list(whole_range_cases()))
 @pytest.mark.parametrize("dtype,scale", EXTREMES)
 @pytest.mark.parametrize("E", [None, 3])
-@pytest.mark.parametrize("sqrt_eps,l2_eps", [(1e-5, 1e-12), (0.0, 1e-12), (1e30, 1e-12), (0.0, "clamp")])
-@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 def test_the_whole_finite_range(device, dtype, scale, E, sqrt_eps, l2_eps, memory_format):
     """Outputs and gradients against long-double ones, for features of any finite magnitude
     (where Z under- or overflows the accumulation type) beside an ordinary sample, sqrt_eps

@@ -74,7 +74,7 @@ if [[ $STEPS == *sanitize* ]]; then
 fi
 if [[ $STEPS == *test* ]]; then
   timeout -s INT "${TEST_LIMIT:-0}" $PY -m pytest $TESTS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider \
-    -n "${TEST_WORKERS:-10}" --ignore tests/test_packaging.py > "$LOGS/tests.log" 2>&1 || status=1
+    -n "${TEST_WORKERS:-10}" --dist loadgroup --ignore tests/test_packaging.py > "$LOGS/tests.log" 2>&1 || status=1
   echo "tests ($SECONDS s): $(tail -1 "$LOGS/tests.log")"
   grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -40
 fi
