@@ -6,6 +6,8 @@ Environment:
   (unset)                CUDA when torch.cuda.is_available() and a toolkit is found
   TORCH_CUDA_ARCH_LIST   GPU architectures; a forced build defaults to "8.0;9.0"
   DEBUG=1                -O0 -g
+  FAST_BUILD=1           -O0 without debug information: the quickest build (the packaging
+                         test's, which checks the sdist and its build, not the optimiser)
   SANITIZE=address       AddressSanitizer in the C++ code (run with libasan preloaded:
                          make asan)
   MAX_JOBS               parallel compile jobs (torch's default: every core)
@@ -194,6 +196,7 @@ def _cpu_isa_flags() -> tuple[list[str], str]:
 def make_extension():
     use_cuda, why = _cuda_wanted()
     debug = os.environ.get("DEBUG") == "1"
+    fast = os.environ.get("FAST_BUILD") == "1"
     if use_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and os.environ.get("TORCHKIT_CUDA") == "1":
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native") if use_cuda else ""
@@ -203,9 +206,13 @@ def make_extension():
     srcs = [str(p.relative_to(ROOT)) for p in sources(use_cuda)]
 
     # The C++ standard is left to torch: 2.8 builds with C++17, later releases with C++20.
-    opt = ["-O0", "-g"] if debug else ["-O3"]
+    opt = ["-O0", "-g"] if debug else (["-O0"] if fast else ["-O3"])
     isa_flags, isa = _cpu_isa_flags()
     sanitize = os.environ.get("SANITIZE", "")
+    # Python's own CFLAGS carry -g, and debug information is about 45 % of the compile time of
+    # a file holding torch's headers: kept for DEBUG and for a sanitizer (its reports' line
+    # numbers), dropped otherwise.
+    debug_info = ["-g"] if debug or sanitize else ["-g0"]
     sanitizer_flags = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"] if sanitize else []
     info = build_facts(torch.__version__, archs)
     # -ffp-contract=off: the CPU kernels round as their source says, whatever the ISA and the
@@ -213,7 +220,16 @@ def make_extension():
     # under -fsanitize); explicit at::vec::fmadd stays fused. The pair losses' Triton kernels,
     # compiled without FMA fusion, then round as they do: a zero row's distances to normalised
     # rows are 1 within an ulp, and rounding decides margins and candidates there.
-    cxx = [*opt, "-ffp-contract=off", "-fdiagnostics-color=always", *isa_flags, *info, *sanitizer_flags, *OPENMP_FLAGS]
+    cxx = [
+        *opt,
+        *debug_info,
+        "-ffp-contract=off",
+        "-fdiagnostics-color=always",
+        *isa_flags,
+        *info,
+        *sanitizer_flags,
+        *OPENMP_FLAGS,
+    ]
     extra_compile_args = {"cxx": cxx}
     if use_cuda:
         extra_compile_args["nvcc"] = [*opt, *NVCC_LANGUAGE_FLAGS, "-lineinfo"]
@@ -229,7 +245,7 @@ def make_extension():
         f"  architectures  {archs or '-'}\n"
         f"  C++ compiler   {compiler}\n"
         f"  CPU ISA        {isa}\n"
-        f"  debug          {debug}\n"
+        f"  optimisation   {' '.join([*opt, *debug_info])}\n"
         f"  sanitizer      {sanitize or '-'}\n"
         f"  sources        {len(srcs)}",
         flush=True,
