@@ -1,0 +1,133 @@
+"""tools/gpu_model.py, the offline performance model: its op counts under the interpreter on
+kernels whose work is known, its extrapolation and the bound its prediction picks."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import triton_testing
+
+spec = importlib.util.spec_from_file_location("gpu_model", Path(__file__).parent.parent / "tools" / "gpu_model.py")
+gpu_model = importlib.util.module_from_spec(spec)
+sys.modules["gpu_model"] = gpu_model  # its dataclasses look their module up
+spec.loader.exec_module(gpu_model)
+
+needs_interpreter = pytest.mark.skipif(
+    not triton_testing.INTERPRETING or triton_testing.available() is not None,
+    reason=str(triton_testing.available() or "a GPU is visible: no interpreter"),
+)
+
+if triton_testing.INTERPRETING and triton_testing.available() is None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tile_kernel(a_ptr, b_ptr, out_ptr, N, BLOCK: tl.constexpr, HALF: tl.constexpr):
+        """out = exp2(a·b) on BLOCK x BLOCK tiles, rows past N masked: one dot, one exp2 and a
+        masked load and store per element."""
+        tile = tl.program_id(0) * BLOCK * BLOCK
+        i = tl.arange(0, BLOCK)
+        offsets = tile + i[:, None] * BLOCK + i[None, :]
+        mask = (i < N)[:, None] & (i < BLOCK)[None, :]
+        a = tl.load(a_ptr + offsets, mask=mask, other=0.0)
+        b = tl.load(b_ptr + offsets)
+        if HALF:
+            d = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            d = tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+        tl.store(out_ptr + offsets, tl.exp2(d), mask=mask)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_counts_of_a_kernel_whose_work_is_known(dtype):
+    B, N, programs = 16, 10, 3
+    a, b = (torch.randn(programs, B, B).to(dtype) for _ in range(2))
+    out = torch.empty(programs, B, B)
+    with gpu_model.counting() as launches:
+        _tile_kernel[(programs,)](a, b, out, N, BLOCK=B, HALF=dtype != torch.float32)
+    (launch,) = launches
+    c = launch.counts
+    size = 2 if dtype == torch.bfloat16 else 4
+    t = "bf16" if dtype == torch.bfloat16 else "fp32"
+    assert launch.kernel == "_tile_kernel" and c["programs"] == programs
+    # The interpreter's upcast of bfloat16 operands is a GPU's bf16 product: no conversion left.
+    dot = "dot:bf16-mma:fp32" if dtype == torch.bfloat16 else "dot:fp32-ieee:fp32"
+    assert c[dot] == programs * B**3
+    assert not any(k.startswith("convert:") and v for k, v in c.items())
+    assert c["math:exp2:fp32"] == programs * B * B
+    assert c[f"load:{t}"] == programs * (N * B + B * B) * size  # the active lanes' bytes
+    assert c[f"load-lanes:{t}"] == programs * 2 * B * B  # every lane issues
+    assert c["store:fp32"] == programs * N * B * 4
+    assert c["touched"] == programs * (N * B * size + B * B * size + N * B * 4)
+
+
+def test_extrapolation_is_exact_for_polynomial_work_and_refuses_different_launches():
+    def launches(n):
+        return [gpu_model.Launch("k", Counter({"programs": n // 64, "float:fmul:fp32": 3 * n * n + 5 * n}))]
+
+    (at,) = gpu_model.extrapolate([(n, launches(n)) for n in (128, 256, 512)], 8192)
+    assert at.counts["programs"] == pytest.approx(128) and at.counts["float:fmul:fp32"] == pytest.approx(
+        3 * 8192**2 + 5 * 8192
+    )
+    other = [gpu_model.Launch("j", Counter())]
+    with pytest.raises(ValueError, match="launches differ"):
+        gpu_model.extrapolate([(128, launches(128)), (256, other)], 8192)
+
+
+def test_the_prediction_takes_the_largest_resource_and_idle_sms():
+    flops = 1e9
+    fp64 = gpu_model.Launch("k", Counter({"programs": 1320, "float:fmul:fp64": flops, "float:fmul:fp32": flops}))
+    row = gpu_model.predict([fp64], "h100")["launches"][0]
+    assert row["bound"] == "fp64"  # half the FP32 pipe's rate
+    spec = gpu_model.GPUS["h100"]
+    assert row["times"]["fp64"] == pytest.approx(flops / (64 * spec["sms"] * spec["clock"]))
+    # The same work in 33 programs runs on a quarter of the SMs: four times longer.
+    small = gpu_model.Launch("k", Counter({**fp64.counts, "programs": 33}))
+    assert gpu_model.predict([small], "h100")["launches"][0]["times"]["fp64"] == pytest.approx(4 * row["times"]["fp64"])
+    # Software float64 math counts as its instructions: an exp is 18 float64 operations.
+    exp = gpu_model.Launch("k", Counter({"programs": 1320, "math:exp:fp64": flops}))
+    assert gpu_model.predict([exp], "h100")["launches"][0]["times"]["fp64"] == pytest.approx(18 * row["times"]["fp64"])
+
+
+@needs_interpreter
+@pytest.mark.triton("cdist", dispatch=False)
+def test_a_benchmark_case_counts_its_product():
+    """cdist's forward at P = R = M = 128 (its benchmark case's run, cases()) multiplies 128³ in
+    its main kernel, whatever else its launches do."""
+    with gpu_model.counting() as launches:
+        gpu_model._cdist(torch.float32, backward=False)(128)
+    macs = sum(v for launch in launches for k, v in launch.counts.items() if k.startswith("dot:"))
+    assert macs == 128**3
+
+
+def _ttgir(b_order):
+    """A float32 64x64x32 FMA dot as Triton 3.8 lays it out for the pair losses' rows kernel:
+    A (64x32) row-major, B (32x64) K-contiguous (`b_order` [0, 1], the transposed rows of
+    embeddings) or N-contiguous ([1, 0]), neither swizzled."""
+    return f"""#blocked = #ttg.blocked<{{sizePerThread = [4, 4], threadsPerWarp = [2, 16], warpsPerCTA = [8, 1], order = [1, 0]}}>
+#shared = #ttg.swizzled_shared<{{vec = 1, perPhase = 1, maxPhase = 1, order = [1, 0]}}>
+#shared1 = #ttg.swizzled_shared<{{vec = 1, perPhase = 1, maxPhase = 1, order = {b_order}}}>
+    %a = ttg.local_load %a_0 : !ttg.memdesc<64x32xf32, #shared, #smem, mutable> -> tensor<64x32xf32, #ttg.dot_op<{{opIdx = 0, parent = #blocked}}>>
+    %b = ttg.local_load %b_0 : !ttg.memdesc<32x64xf32, #shared1, #smem, mutable> -> tensor<32x64xf32, #ttg.dot_op<{{opIdx = 1, parent = #blocked}}>>
+    %c = tt.dot %a, %b, %acc : tensor<64x32xf32, #ttg.dot_op<{{opIdx = 0, parent = #blocked}}>> * tensor<32x64xf32, #ttg.dot_op<{{opIdx = 1, parent = #blocked}}>> -> tensor<64x64xf32, #blocked>
+"""
+
+
+def test_shared_memory_wavefronts_of_an_fma_dot():
+    """Per warp and K step: 512 FFMA (4x4 outputs x 32 k per thread) and 64 LDS.128 (4 k at a
+    time). A's rows are broadcast within each quarter-warp: 4 wavefronts per load. B read along
+    K puts the 8 columns of a quarter-warp 128 bytes apart, in the same banks: 8-way conflicts,
+    32 wavefronts per load; read along N, one wavefront per quarter."""
+    (conflicted,) = gpu_model.fma_dots(_ttgir("[0, 1]"))
+    assert conflicted == {"tile": (64, 64, 32), "ffma": 512, "lds": 64, "wavefronts": 32 * 4 + 32 * 32}
+    (clean,) = gpu_model.fma_dots(_ttgir("[1, 0]"))
+    assert clean == {"tile": (64, 64, 32), "ffma": 512, "lds": 64, "wavefronts": 32 * 4 + 32 * 4}
+    # A dot in an MMA layout runs on tensor cores: no FMA dot to cost.
+    mma = _ttgir("[1, 0]").replace("-> tensor<64x64xf32, #blocked>", "-> tensor<64x64xf32, #mma>")
+    assert gpu_model.fma_dots(mma + "#mma = #ttg.nvidia_mma<{versionMajor = 3}>\n") == []

@@ -1,0 +1,1024 @@
+"""A Triton kernel's GPU time without a GPU: op counts under the interpreter, the compiled
+code, and the time each GPU resource needs (make gpu-model).
+
+    TRITON_INTERPRET=1 python tools/gpu_model.py [case ...] [--gpu h100|h200] [--launches] [--output F]
+
+Each case (cases(): the GPU benchmarks' headline Triton shapes, benchmarks/bench_*.py) runs
+its Triton kernels under Triton's interpreter at three small sizes, counting what every
+launch executes (counting(); Launch's keys): tl.dot multiply-adds by operand type and
+precision, element operations by type, transcendentals, conversions, reductions, bytes loaded
+and stored and the distinct bytes touched, atomics, programs, and the waits for memory a
+program makes one after another. Each count is fitted as a polynomial in the case's size and
+evaluated at the headline size (extrapolate(): exact where the work per tile is constant,
+quadratic in the rows for the pair losses and cdist, linear in the batch for bilinear_pool),
+so that a case costs seconds, not the hours the interpreter would take there. Launches whose
+work depends on the data (exact rechecks taken only where values are close) extrapolate only
+as far as that share stays constant.
+
+Each launch is compiled for sm_90 as the GPU would compile it (compile_spec(): its
+specialisation, in a process without the interpreter, cached in build/gpu-model): registers,
+spills, shared memory, CTAs per SM, and for every tl.dot lowered to FMAs (IEEE float32) the
+shared-memory wavefronts its operand loads cost, bank conflicts included (fma_dots()).
+
+The prediction (predict()) turns a launch's counts into the time each resource needs (GPUS,
+PIPES: per-SM rates and peaks, with sources) and takes the largest: tensor cores, the FP32,
+FP64, integer and conversion pipes, the special-function unit (MUFU), instruction issue,
+shared-memory wavefronts, L2 and DRAM bytes, and latency (waits per program and wave of
+resident programs); a grid smaller than the GPU's SMs runs on fewer. Software math counts as
+the instructions it compiles to (COSTS). Per case: the predicted time beside the recorded GPU
+run's, the launch and resource that bound it, and with --launches every launch's largest
+terms: what to fix first. Counts include masked-off lanes (a GPU executes whole tiles) except
+bytes, which count active lanes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+# --------------------------------------------------------------------------- counting
+
+# The interpreter builder's element operations, by class. Layout operations (splat, broadcast,
+# reshape, trans, expand_dims, make_range, bitcast, get_program_id) cost no instruction per
+# element and are not counted.
+FLOAT_OPS = {
+    "fadd", "fsub", "fmul", "fma", "fneg", "fabs", "minimumf", "minnumf", "maximumf", "maxnumf", "clampf",
+    "fcmpOLT", "fcmpOGT", "fcmpOLE", "fcmpOGE", "fcmpOEQ", "fcmpONE",
+    "fcmpULT", "fcmpUGT", "fcmpULE", "fcmpUGE", "fcmpUEQ", "fcmpUNE",
+}  # fmt: skip
+INT_OPS = {
+    "add", "sub", "mul", "shl", "lshr", "ashr", "and", "or", "xor", "idiv", "sdiv", "udiv", "srem", "urem",
+    "umulhi", "iabs", "minsi", "minui", "maxsi", "maxui", "select", "addptr",
+    "icmpSLE", "icmpSLT", "icmpSGE", "icmpSGT", "icmpULE", "icmpULT", "icmpUGE", "icmpUGT", "icmpEQ", "icmpNE",
+}  # fmt: skip
+MATH_OPS = {"exp", "exp2", "log", "log2", "sqrt", "precise_sqrt", "rsqrt", "fdiv", "precise_divf", "erf", "sin", "cos"}
+CONVERT_OPS = {"fp_ext", "fp_trunc", "fp_to_si", "fp_to_ui", "si_to_fp", "ui_to_fp", "fp_to_fp", "int_cast"}
+LAYOUT_OPS = {"trans", "reshape", "expand_dims", "broadcast"}  # carry a dot operand's origin through
+
+TYPE_NAMES = {
+    "fp64": "fp64", "fp32": "fp32", "fp16": "fp16", "bf16": "bf16",
+    "int1": "i1", "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
+    "uint8": "i8", "uint16": "i16", "uint32": "i32", "uint64": "i64",
+}  # fmt: skip
+
+
+def _type(handle_or_type) -> str:
+    """A Triton scalar type's short name ("fp32", "i64", "ptr")."""
+    t = getattr(handle_or_type, "dtype", handle_or_type)
+    t = getattr(t, "scalar", t)
+    if getattr(t, "is_ptr", lambda: False)():
+        return "ptr"
+    return TYPE_NAMES.get(getattr(t, "name", str(t)), str(t))
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch's counts, summed over its programs. Keys are "class:op:type":
+    dot:<operand type>-<precision>:<accumulator type> (multiply-adds), float:<op>:<type>,
+    int:<op>:<type>, math:<op>:<type>, convert:<from>-<to>, reduce:<type> (elements reduced),
+    load:<type> / store:<type> (bytes of active lanes), atomic:<type> (elements),
+    touched (distinct bytes loaded or stored), programs."""
+
+    kernel: str
+    counts: Counter = dataclasses.field(default_factory=Counter)
+    spec: dict | None = None  # what the kernel compiles with (specialisation())
+    compiled: dict | None = None  # compile_spec()'s facts, from compile_launches()
+    _addresses: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def touch(self, ptrs: np.ndarray, itemsize: int) -> None:
+        batch = self._addresses.setdefault(itemsize, [])
+        batch.append(ptrs.ravel())
+        if sum(len(a) for a in batch) > 1 << 22:  # keep the pending addresses small
+            self._addresses[itemsize] = [np.unique(np.concatenate(batch))]
+
+    def close(self) -> None:
+        self.counts["touched"] = sum(
+            len(np.unique(np.concatenate(batch))) * size for size, batch in self._addresses.items() if batch
+        )
+        self._addresses.clear()
+
+
+class Counter_:
+    """Patches the interpreter while active (counting()); launches in the order they ran."""
+
+    def __init__(self):
+        self.launches: list[Launch] = []
+        self.current: Launch | None = None
+        self.epoch = 0  # loads issued since the last wait carry the current epoch
+
+    def use(self, *handles) -> None:
+        """A GPU issues a warp's instructions in order and stalls at the first one that reads a
+        load's result still in flight; every load issued before it has then arrived. Counted as
+        `waits`: the round trips to memory a program makes one after another."""
+        for h in handles:
+            if getattr(h, "model_load", -1) == self.epoch:
+                self.add("waits", 1)
+                self.epoch += 1
+                return
+
+    def add(self, key: str, n) -> None:
+        if self.current is not None:
+            self.current.counts[key] += int(n)
+
+
+TORCH_TYPES = {"float32": "fp32", "float64": "fp64", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
+               "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}  # fmt: skip
+
+
+def specialisation(fn, constexpr_names, args, kwargs) -> dict:
+    """What a launch compiles with, as Triton's JIT would specialise it: each argument's type
+    (tensors as pointers, ints as i32 or i64, an int equal to 1 as the constant 1, ints
+    divisible by 16 marked so), the constexpr values (INTERPRET false: the GPU's branch) and the
+    compiler's options."""
+    import inspect
+
+    import torch
+
+    names = inspect.getfullargspec(fn).args
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+    bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    signature, constexprs, divisible = {}, {}, []
+    for name in names:
+        value = bound.get(name)
+        if name in constexpr_names:
+            signature[name] = "constexpr"
+            constexprs[name] = False if name == "INTERPRET" else value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TORCH_TYPES[str(value.dtype).removeprefix("torch.")]
+            divisible.append(name)  # torch's allocations are 16-byte aligned
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:
+                signature[name] = "constexpr"
+                constexprs[name] = 1
+            else:
+                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+                if value % 16 == 0:
+                    divisible.append(name)
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:  # None
+            signature[name] = "constexpr"
+            constexprs[name] = value
+    return {"module": fn.__module__, "kernel": fn.__name__, "signature": signature, "constexprs": constexprs,
+            "divisible": divisible, "options": options}  # fmt: skip
+
+
+@contextlib.contextmanager
+def counting():
+    """Count what every Triton launch in the block executes (TRITON_INTERPRET=1): yields the
+    list of Launch, filled as launches run. Patches the interpreter's builder, reductions and
+    grid executor for the duration (Triton 3.8's private classes)."""
+    from triton.runtime import interpreter
+
+    builder_cls = interpreter.InterpreterBuilder
+    counter = Counter_()
+    patched: list[tuple[object, str, object]] = []
+
+    def patch(owner, name, wrapper):
+        original = getattr(owner, name)
+        patched.append((owner, name, original))
+        setattr(owner, name, wrapper(original))
+
+    def elementwise(op, cls):
+        def wrap(original):
+            def method(self, *args):
+                counter.use(*args)
+                out = original(self, *args)
+                data = getattr(out, "data", None)
+                if data is not None:
+                    counter.add(f"{cls}:{op}:{_type(out)}", np.size(data))
+                return out
+
+            return method
+
+        return wrap
+
+    def compare(op):  # a comparison's result is i1: count it by its operands' type
+        def wrap(original):
+            def method(self, lhs, rhs):
+                counter.use(lhs, rhs)
+                out = original(self, lhs, rhs)
+                cls = "float" if op.startswith("fcmp") else "int"
+                counter.add(f"{cls}:{op}:{_type(lhs)}", np.size(out.data))
+                return out
+
+            return method
+
+        return wrap
+
+    def convert(op):
+        def wrap(original):
+            def method(self, src, dst_type, *rest):
+                counter.use(src)
+                out = original(self, src, dst_type, *rest)
+                source, target = _type(src), _type(out)
+                key = f"convert:{source}-{target}"
+                if getattr(src, "model_splat", False):  # a constant's conversion: folded on a GPU
+                    out.model_splat = True
+                    return out
+                counter.add(key, np.size(out.data))
+                if source in ("bf16", "fp16") and target == "fp32":
+                    # An interpreter-only upcast before tl.dot (a GPU multiplies the 16-bit
+                    # operands on tensor cores): the dot counts it as 16-bit and takes back
+                    # the conversion.
+                    out.model_origin = (source, key)
+                return out
+
+            return method
+
+        return wrap
+
+    def layout(original):  # moves no data: a loaded value stays in flight through it
+        def method(self, arg, *rest):
+            out = original(self, arg, *rest)
+            for tag in ("model_origin", "model_load"):
+                if hasattr(arg, tag):
+                    setattr(out, tag, getattr(arg, tag))
+            return out
+
+        return method
+
+    def splat(original):
+        def method(self, *args):
+            out = original(self, *args)
+            out.model_splat = True
+            if hasattr(args[-1], "model_load"):
+                out.model_load = args[-1].model_load
+            return out
+
+        return method
+
+    def dot(original):
+        def method(self, a, b, d, input_precision, max_num_imprecise_acc):
+            counter.use(a, b, d)
+            out = original(self, a, b, d, input_precision, max_num_imprecise_acc)
+            operands = []
+            for x in (a, b):
+                origin = getattr(x, "model_origin", None)
+                if origin is not None:
+                    counter.add(origin[1], -np.size(x.data))
+                    operands.append(origin[0])
+                else:
+                    operands.append(_type(x))
+            operand = operands[0] if operands[0] == operands[1] else "-".join(operands)
+            precision = getattr(input_precision, "name", str(input_precision)).lower()
+            if operand in ("bf16", "fp16", "fp64"):
+                precision = "mma"  # tensor cores, whatever the precision argument says
+            m, k = a.data.shape[-2:]
+            n = b.data.shape[-1]
+            batch = int(np.prod(a.data.shape[:-2], dtype=np.int64))
+            counter.add(f"dot:{operand}-{precision}:{_type(out)}", batch * m * n * k)
+            return out
+
+        return method
+
+    def memory(kind):
+        def wrap(original):
+            def method(self, ptrs, *args, **kwargs):
+                mask = args[0] if kind == "load" else args[1]
+                counter.use(ptrs, *args)
+                out = original(self, ptrs, *args, **kwargs)
+                if kind == "load":
+                    out.model_load = counter.epoch
+                element = ptrs.get_element_ty()
+                itemsize = np.dtype(interpreter._get_np_dtype(element)).itemsize
+                active = ptrs.data[mask.data] if mask is not None else ptrs.data
+                counter.add(f"{kind}:{_type(element)}", active.size * itemsize)
+                counter.add(f"{kind}-lanes:{_type(element)}", np.size(ptrs.data))
+                if counter.current is not None:
+                    counter.current.touch(active, itemsize)
+                return out
+
+            return method
+
+        return wrap
+
+    def atomic(original):
+        def method(self, op, ptr, val, mask, *rest):
+            counter.use(ptr, val, mask)
+            out = original(self, op, ptr, val, mask, *rest)
+            counter.add(f"atomic:{_type(val)}", int(np.count_nonzero(mask.data)))
+            return out
+
+        return method
+
+    def reduce(original):
+        def method(self, input):
+            tensors = input if isinstance(input, tuple) else (input,)
+            counter.use(*(t.handle for t in tensors))
+            for t in tensors:
+                counter.add(f"reduce:{_type(t.handle)}", np.size(t.handle.data))
+            return original(self, input)
+
+        return method
+
+    def grid_dim(original):
+        def method(self, nx, ny, nz):
+            if counter.current is not None:
+                counter.current.counts["programs"] += nx * ny * nz
+            return original(self, nx, ny, nz)
+
+        return method
+
+    def launch(original):
+        def method(self, *args, **kwargs):
+            counter.current = Launch(getattr(self.fn, "__name__", str(self.fn)))
+            counter.current.spec = specialisation(self.fn, self.constexprs, args, kwargs)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                counter.current.close()
+                counter.launches.append(counter.current)
+                counter.current = None
+
+        return method
+
+    # The interpreter checks 32-bit integer arithmetic for overflow (int64 copies, compares and
+    # an assert per operation); compiled without debug, a GPU has none of it.
+    options = interpreter.interpreter_builder.options
+    try:
+        interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+        for op in FLOAT_OPS | INT_OPS:
+            name = f"create_{op}"
+            if hasattr(builder_cls, name):
+                cmp = op.startswith(("fcmp", "icmp"))
+                patch(builder_cls, name, compare(op) if cmp else elementwise(op, "float" if op in FLOAT_OPS else "int"))
+        for op in MATH_OPS:
+            if hasattr(builder_cls, f"create_{op}"):
+                patch(builder_cls, f"create_{op}", elementwise(op, "math"))
+        for op in CONVERT_OPS:
+            if hasattr(builder_cls, f"create_{op}"):
+                patch(builder_cls, f"create_{op}", convert(op))
+        for op in LAYOUT_OPS:
+            patch(builder_cls, f"create_{op}", layout)
+        patch(builder_cls, "create_splat", splat)
+        patch(builder_cls, "create_dot", dot)
+        patch(builder_cls, "create_masked_load", memory("load"))
+        patch(builder_cls, "create_masked_store", memory("store"))
+        patch(builder_cls, "create_atomic_rmw", atomic)
+        patch(builder_cls, "set_grid_dim", grid_dim)
+        patch(interpreter.ReduceOps, "apply", reduce)
+        patch(interpreter.ScanOps, "apply", reduce)
+        patch(interpreter.GridExecutor, "__call__", launch)
+        yield counter.launches
+    finally:
+        interpreter.interpreter_builder.options = options
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+
+
+# --------------------------------------------------------------------------- the compiled code
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(ROOT, "build", "gpu-model")
+MAX_REGISTERS, MAX_SHARED, MAX_WARPS, MAX_CTAS = 65536, 228 * 1024, 64, 32  # per SM, sm_90
+
+_ALIAS = re.compile(r"^(#\w+) = #ttg\.(\w+)<\{(.*)\}>", re.M)
+
+
+def _attributes(text: str) -> dict:
+    """`sizePerThread = [4, 4], vec = 1, ...` as {name: int or list of int}."""
+    out = {}
+    for name, value in re.findall(r"(\w+) = (\[[^\]]*\]|[-\w]+)", text):
+        out[name] = [int(v) for v in value.strip("[]").split(",") if v.strip()] if value.startswith("[") else value
+    return out
+
+
+def fma_dots(ttgir: str) -> list[dict]:
+    """Each tl.dot the compiler lowered to FMAs (its result in a blocked layout, not an MMA
+    one): per warp and K step, its FFMA instructions, its shared-memory loads and their
+    wavefronts (bank conflicts included), from the operands' shared layouts and the dot's
+    blocked layout. NVIDIA's rule for a warp's LDS: a 128-bit load is served a quarter-warp at
+    a time (64-bit: a half, 32-bit: the whole warp), each costing the most distinct 32-bit
+    words any one of the 32 banks holds (the same word read by several lanes is broadcast)."""
+    aliases = {m.group(1): (m.group(2), _attributes(m.group(3))) for m in _ALIAS.finditer(ttgir)}
+    loads = {}
+    for m in re.finditer(r"(%[\w.]+) = ttg\.local_load [^:]*: !ttg\.memdesc<([\dx]+)x(\w+), (#\w+)", ttgir):
+        shape = [int(v) for v in m.group(2).split("x")]
+        loads[m.group(1)] = (shape, m.group(3), m.group(4))
+    out = []
+    for m in re.finditer(r"tt\.dot (%[\w.]+), (%[\w.]+), [^:]*: .* -> tensor<[\dx]+\w+, (#\w+)>", ttgir):
+        kind, parent = aliases.get(m.group(3), ("", {}))
+        if kind != "blocked":
+            continue  # an MMA layout: tensor cores
+        a, b = loads.get(m.group(1)), loads.get(m.group(2))
+        if a is None or b is None:
+            continue  # operands not loaded from shared memory here
+        M, K = a[0][-2:]
+        N = b[0][-1]
+        spt, tpw, wpc = parent["sizePerThread"], parent["threadsPerWarp"], parent["warpsPerCTA"]
+        lane_order = parent["order"]
+        per_thread = [max(spt[0], M // (tpw[0] * wpc[0])), max(spt[1], N // (tpw[1] * wpc[1]))]
+        ffma = per_thread[0] * per_thread[1] * K
+        wavefronts = instructions = 0
+        for op, (shape, dtype, shared) in enumerate((a, b)):
+            layout = aliases[shared][1]
+            w, n = _operand_wavefronts(op, shape[-2:], dtype, layout, spt, tpw, lane_order, per_thread[op])
+            wavefronts += w
+            instructions += n
+        out.append({"tile": (M, N, K), "ffma": ffma, "lds": instructions, "wavefronts": wavefronts})
+    return out
+
+
+def _operand_wavefronts(op, shape, dtype, shared, spt, tpw, lane_order, per_thread):
+    """Wavefronts and LDS instructions of warp 0 loading its elements of dot operand `op`
+    (0: A, M x K; 1: B, K x N) for one K step."""
+    size = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8}.get(dtype, 4)
+    kdim, mdim = (1, 0) if op == 0 else (0, 1)
+    fast = shared["order"][0]
+    vec, per_phase, max_phase = (int(shared.get(k, 1)) for k in ("vec", "perPhase", "maxPhase"))
+    run = shape[fast] if max_phase == 1 else vec  # elements contiguous in shared memory
+    # A lane's vector runs along the contiguous dimension: along K, or its own rows (columns).
+    v = min(16 // size, run, shape[kdim] if fast == kdim else spt[op])
+
+    def offset(idx):
+        row, col = idx[1 - fast], idx[fast]
+        phase = (row // per_phase) % max_phase
+        return row * shape[fast] + ((col // vec) ^ phase) * vec + col % vec
+
+    lanes = []
+    for lane in range(32):
+        t = [0, 0]
+        if lane_order[0] == 1:
+            t[1], t[0] = lane % tpw[1], lane // tpw[1]
+        else:
+            t[0], t[1] = lane % tpw[0], lane // tpw[0]
+        own = [
+            (t[op] * spt[op] + i % spt[op] + (i // spt[op]) * spt[op] * tpw[op]) % shape[mdim]
+            for i in range(per_thread)
+        ]
+        vectors = []
+        if fast == kdim:
+            for x in own:
+                for k in range(0, shape[kdim], v):
+                    idx = [0, 0]
+                    idx[mdim], idx[kdim] = x, k
+                    vectors.append(offset(idx))
+        else:
+            for k in range(shape[kdim]):
+                for j in range(0, per_thread, v):
+                    idx = [0, 0]
+                    idx[mdim], idx[kdim] = own[j], k
+                    vectors.append(offset(idx))
+        lanes.append(vectors)
+    group = {16: 8, 8: 16}.get(v * size, 32)  # lanes served together
+    wavefronts = 0
+    for i in range(len(lanes[0])):
+        for start in range(0, 32, group):
+            banks: dict[int, set] = {}
+            for lane in range(start, start + group):
+                first = lanes[lane][i] * size // 4
+                for word in range(first, first + max(1, v * size // 4)):
+                    banks.setdefault(word % 32, set()).add(word)
+            wavefronts += max(len(words) for words in banks.values())
+    return wavefronts, len(lanes[0])
+
+
+def compile_spec(spec: dict) -> dict:
+    """A launch's kernel compiled for sm_90 as it would be on the GPU (run without
+    TRITON_INTERPRET): registers, spills, shared memory, CTAs per SM, its dots' kind and the
+    FMA dots' shared-memory cost (fma_dots)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from triton_check import ptxas_usage
+
+    fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, t) in enumerate(spec["signature"].items()):
+        signature[name] = t
+        if t == "constexpr":
+            constexprs[(i,)] = spec["constexprs"][name]
+        elif name in spec["divisible"]:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=spec["options"],
+    )
+    ptx = compiled.asm["ptx"]
+    usage = ptxas_usage(ptx, 90)
+    warps = spec["options"].get("num_warps", 4)
+    shared = int(compiled.metadata.shared)
+    per_warp = -(-max(usage["registers"], 1) * 32 // 256) * 256  # allocated per warp in 256s
+    ctas = min(MAX_CTAS, MAX_WARPS // warps, MAX_REGISTERS // (per_warp * warps), MAX_SHARED // max(shared + 1024, 1))
+    return {
+        **usage,
+        "shared": shared,
+        "warps": warps,
+        "ctas_per_sm": max(1, ctas),
+        "mma": "wgmma" if "wgmma.mma_async" in ptx else ("mma" if re.search(r"\bmma\.sync", ptx) else "fma"),
+        "fma_dots": fma_dots(compiled.asm["ttgir"]),
+    }
+
+
+def _load(path: str):
+    import pickle
+
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _dump(value, path: str) -> None:
+    import pickle
+
+    with open(path, "wb") as f:
+        pickle.dump(value, f)
+
+
+def compile_launches(launches: list[Launch]) -> None:
+    """Attach each launch's compiled facts (compile_spec) as launch.compiled, compiling each
+    distinct specialisation once, in a process without the interpreter; cached in
+    build/gpu-model by the kernel module's source and the specialisation."""
+    import hashlib
+    import subprocess
+
+    import triton
+
+    os.makedirs(CACHE, exist_ok=True)
+    path = os.path.join(CACHE, f"compiled-{triton.__version__}.pkl")
+    cache = _load(path) if os.path.exists(path) else {}
+    keys = {}
+    import importlib.util
+
+    for launch in launches:
+        with open(importlib.util.find_spec(launch.spec["module"]).origin, "rb") as f:
+            source = hashlib.sha256(f.read()).hexdigest()
+        keys[id(launch)] = hashlib.sha256((source + repr(launch.spec)).encode()).hexdigest()
+    todo = {keys[id(x)]: x.spec for x in launches if keys[id(x)] not in cache}
+    if todo:
+        with tempfile.TemporaryDirectory() as tmp:
+            src, dst = os.path.join(tmp, "specs.pkl"), os.path.join(tmp, "compiled.pkl")
+            _dump(todo, src)
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            env.setdefault("TRITON_CACHE_DIR", os.path.join(ROOT, "build", "triton-cache"))
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--compile", src, dst], env=env, check=True)
+            cache.update(_load(dst))
+        _dump(cache, path)
+    for launch in launches:
+        launch.compiled = cache[keys[id(launch)]]
+
+
+# --------------------------------------------------------------------------- the GPUs
+
+# Per-SM rates per clock (NVIDIA's CUDA C++ Programming Guide, "Arithmetic Instructions",
+# compute capability 9.0) and whole-GPU peaks (the H100 SXM5 and H200 SXM datasheets, dense
+# tensor-core figures). DRAM: the achievable share of the datasheet bandwidth (about 90 %);
+# L2: published microbenchmarks of the H100's L2 (GPU-MODEL-STUDY.md).
+PIPES = {  # lanes (one per thread) per clock per SM
+    "fp32": 128,  # FADD, FMUL, FFMA
+    "fp64": 64,  # DADD, DMUL, DFMA, DSETP
+    "alu": 64,  # integer add and logic, compare, min/max, select (FP32 compares included)
+    "convert": 16,  # conversions to and from 64-bit types, float <-> int
+    "mufu": 16,  # special functions: ex2, lg2, rcp, rsq, sqrt
+    "issue": 128,  # 4 schedulers x one warp instruction (32 lanes) per clock
+}
+GPUS = {
+    "h100": {"name": "H100 SXM5", "sms": 132, "clock": 1.98e9, "dram": 3.0e12, "l2": 8.0e12,
+             "tensor": {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp64": 67e12}},
+    "h200": {"name": "H200 SXM", "sms": 132, "clock": 1.98e9, "dram": 4.32e12, "l2": 8.0e12,
+             "tensor": {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp64": 67e12}},
+}  # fmt: skip
+LAUNCH_S = 4e-6  # a launch's fixed cost on the device (grid set-up and drain)
+LATENCY = 1000  # cycles from a global load's issue to its use (DRAM or L2 and the dependent issue)
+
+
+def macs_all(counts: Counter) -> float:
+    return sum(v for k, v in counts.items() if k.startswith("dot:"))
+
+
+# Lane-instructions per element by pipe for math that compiles to more than one instruction
+# (sm_90 SASS of one-op kernels against a copy kernel, GPU-MODEL-STUDY.md): fp32 exp2, log2,
+# sqrt and rsqrt are one MUFU op; fp32 tl.log is a software logf; div_rn and sqrt_rn are
+# correctly rounded software sequences; every float64 transcendental is software.
+COSTS = {
+    ("exp", "fp32"): {"mufu": 1, "fp32": 4},
+    ("exp2", "fp32"): {"mufu": 1},
+    ("log", "fp32"): {"fp32": 20, "alu": 10},
+    ("log2", "fp32"): {"mufu": 1},
+    ("sqrt", "fp32"): {"mufu": 1},
+    ("rsqrt", "fp32"): {"mufu": 1},
+    ("precise_sqrt", "fp32"): {"mufu": 1, "fp32": 15, "alu": 14},
+    ("fdiv", "fp32"): {"mufu": 1, "fp32": 7, "alu": 1},
+    ("precise_divf", "fp32"): {"mufu": 1, "fp32": 60, "alu": 56},
+    ("exp", "fp64"): {"fp64": 18, "alu": 47},
+    ("exp2", "fp64"): {"fp64": 18, "alu": 47},
+    ("log", "fp64"): {"fp64": 30, "mufu": 1, "alu": 56},
+    ("log2", "fp64"): {"fp64": 30, "mufu": 1, "alu": 56},
+    ("sqrt", "fp64"): {"fp64": 22, "mufu": 2, "alu": 31},
+    ("precise_sqrt", "fp64"): {"fp64": 22, "mufu": 2, "alu": 31},
+    ("rsqrt", "fp64"): {"fp64": 22, "mufu": 2, "alu": 31},
+    ("fdiv", "fp64"): {"fp64": 24, "mufu": 2, "alu": 85},
+    ("precise_divf", "fp64"): {"fp64": 24, "mufu": 2, "alu": 85},
+}
+WIDE = {"fp64": "fp64", "i64": "alu", "ptr": "alu"}  # 64-bit integer operations issue twice
+
+
+def lane_work(counts: Counter) -> tuple[Counter, dict]:
+    """Lane-instructions per pipe of a launch's counts, and its tensor-core multiply-adds by
+    kind (bf16, fp16, tf32, fp64)."""
+    pipes: Counter = Counter()
+    tensor: Counter = Counter()
+    for key, n in counts.items():
+        cls, _, rest = key.partition(":")
+        op, _, t = rest.rpartition(":")
+        if cls == "float":
+            if t == "fp64":
+                pipes["fp64"] += n
+            elif op.startswith(("fcmp", "min", "max", "clamp")):
+                pipes["alu"] += n
+            else:
+                pipes["fp32"] += n
+        elif cls == "int":
+            pipes["alu"] += 2 * n if t in WIDE else n
+        elif cls == "math":
+            for pipe, per in COSTS.get((op, t), {"fp32" if t != "fp64" else "fp64": 1}).items():
+                pipes[pipe] += per * n
+        elif cls == "convert":
+            source, target = rest.split("-")
+            narrow = {"i1", "i8", "i16", "i32", "i64"}
+            pipes["alu" if source in narrow and target in narrow else "convert"] += n
+        elif cls == "reduce":
+            pipes["fp64" if t == "fp64" else "fp32" if t.startswith(("fp", "bf")) else "alu"] += n
+        elif cls == "dot":
+            operand, _, precision = op.partition("-")
+            if precision == "ieee" and operand == "fp32":
+                pipes["fp32"] += n  # lowered to FFMA, one per multiply-add
+            elif precision in ("tf32x3", "bf16x3"):
+                tensor["tf32" if precision == "tf32x3" else "bf16"] += 3 * n
+            else:
+                tensor[{"fp32": "tf32"}.get(operand, operand)] += n
+        elif cls in ("load-lanes", "store-lanes"):
+            pipes["lsu"] += n / 4  # 128-bit accesses: four 32-bit lanes per instruction lane
+    pipes["issue"] = sum(v for k, v in pipes.items() if k != "issue")
+    return pipes, dict(tensor)
+
+
+def predict(launches: list[Launch], gpu: str) -> dict:
+    """The predicted device time of a list of launches on `gpu`: per launch, the time each
+    resource needs and the largest of them (its bound); in all, their sum."""
+    spec = GPUS[gpu]
+    sms, clock = spec["sms"], spec["clock"]
+    rows = []
+    for launch in launches:
+        c = launch.counts
+        programs = max(1, c.get("programs", 1))
+        pipes, tensor = lane_work(c)
+        compiled = launch.compiled or {}
+        # A grid of fewer programs than SMs leaves the rest idle: the work runs on `used` SMs.
+        used = min(sms, programs)
+        macs = sum(v for k, v in c.items() if k.startswith("dot:fp32-ieee"))
+        dots = compiled.get("fma_dots") or []
+        if macs and dots:
+            # FMA-lowered dots read their operands from shared memory: wavefronts and LDS
+            # instructions per multiply-add, averaged over the kernel's dots by tile work.
+            ffma = sum(d["ffma"] for d in dots)
+            pipes["smem"] = macs / 32 * sum(d["wavefronts"] for d in dots) / ffma
+            pipes["issue"] += macs * sum(d["lds"] for d in dots) / ffma
+        times = {}
+        for pipe, rate in PIPES.items():
+            if pipes.get(pipe):
+                times[pipe] = pipes[pipe] / (rate * used * clock)
+        if pipes.get("lsu"):
+            times["lsu"] = pipes["lsu"] / (32 * used * clock)
+        if pipes.get("smem"):
+            times["smem"] = pipes["smem"] / (used * clock)  # one wavefront per clock per SM
+        for kind, macs in tensor.items():
+            times[f"tensor-{kind}"] = 2 * macs / (spec["tensor"][kind] * used / sms)
+        # Round trips to memory one after another (waits): each program's waits per wave of
+        # resident programs, hidden in a software-pipelined dot loop over num_stages - 1 steps.
+        waves = -(-programs // (sms * compiled.get("ctas_per_sm", 1)))
+        stages = (launch.spec or {}).get("options", {}).get("num_stages", 2) if macs_all(c) else 2
+        times["latency"] = waves * c.get("waits", 0) / programs * LATENCY / max(1, stages - 1) / clock
+        moved = sum(v for k, v in c.items() if k.startswith(("load:", "store:")))
+        times["dram"] = c.get("touched", 0) / spec["dram"]
+        times["l2"] = moved / spec["l2"]
+        bound = max(times, key=times.get)
+        rows.append(
+            {"kernel": launch.kernel, "programs": programs, "seconds": times[bound] + LAUNCH_S,
+             "bound": bound, "times": times}
+        )  # fmt: skip
+    return {"seconds": sum(r["seconds"] for r in rows), "launches": rows}
+
+
+# --------------------------------------------------------------------------- extrapolation
+
+
+def extrapolate(runs: list[tuple[float, list[Launch]]], size: float) -> list[Launch]:
+    """Launches at `size` from the same launches counted at smaller sizes: each count fitted as
+    the polynomial of degree len(runs) - 1 through its values (exact where the work grows as
+    that polynomial) and evaluated at `size`. The launches must match one for one."""
+    sizes = [s for s, _ in runs]
+    names = [[launch.kernel for launch in launches] for _, launches in runs]
+    if any(n != names[0] for n in names):
+        raise ValueError(f"the launches differ between sizes {sizes}: {names}")
+    out = []
+    for i, kernel in enumerate(names[0]):
+        keys = set().union(*(launches[i].counts for _, launches in runs))
+        counts = Counter()
+        for key in keys:
+            values = [launches[i].counts.get(key, 0) for _, launches in runs]
+            coefficients = np.polyfit(np.array(sizes, dtype=float), np.array(values, dtype=float), len(runs) - 1)
+            counts[key] = max(0.0, float(np.polyval(coefficients, size)))
+        out.append(Launch(kernel, counts, runs[-1][1][i].spec))
+    return out
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A benchmark case (its name in benchmarks/results/<gpu>/gpu.json: op, case, pass) whose
+    Triton launches run(size) executes on CPU tensors under the interpreter; counted at `sizes`
+    and extrapolated to `size`."""
+
+    op: str
+    case: str
+    pass_: str
+    run: Callable[[int], None]
+    sizes: tuple
+    size: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} | {self.case} | {self.pass_}"
+
+
+def _pair_loss(loss: str, params: dict, dtype, backward: bool) -> Callable[[int], None]:
+    def run(n: int) -> None:
+        import torch
+
+        from torchkit.triton import pair_losses as kernels
+
+        g = torch.Generator().manual_seed(0)
+        e = torch.randn(n, 128, generator=g).to(dtype)
+        labels = torch.arange(n) // 8
+        name, values = loss.removesuffix("_loss"), tuple(params.values())
+        value, stats = getattr(kernels, f"{name}_forward")(e, labels, None, None, *values)
+        if backward:
+            grad = torch.ones((), dtype=value.dtype)
+            getattr(kernels, f"{name}_backward")(grad, e, labels, None, None, stats, *values, [True, False])
+
+    return run
+
+
+def _proxy_anchor(backward: bool) -> Callable[[int], None]:
+    def run(n: int) -> None:
+        import torch
+
+        from torchkit.triton import pair_losses as kernels
+
+        g = torch.Generator().manual_seed(0)
+        e = torch.randn(n, 512, generator=g)
+        proxies = torch.randn(11318, 512, generator=g)
+        labels = torch.randint(11318, (n,), generator=g)
+        value, stats = kernels.proxy_anchor_forward(e, labels, proxies, 0.1, 32.0)
+        if backward:
+            grad = torch.ones((), dtype=value.dtype)
+            kernels.proxy_anchor_backward(grad, e, labels, proxies, stats, 0.1, 32.0, [True, True])
+
+    return run
+
+
+def _cdist(dtype, backward: bool) -> Callable[[int], None]:
+    def run(n: int) -> None:
+        import torch
+
+        from torchkit.triton import cdist as kernels
+
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, 128, generator=g).to(dtype) for _ in range(2))
+        d = kernels.forward(a, b, False)
+        if backward:
+            kernels.backward(torch.ones_like(d), a, b, d, False, [True, True])
+
+    return run
+
+
+def _bilinear_pool(dtype, backward: bool) -> Callable[[int], None]:
+    def run(n: int) -> None:
+        import torch
+
+        from torchkit.triton import bilinear_pool as kernels
+
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, 512, 28, 28, generator=g).relu_().to(dtype)
+        out, norm = kernels.forward(x, None, 1e-5, 1e-12)
+        if backward:
+            kernels.backward(torch.ones_like(out), x, None, out, norm, 1e-5, 1e-12, [True, False])
+
+    return run
+
+
+def flash_supcon(n: int = 8192, d: int = 128, block: int = 64) -> dict[str, list[Launch]]:
+    """A design probe, not a kernel of the project: SupCon as a FlashAttention-style kernel,
+    counted by hand from its design so that predict() can cost it beside the counted kernels.
+    bf16 operands on tensor cores, fp32 element math with exp2 (the temperature folded into
+    the scale), float64 only per row; `block`-row programs with the refs split in two halves
+    whose log-sum-exps merge (2 N / block programs, one CTA per SM).
+
+    Per pair, forward: the running maximum (ALU), label and self comparisons and the positive
+    mask (3 ALU), the scaled shift (1 FFMA), one exp2 (MUFU), two sums (2 FADD). Backward
+    (both anchors' terms in one pass, no atomics): the tile again, P and dS (1 exp2, 4 FP32,
+    3 ALU), dA = dS·B and dB = dSᵀ·A: three products of the forward's one."""
+    pairs, programs = n * n, 2 * n // block
+    tile_bytes = (n // 2) * d * 2 * programs  # every program reads half the refs (its rows: once)
+
+    def launch(name, macs, fp32, alu, mufu, moved):
+        counts = Counter({"programs": programs, "dot:bf16-mma:fp32": macs, "float:fadd:fp32": fp32 * pairs,
+                          "int:cmp:i32": alu * pairs, "math:exp2:fp32": mufu * pairs,
+                          "load:bf16": moved, "touched": 2 * n * d * 2, "float:fadd:fp64": 20 * n})  # fmt: skip
+        return Launch(name, counts, compiled={"ctas_per_sm": 1, "fma_dots": []})
+
+    return {
+        "forward": [launch("flash_supcon_forward", pairs * d, 3, 4, 1, tile_bytes)],
+        "forward+backward": [
+            launch("flash_supcon_forward", pairs * d, 3, 4, 1, tile_bytes),
+            launch("flash_supcon_backward", 3 * pairs * d, 4, 3, 1, 2 * tile_bytes),
+        ],
+    }
+
+
+def cases() -> list[Case]:
+    """The GPU benchmarks' headline Triton cases: the pair losses at N = 8,192, D = 128, 8 per
+    class (each triplet mining), cdist at P = R = 8,192, M = 128, bilinear_pool at N = 32,
+    D = 512, 28 x 28; float32 and bfloat16, forward and forward+backward."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_pair_losses import VARIANTS  # the benchmark's parameters of each loss
+
+    out = []
+    for tname, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for pass_ in ("forward", "forward+backward"):
+            backward = pass_ != "forward"
+            for loss, params in VARIANTS.values():
+                case = f"N=8192 D=128 8/class {tname}"
+                if loss == "triplet_margin_loss":
+                    case += f" {params['mining']}"
+                out.append(Case(loss, case, pass_, _pair_loss(loss, params, dtype, backward), (128, 256, 512), 8192))
+            if dtype == torch.float32:  # the benchmark's proxy case: Stanford Online Products' classes
+                out.append(Case("proxy_anchor_loss", "N=8192 D=512 C=11318 fp32", pass_, _proxy_anchor(backward),
+                                (128, 256, 512), 8192))  # fmt: skip
+            out.append(Case("cdist", f"P=R=8192 M=128 {tname}", pass_, _cdist(dtype, backward), (128, 256, 512), 8192))
+            out.append(
+                Case(
+                    "bilinear_pool", f"N=32 D=512 28x28 {tname}", pass_, _bilinear_pool(dtype, backward), (1, 2, 3), 32
+                )
+            )
+    return out
+
+
+def count_case(index: int) -> list[Launch]:
+    """Case `index`'s launches at its headline size, extrapolated from its small sizes."""
+    import torch
+
+    torch.set_num_threads(1)  # one case per core
+    case = cases()[index]
+    runs = []
+    for size in case.sizes:
+        with counting() as launches:
+            case.run(size)
+        runs.append((size, launches))
+    return extrapolate(runs, case.size)
+
+
+def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
+    """count_case of each chosen case, on `jobs` processes, cached in build/gpu-model by the
+    Triton kernels' sources (torchkit/triton/*.py): a rerun with no kernel changed costs
+    nothing."""
+    import hashlib
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    import triton
+
+    sources = hashlib.sha256()
+    folder = os.path.join(ROOT, "torchkit", "triton")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                sources.update(f.read())
+    names = [c.name for c in cases()]
+    keys = {i: hashlib.sha256(f"{sources.hexdigest()} {names[i]}".encode()).hexdigest() for i in chosen}
+    os.makedirs(CACHE, exist_ok=True)
+    path = os.path.join(CACHE, f"counts-{triton.__version__}.pkl")
+    cache = _load(path) if os.path.exists(path) else {}
+    todo = [i for i in chosen if keys[i] not in cache]
+    if todo:
+        with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(count_case, i): i for i in todo}
+            for future in as_completed(futures):
+                cache[keys[futures[future]]] = future.result()
+                _dump(cache, path)  # each case as it completes
+    return {i: cache[keys[i]] for i in chosen}
+
+
+def measured(gpu: str) -> dict[str, float]:
+    """The recorded GPU run's median seconds of each Triton case (benchmarks/results/<gpu>/gpu.json)."""
+    import json
+
+    path = os.path.join(ROOT, "benchmarks", "results", gpu, "gpu.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        recorded = json.load(f)["benchmarks"]
+    return {b["group"]: b["stats"]["median"] for b in recorded if b["params"].get("impl") == "torchkit (triton)"}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", nargs="*", help="substrings of case names (default: all)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h200")
+    parser.add_argument("--launches", action="store_true", help="a line per launch: its time by resource")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes counting cases")
+    parser.add_argument("--output", help="also write the table, with its summary, to this markdown file")
+    parser.add_argument("--flash", action="store_true", help="cost the flash-style SupCon probe (flash_supcon)")
+    parser.add_argument("--compile", nargs=2, metavar=("SPECS", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.compile:  # compile_launches' worker, without the interpreter
+        _dump({key: compile_spec(spec) for key, spec in _load(args.compile[0]).items()}, args.compile[1])
+        return 0
+    if args.flash:
+        for pass_, launches in flash_supcon().items():
+            result = predict(launches, args.gpu)
+            bounds = ", ".join(f"{r['kernel']}: {r['seconds'] * 1e3:.3g} ms ({r['bound']})" for r in result["launches"])
+            print(f"flash-style supcon_loss N=8192 D=128 bf16 {pass_}: {result['seconds'] * 1e3:.3g} ms; {bounds}")
+        return 0
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("run with TRITON_INTERPRET=1: the counts come from Triton's interpreter")
+    every = cases()
+    chosen = [i for i, c in enumerate(every) if not args.cases or any(s in c.name for s in args.cases)]
+    counted = count_cases(chosen, args.jobs)
+    recorded = measured(args.gpu)
+    lines = [
+        f"| op | case | pass | predicted ms ({GPUS[args.gpu]['name']}) | measured ms | predicted / measured "
+        "| bound: launch (resource) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    ratios = []
+    compile_launches([launch for i in chosen for launch in counted[i]])
+    for i in chosen:
+        case, launches = every[i], counted[i]
+        result = predict(launches, args.gpu)
+        top = max(result["launches"], key=lambda r: r["seconds"])
+        seen = recorded.get(case.name)
+        if seen:
+            ratios.append(result["seconds"] / seen)
+        ratio = f"{result['seconds'] / seen:.2f}" if seen else "–"
+        row = [case.op, case.case, case.pass_, f"{result['seconds'] * 1e3:.3g}", f"{seen * 1e3:.3g}" if seen else "–"]
+        row.append(ratio)
+        new = [f"| {' | '.join(row)} | {top['kernel']} ({top['bound']}) |"]
+        if args.launches:
+            for r in result["launches"]:
+                ranked = sorted(r["times"].items(), key=lambda kv: -kv[1])[:4]
+                shares = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in ranked)
+                launch = f"{r['kernel']}, {r['programs']:.0f} programs"
+                new.append(f"| | &nbsp; {launch} | | {r['seconds'] * 1e3:.3g} | | | {shares} |")
+        print("\n".join(new), flush=True)
+        lines += new
+    if ratios:
+        r = np.array(ratios)
+        within = np.maximum(r, 1 / r)
+        summary = (
+            f"{len(r)} measured cases: predicted / measured {r.min():.2f}–{r.max():.2f} (median {np.median(r):.2f}); "
+            f"within 2×: {(within <= 2).sum()}, within 1.5×: {(within <= 1.5).sum()}"
+        )
+        print("\n" + summary)
+        lines += ["", summary]
+    if args.output:
+        header = [
+            f"# The offline performance model against the recorded {GPUS[args.gpu]['name']} run",
+            "",
+            "Written by `make gpu-model` (tools/gpu_model.py; CONTRIBUTING.md says how it works): each",
+            "headline Triton case's predicted time from its operation counts under Triton's interpreter",
+            "and its launches' sm_90 compiled code, beside the median of the recorded GPU run",
+            f"(benchmarks/results/{args.gpu}/gpu.json, whose kernels may be older than the counted ones).",
+            "Each case's indented rows are its launches, with their four largest terms in ms.",
+            *([f"Cases whose names contain: {', '.join(args.cases)}."] if args.cases else []),
+            "",
+        ]
+        with open(args.output, "w") as f:
+            f.write("\n".join(header + lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
