@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import triton_testing
@@ -93,6 +94,32 @@ def test_the_prediction_takes_the_largest_resource_and_idle_sms():
     # Software float64 math counts as its instructions: an exp is 18 float64 operations.
     exp = gpu_model.Launch("k", Counter({"programs": 1320, "math:exp:fp64": flops}))
     assert gpu_model.predict([exp], "h100")["launches"][0]["times"]["fp64"] == pytest.approx(18 * row["times"]["fp64"])
+
+
+def test_the_calibration_recovers_known_efficiencies():
+    """Cases timed as if shared memory ran at 60 % of its peak and latency at 40 %: fit() finds
+    both shares and fits only the resources that bound the slowest launch of at least
+    FIT_MIN_CASES cases (not the FP32 pipe, which bounds only smaller launches); predict()
+    divides each resource's time at peak by its share."""
+    rng = np.random.default_rng(0)
+    truth = {"smem": 0.6, "latency": 0.4}
+    samples = []
+    for i in range(8):
+        rows = []
+        for bound, scale in (("smem" if i % 2 else "latency", 2.0), ("fp32", 0.5), ("fp32", 0.5)):
+            times = {k: float(rng.uniform(0.05, 0.5)) * scale * 1e-3 for k in ("smem", "latency", "fp32")}
+            times[bound] = float(rng.uniform(1, 3)) * scale * 1e-3
+            rows.append({"times": times, "seconds": times[bound], "bound": bound})
+        measured = sum(max(v / truth.get(k, 1) for k, v in r["times"].items()) + gpu_model.LAUNCH_S for r in rows)
+        samples.append((rows, measured))
+    fitted = gpu_model.fit(samples)
+    assert fitted == pytest.approx(truth, rel=0.03)
+    assert gpu_model.fit(samples[:2]) == {}  # no resource bounds three of two cases
+    # predict() divides each resource's time at peak by its share.
+    c = Counter({"programs": 1320, "float:fmul:fp32": 1e9})
+    at_peak = gpu_model.predict([gpu_model.Launch("k", c)], "h100")["launches"][0]["times"]["fp32"]
+    slowed = gpu_model.predict([gpu_model.Launch("k", c)], "h100", {"fp32": 0.5})["launches"][0]["times"]["fp32"]
+    assert slowed == pytest.approx(2 * at_peak)
 
 
 @needs_interpreter

@@ -669,10 +669,13 @@ def lane_work(counts: Counter) -> tuple[Counter, dict]:
     return pipes, dict(tensor)
 
 
-def predict(launches: list[Launch], gpu: str) -> dict:
+def predict(launches: list[Launch], gpu: str, efficiency: dict | None = None) -> dict:
     """The predicted device time of a list of launches on `gpu`: per launch, the time each
-    resource needs and the largest of them (its bound); in all, their sum."""
+    resource needs at its peak divided by the share of the peak kernels reach (`efficiency`,
+    by resource; 1 where not given: EFFICIENCY is the calibrated set) and the largest of them
+    (its bound); in all, their sum."""
     spec = GPUS[gpu]
+    efficiency = efficiency or {}
     sms, clock = spec["sms"], spec["clock"]
     rows = []
     for launch in launches:
@@ -708,12 +711,60 @@ def predict(launches: list[Launch], gpu: str) -> dict:
         moved = sum(v for k, v in c.items() if k.startswith(("load:", "store:")))
         times["dram"] = c.get("touched", 0) / spec["dram"]
         times["l2"] = moved / spec["l2"]
+        times = {k: v / efficiency.get(k, 1.0) for k, v in times.items()}
         bound = max(times, key=times.get)
         rows.append(
             {"kernel": launch.kernel, "programs": programs, "seconds": times[bound] + LAUNCH_S,
              "bound": bound, "times": times}
         )  # fmt: skip
     return {"seconds": sum(r["seconds"] for r in rows), "launches": rows}
+
+
+# --------------------------------------------------------------------------- calibration
+
+# The share of each resource's peak the project's kernels reach, fitted to the recorded H200
+# run (fit(); make gpu-model prints a refit): a resource is fitted only where it bounds the
+# slowest launch of at least FIT_MIN_CASES measured cases, the rest stay at their peak. Shared
+# memory: FMA-lowered dots do not overlap their LDS wavefronts with everything else. Latency:
+# LATENCY's round trip is a floor; loads queued behind others wait longer.
+EFFICIENCY = {"latency": 0.408, "smem": 0.725}
+FIT_MIN_CASES = 3
+
+
+def _case_seconds(times: list[np.ndarray], efficiency: np.ndarray) -> float:
+    """A case's seconds from its launches' raw times by resource (rows: launches, columns:
+    resources in fit()'s order) and one efficiency per resource."""
+    return sum(float((t / efficiency).max(axis=1).sum()) + LAUNCH_S * len(t) for t in times)
+
+
+def fit(samples: list[tuple[list[dict], float]], classes: list[str] | None = None) -> dict:
+    """Efficiencies (share of peak, 0.05–2) by resource minimising the squared log error of
+    the predicted seconds over `samples`: (predict()'s launch rows at peak, measured seconds)
+    per case. The resources fitted are `classes`, or those bounding the slowest launch of at
+    least FIT_MIN_CASES samples. Coordinate descent over a geometric grid: the error is not
+    smooth (each launch takes a maximum), and two or three resources converge in a few sweeps."""
+    resources = sorted({k for rows, _ in samples for r in rows for k in r["times"]})
+    if classes is None:
+        tally = Counter(max(rows, key=lambda r: r["seconds"])["bound"] for rows, _ in samples)
+        classes = sorted(k for k, n in tally.items() if n >= FIT_MIN_CASES)
+    matrices = [np.array([[r["times"].get(k, 0.0) for k in resources] for r in rows]) for rows, _ in samples]
+    seen = np.log([m for _, m in samples])
+    efficiency = np.ones(len(resources))
+
+    def error(e):
+        return float(sum((np.log(_case_seconds([t], e)) - s) ** 2 for t, s in zip(matrices, seen, strict=True)))
+
+    grid = np.geomspace(0.05, 2.0, 161)
+    for _ in range(4):
+        for name in classes:
+            i = resources.index(name)
+            trials = []
+            for value in grid:
+                e = efficiency.copy()
+                e[i] = value
+                trials.append(error(e))
+            efficiency[i] = grid[int(np.argmin(trials))]
+    return {name: round(float(efficiency[resources.index(name)]), 3) for name in classes}
 
 
 # --------------------------------------------------------------------------- extrapolation
@@ -967,42 +1018,58 @@ def main(argv=None) -> int:
     chosen = [i for i, c in enumerate(every) if not args.cases or any(s in c.name for s in args.cases)]
     counted = count_cases(chosen, args.jobs)
     recorded = measured(args.gpu)
-    lines = [
-        f"| op | case | pass | predicted ms ({GPUS[args.gpu]['name']}) | measured ms | predicted / measured "
-        "| bound: launch (resource) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    print("\n".join(lines), flush=True)
-    ratios = []
     compile_launches([launch for i in chosen for launch in counted[i]])
+    peak = {i: predict(counted[i], args.gpu) for i in chosen}
+    seen = {i: recorded[every[i].name] for i in chosen if every[i].name in recorded}
+    samples = {i: (peak[i]["launches"], seen[i]) for i in seen}
+    # Each measured case predicted by the efficiencies fitted to the others: how well the
+    # calibration carries to a case it has not seen.
+    left_out = {}
+    if len(samples) > 2:
+        for i in samples:
+            others = [v for j, v in samples.items() if j != i]
+            left_out[i] = predict(counted[i], args.gpu, fit(others, sorted(EFFICIENCY)))["seconds"] / seen[i]
+    lines = [
+        f"| op | case | pass | predicted ms ({GPUS[args.gpu]['name']}) | at peak ms | measured ms "
+        "| predicted / measured | left out | bound: launch (resource) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = {"at peak": [], "calibrated": [], "left out": list(left_out.values())}
     for i in chosen:
-        case, launches = every[i], counted[i]
-        result = predict(launches, args.gpu)
+        case = every[i]
+        result = predict(counted[i], args.gpu, EFFICIENCY)
         top = max(result["launches"], key=lambda r: r["seconds"])
-        seen = recorded.get(case.name)
-        if seen:
-            ratios.append(result["seconds"] / seen)
-        ratio = f"{result['seconds'] / seen:.2f}" if seen else "–"
-        row = [case.op, case.case, case.pass_, f"{result['seconds'] * 1e3:.3g}", f"{seen * 1e3:.3g}" if seen else "–"]
-        row.append(ratio)
+        m = seen.get(i)
+        row = [case.op, case.case, case.pass_, f"{result['seconds'] * 1e3:.3g}", f"{peak[i]['seconds'] * 1e3:.3g}"]
+        if m:
+            ratios["at peak"].append(peak[i]["seconds"] / m)
+            ratios["calibrated"].append(result["seconds"] / m)
+            row += [f"{m * 1e3:.3g}", f"{result['seconds'] / m:.2f}", f"{left_out[i]:.2f}" if i in left_out else "–"]
+        else:
+            row += ["–", "–", "–"]
         new = [f"| {' | '.join(row)} | {top['kernel']} ({top['bound']}) |"]
         if args.launches:
             for r in result["launches"]:
                 ranked = sorted(r["times"].items(), key=lambda kv: -kv[1])[:4]
                 shares = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in ranked)
                 launch = f"{r['kernel']}, {r['programs']:.0f} programs"
-                new.append(f"| | &nbsp; {launch} | | {r['seconds'] * 1e3:.3g} | | | {shares} |")
-        print("\n".join(new), flush=True)
+                new.append(f"| | &nbsp; {launch} | | {r['seconds'] * 1e3:.3g} | | | | | {shares} |")
         lines += new
-    if ratios:
-        r = np.array(ratios)
-        within = np.maximum(r, 1 / r)
-        summary = (
-            f"{len(r)} measured cases: predicted / measured {r.min():.2f}–{r.max():.2f} (median {np.median(r):.2f}); "
-            f"within 2×: {(within <= 2).sum()}, within 1.5×: {(within <= 1.5).sum()}"
-        )
-        print("\n" + summary)
-        lines += ["", summary]
+    print("\n".join(lines), flush=True)
+    if samples:
+        summary = [""]
+        for name, values in ratios.items():
+            if values:
+                r = np.array(values)
+                within = np.maximum(r, 1 / r)
+                summary.append(
+                    f"- {name}: {len(r)} measured cases, predicted / measured {r.min():.2f}–{r.max():.2f} "
+                    f"(median {np.median(r):.2f}); within 2×: {(within <= 2).sum()}, within 1.5×: {(within <= 1.5).sum()}"
+                )
+        refit = fit(list(samples.values()))
+        summary.append(f"- efficiencies used: {EFFICIENCY}; fitted to these cases now: {refit}")
+        print("\n".join(summary))
+        lines += summary
     if args.output:
         header = [
             f"# The offline performance model against the recorded {GPUS[args.gpu]['name']} run",
