@@ -38,6 +38,20 @@ class Config:
         return f"Config({blocks}, num_warps={self.num_warps}, num_stages={self.num_stages}{fusion})"
 
 
+def hot(float64_per_pair: str | None = None, ieee_dot: str | None = None):
+    """Marks a @triton.jit kernel whose work is per pair: per element of the N×N, N×C, P×R or
+    D×D product it streams, where a GPU spends its time. `make gpu-model`'s rule check
+    (tools/gpu_model.py) fails a hot kernel that does float64 work per pair or multiplies
+    float32 with an IEEE tl.dot (FMAs reading shared memory, not tensor cores: GPU-PERF.md)
+    unless its mark says why."""
+
+    def mark(kernel):
+        kernel.hot = {"float64 per pair": float64_per_pair, "IEEE float32 tl.dot": ieee_dot}
+        return kernel
+
+    return mark
+
+
 def interpreting() -> bool:
     """Whether @triton.jit kernels run under Triton's interpreter (TRITON_INTERPRET=1 when the
     kernel modules were imported): the kernels then take the interpreter's branches, such as

@@ -43,7 +43,13 @@ from torch import Tensor
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
 from torchkit.ops.bilinear_pool import _bilinear_channels_last, _bilinear_grad_like, _check_inputs
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, interpreting
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot, interpreting
+
+# Why the pooling GEMMs (@hot) multiply float32 with IEEE FMAs.
+IEEE_PRODUCTS = (
+    "float32 products as IEEE FMAs: PyTorch's default float32 matmul precision ('highest'); the "
+    "tensor-core scheme as accurate (GPU-PERF.md's CUDA precision contract) is not built yet"
+)
 
 # Launch configurations. Each is run by the tests and compiled by tools/triton_check.py;
 # `config` arguments pick one, the default being the first. Z tiles are square (BLOCK_C on
@@ -264,6 +270,7 @@ def scales_kernel(
 # --------------------------------------------------------------------------- forward
 
 
+@hot(ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def forward_kernel(
     a_ptr,
@@ -522,6 +529,7 @@ def grad_z_kernel(
         tl.store(dz + here, v, mask=valid)
 
 
+@hot(ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def grad_kernel(
     dz_ptr,

@@ -41,7 +41,13 @@ from torch import Tensor
 from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
 from torchkit.ops.cdist import check_distance_inputs
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, interpreting
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, hot, interpreting
+
+# Why the distance GEMMs (@hot) multiply float32 with IEEE FMAs.
+IEEE_PRODUCTS = (
+    "float32 products as IEEE FMAs: PyTorch's default float32 matmul precision ('highest'); the "
+    "tensor-core scheme as accurate (GPU-PERF.md's CUDA precision contract) is not built yet"
+)
 
 REFINE_RATIO = tl.constexpr(16.0)  # csrc/cdist.h's kRefineRatio
 
@@ -252,6 +258,7 @@ def _zero_diagonal(na, rows, cols, SELF: tl.constexpr):
         return tl.zeros((rows.shape[0], cols.shape[0]), tl.int1)
 
 
+@hot(ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def forward_kernel(
     x1_ptr,
@@ -391,6 +398,7 @@ def refine_kernel(
 # --------------------------------------------------------------------------- backward
 
 
+@hot()
 @triton.jit
 def grad_scale_kernel(
     grad_ptr,
@@ -496,6 +504,7 @@ def grad_scale_kernel(
     tl.store(sums_ptr + b * N_OWN + rows, total, mask=row_mask)
 
 
+@hot(ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def grad_gemm_kernel(
     gp_ptr,

@@ -94,7 +94,17 @@ from torchkit.ops.pair_losses import (
     _check_shard,
 )
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
+
+# Why the pair kernels (@hot) multiply float32 with IEEE FMAs and decide in float64 per pair.
+IEEE_PRODUCTS = (
+    "float32 products as IEEE FMAs, never TF32: the CPU kernels' decisions on exact values; no "
+    "tensor-core scheme within the CUDA precision contract (GPU-PERF.md) is built for them yet"
+)
+FLOAT64_DECISIONS = (
+    "each pair's distance or cosine, its threshold and error bound in float64, as the CPU kernels "
+    "decide (Inputs::clear, MultiSimilarity::mined); not yet a float32 bound with a sparse float64 recheck"
+)
 
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
@@ -296,6 +306,7 @@ def normalise_kernel(
 # --------------------------------------------------------------------------- forward
 
 
+@hot(ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def rows_kernel(
     a_ptr,
@@ -423,6 +434,7 @@ def _pair_terms(x, coef, shift, w, log_s, tiny, LOSS: tl.constexpr):
     return every, positive
 
 
+@hot(ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def grad_kernel(
     own_ptr,
@@ -643,6 +655,7 @@ def _ms_terms(
     return tl.where(keep_neg, gn, 0.0) + tl.where(keep_pos, gp, 0.0)
 
 
+@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def ms_grad_kernel(
     own_ptr,
@@ -742,6 +755,7 @@ def ms_grad_kernel(
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=row_mask[:, None] & f_mask[None, :])
 
 
+@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def ms_rows_kernel(
     a_ptr,
@@ -977,6 +991,7 @@ def _clear(d, t, sq_a, sq_b, err, unit):
     return (tl.abs(d - t) * d > e + 4.0 * unit * d * d) | (d != d)
 
 
+@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def contrastive_rows_kernel(
     ca_ptr,
@@ -1063,6 +1078,7 @@ def contrastive_rows_kernel(
     tl.store(count_ptr + rows * 4 + 3, pairs_pos, mask=row_mask)
 
 
+@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def euclidean_grad_kernel(
     c_own_ptr,
@@ -1252,6 +1268,7 @@ def _first(mask, cols):
     return tl.min(tl.where(mask, cols[None, :], NO_INDEX), axis=1)
 
 
+@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def hard_rows_kernel(
     ca_ptr,
@@ -1528,6 +1545,7 @@ def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask
     return tl.sqrt(out)
 
 
+@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
 @triton.jit
 def triplet_rows_kernel(
     ca_ptr,
