@@ -81,6 +81,20 @@ def test_extrapolation_is_exact_for_polynomial_work_and_refuses_different_launch
         gpu_model.extrapolate([(128, launches(128)), (256, other)], 8192)
 
 
+def test_extrapolation_in_two_variables_is_exact_for_multilinear_work():
+    """A proxy loss's work per (embedding, proxy) pair and per row: N·C, N and C terms, fitted
+    from the four corners of two sizes of each."""
+
+    def launches(n, c):
+        return [gpu_model.Launch("k", Counter({"float:fmul:fp32": 3 * n * c + 5 * n + 7 * c + 11}))]
+
+    corners = [((n, c), launches(n, c)) for n in (128, 256) for c in (64, 128)]
+    (at,) = gpu_model.extrapolate(corners, (8192, 11318))
+    assert at.counts["float:fmul:fp32"] == pytest.approx(3 * 8192 * 11318 + 5 * 8192 + 7 * 11318 + 11)
+    with pytest.raises(ValueError, match="needs 4 runs"):
+        gpu_model.extrapolate(corners[:3], (8192, 11318))
+
+
 def test_the_prediction_takes_the_largest_resource_and_idle_sms():
     flops = 1e9
     fp64 = gpu_model.Launch("k", Counter({"programs": 1320, "float:fmul:fp64": flops, "float:fmul:fp32": flops}))
@@ -122,15 +136,75 @@ def test_the_calibration_recovers_known_efficiencies():
     assert slowed == pytest.approx(2 * at_peak)
 
 
+def _marked(**why):
+    """A stand-in kernel marked as torchkit.triton._launch.hot marks one."""
+    from torchkit.triton._launch import hot
+
+    return hot(**why)(type("Kernel", (), {})())
+
+
+hot_without_reasons = _marked()
+hot_with_reasons = _marked(float64_per_pair="exact decisions", ieee_dot="IEEE products")
+unmarked = type("Kernel", (), {})()
+
+
+def test_the_rule_check_names_hot_kernels_without_a_reason():
+    """Per pair: 1 float64 op (past FP64_PER_PAIR) and 128 IEEE multiply-adds break both rules;
+    the mark's reasons excuse them; per-row float64 breaks none; an unmarked kernel whose
+    products are per pair must be marked."""
+    pairs = 1 << 20
+    case = gpu_model.Case("op", "case", "forward", None, (), 1024, pairs)
+    per_pair = Counter({"float:fadd:fp64": pairs, "dot:fp32-ieee:fp32": 128 * pairs})
+    per_row = Counter({"float:fadd:fp64": 8 * 1024, "dot:bf16-mma:fp32": 128 * pairs})
+
+    def launch(name, counts):
+        return gpu_model.Launch(name, counts, {"module": __name__})
+
+    broken = gpu_model.rules(case, [launch("hot_without_reasons", per_pair)])
+    assert {(b["rule"], b["why"]) for b in broken} == {("float64 per pair", None), ("IEEE float32 tl.dot", None)}
+    assert [b["per_pair"] for b in broken] == [1, 128]
+    broken = gpu_model.rules(case, [launch("hot_with_reasons", per_pair)])
+    assert {b["why"] for b in broken} == {"exact decisions", "IEEE products"}
+    assert gpu_model.rules(case, [launch("hot_without_reasons", per_row)]) == []
+    (unmarked_row,) = gpu_model.rules(case, [launch("unmarked", per_row)])
+    assert unmarked_row["why"] is None and "not marked" in unmarked_row["rule"]
+
+
 @needs_interpreter
 @pytest.mark.triton("cdist", dispatch=False)
 def test_a_benchmark_case_counts_its_product():
-    """cdist's forward at P = R = M = 128 (its benchmark case's run, cases()) multiplies 128³ in
-    its main kernel, whatever else its launches do."""
+    """cdist at P = R = M = 128 (its benchmark case's run, cases()): the forward multiplies
+    128³ in its main kernel, whatever else its launches do; the backward's two products (the
+    gradients of both inputs) twice that."""
+    split = []
     with gpu_model.counting() as launches:
-        gpu_model._cdist(torch.float32, backward=False)(128)
-    macs = sum(v for launch in launches for k, v in launch.counts.items() if k.startswith("dot:"))
-    assert macs == 128**3
+        gpu_model._cdist(torch.float32)(128, between=lambda: split.append(len(launches)))
+
+    def macs(part):
+        return sum(v for launch in part for k, v in launch.counts.items() if k.startswith("dot:"))
+
+    (forward,) = split
+    assert macs(launches[:forward]) == 128**3
+    assert macs(launches[forward:]) == 2 * 128**3
+
+
+@needs_interpreter
+@pytest.mark.triton("cdist", dispatch=False)
+def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
+    """cdist's float32 forward GEMM compiled for sm_90: its K loop multiplies with FFMA reading
+    shared memory (an IEEE tl.dot), and the counts and the SASS agree on what it executes."""
+    monkeypatch.setattr(gpu_model, "CACHE", str(tmp_path))
+    with gpu_model.counting() as launches:
+        gpu_model._cdist(torch.float32)(128, between=lambda: None)
+    (gemm,) = [launch for launch in launches if launch.kernel == "forward_kernel"]
+    gpu_model.compile_launches([gemm])
+    loops = gemm.compiled["sass"]["loops"]
+    assert loops["fp32"] >= 512 and loops["shared"] > 0 and "tensor" not in loops and "fp64" not in loops
+    assert gemm.compiled["registers"] > 0 and gemm.compiled["mma"] == "fma" and gemm.compiled["fma_dots"]
+    assert gpu_model.cross_check(gemm) == []
+    # Counts claiming float64 work the SASS does not have are named.
+    gemm.counts["float:fmul:fp64"] = gemm.counts["dot:fp32-ieee:fp32"]
+    assert [d.split(":")[0] for d in gpu_model.cross_check(gemm)] == ["fp64"]
 
 
 def _ttgir(b_order):
@@ -158,3 +232,31 @@ def test_shared_memory_wavefronts_of_an_fma_dot():
     # A dot in an MMA layout runs on tensor cores: no FMA dot to cost.
     mma = _ttgir("[1, 0]").replace("-> tensor<64x64xf32, #blocked>", "-> tensor<64x64xf32, #mma>")
     assert gpu_model.fma_dots(mma + "#mma = #ttg.nvidia_mma<{versionMajor = 3}>\n") == []
+
+
+def test_the_goal_is_the_fastest_peer_of_the_recorded_run():
+    """Neither the roofline nor torchkit's other kernels are peers."""
+    ours, goals = gpu_model.recorded("h200")
+    case = "cdist | P=R=8192 M=128 bf16 | forward"
+    assert ours[case] == pytest.approx(1.654e-3, rel=1e-3)
+    assert goals[case][0] == "torch.cdist" and goals[case][1] == pytest.approx(0.38e-3, rel=1e-2)
+    assert all(not impl.startswith(("torchkit", "roofline")) for impl, _ in goals.values())
+    assert gpu_model.recorded("nowhere") == ({}, {})
+
+
+def test_a_prediction_past_the_committed_one_fails(tmp_path):
+    import json
+
+    import triton
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"gpu": "h200", "triton": triton.__version__, "cases": {"a": 1e-3, "b": 2e-3}}))
+    lines, failed = gpu_model.regressions({"a": 1.1e-3, "b": 1e-3, "new": 5e-3}, str(path))
+    assert not failed and "2 cases" in lines[1]
+    slower = gpu_model.REGRESSION * 1.05e-3
+    lines, failed = gpu_model.regressions({"a": slower}, str(path))
+    assert failed and "a: 1.26×" in lines[-1]
+    # Another Triton compiles the kernels otherwise: nothing compared.
+    path.write_text(json.dumps({"gpu": "h200", "triton": "0.0", "cases": {"a": 1e-9}}))
+    lines, failed = gpu_model.regressions({"a": 1.0}, str(path))
+    assert not failed and "Not compared" in lines[-1]

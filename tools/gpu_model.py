@@ -1,7 +1,8 @@
 """A Triton kernel's GPU time without a GPU: op counts under the interpreter, the compiled
 code, and the time each GPU resource needs (make gpu-model).
 
-    TRITON_INTERPRET=1 python tools/gpu_model.py [case ...] [--gpu h100|h200] [--launches] [--output F]
+    TRITON_INTERPRET=1 python tools/gpu_model.py [case ...] [--gpu h100|h200] [--launches]
+        [--output F.md] [--check F.json]
 
 Each case (cases(): the GPU benchmarks' headline Triton shapes, benchmarks/bench_*.py) runs
 its Triton kernels under Triton's interpreter at three small sizes, counting what every
@@ -29,6 +30,12 @@ the instructions it compiles to (COSTS). Per case: the predicted time beside the
 run's, the launch and resource that bound it, and with --launches every launch's largest
 terms: what to fix first. Counts include masked-off lanes (a GPU executes whole tiles) except
 bytes, which count active lanes.
+
+Calibration (fit(), EFFICIENCY): the share of its peak each resource reaches, fitted to the
+recorded GPU run where the data supports it, and each case predicted again with itself left
+out of the fit. Checks (make gpu-model in CI): the rules hot kernels keep (rules(): no float64
+work per pair, no IEEE float32 tl.dot, unless the kernel's @hot mark says why) and no case's
+prediction past REGRESSION times the committed one (benchmarks/results/model.json).
 """
 
 from __future__ import annotations
@@ -485,6 +492,50 @@ def _operand_wavefronts(op, shape, dtype, shared, spt, tpw, lane_order, per_thre
     return wavefronts, len(lanes[0])
 
 
+# SASS opcodes by the resource they use (sass_mix()), as the prediction's classes name them.
+SASS_CLASSES = {
+    "tensor": ("HMMA", "HGMMA", "IMMA", "DMMA"),
+    "fp32": ("FFMA", "FADD", "FMUL"),
+    "fp64": ("DFMA", "DADD", "DMUL", "DSETP", "DMNMX"),
+    "mufu": ("MUFU",),
+    "shared": ("LDS", "LDSM", "STS"),
+    "global": ("LDG", "STG", "ATOM", "ATOMG", "RED", "LDGSTS"),
+}
+_SASS_LINE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
+
+
+def sass_mix(cubin: bytes) -> dict:
+    """A compiled kernel's instructions by class (SASS_CLASSES; the rest as "other"), in all
+    and in its loops (the instructions between a label and a later branch back to it, each
+    once), from nvdisasm (shipped with Triton): what the GPU executes per iteration, beside
+    what the interpreter counted."""
+    import subprocess
+
+    nvdisasm = os.path.join(os.path.dirname(sys.modules["triton"].__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    opcodes, labels, in_loop = [], {}, set()
+    for line in text.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = len(opcodes)
+            continue
+        m = _SASS_LINE.search(line)
+        if not m:
+            continue
+        opcodes.append(m.group(1))
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and target.group(1) in labels:  # a branch back: a loop
+            in_loop.update(range(labels[target.group(1)], len(opcodes)))
+    kinds = {op: kind for kind, ops in SASS_CLASSES.items() for op in ops}
+    every = Counter(kinds.get(op, "other") for op in opcodes)
+    loops = Counter(kinds.get(opcodes[i], "other") for i in in_loop)
+    return {"all": dict(every), "loops": dict(loops)}
+
+
 def compile_spec(spec: dict) -> dict:
     """A launch's kernel compiled for sm_90 as it would be on the GPU (run without
     TRITON_INTERPRET): registers, spills, shared memory, CTAs per SM, its dots' kind and the
@@ -524,6 +575,7 @@ def compile_spec(spec: dict) -> dict:
         "ctas_per_sm": max(1, ctas),
         "mma": "wgmma" if "wgmma.mma_async" in ptx else ("mma" if re.search(r"\bmma\.sync", ptx) else "fma"),
         "fma_dots": fma_dots(compiled.asm["ttgir"]),
+        "sass": sass_mix(compiled.asm["cubin"]),
     }
 
 
@@ -541,10 +593,27 @@ def _dump(value, path: str) -> None:
         pickle.dump(value, f)
 
 
+def _digest(*parts) -> str:
+    """A digest of the Triton kernels' sources (torchkit/triton/*.py) and of `parts`' (the
+    model's functions that draw facts from them): what a cache of those facts is keyed by."""
+    import hashlib
+    import inspect
+
+    digest = hashlib.sha256()
+    folder = os.path.join(ROOT, "torchkit", "triton")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(f.read())
+    for part in parts:
+        digest.update(inspect.getsource(part).encode())
+    return digest.hexdigest()
+
+
 def compile_launches(launches: list[Launch]) -> None:
     """Attach each launch's compiled facts (compile_spec) as launch.compiled, compiling each
     distinct specialisation once, in a process without the interpreter; cached in
-    build/gpu-model by the kernel module's source and the specialisation."""
+    build/gpu-model by the kernels' sources, how the facts are drawn, and the specialisation."""
     import hashlib
     import subprocess
 
@@ -553,13 +622,8 @@ def compile_launches(launches: list[Launch]) -> None:
     os.makedirs(CACHE, exist_ok=True)
     path = os.path.join(CACHE, f"compiled-{triton.__version__}.pkl")
     cache = _load(path) if os.path.exists(path) else {}
-    keys = {}
-    import importlib.util
-
-    for launch in launches:
-        with open(importlib.util.find_spec(launch.spec["module"]).origin, "rb") as f:
-            source = hashlib.sha256(f.read()).hexdigest()
-        keys[id(launch)] = hashlib.sha256((source + repr(launch.spec)).encode()).hexdigest()
+    source = _digest(compile_spec, sass_mix, fma_dots, _operand_wavefronts)
+    keys = {id(x): hashlib.sha256((source + repr(x.spec)).encode()).hexdigest() for x in launches}
     todo = {keys[id(x)]: x.spec for x in launches if keys[id(x)] not in cache}
     if todo:
         with tempfile.TemporaryDirectory() as tmp:
@@ -727,7 +791,7 @@ def predict(launches: list[Launch], gpu: str, efficiency: dict | None = None) ->
 # slowest launch of at least FIT_MIN_CASES measured cases, the rest stay at their peak. Shared
 # memory: FMA-lowered dots do not overlap their LDS wavefronts with everything else. Latency:
 # LATENCY's round trip is a floor; loads queued behind others wait longer.
-EFFICIENCY = {"latency": 0.408, "smem": 0.725}
+EFFICIENCY = {"latency": 0.759, "smem": 0.632}
 FIT_MIN_CASES = 3
 
 
@@ -770,22 +834,39 @@ def fit(samples: list[tuple[list[dict], float]], classes: list[str] | None = Non
 # --------------------------------------------------------------------------- extrapolation
 
 
-def extrapolate(runs: list[tuple[float, list[Launch]]], size: float) -> list[Launch]:
-    """Launches at `size` from the same launches counted at smaller sizes: each count fitted as
-    the polynomial of degree len(runs) - 1 through its values (exact where the work grows as
-    that polynomial) and evaluated at `size`. The launches must match one for one."""
+def extrapolate(runs: list[tuple], size) -> list[Launch]:
+    """Launches at `size` from the same launches counted at smaller sizes. One size variable:
+    each count fitted as the polynomial of degree len(runs) - 1 through its values (exact where
+    the work grows as that polynomial). Several (sizes are tuples, one value per variable):
+    each count fitted as a multilinear polynomial (a sum of products of distinct variables,
+    exact where the work is linear in each, as per-pair work is), through 2^variables runs.
+    Evaluated at `size`; the launches must match one for one."""
     sizes = [s for s, _ in runs]
     names = [[launch.kernel for launch in launches] for _, launches in runs]
     if any(n != names[0] for n in names):
         raise ValueError(f"the launches differ between sizes {sizes}: {names}")
+    if isinstance(size, tuple):
+        import itertools
+
+        powers = list(itertools.product((0, 1), repeat=len(size)))
+        if len(runs) < len(powers):
+            raise ValueError(f"a multilinear fit in {len(size)} variables needs {len(powers)} runs, got {len(runs)}")
+
+        def design(points):
+            return np.array([[np.prod(np.power(np.array(p, float), es)) for es in powers] for p in points])
+
+        basis, at = design(sizes), design([size])[0]
+    else:
+        basis = np.vander(np.array(sizes, dtype=float), len(runs))
+        at = np.vander(np.array([size], dtype=float), len(runs))[0]
     out = []
     for i, kernel in enumerate(names[0]):
         keys = set().union(*(launches[i].counts for _, launches in runs))
         counts = Counter()
         for key in keys:
-            values = [launches[i].counts.get(key, 0) for _, launches in runs]
-            coefficients = np.polyfit(np.array(sizes, dtype=float), np.array(values, dtype=float), len(runs) - 1)
-            counts[key] = max(0.0, float(np.polyval(coefficients, size)))
+            values = np.array([launches[i].counts.get(key, 0) for _, launches in runs], dtype=float)
+            coefficients = np.linalg.lstsq(basis, values, rcond=None)[0]
+            counts[key] = max(0.0, float(at @ coefficients))
         out.append(Launch(kernel, counts, runs[-1][1][i].spec))
     return out
 
@@ -796,23 +877,32 @@ def extrapolate(runs: list[tuple[float, list[Launch]]], size: float) -> list[Lau
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A benchmark case (its name in benchmarks/results/<gpu>/gpu.json: op, case, pass) whose
-    Triton launches run(size) executes on CPU tensors under the interpreter; counted at `sizes`
-    and extrapolated to `size`."""
+    Triton launches run(*size, between) executes on CPU tensors under the interpreter: the
+    forward, between(), then the backward. Counted once for both passes (the forward's
+    launches are the first ones) at `sizes` and extrapolated to `size` (extrapolate(); a size
+    of several variables is a tuple). `pairs`: the elements of the product its hot kernels
+    stream at `size` (N², N·C, P·R, N·D²), what the rule check counts float64 work per."""
 
     op: str
     case: str
     pass_: str
-    run: Callable[[int], None]
+    run: Callable[..., None]
     sizes: tuple
-    size: int
+    size: int | tuple
+    pairs: int
 
     @property
     def name(self) -> str:
         return f"{self.op} | {self.case} | {self.pass_}"
 
+    @property
+    def counted(self) -> str:
+        """What count_case runs: both passes of the op's case."""
+        return f"{self.op} | {self.case}"
 
-def _pair_loss(loss: str, params: dict, dtype, backward: bool) -> Callable[[int], None]:
-    def run(n: int) -> None:
+
+def _pair_loss(loss: str, params: dict, dtype) -> Callable[..., None]:
+    def run(n: int, between: Callable[[], None]) -> None:
         import torch
 
         from torchkit.triton import pair_losses as kernels
@@ -822,33 +912,29 @@ def _pair_loss(loss: str, params: dict, dtype, backward: bool) -> Callable[[int]
         labels = torch.arange(n) // 8
         name, values = loss.removesuffix("_loss"), tuple(params.values())
         value, stats = getattr(kernels, f"{name}_forward")(e, labels, None, None, *values)
-        if backward:
-            grad = torch.ones((), dtype=value.dtype)
-            getattr(kernels, f"{name}_backward")(grad, e, labels, None, None, stats, *values, [True, False])
+        between()
+        grad = torch.ones((), dtype=value.dtype)
+        getattr(kernels, f"{name}_backward")(grad, e, labels, None, None, stats, *values, [True, False])
 
     return run
 
 
-def _proxy_anchor(backward: bool) -> Callable[[int], None]:
-    def run(n: int) -> None:
-        import torch
+def _proxy_anchor(n: int, classes: int, between: Callable[[], None]) -> None:
+    import torch
 
-        from torchkit.triton import pair_losses as kernels
+    from torchkit.triton import pair_losses as kernels
 
-        g = torch.Generator().manual_seed(0)
-        e = torch.randn(n, 512, generator=g)
-        proxies = torch.randn(11318, 512, generator=g)
-        labels = torch.randint(11318, (n,), generator=g)
-        value, stats = kernels.proxy_anchor_forward(e, labels, proxies, 0.1, 32.0)
-        if backward:
-            grad = torch.ones((), dtype=value.dtype)
-            kernels.proxy_anchor_backward(grad, e, labels, proxies, stats, 0.1, 32.0, [True, True])
-
-    return run
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(n, 512, generator=g)
+    proxies = torch.randn(classes, 512, generator=g)
+    labels = torch.randint(classes, (n,), generator=g)
+    value, stats = kernels.proxy_anchor_forward(e, labels, proxies, 0.1, 32.0)
+    between()
+    kernels.proxy_anchor_backward(torch.ones((), dtype=value.dtype), e, labels, proxies, stats, 0.1, 32.0, [True, True])
 
 
-def _cdist(dtype, backward: bool) -> Callable[[int], None]:
-    def run(n: int) -> None:
+def _cdist(dtype) -> Callable[..., None]:
+    def run(n: int, between: Callable[[], None]) -> None:
         import torch
 
         from torchkit.triton import cdist as kernels
@@ -856,14 +942,14 @@ def _cdist(dtype, backward: bool) -> Callable[[int], None]:
         g = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, 128, generator=g).to(dtype) for _ in range(2))
         d = kernels.forward(a, b, False)
-        if backward:
-            kernels.backward(torch.ones_like(d), a, b, d, False, [True, True])
+        between()
+        kernels.backward(torch.ones_like(d), a, b, d, False, [True, True])
 
     return run
 
 
-def _bilinear_pool(dtype, backward: bool) -> Callable[[int], None]:
-    def run(n: int) -> None:
+def _bilinear_pool(dtype) -> Callable[..., None]:
+    def run(n: int, between: Callable[[], None]) -> None:
         import torch
 
         from torchkit.triton import bilinear_pool as kernels
@@ -871,8 +957,8 @@ def _bilinear_pool(dtype, backward: bool) -> Callable[[int], None]:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(n, 512, 28, 28, generator=g).relu_().to(dtype)
         out, norm = kernels.forward(x, None, 1e-5, 1e-12)
-        if backward:
-            kernels.backward(torch.ones_like(out), x, None, out, norm, 1e-5, 1e-12, [True, False])
+        between()
+        kernels.backward(torch.ones_like(out), x, None, out, norm, 1e-5, 1e-12, [True, False])
 
     return run
 
@@ -918,79 +1004,189 @@ def cases() -> list[Case]:
     out = []
     for tname, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for pass_ in ("forward", "forward+backward"):
-            backward = pass_ != "forward"
             for loss, params in VARIANTS.values():
                 case = f"N=8192 D=128 8/class {tname}"
                 if loss == "triplet_margin_loss":
                     case += f" {params['mining']}"
-                out.append(Case(loss, case, pass_, _pair_loss(loss, params, dtype, backward), (128, 256, 512), 8192))
+                run = _pair_loss(loss, params, dtype)
+                out.append(Case(loss, case, pass_, run, (128, 256, 512), 8192, 8192**2))
             if dtype == torch.float32:  # the benchmark's proxy case: Stanford Online Products' classes
-                out.append(Case("proxy_anchor_loss", "N=8192 D=512 C=11318 fp32", pass_, _proxy_anchor(backward),
-                                (128, 256, 512), 8192))  # fmt: skip
-            out.append(Case("cdist", f"P=R=8192 M=128 {tname}", pass_, _cdist(dtype, backward), (128, 256, 512), 8192))
-            out.append(
-                Case(
-                    "bilinear_pool", f"N=32 D=512 28x28 {tname}", pass_, _bilinear_pool(dtype, backward), (1, 2, 3), 32
-                )
-            )
+                # Its work is per (embedding, proxy) pair: counted at two sizes of each.
+                corners = tuple((n, c) for n in (128, 256) for c in (128, 256))
+                out.append(Case("proxy_anchor_loss", "N=8192 D=512 C=11318 fp32", pass_, _proxy_anchor,
+                                corners, (8192, 11318), 8192 * 11318))  # fmt: skip
+            run = _cdist(dtype)
+            out.append(Case("cdist", f"P=R=8192 M=128 {tname}", pass_, run, (128, 256, 512), 8192, 8192**2))
+            run = _bilinear_pool(dtype)
+            out.append(Case("bilinear_pool", f"N=32 D=512 28x28 {tname}", pass_, run, (1, 2, 3), 32, 32 * 512**2))
     return out
 
 
-def count_case(index: int) -> list[Launch]:
-    """Case `index`'s launches at its headline size, extrapolated from its small sizes."""
+def count_case(index: int) -> tuple[list[Launch], int]:
+    """Case `index`'s launches, both passes, at its headline size extrapolated from its small
+    sizes, and how many of them are the forward's."""
     import torch
 
     torch.set_num_threads(1)  # one case per core
     case = cases()[index]
-    runs = []
+    runs, forward = [], set()
     for size in case.sizes:
         with counting() as launches:
-            case.run(size)
+            case.run(*(size if isinstance(size, tuple) else (size,)), between=lambda: forward.add(len(launches)))
         runs.append((size, launches))
-    return extrapolate(runs, case.size)
+    if len(forward) != 1:
+        raise ValueError(f"{case.counted}: the forward's launches differ between sizes {case.sizes}")
+    return extrapolate(runs, case.size), forward.pop()
 
 
 def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
-    """count_case of each chosen case, on `jobs` processes, cached in build/gpu-model by the
-    Triton kernels' sources (torchkit/triton/*.py): a rerun with no kernel changed costs
-    nothing."""
+    """The launches of each chosen case (count_case: the forward's are the first of both
+    passes', counted once for both), on `jobs` processes, cached in build/gpu-model by the
+    Triton kernels' sources (torchkit/triton/*.py) and how they are counted: a rerun with no
+    kernel changed costs nothing."""
     import hashlib
+    import inspect
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
 
     import triton
 
-    sources = hashlib.sha256()
-    folder = os.path.join(ROOT, "torchkit", "triton")
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                sources.update(f.read())
-    names = [c.name for c in cases()]
-    keys = {i: hashlib.sha256(f"{sources.hexdigest()} {names[i]}".encode()).hexdigest() for i in chosen}
+    sources = _digest(counting, Counter_, Launch, extrapolate, count_case)
+    every = cases()
+    first = {}  # the index count_case runs for each counted (op, case)
+    for i, c in enumerate(every):
+        first.setdefault(c.counted, i)
+    keys = {}
+    for i in chosen:
+        c = every[i]
+        case = f"{c.counted} {c.sizes} {c.size} {inspect.getsource(c.run)}"
+        keys[i] = hashlib.sha256(f"{sources} {case}".encode()).hexdigest()
     os.makedirs(CACHE, exist_ok=True)
     path = os.path.join(CACHE, f"counts-{triton.__version__}.pkl")
     cache = _load(path) if os.path.exists(path) else {}
-    todo = [i for i in chosen if keys[i] not in cache]
+    todo = {keys[i]: first[every[i].counted] for i in chosen if keys[i] not in cache}
     if todo:
         with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(count_case, i): i for i in todo}
+            futures = {pool.submit(count_case, index): key for key, index in todo.items()}
             for future in as_completed(futures):
-                cache[keys[futures[future]]] = future.result()
+                cache[futures[future]] = future.result()
                 _dump(cache, path)  # each case as it completes
-    return {i: cache[keys[i]] for i in chosen}
+    out = {}
+    for i in chosen:
+        launches, forward = cache[keys[i]]
+        out[i] = launches[:forward] if every[i].pass_ == "forward" else launches
+    return out
 
 
-def measured(gpu: str) -> dict[str, float]:
-    """The recorded GPU run's median seconds of each Triton case (benchmarks/results/<gpu>/gpu.json)."""
+def recorded(gpu: str) -> tuple[dict[str, float], dict[str, tuple[str, float]]]:
+    """From the recorded GPU run (benchmarks/results/<gpu>/gpu.json), each case's median
+    seconds through the Triton kernels, and its goal: the fastest peer's median (the project
+    means to beat every one; the roofline and torchkit's other kernels are not peers)."""
     import json
 
     path = os.path.join(ROOT, "benchmarks", "results", gpu, "gpu.json")
     if not os.path.exists(path):
-        return {}
+        return {}, {}
     with open(path) as f:
-        recorded = json.load(f)["benchmarks"]
-    return {b["group"]: b["stats"]["median"] for b in recorded if b["params"].get("impl") == "torchkit (triton)"}
+        runs = json.load(f)["benchmarks"]
+    ours, goals = {}, {}
+    for b in runs:
+        impl, median = b["params"].get("impl", ""), b["stats"]["median"]
+        if impl == "torchkit (triton)":
+            ours[b["group"]] = median
+        elif not impl.startswith(("torchkit", "roofline")) and median < goals.get(b["group"], ("", np.inf))[1]:
+            goals[b["group"]] = (impl, median)
+    return ours, goals
+
+
+def _qualified(launch: Launch) -> str:
+    """The launch's kernel with its module's name (several modules have a forward_kernel)."""
+    return f"{launch.spec['module'].rsplit('.', 1)[-1]}.{launch.kernel}"
+
+
+def cross_check(launch: Launch) -> list[str]:
+    """Where a launch's counts and its compiled code disagree about what it executes: a class
+    of work (tensor cores, float64, the special-function unit) making up at least 1 % of the
+    counted lane-instructions with no such instruction in its SASS, or such instructions in
+    its SASS loops and none counted; and a counted IEEE float32 tl.dot without FFMA in a loop."""
+    sass = (launch.compiled or {}).get("sass")
+    if not sass:
+        return []
+    pipes, tensor = lane_work(launch.counts)
+    work = sum(v for k, v in pipes.items() if k not in ("issue", "lsu")) + sum(tensor.values())
+    counted = {"tensor": sum(tensor.values()), "fp64": pipes.get("fp64", 0), "mufu": pipes.get("mufu", 0)}
+    out = []
+    for kind, n in counted.items():
+        if n >= 0.01 * work and not sass["all"].get(kind):
+            out.append(f"{kind}: {n / work:.0%} of the counted work, none in the SASS")
+        elif not n and sass["loops"].get(kind):
+            out.append(f"{kind}: {sass['loops'][kind]} instructions in the SASS loops, none counted")
+    if any(k.startswith("dot:fp32-ieee") for k in launch.counts) and not sass["loops"].get("fp32"):
+        out.append("IEEE float32 tl.dot counted, no FP32 instruction in the SASS loops")
+    return out
+
+
+# The rule check (rules()): a launch of a @hot kernel does float64 work per pair past this many
+# float64 operations per element of its case's product (per-row float64 is a few per row: at
+# N = 8,192 rows, 0.01 per pair); an IEEE float32 tl.dot at all.
+FP64_PER_PAIR = 0.25
+
+
+def rules(case: Case, launches: list[Launch]) -> list[dict]:
+    """Each launch of a hot kernel (torchkit.triton._launch.hot) against the rules: no float64
+    work per pair and no IEEE float32 tl.dot unless the kernel's mark gives the reason; and a
+    kernel whose products are per pair (multiply-adds at least the case's pairs) must be
+    marked. One row per kernel and rule broken: its reason, or None (a failure)."""
+    import importlib
+
+    out = []
+    for launch in launches:
+        kernel = getattr(importlib.import_module(launch.spec["module"]), launch.kernel)
+        marks = getattr(kernel, "hot", None)
+        c = launch.counts
+        if marks is None:
+            if macs_all(c) >= case.pairs:
+                out.append({"kernel": _qualified(launch), "rule": "per-pair products, not marked @hot", "why": None})
+            continue
+        fp64 = sum(v for k, v in c.items() if k.endswith(":fp64") and k.startswith(("float:", "math:", "reduce:")))
+        broken = {
+            "float64 per pair": fp64 / case.pairs if fp64 > FP64_PER_PAIR * case.pairs else 0,
+            "IEEE float32 tl.dot": sum(v for k, v in c.items() if k.startswith("dot:fp32-ieee")) / case.pairs,
+        }
+        for rule, amount in broken.items():
+            if amount:
+                out.append({"kernel": _qualified(launch), "rule": rule, "per_pair": amount, "why": marks[rule]})
+    return out
+
+
+# `make gpu-model` in CI fails where a case's prediction exceeds the committed one
+# (benchmarks/results/model.json) by more than this factor: the counts and compiled code are
+# deterministic, so only a change of kernel (or of Triton) moves them.
+REGRESSION = 1.2
+
+
+def regressions(predicted: dict[str, float], path: str) -> tuple[list[str], bool]:
+    """The predictions (seconds by case name) against those committed in `path` (written by
+    --output): lines to print, and whether any exceeds its committed one past REGRESSION.
+    Compared only under the Triton that wrote them: another compiles the kernels otherwise."""
+    import json
+
+    import triton
+
+    with open(path) as f:
+        committed = json.load(f)
+    where = os.path.relpath(path, ROOT)
+    if committed["triton"] != triton.__version__:
+        return [
+            "",
+            f"Not compared with {where}: written with Triton {committed['triton']}, this is {triton.__version__}",
+        ], False
+    slower = {k: v / committed["cases"][k] for k, v in predicted.items() if k in committed["cases"]}
+    worse = {k: r for k, r in slower.items() if r > REGRESSION}
+    low, high = min(slower.values(), default=1), max(slower.values(), default=1)
+    lines = ["", f"Against {where}: {len(slower)} cases, predicted / committed {low:.2f}–{high:.2f}"]
+    lines += [f"- **{k}: {r:.2f}× the committed prediction, past {REGRESSION}×**" for k, r in worse.items()]
+    return lines, bool(worse)
 
 
 def main(argv=None) -> int:
@@ -999,7 +1195,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     parser.add_argument("--launches", action="store_true", help="a line per launch: its time by resource")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes counting cases")
-    parser.add_argument("--output", help="also write the table, with its summary, to this markdown file")
+    parser.add_argument("--output", help="also write the table, with its summary, to this markdown file, and "
+                        "the predictions to the .json beside it")  # fmt: skip
+    parser.add_argument("--check", metavar="JSON", help=f"fail where a prediction exceeds this file's by {REGRESSION}x")
     parser.add_argument("--flash", action="store_true", help="cost the flash-style SupCon probe (flash_supcon)")
     parser.add_argument("--compile", nargs=2, metavar=("SPECS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1008,7 +1206,7 @@ def main(argv=None) -> int:
         return 0
     if args.flash:
         for pass_, launches in flash_supcon().items():
-            result = predict(launches, args.gpu)
+            result = predict(launches, args.gpu, EFFICIENCY)
             bounds = ", ".join(f"{r['kernel']}: {r['seconds'] * 1e3:.3g} ms ({r['bound']})" for r in result["launches"])
             print(f"flash-style supcon_loss N=8192 D=128 bf16 {pass_}: {result['seconds'] * 1e3:.3g} ms; {bounds}")
         return 0
@@ -1017,10 +1215,10 @@ def main(argv=None) -> int:
     every = cases()
     chosen = [i for i, c in enumerate(every) if not args.cases or any(s in c.name for s in args.cases)]
     counted = count_cases(chosen, args.jobs)
-    recorded = measured(args.gpu)
+    ours, goals = recorded(args.gpu)
     compile_launches([launch for i in chosen for launch in counted[i]])
     peak = {i: predict(counted[i], args.gpu) for i in chosen}
-    seen = {i: recorded[every[i].name] for i in chosen if every[i].name in recorded}
+    seen = {i: ours[every[i].name] for i in chosen if every[i].name in ours}
     samples = {i: (peak[i]["launches"], seen[i]) for i in seen}
     # Each measured case predicted by the efficiencies fitted to the others: how well the
     # calibration carries to a case it has not seen.
@@ -1030,14 +1228,20 @@ def main(argv=None) -> int:
             others = [v for j, v in samples.items() if j != i]
             left_out[i] = predict(counted[i], args.gpu, fit(others, sorted(EFFICIENCY)))["seconds"] / seen[i]
     lines = [
-        f"| op | case | pass | predicted ms ({GPUS[args.gpu]['name']}) | at peak ms | measured ms "
-        "| predicted / measured | left out | bound: launch (resource) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| op | case | pass | predicted ms ({GPUS[args.gpu]['name']}) | at peak | measured ms "
+        "| predicted / measured | left out | goal ms (fastest peer) | bound: launch (resource) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = {"at peak": [], "calibrated": [], "left out": list(left_out.values())}
+    predicted, broken, disagreements = {}, [], set()
     for i in chosen:
         case = every[i]
         result = predict(counted[i], args.gpu, EFFICIENCY)
+        predicted[case.name] = result["seconds"]
+        broken += [{"case": case.name, **r} for r in rules(case, counted[i])]
+        for launch, r in zip(counted[i], result["launches"], strict=True):
+            r["sass_loops"] = (launch.compiled or {}).get("sass", {}).get("loops")
+            disagreements.update(f"{_qualified(launch)}: {d}" for d in cross_check(launch))
         top = max(result["launches"], key=lambda r: r["seconds"])
         m = seen.get(i)
         row = [case.op, case.case, case.pass_, f"{result['seconds'] * 1e3:.3g}", f"{peak[i]['seconds'] * 1e3:.3g}"]
@@ -1047,44 +1251,76 @@ def main(argv=None) -> int:
             row += [f"{m * 1e3:.3g}", f"{result['seconds'] / m:.2f}", f"{left_out[i]:.2f}" if i in left_out else "–"]
         else:
             row += ["–", "–", "–"]
+        peer = goals.get(case.name)
+        row.append(f"{peer[1] * 1e3:.3g} ({peer[0]})" if peer else "–")
         new = [f"| {' | '.join(row)} | {top['kernel']} ({top['bound']}) |"]
         if args.launches:
             for r in result["launches"]:
                 ranked = sorted(r["times"].items(), key=lambda kv: -kv[1])[:4]
                 shares = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in ranked)
                 launch = f"{r['kernel']}, {r['programs']:.0f} programs"
-                new.append(f"| | &nbsp; {launch} | | {r['seconds'] * 1e3:.3g} | | | | | {shares} |")
+                new.append(f"| | &nbsp; {launch} | | {r['seconds'] * 1e3:.3g} | | | | | | {shares} |")
+                loops = r.get("sass_loops")
+                if loops:
+                    mix = ", ".join(f"{k} {v}" for k, v in sorted(loops.items(), key=lambda kv: -kv[1]))
+                    new[-1] = new[-1][:-2] + f"; SASS loops: {mix} |"
         lines += new
     print("\n".join(lines), flush=True)
+    summary = [""]
     if samples:
-        summary = [""]
         for name, values in ratios.items():
             if values:
                 r = np.array(values)
                 within = np.maximum(r, 1 / r)
                 summary.append(
                     f"- {name}: {len(r)} measured cases, predicted / measured {r.min():.2f}–{r.max():.2f} "
-                    f"(median {np.median(r):.2f}); within 2×: {(within <= 2).sum()}, within 1.5×: {(within <= 1.5).sum()}"
+                    f"(median {np.median(r):.2f}); within 2×: {(within <= 2).sum()}, "
+                    f"within 1.5×: {(within <= 1.5).sum()}"
                 )
         refit = fit(list(samples.values()))
         summary.append(f"- efficiencies used: {EFFICIENCY}; fitted to these cases now: {refit}")
-        print("\n".join(summary))
-        lines += summary
+    # The rule check: each hot kernel's float64 per pair and IEEE products, with the reason its mark gives.
+    failures = [b for b in broken if not b["why"]]
+    reasons = {}
+    for b in broken:
+        reasons.setdefault((b["kernel"], b["rule"], b["why"]), []).append(b.get("per_pair", 0))
+    summary += ["", "Hot kernels that break a rule (rules()), per element of the case's product:", ""]
+    for (kernel, rule, why), amounts in sorted(reasons.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        said = f"why: {why}" if why else "**no reason given: fails**"
+        summary.append(f"- {kernel}: {rule}, up to {max(amounts):.3g} per pair; {said}")
+    summary += ["", f"Counts against the compiled code (cross_check()): {len(disagreements)} disagreements"]
+    summary += [f"- {d}" for d in sorted(disagreements)]
+    failed = bool(failures)
+    if args.check:
+        said, worse = regressions(predicted, args.check)
+        summary += said
+        failed |= worse
+    print("\n".join(summary))
+    lines += summary
     if args.output:
+        import json
+
+        import triton
+
         header = [
             f"# The offline performance model against the recorded {GPUS[args.gpu]['name']} run",
             "",
-            "Written by `make gpu-model` (tools/gpu_model.py; CONTRIBUTING.md says how it works): each",
+            "Written by `make gpu-model-table` (tools/gpu_model.py; CONTRIBUTING.md says how it works): each",
             "headline Triton case's predicted time from its operation counts under Triton's interpreter",
-            "and its launches' sm_90 compiled code, beside the median of the recorded GPU run",
-            f"(benchmarks/results/{args.gpu}/gpu.json, whose kernels may be older than the counted ones).",
-            "Each case's indented rows are its launches, with their four largest terms in ms.",
+            "and its launches' sm_90 compiled code, with the calibrated efficiencies (at peak: without),",
+            f"beside the median of the recorded GPU run (benchmarks/results/{args.gpu}/gpu.json, whose kernels",
+            "may be older than the counted ones), the prediction with the case left out of the fit, and the",
+            "fastest peer there, the goal. Each case's indented rows are its launches, with their four",
+            "largest terms in ms.",
             *([f"Cases whose names contain: {', '.join(args.cases)}."] if args.cases else []),
             "",
         ]
         with open(args.output, "w") as f:
             f.write("\n".join(header + lines) + "\n")
-    return 0
+        with open(os.path.splitext(args.output)[0] + ".json", "w") as f:
+            json.dump({"gpu": args.gpu, "triton": triton.__version__, "cases": predicted}, f, indent=1)
+            f.write("\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
