@@ -13,6 +13,18 @@ namespace torchkit::pair_losses {
 
 namespace {
 
+// The integer type of a floating type's width, to compare values by their bits.
+at::ScalarType bits_type(const at::Tensor& t) {
+  switch (t.element_size()) {
+    case 2:
+      return at::kShort;
+    case 4:
+      return at::kInt;
+    default:
+      return at::kLong;
+  }
+}
+
 void check_labels(const char* op, const char* name, const at::Tensor& labels, const char* of,
                   const at::Tensor& e) {
   TK_CHECK_TYPE(op, at::isIntegralType(labels.scalar_type(), /*includeBool=*/false), name,
@@ -74,6 +86,14 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
                      ", labels must equal ref_labels[shard:shard + N] (the anchors are those ref "
                      "rows), got a different label at anchor ",
                      differ.numel() ? differ[0].item<int64_t>() : 0);
+      // And their rows, compared by their bits (a NaN row is that row too).
+      const at::Tensor rows = embeddings.view(bits_type(embeddings));
+      const at::Tensor refs = ref_embeddings->narrow(0, p.offset, p.N);
+      const at::Tensor unequal = rows.ne(refs.view(bits_type(refs))).any(1).nonzero();
+      TK_CHECK_VALUE(op, unequal.numel() == 0, "with shard = ", p.offset,
+                     ", embeddings must equal ref_embeddings[shard:shard + N] (the anchors are "
+                     "those ref rows), got a different row at anchor ",
+                     unequal.numel() ? unequal[0].item<int64_t>() : 0);
     }
   }
   return p;

@@ -134,6 +134,18 @@ def test_ints_and_floats_take_numpy_scalars_and_0d_tensors():
 
 
 @pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "op,arg", [(op, arg) for op, (_, kw) in CALLS.items() for arg in kw if KIND_OF.get(arg) in ("int", "float")]
+)
+def test_a_0d_meta_tensor_is_refused_naming_the_argument(op, arg):
+    """A meta tensor holds no value: its item() error would name neither the op nor the argument."""
+    must = "an int" if KIND_OF[arg] == "int" else "a float"
+    value = torch.tensor(2 if must == "an int" else 0.5, device="meta")
+    with pytest.raises(TypeError, match=rf"^{op}: {arg} must be {must}, got a meta tensor, which holds no value"):
+        call_with(op, arg, value)
+
+
+@pytest.mark.bad_input
 @pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
 def test_0d_tensors_that_do_not_read_back_as_numbers_are_refused():
     # A quantized scalar reads back dequantized (1.5 would pass as k = 1); bits dtypes do not

@@ -676,6 +676,13 @@ def test_shard_is_checked(loss, params):
         ValueError, match=rf"^{loss}: with shard = 2, labels must equal ref_labels\[shard:shard \+ N\].* anchor 1$"
     ):
         op(rows[2:4], other[2:4], rows, labels, *values, 2)
+    moved = rows.clone()
+    moved[3, 1] = -moved[3, 1]
+    with pytest.raises(
+        ValueError,
+        match=rf"^{loss}: with shard = 2, embeddings must equal ref_embeddings\[shard:shard \+ N\].* anchor 1$",
+    ):
+        op(moved[2:4], labels[2:4], rows, labels, *values, 2)
     _, stats = op(rows[2:4], labels[2:4], rows, labels, *values, 2)
     g = torch.ones((), dtype=torch.float64)
     with pytest.raises(ValueError, match=rf"^{loss}: shard must be -1"):
@@ -978,6 +985,49 @@ def test_raw_op_refuses_like_the_function(monkeypatch, loss, call, exc, match):
 
 @pytest.mark.bad_input
 @pytest.mark.parametrize("loss", NAMES)
+def test_a_0d_meta_tensor_parameter_is_refused_naming_it(loss):
+    name = next(iter(dict(VARIANTS)[loss]))
+    with pytest.raises(TypeError, match=rf"^{loss}: {name} must be a float, got a meta tensor, which holds no value"):
+        getattr(ops, loss)(e4, l6, **{name: torch.tensor(0.5, device="meta")})
+
+
+# A finite parameter whose loss lies past the embeddings' dtype: the loss is ±inf, as PML's
+# float32 arithmetic gives, not an error naming neither the op nor the argument.
+OVERFLOWING = [
+    ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1e39}),
+    ("triplet_margin_loss", {"margin": 1e39, "mining": "all"}),
+    ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": -1e300, "miner_epsilon": None}),
+]
+
+
+@with_kernels(OVERFLOWING, [loss for loss, _ in OVERFLOWING])
+def test_a_loss_past_the_dtypes_range_is_inf(loss, params, device):
+    from pytorch_metric_learning import losses as pml
+
+    x, labels = make((8, 4), torch.float32), make_labels(8, 3)
+    got = getattr(ops, loss)(x.requires_grad_(), labels, **params)
+    assert got.isinf() and got > 0
+    pml_loss = {
+        "contrastive_loss": lambda: pml.ContrastiveLoss(0.0, 1e39),
+        "triplet_margin_loss": lambda: pml.TripletMarginLoss(1e39),
+        "multi_similarity_loss": lambda: pml.MultiSimilarityLoss(2.0, 50.0, -1e300),
+    }[loss]()
+    assert pml_loss(x.detach(), labels) == got
+    if loss == "contrastive_loss":  # each term's gradient is finite: PML's, and float64's
+        got.backward()
+        y = x.detach().double().requires_grad_()
+        getattr(ops, loss)(y, labels, **params).backward()
+        torch.testing.assert_close(x.grad, y.grad.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_proxy_anchor_parameters_past_the_dtypes_range():
+    x, labels, proxies = make((8, 4), torch.float32), make_labels(8, 3), make((3, 4), torch.float32, seed=2)
+    assert ops.proxy_anchor_loss(x, labels, proxies, margin=0.1, alpha=1e300).isinf()
+    assert ops.proxy_anchor_loss(x, labels, proxies, margin=1e39, alpha=1.0).isinf()
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("loss", NAMES)
 def test_raw_op_refuses_a_bool_parameter(loss):
     op, _ = raw(loss)
     name, *others = dict(VARIANTS)[loss].items()
@@ -994,24 +1044,89 @@ def test_mining_must_be_a_string():
         ops.triplet_margin_loss(e4, l6, mining=1)
 
 
+def backward_bad_cases(loss):
+    """(arguments of the raw backward op, exception, message) for each kind of bad input."""
+    columns = COLUMNS[loss]
+    values = list(dict(VARIANTS)[loss].values())
+    _, stats = raw(loss)[0](e4, l6, None, None, *values)
+    g, mask = torch.ones(()), [True, False]
+    kind = {"triplet_margin_loss": "Long", "multi_similarity_loss": "Double"}.get(loss, "Float")
+    bad_param = {
+        "multi_similarity_loss": (0, 0.0, r"alpha must be finite and > 0, got 0"),
+        "contrastive_loss": (1, -1.0, r"neg_margin must be finite and >= 0, got -1"),
+        "triplet_margin_loss": (0, float("nan"), r"margin must be finite and >= 0, got nan"),
+    }.get(loss, (0, 0.0, r"temperature must be finite and > 0, got 0"))
+    at, value, rule = bad_param
+    bad_values = [*values[:at], value, *values[at + 1 :]]
+    return [
+        ((torch.ones(2), e4, l6, None, None, stats, *values, mask), ValueError, r"backward: grad must be a scalar"),
+        (
+            (g, e4, l6, None, None, stats.new_zeros(6, 7), *values, mask),
+            ValueError,
+            rf"backward: stats must be \(N, {columns}\) = \(6, {columns}\) of {kind}, got \[6, 7\] of {kind}",
+        ),
+        (
+            (g, e4, l6, None, None, stats.to(torch.float16), *values, mask),
+            ValueError,
+            rf"backward: stats must be .* of {kind}, got \[6, {columns}\] of Half",
+        ),
+        (
+            (g.double(), e4, l6, None, None, stats, *values, mask),
+            TypeError,
+            r"embeddings and grad must have the same dtype",
+        ),
+        (
+            (g, e4.unsqueeze(0), l6, None, None, stats, *values, mask),
+            ValueError,
+            r"embeddings must be 2-D \(N, D\), got shape \[1, 6, 4\]",
+        ),
+        (
+            (g, e4, l6[:5], None, None, stats, *values, mask),
+            ValueError,
+            r"labels must be 1-D with one label per row of embeddings \(6\), got shape \[5\]",
+        ),
+        ((g, e4, l6, None, None, stats, *bad_values, mask), ValueError, rule),
+    ]
+
+
 @pytest.mark.bad_input
 @pytest.mark.parametrize("loss", NAMES)
 def test_backward_checks_its_inputs(loss):
-    op, backward = raw(loss)
-    columns = COLUMNS[loss]
-    values = list(dict(VARIANTS)[loss].values())
-    value, stats = op(e4, l6, None, None, *values)
-    g = torch.ones_like(value)
-    kind = {"triplet_margin_loss": "Long", "multi_similarity_loss": "Double"}.get(loss, "Float")
-    with pytest.raises(ValueError, match=r"backward: grad must be a scalar"):
-        backward(torch.ones(2), e4, l6, None, None, stats, *values, [True, False])
-    with pytest.raises(
-        ValueError,
-        match=rf"backward: stats must be \(N, {columns}\) = \(6, {columns}\) of {kind}, got \[6, 7\] of {kind}",
-    ):
-        backward(g, e4, l6, None, None, stats.new_zeros(6, 7), *values, [True, False])
-    with pytest.raises(TypeError, match=r"embeddings and grad must have the same dtype"):
-        backward(g.double(), e4, l6, None, None, stats, *values, [True, False])
+    """The backward op and its fake kernel (meta tensors: what torch.compile runs) refuse the
+    same bad input with the same message."""
+    _, backward = raw(loss)
+    for args, exc, match in backward_bad_cases(loss):
+        with pytest.raises(exc, match=rf"^{loss}: {match}") as eager:
+            backward(*args)
+        with pytest.raises(exc) as fake:
+            backward(*(a.to("meta") if torch.is_tensor(a) else a for a in args))
+        assert str(fake.value) == str(eager.value)
+
+
+@pytest.mark.bad_input
+def test_proxy_anchor_backward_checks_its_inputs():
+    op, backward = torch.ops.torchkit.proxy_anchor_loss, torch.ops.torchkit._proxy_anchor_loss_backward
+    p3 = make((3, 4), torch.float32, seed=5)
+    labels = l6 % 3
+    _, stats = op(e4, labels, p3, 0.1, 32.0)
+    g, mask = torch.ones(()), [True, True]
+    cases = [
+        ((torch.ones(2), e4, labels, p3, stats, 0.1, 32.0, mask), ValueError, r"backward: grad must be a scalar"),
+        (
+            (g, e4, labels, p3, stats[:2], 0.1, 32.0, mask),
+            ValueError,
+            r"backward: stats must be \(N, 4\) = \(3, 4\) of Float, got \[2, 4\] of Float",
+        ),
+        ((g, e4, labels, p3[:, :3], stats, 0.1, 32.0, mask), ValueError, r"proxies must be 2-D \(C, D\)"),
+        ((g, e4, labels[:5], p3, stats, 0.1, 32.0, mask), ValueError, r"labels must be 1-D with one label per row"),
+        ((g, e4, labels, p3, stats, 0.1, 0.0, mask), ValueError, r"alpha must be finite and > 0, got 0"),
+    ]
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=rf"^proxy_anchor_loss: {match}") as eager:
+            backward(*args)
+        with pytest.raises(exc) as fake:
+            backward(*(a.to("meta") if torch.is_tensor(a) else a for a in args))
+        assert str(fake.value) == str(eager.value)
 
 
 @pytest.mark.bad_input
@@ -1292,6 +1407,13 @@ def test_triton_shard_is_checked(loss, params):
         ValueError, match=rf"^{loss}: with shard = 2, labels must equal ref_labels\[shard:shard \+ N\].* anchor 1$"
     ):
         forward_t(rows[2:4], other[2:4], rows, labels, *params, 2)
+    moved = rows.clone()
+    moved[3, 1] = -moved[3, 1]
+    with pytest.raises(
+        ValueError,
+        match=rf"^{loss}: with shard = 2, embeddings must equal ref_embeddings\[shard:shard \+ N\].* anchor 1$",
+    ):
+        forward_t(moved[2:4], labels[2:4], rows, labels, *params, 2)
     _, stats = raw(loss)[0](rows[2:4], labels[2:4], rows, labels, *params, 2)
     g = torch.ones((), dtype=torch.float64)
     columns = stats.shape[1]

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "common.h"
 #include "cpu/memory.h"
 #include "label_smoothing_cross_entropy.h"
 
@@ -530,23 +531,6 @@ Tensor as_rows(const Problem& p, const Tensor& t) {
 // quarter of the whole call at N = 256, C = 1000. The sums run in float64: a sequential
 // float32 sum of 16,384 losses errs by 7e-4 where one loss dwarfs the rest.
 constexpr int64_t kSerialReduce = 1 << 14;
-
-// A 0-d tensor of `options`' dtype holding `value` as a cast to it rounds: past the dtype's
-// range, ±inf, as reduce()'s tensor cast gives and PyTorch's own sum of finite losses does
-// (at::scalar_tensor refuses a finite double its type cannot hold).
-Tensor scalar_of_type(double value, const at::TensorOptions& options) {
-  // The largest finite value, and the magnitude from which round to nearest gives inf.
-  double max = 0, overflow = 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, options.dtype().toScalarType(), "scalar_of_type", [&] {
-        using limits = std::numeric_limits<scalar_t>;
-        max = static_cast<double>(limits::max());
-        overflow = std::ldexp(2.0 - std::ldexp(1.0, -limits::digits), limits::max_exponent - 1);
-      });
-  const double magnitude = std::abs(value);
-  if (magnitude > max) value = std::copysign(magnitude >= overflow ? INFINITY : max, value);
-  return at::scalar_tensor(value, options);
-}
 
 std::tuple<Tensor, Tensor, Tensor> reduce_cpu(const Problem& p, const Tensor& input,
                                               const Tensor& lse, const Tensor& losses,

@@ -71,6 +71,7 @@ struct LogSumExp {
         at::vec::reduce_all<acc_t>([](V u, V v) { return at::vec::maximum(u, v); }, x, n);
     const double top = std::isnan(block_max) || block_max > max ? block_max : max;
     if (top == -std::numeric_limits<double>::infinity()) return;  // nothing in yet
+    if (top == std::numeric_limits<double>::infinity()) return overflow();
     const acc_t shift = static_cast<acc_t>(top);
     const acc_t block_sum = at::vec::map_reduce_all<acc_t>(
         [shift](V v) { return (v - V(shift)).exp(); }, [](V u, V v) { return u + v; }, x, n);
@@ -80,8 +81,15 @@ struct LogSumExp {
   void add(double x) {
     const double top = std::isnan(x) || x > max ? x : max;
     if (top == -std::numeric_limits<double>::infinity()) return;
+    if (top == std::numeric_limits<double>::infinity()) return overflow();
     sum = sum * std::exp(max - top) + std::exp(x - top);
     max = top;
+  }
+  // A term of +∞ (a finite parameter's product past the accumulation type): the sum is +∞,
+  // where the shift by the maximum would make it ∞ − ∞ = NaN.
+  void overflow() {
+    max = std::numeric_limits<double>::infinity();
+    sum = 1;
   }
   double value() const { return sum > 0 || std::isnan(sum) ? max + std::log(sum) : max; }
 };
@@ -181,7 +189,7 @@ std::tuple<Tensor, Tensor> supcon_forward(const Problem& p, const Inputs& in,
             stats};
   }
   if (counted > 0) total /= static_cast<double>(counted);
-  return {at::scalar_tensor(total, embeddings.options()), stats};
+  return {scalar_of_type(total, embeddings.options()), stats};
 }
 
 // ---------------------------------------------------------------------------- NT-Xent
@@ -259,7 +267,7 @@ std::tuple<Tensor, Tensor> ntxent_forward(const Problem& p, const Inputs& in,
     st[i * kStats + 2] = static_cast<acc_t>(1.0 / static_cast<double>(positives));
   }
   if (p.shard) return {parts(total), stats};
-  return {at::scalar_tensor(total / static_cast<double>(positives), embeddings.options()), stats};
+  return {scalar_of_type(total / static_cast<double>(positives), embeddings.options()), stats};
 }
 
 // ---------------------------------------------------------------------------- multi-similarity
@@ -447,7 +455,7 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
                     embeddings),
             stats};
   }
-  return {at::scalar_tensor(total * w, embeddings.options()), stats};
+  return {scalar_of_type(total * w, embeddings.options()), stats};
 }
 
 // ∂loss/∂E for the rows of `own` against `other` (rows_grad's roles) of a loss whose
@@ -595,7 +603,7 @@ std::tuple<Tensor, Tensor> proxy_anchor_forward(const Problem& p, const Inputs& 
   // any), the negative ones over all proxies.
   const double loss =
       (P > 0 ? pos / static_cast<double>(P) : 0.0) + (C > 0 ? neg / static_cast<double>(C) : 0.0);
-  return {at::scalar_tensor(loss, embeddings.options()), stats};
+  return {scalar_of_type(loss, embeddings.options()), stats};
 }
 
 // Proxy anchor's ∂loss/∂s from its stats: α/C·exp(α(s + margin) − Ln_c) for a negative,

@@ -384,7 +384,7 @@ std::tuple<Tensor, Tensor> contrastive_forward(const Problem& p, const Tensor& e
         st[i * kContrastiveStats + 1 - k] = static_cast<acc_t>(1 / n);
     }
   }
-  return {at::scalar_tensor(loss, embeddings.options()), stats};
+  return {scalar_of_type(loss, embeddings.options()), stats};
 }
 
 template <typename acc_t>
@@ -650,7 +650,7 @@ std::tuple<Tensor, Tensor> triplet_forward(const Problem& p, const Tensor& embed
   }
   if (p.shard) return {p.parts({total, static_cast<double>(count)}, embeddings), stats};
   const double loss = count > 0 ? total / static_cast<double>(count) : 0.0;
-  return {at::scalar_tensor(loss, embeddings.options()), stats};
+  return {scalar_of_type(loss, embeddings.options()), stats};
 }
 
 // ∂/∂e of the pair (i, j)'s distance times g, into row i of out (float64 differences).

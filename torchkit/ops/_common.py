@@ -58,6 +58,7 @@ def as_int(op: str, name: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         integer = value
     elif torch.is_tensor(value) and value.dim() == 0 and value.dtype in _INTEGRAL:
+        _check_readable(op, name, value, "an int")
         return int(value)
     elif not _is_bool(value) and not torch.is_tensor(value) and hasattr(type(value), "__index__"):
         integer = operator.index(value)
@@ -83,10 +84,18 @@ def as_float(op: str, name: str, value: Any) -> float:
         return float(value)
     if torch.is_tensor(value):
         if value.dim() == 0 and (value.is_floating_point() or value.dtype in _INTEGRAL):
+            _check_readable(op, name, value, "a float")
             return float(value)
     elif not _is_bool(value) and getattr(getattr(value, "dtype", None), "kind", None) in ("f", "i", "u"):
         return float(value)  # numpy reals (dtype.kind: float, int, uint)
     raise TypeError(f"{op}: {name} must be a float, got {describe(value)}")
+
+
+def _check_readable(op: str, name: str, value: Tensor, must: str) -> None:
+    """A 0-d tensor argument must hold a value to read: a meta tensor has none (its item()
+    error would name neither the function nor the argument)."""
+    if value.device.type == "meta":
+        raise TypeError(f"{op}: {name} must be {must}, got a meta tensor, which holds no value to read")
 
 
 def check_bool(op: str, name: str, value: Any) -> None:

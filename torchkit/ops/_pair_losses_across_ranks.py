@@ -37,10 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype
+from torchkit.ops.pair_losses import WHOLE_STATS
 
-# The losses whose shard backward (shard >= 0) takes the whole problem's stats and gives each
-# rank its rows' whole gradient (csrc/pair_losses.h; the module's docstring).
-WHOLE_STATS = frozenset({"supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss"})
 # The stats column of each of them that holds its shard's own normalisation.
 _NORMALISED_COLUMN = {"supcon_loss": 1, "ntxent_loss": 2, "multi_similarity_loss": 4}
 

@@ -392,7 +392,8 @@ def _register_proxy_anchor():
     @torch.library.register_fake(f"torchkit::_{op}_backward")
     def _(grad, embeddings, labels, proxies, stats, margin, alpha, output_mask):
         check_scalars(op, ("float", "margin", margin), ("float", "alpha", alpha))
-        check_same_device(op, embeddings=embeddings, grad=grad, stats=stats)
+        _check_proxy_inputs(embeddings, labels, proxies, margin, alpha)
+        _check_backward(op, grad, embeddings, stats, 4, anchors=proxies.shape[0])
         ge = torch.empty_like(embeddings, memory_format=torch.contiguous_format) if output_mask[0] else None
         gp = torch.empty_like(proxies, memory_format=torch.contiguous_format) if output_mask[1] else None
         return (embeddings.new_empty(0) if ge is None else ge), (embeddings.new_empty(0) if gp is None else gp)
@@ -449,6 +450,9 @@ _PARTS = {
 # The stats' dtype where it is not the accumulation type (csrc/pair_losses.h).
 _STATS_DTYPE = {"triplet_margin_loss": torch.int64, "multi_similarity_loss": torch.float64}
 _MINING = ("all", "batch_hard", "semi_hard")
+# The losses whose shard backward (shard >= 0) takes the whole problem's stats and gives each
+# rank its rows' whole gradient (csrc/pair_losses.h; torchkit/ops/_pair_losses_across_ranks.py).
+WHOLE_STATS = frozenset({"supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss"})
 
 
 def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None) -> Tensor:
@@ -583,6 +587,40 @@ def _check_shard(op: str, shard: Optional[int], embeddings: Tensor, ref_embeddin
         )
 
 
+def _check_backward(
+    op: str,
+    grad: Tensor,
+    embeddings: Tensor,
+    stats: Tensor,
+    columns: int,
+    anchors=None,
+    stats_dtype=None,
+    shard: int | None = None,
+    whole: int | None = None,
+) -> None:
+    """csrc/pair_losses.cpp's check_backward_inputs, with its messages (anchors: their number
+    where they are not the embeddings' rows; stats_dtype where it is not the accumulation
+    type; a shard's grad may be float64; whole: the whole problem's rows, whose stats a shard's
+    backward takes)."""
+    if grad.dim() != 0:
+        raise ValueError(f"{op}: backward: grad must be a scalar (the loss's), got shape {list(grad.shape)}")
+    if grad.dtype != embeddings.dtype and not (shard is not None and grad.dtype == torch.float64):
+        raise TypeError(
+            f"{op}: embeddings and grad must have the same dtype, got {dtype_name(embeddings.dtype)} and "
+            f"{dtype_name(grad.dtype)}"
+        )
+    check_same_device(op, embeddings=embeddings, grad=grad)
+    acc = stats_dtype or acc_dtype(embeddings)
+    N = whole if whole is not None else embeddings.shape[0] if anchors is None else anchors
+    if stats.dim() != 2 or stats.shape[0] != N or stats.shape[1] != columns or stats.dtype != acc:
+        rows, why = ("M", " (with shard >= 0: the whole problem's)") if whole is not None else ("N", "")
+        raise ValueError(
+            f"{op}: backward: stats must be ({rows}, {columns}) = ({N}, {columns}) of {dtype_name(acc)}{why}, got "
+            f"{list(stats.shape)} of {dtype_name(stats.dtype)}"
+        )
+    check_same_device(op, embeddings=embeddings, stats=stats)
+
+
 def _register(op: str) -> tuple:
     """The fake kernels and autograd formula of one pair loss; returns its (forward, backward)
     callables. A call with shard (the losses across ranks) returns the reducer's parts, which
@@ -601,8 +639,8 @@ def _register(op: str) -> tuple:
         params, shard = rest[:n], (rest[n] if len(rest) > n else None)
         check_raw(params)
         _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
-        _check_params(op, params)
         _check_shard(op, shard, embeddings, ref_embeddings)
+        _check_params(op, params)
         dtype = _STATS_DTYPE.get(op, acc_dtype(embeddings))
         stats = embeddings.new_empty((embeddings.shape[0], columns), dtype=dtype)
         if shard is not None:
@@ -612,9 +650,14 @@ def _register(op: str) -> tuple:
     @torch.library.register_fake(f"torchkit::_{op}_backward")
     def _(grad, embeddings, labels, ref_embeddings, ref_labels, stats, *rest):
         params, output_mask, shard = rest[:n], rest[n], (rest[n + 1] if len(rest) > n + 1 else None)
+        # The CPU kernel's checks, in its order: the forward's, then grad's and stats'.
         check_raw(params)
+        _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
         _check_shard(op, shard, embeddings, ref_embeddings)
-        check_same_device(op, embeddings=embeddings, grad=grad, stats=stats)
+        _check_params(op, params)
+        whole = ref_embeddings.shape[0] if shard is not None and shard >= 0 and op in WHOLE_STATS else None
+        stats_dtype = _STATS_DTYPE.get(op)
+        _check_backward(op, grad, embeddings, stats, columns, stats_dtype=stats_dtype, shard=shard, whole=whole)
         want_ref = ref_embeddings is not None and output_mask[1]
         ge = torch.empty_like(embeddings, memory_format=torch.contiguous_format) if output_mask[0] else None
         gr = torch.empty_like(ref_embeddings, memory_format=torch.contiguous_format) if want_ref else None

@@ -85,8 +85,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dtype_name
+from torchkit.ops._common import acc_dtype, check_scalars
 from torchkit.ops.pair_losses import (
+    _check_backward,
     _check_inputs,
     _check_params,
     _check_proxy_inputs,
@@ -1821,7 +1822,7 @@ def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature)
 
 def _shard(op: str, shard, embeddings, labels, ref_embeddings, ref_labels) -> int | None:
     """csrc/pair_losses.cpp's checks of a shard (None: none; −1: refs apart from the anchors;
-    >= 0: the anchors' first ref row), with the anchors' labels, which must be those ref rows':
+    >= 0: the anchors' first ref row), with the anchors' labels and rows, which must be those ref rows':
     read on the host for CPU tensors (the interpreter), asserted on the device for CUDA ones
     (no synchronisation)."""
     if shard is None:
@@ -1834,12 +1835,23 @@ def _shard(op: str, shard, embeddings, labels, ref_embeddings, ref_labels) -> in
             f"{op}: with shard = {shard}, labels must equal ref_labels[shard:shard + N] (the anchors are "
             "those ref rows)"
         )
+        # And their rows, compared by their bits (a NaN row is that row too).
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[embeddings.element_size()]
+        rows, refs = embeddings.view(bits), ref_embeddings.narrow(0, shard, N).view(bits)
+        row_rule = (
+            f"{op}: with shard = {shard}, embeddings must equal ref_embeddings[shard:shard + N] (the anchors are "
+            "those ref rows)"
+        )
         if labels.device.type == "cpu":
             differ = (mine != theirs).nonzero()
             if differ.numel():
                 raise ValueError(f"{rule}, got a different label at anchor {int(differ[0, 0])}")
+            unequal = (rows != refs).any(1).nonzero()
+            if unequal.numel():
+                raise ValueError(f"{row_rule}, got a different row at anchor {int(unequal[0, 0])}")
         else:
             torch._assert_async((mine == theirs).all(), rule)
+            torch._assert_async((rows == refs).all(), row_rule)
     return int(shard)
 
 
@@ -1853,7 +1865,7 @@ def _self_pairs(ref_embeddings, shard: int | None) -> tuple[bool, int]:
 
 def _whole_rows(shard: int | None, ref_embeddings) -> int | None:
     """The whole problem's rows, whose stats a shard's backward with shard >= 0 takes (the
-    losses of _pair_losses_across_ranks.WHOLE_STATS; None: its own anchors')."""
+    losses of torchkit.ops.pair_losses.WHOLE_STATS; None: its own anchors')."""
     return ref_embeddings.shape[0] if shard is not None and shard >= 0 else None
 
 
@@ -1918,40 +1930,6 @@ def ntxent_forward(
     if shard is not None:
         return _parts(total, positives, negatives), stats
     return (total / positives.clamp(min=1).double()).to(embeddings.dtype), stats
-
-
-def _check_backward(
-    op: str,
-    grad: Tensor,
-    embeddings: Tensor,
-    stats: Tensor,
-    columns: int,
-    anchors=None,
-    stats_dtype=None,
-    shard: int | None = None,
-    whole: int | None = None,
-) -> None:
-    """csrc/pair_losses.cpp's check_backward_inputs, with its messages (anchors: their number
-    where they are not the embeddings' rows; stats_dtype where it is not the accumulation
-    type; a shard's grad may be float64; whole: the whole problem's rows, whose stats a shard's
-    backward takes)."""
-    if grad.dim() != 0:
-        raise ValueError(f"{op}: backward: grad must be a scalar (the loss's), got shape {list(grad.shape)}")
-    if grad.dtype != embeddings.dtype and not (shard is not None and grad.dtype == torch.float64):
-        raise TypeError(
-            f"{op}: embeddings and grad must have the same dtype, got {dtype_name(embeddings.dtype)} and "
-            f"{dtype_name(grad.dtype)}"
-        )
-    check_same_device(op, embeddings=embeddings, grad=grad)
-    acc = stats_dtype or acc_dtype(embeddings)
-    N = whole if whole is not None else embeddings.shape[0] if anchors is None else anchors
-    if stats.dim() != 2 or stats.shape[0] != N or stats.shape[1] != columns or stats.dtype != acc:
-        rows, why = ("M", " (with shard >= 0: the whole problem's)") if whole is not None else ("N", "")
-        raise ValueError(
-            f"{op}: backward: stats must be ({rows}, {columns}) = ({N}, {columns}) of {dtype_name(acc)}{why}, got "
-            f"{list(stats.shape)} of {dtype_name(stats.dtype)}"
-        )
-    check_same_device(op, embeddings=embeddings, stats=stats)
 
 
 def _zeros(want: bool, like: Tensor | None, empty: Tensor) -> Tensor:
@@ -2190,7 +2168,10 @@ def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None,
     pos = torch.where(P > 0, lp.double().sum() / P.clamp(min=1).double(), 0.0)
     total = pos + (ln.double().sum() / C if C > 0 else 0.0)
     share = torch.where(P > 0, alpha / P.clamp(min=1).double(), 0.0).to(acc)
-    stats = torch.stack([lp, ln, share.expand(C), torch.full_like(ln, alpha / max(C, 1))], dim=1)
+    # (α/C made in float64 and cast: past float32's range a tensor cast gives inf, as the CPU
+    # kernel's; full_like would refuse the value)
+    per_proxy = torch.full_like(ln, alpha / max(C, 1), dtype=torch.float64).to(acc)
+    stats = torch.stack([lp, ln, share.expand(C), per_proxy], dim=1)
     return total.to(embeddings.dtype), stats
 
 
