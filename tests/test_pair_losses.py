@@ -1608,6 +1608,39 @@ def test_non_finite_embedding_makes_the_loss_nan(loss, params, device):
     assert getattr(ops, loss)(e, labels, **params).isnan()
 
 
+# The losses where an anchor without positives among the refs has no term at all.
+WITHOUT_POSITIVES = [
+    (case, i)
+    for case, i in zip(VARIANTS, VARIANT_IDS, strict=True)
+    if case[0] in ("supcon_loss", "ntxent_loss", "triplet_margin_loss")
+]
+
+
+@with_kernels([case for case, _ in WITHOUT_POSITIVES], [i for _, i in WITHOUT_POSITIVES])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_anchor_without_positives_keeps_to_its_own_terms(loss, params, value, device, request):
+    """It adds nothing to the loss, so nothing to any other row's gradient: the loss and the
+    other rows' gradients are those of the batch without it. (Its own gradient is F.normalize's
+    of a non-finite row: NaN.) 70 anchors and 300 refs cross the CPU kernels' tiles; 70 refs
+    the Triton kernels' (of 64 refs; fewer anchors: the interpreter is slow)."""
+    fn = getattr(ops, loss)
+    N, M = (12, 70) if request.node.get_closest_marker("triton") else (70, 300)
+    e, refs = make((N, 6), torch.float32), make((M, 6), torch.float32, seed=1)
+    labels, ref_labels = make_labels(N, 4), make_labels(M, 4, seed=1)
+    bad = N - 5
+    e[bad, 2], labels[bad] = value, 9
+    x, r = e.clone().requires_grad_(), refs.clone().requires_grad_()
+    got = fn(x, labels, **params, ref_embeddings=r, ref_labels=ref_labels)
+    got.backward()
+    keep = torch.arange(N) != bad
+    x0, r0 = e[keep].clone().requires_grad_(), refs.clone().requires_grad_()
+    expected = fn(x0, labels[keep], **params, ref_embeddings=r0, ref_labels=ref_labels)
+    expected.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(r.grad, r0.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(x.grad[keep], x0.grad, rtol=1e-5, atol=1e-7)
+
+
 @variants_k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [1.0, 1e300])

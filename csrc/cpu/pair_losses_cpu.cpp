@@ -477,6 +477,7 @@ Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc
   const auto [first, rows] = own_rows(p, own.rows, anchors_own);
   const Tensor mine = own.rows.narrow(0, first, rows);
   Tensor out = at::zeros_like(mine);
+  const GemmRows summed = gemm_rows(other.rows);
   for_each_tile(mine, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t e1[kCols], e2[kCols];
@@ -513,7 +514,9 @@ Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc
         x[c] = static_cast<acc_t>(g) * ib[j];
       }
     }
-    out.narrow(0, a0, di).addmm_(s, other.rows.narrow(0, b0, dj));
+    Tensor dst = out.narrow(0, a0, di);
+    dst.addmm_(s, summed.rows.narrow(0, b0, dj));
+    add_nonfinite<acc_t>(summed, dst, s, b0);
   });
   through_normalisation<acc_t>(out, own, grad, first);
   return out;
@@ -716,6 +719,7 @@ Tensor rows_grad(const Problem& p, const Side& own, const Side& other, const Ten
   const acc_t* shift = pg.shift.data();
   const acc_t inv_tau = static_cast<acc_t>(1.0 / p.temperature);
   const bool columns = !anchors_own || symmetric;  // terms of the anchors in the columns
+  const GemmRows summed = gemm_rows(other.rows);
   for_each_tile(mine, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
@@ -760,7 +764,8 @@ Tensor rows_grad(const Problem& p, const Side& own, const Side& other, const Ten
       }
     }
     Tensor dst = out.narrow(0, a0, di);
-    dst.addmm_(s, other.rows.narrow(0, b0, dj));
+    dst.addmm_(s, summed.rows.narrow(0, b0, dj));
+    add_nonfinite<acc_t>(summed, dst, s, b0);
   });
   through_normalisation<acc_t>(out, own, grad, first);
   return out;

@@ -178,6 +178,54 @@ void through_normalisation(Tensor& g, const Side& own, acc_t grad, int64_t first
   });
 }
 
+// The rows a backward's GEMM sums with per-pair weights, Σ_j w_ij·row_j. A row holding NaN
+// (normalised or centred rows of inputs that are not finite) would make 0·row_j NaN, so that a
+// row with no term in the loss (an anchor without positives among the refs) would spoil every
+// gradient it meets: such rows are zero in `rows`, and add_nonfinite makes NaN the gradient
+// rows that give one a weight other than 0 (a pair whose term is NaN: the loss is NaN), as the
+// Triton kernels do (_weighted_rows).
+struct GemmRows {
+  Tensor rows;                     // the rows, those not finite zeroed (the input if none)
+  std::vector<int64_t> nonfinite;  // the rows not finite, in increasing order
+};
+
+// rows: (n, D), contiguous.
+inline GemmRows gemm_rows(const Tensor& rows) {
+  GemmRows out{rows, {}};
+  const int64_t n = rows.size(0), D = rows.size(1);
+  std::vector<char> bad(n, 0);  // (scanned in place: at::isfinite would allocate rows' size twice)
+  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "gemm_rows", [&] {
+    const scalar_t* base = rows.const_data_ptr<scalar_t>();
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* row = base + i * D;
+        for (int64_t k = 0; k < D && !bad[i]; ++k) bad[i] = !std::isfinite(row[k]);
+      }
+    });
+  });
+  for (int64_t i = 0; i < n; ++i) {
+    if (bad[i]) out.nonfinite.push_back(i);
+  }
+  if (out.nonfinite.empty()) return out;
+  const Tensor index = at::tensor(out.nonfinite, rows.options().dtype(at::kLong));
+  out.rows = rows.index_fill(0, index, 0);
+  return out;
+}
+
+// dst's rows r (a tile's) NaN where the weight w[r, c] of a non-finite row b0 + c of the tile's
+// columns [b0, b0 + dj) is not 0. w: (di, dj).
+template <typename acc_t>
+void add_nonfinite(const GemmRows& g, Tensor& dst, const Tensor& w, int64_t b0) {
+  const int64_t dj = w.size(1);
+  const acc_t* wp = w.const_data_ptr<acc_t>();
+  for (auto it = std::lower_bound(g.nonfinite.begin(), g.nonfinite.end(), b0);
+       it != g.nonfinite.end() && *it < b0 + dj; ++it) {
+    for (int64_t r = 0; r < w.size(0); ++r) {
+      if (wp[r * w.stride(0) + (*it - b0)] != acc_t(0)) dst[r].fill_(NAN);
+    }
+  }
+}
+
 // The running extreme (MAX: the largest) of values each known to within a slack, and its
 // index, offered in increasing index order: ties keep the lower index, the first NaN wins, and
 // where the slacks leave a comparison open the exact values decide (exact(j): row j's exact

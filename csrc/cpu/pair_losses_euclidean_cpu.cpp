@@ -231,6 +231,7 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
   const Tensor mine = own.centred.narrow(0, first, rows);
   Tensor out = at::zeros_like(mine);
   acc_t* op = out.data_ptr<acc_t>();
+  const GemmRows summed = gemm_rows(other.centred);
   for_each_tile(mine, other.centred, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
@@ -271,7 +272,9 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
                    (any_direct ? static_cast<acc_t>(acc[k]) : acc_t(0));
       }
     }
-    out.narrow(0, a0, di).addmm_(s, other.centred.narrow(0, b0, dj), 1, -1);
+    Tensor dst = out.narrow(0, a0, di);
+    dst.addmm_(s, summed.rows.narrow(0, b0, dj), 1, -1);
+    add_nonfinite<acc_t>(summed, dst, s, b0);
   });
   extra(out);
   through_normalisation<acc_t>(out, own.side, grad, first);

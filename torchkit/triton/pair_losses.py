@@ -210,6 +210,19 @@ def _any(mask):
 
 
 @triton.jit
+def _weighted_rows(g, f, x, acc, IS64: tl.constexpr):
+    """acc + g·f, the rows f (normalised: NaN where an input is not finite) summed with the
+    weights g of the pairs whose cosines are x, a row not finite counting only where its weight
+    is not 0: 0·NaN would spoil every gradient the row meets, also where it has no term in the
+    loss (an anchor without positives among the refs). Such a row's NaN entries are 0 in the
+    product; a row with a weight on one (x is NaN there: the loss is NaN) is NaN, as in the CPU
+    kernels (GemmRows)."""
+    hit = tl.max(((g != 0) & (x != x)).to(tl.int32), axis=1) > 0
+    acc = _product(g, tl.trans(tl.where(f != f, 0.0, f)), acc, IS64)
+    return tl.where(hit[:, None], float("nan"), acc)
+
+
+@triton.jit
 def _scalars(INV_T_BITS, IS64: tl.constexpr):
     """1/τ in the accumulation type (passed as float64 bits: _launch.float_bits), and tiny, PML's
     small_val: the accumulation type's smallest normal."""
@@ -507,7 +520,7 @@ def grad_kernel(
             g = g * inv_t
         g = tl.where(valid, g, 0.0)
         f = tl.load(other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0)
-        acc = _product(g, tl.trans(f), acc, IS64)
+        acc = _weighted_rows(g, f, x, acc, IS64)
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=row_mask[:, None] & f_mask[None, :])
 
 
@@ -752,7 +765,7 @@ def ms_grad_kernel(
                 x, exact, pos, neg, st_ptr, cols[None, :], col_mask[None, :], alpha, beta, base, eps, slack, ACC, MINING
             )
         f = tl.load(other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0)
-        acc = _product(g, tl.trans(f), acc, IS64)
+        acc = _weighted_rows(g, f, x, acc, IS64)
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=row_mask[:, None] & f_mask[None, :])
 
 
@@ -1244,7 +1257,9 @@ def euclidean_grad_kernel(
                 c_other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0
             )
             acc += row_sum.to(ACC)[:, None] * c_i
-            acc = _product(0.0 - w, tl.trans(f), acc, IS64)
+            # (a row not finite is computed directly, above: NaN rows of f are 0 here, where 0·NaN
+            # would spoil every gradient the row meets)
+            acc = _product(0.0 - w, tl.trans(tl.where(f != f, 0.0, f)), acc, IS64)
     out = out_ptr + (rows - OUT0)[:, None] * D + fs[None, :]
     if ADD:
         acc += tl.load(out, mask=own_f, other=0.0)
