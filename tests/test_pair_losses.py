@@ -530,19 +530,33 @@ def test_zero_embedding_is_normalised_as_f_normalize(loss, params, device):
         torch.testing.assert_close(g, g_exp)
 
 
+def on_threads(fn, counts=(1, 2, 3, 4)) -> list:
+    """fn() on each number of threads."""
+    results, before = [], torch.get_num_threads()
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            results.append(fn())
+    finally:
+        torch.set_num_threads(before)
+    return results
+
+
+def same_bits(results) -> bool:
+    first = results[0]
+    return all(torch.equal(first[0], r[0]) and all(map(torch.equal, first[1], r[1])) for r in results[1:])
+
+
 @variants
-def test_deterministic_on_any_number_of_threads(loss, params):
-    e = make((300, 40), torch.float32, seed=8)
-    labels = make_labels(300, 12)
-    results = []
-    for threads in (1, 2):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            results.append(loss_and_grads(ours(loss, params), e, labels))
-        finally:
-            torch.set_num_threads(before)
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1][0], results[1][1][0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_deterministic_on_any_number_of_threads(loss, params, dtype):
+    """The same bits on 1 to 4 threads: 300 rows (several tasks), and 40 anchors against 300
+    refs (one block of a side, whose GEMMs MKL would otherwise split by the thread count)."""
+    e, labels = make((300, 40), dtype, seed=8), make_labels(300, 12)
+    assert same_bits(on_threads(lambda: loss_and_grads(ours(loss, params), e, labels)))
+    refs, ref_labels = make((300, 40), dtype, seed=9), make_labels(300, 12, seed=9)
+    args = (e[:40], labels[:40], refs, ref_labels)
+    assert same_bits(on_threads(lambda: loss_and_grads(ours(loss, params), *args)))
 
 
 # The CPU kernel only: the Triton kernels' backward equals the CPU kernel's in float64 at 1e-12
@@ -1862,22 +1876,14 @@ def test_proxy_anchor_compile_dynamic(device):
         check_compile(lambda a, lab, p: ops.proxy_anchor_loss(a, lab, p), e, make_labels(N, 5), proxies)
 
 
-def test_proxy_anchor_deterministic_on_any_number_of_threads():
+@pytest.mark.parametrize("C", [5, 30, 70])
+def test_proxy_anchor_deterministic_on_any_number_of_threads(C):
     e, labels, proxies = (
         make((300, 40), torch.float32, seed=8),
-        make_labels(300, 30),
-        make((30, 40), torch.float32, seed=9),
+        make_labels(300, C),
+        make((C, 40), torch.float32, seed=9),
     )
-    results = []
-    for threads in (1, 2):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            results.append(proxy_loss_and_grads(ops.proxy_anchor_loss, e, labels, proxies))
-        finally:
-            torch.set_num_threads(before)
-    assert torch.equal(results[0][0], results[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+    assert same_bits(on_threads(lambda: proxy_loss_and_grads(ops.proxy_anchor_loss, e, labels, proxies)))
 
 
 @kernels

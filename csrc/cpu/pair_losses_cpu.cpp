@@ -1,18 +1,17 @@
 // The pair losses on the CPU (the losses: pair_losses.h), one engine for the family.
 //
-// Forward: anchors in blocks of kRows, spread over the threads; per block, the similarity
-// tiles a_blk·b_tileᵀ (one BLAS call each, kRows × kCols, in a per-thread scratch) are folded
-// into each anchor's running log-sum-exps, sums and counts while in cache; nothing N×M
-// exists. NT-Xent's positive pairs, which need their anchor's whole negative sum first, are
-// then taken one by one (a dot product each, never a tile). Totals are summed in anchor
-// order: the same bits on any number of threads.
-// Backward: the tiles again, each turned into ∂loss/∂s (a tile) and multiplied into the
-// other side's rows. Every loss here has ∂loss/∂x_ij = coef_i·exp(x_ij − shift_i) for every
-// pair, plus a correction for positive pairs (rare: scalar), x = s/τ; the exponentials are
-// vectorised. Without refs the similarity is symmetric, so one pass over anchor blocks forms
-// ∂/∂s_ij + ∂/∂s_ji per tile and one GEMM per tile gives each row's whole gradient; with
-// refs, a second pass over ref blocks forms the refs' gradient (each block owns its rows: no
-// atomics). Then the normalisation's Jacobian per row.
+// Forward: anchors in blocks (pair_losses_cpu.h's rows_per_task), spread over the threads;
+// per block, the similarity tiles a_blk·b_tileᵀ (one sequential BLAS call each, at most
+// kRows × kCols, in a per-thread scratch) are folded into each anchor's running log-sum-exps,
+// sums and counts while in cache; nothing N×M exists. NT-Xent's positive pairs, which need their
+// anchor's whole negative sum first, are then taken one by one (a dot product each, never a tile).
+// Totals are summed in anchor order: the same bits on any number of threads. Backward: the tiles
+// again, each turned into ∂loss/∂s (a tile) and multiplied into the other side's rows. Every loss
+// here has ∂loss/∂x_ij = coef_i·exp(x_ij − shift_i) for every pair, plus a correction for positive
+// pairs (rare: scalar), x = s/τ; the exponentials are vectorised. Without refs the similarity is
+// symmetric, so one pass over anchor blocks forms ∂/∂s_ij + ∂/∂s_ji per tile and one GEMM per tile
+// gives each row's whole gradient; with refs, a second pass over ref blocks forms the refs'
+// gradient (each block owns its rows: no atomics). Then the normalisation's Jacobian per row.
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu/sequential_blas.h"
 #include "pair_losses.h"
 
 namespace torchkit::pair_losses::cpu {
@@ -24,7 +25,7 @@ namespace torchkit::pair_losses::cpu {
 using at::Tensor;
 using at::vec::Vectorized;
 
-constexpr int64_t kRows = 64;       // anchors per task
+constexpr int64_t kRows = 64;       // anchors per task (at most: rows_per_task)
 constexpr int64_t kCols = 256;      // ref rows per tile
 constexpr double kNormEps = 1e-12;  // F.normalize's, as PML's CosineSimilarity uses it
 
@@ -120,20 +121,33 @@ inline Side side(const Tensor& x) {
   return out;
 }
 
+// The rows of a per task: kRows, or fewer for small a (at least 8 tasks while blocks of 8 rows
+// allow): a function of a's size alone, never of the number of threads, so that the tiles, and
+// the GEMMs' rounding with them, are the same on any number.
+inline int64_t rows_per_task(int64_t A) {
+  constexpr int64_t kTasks = 8, kMinRows = 8;
+  const int64_t rows = ((A + kTasks - 1) / kTasks + kMinRows - 1) / kMinRows * kMinRows;
+  return std::min(kRows, std::max(kMinRows, rows));
+}
+
 // Runs fn(s, a0, b0) for each tile s = a[a0:a0+di] · b[b0:b0+dj]ᵀ (di × dj, in a per-thread
-// scratch): a's blocks of kRows are the tasks, b's blocks of kCols are taken in order.
+// scratch): a's blocks of rows_per_task are the tasks, b's blocks of kCols are taken in order.
+// Each task's GEMMs (the tiles' and fn's) are sequential (SequentialBlas): a task alone on its
+// thread would otherwise let MKL use every thread and round by their number.
 template <typename Fn>
 void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
   const int64_t A = a.size(0), B = b.size(0);
-  const int64_t blocks = (A + kRows - 1) / kRows;
+  const int64_t rows = rows_per_task(A);
+  const int64_t blocks = (A + rows - 1) / rows;
   // The tasks call ATen (the tile's GEMM): OpenMP's worker threads must see this thread's
   // dispatcher state (below autograd), or mm_out would refuse inputs that require grad.
   const at::ThreadLocalState state;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(state);
-    Tensor scratch = at::empty({kRows, kCols}, a.options());
+    const torchkit::cpu::SequentialBlas sequential;
+    Tensor scratch = at::empty({rows, kCols}, a.options());
     for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t a0 = blk * kRows, di = std::min(kRows, A - a0);
+      const int64_t a0 = blk * rows, di = std::min(rows, A - a0);
       for (int64_t b0 = 0; b0 < B; b0 += kCols) {
         const int64_t dj = std::min(kCols, B - b0);
         Tensor s = scratch.narrow(0, 0, di).narrow(1, 0, dj);
