@@ -188,10 +188,11 @@ void prepare(Inputs<acc_t>& in, const Problem& p, const Tensor& embeddings, cons
 
 // The tile's row r (row i of one side against rows b0.. of the other; anchors_own: the rows are
 // anchors) turned from products into distances in place; direct[c] says which entries were
-// computed directly (cancelled, or not finite).
+// computed directly (cancelled, or not finite), and exact[c] (where given) holds those in
+// float64, before their rounding to acc_t.
 template <typename acc_t>
 void distance_row(const Inputs<acc_t>& in, bool anchors_own, acc_t* x, int64_t i, int64_t b0,
-                  int64_t dj, bool* direct) {
+                  int64_t dj, bool* direct, double* exact = nullptr) {
   constexpr acc_t kRatio = static_cast<acc_t>(cdist::kRefineRatio);
   const Points<acc_t>& own = anchors_own ? in.a : *in.b;
   const Points<acc_t>& other = anchors_own ? *in.b : in.a;
@@ -206,8 +207,10 @@ void distance_row(const Inputs<acc_t>& in, bool anchors_own, acc_t* x, int64_t i
     direct[c] = !(x[c] * x[c] * kRatio > sum);
   }
   for (int64_t c = 0; c < dj; ++c) {
-    if (direct[c])
-      x[c] = static_cast<acc_t>(anchors_own ? in.exact(i, b0 + c) : in.exact(b0 + c, i));
+    if (!direct[c]) continue;
+    const double d = anchors_own ? in.exact(i, b0 + c) : in.exact(b0 + c, i);
+    x[c] = static_cast<acc_t>(d);
+    if (exact != nullptr) exact[c] = d;
   }
 }
 
@@ -409,14 +412,17 @@ std::tuple<Tensor, Tensor> contrastive_backward(const Problem& p, const Inputs<a
 
 // ---------------------------------------------------------------------------- triplet
 
-// Each anchor's positives' distances, sorted: a CSR over anchors, 8 bytes per positive pair
+// Each anchor's positives' distances, sorted: a CSR over anchors, 12 bytes per positive pair
 // (the distance, and how many counted triplets the pair is in). The distances are computed
-// directly (exact, and the same bits for (a, p) and (p, a), so that a pair is found again by
-// its distance in its partner's list); one at a NaN distance is only counted.
+// directly, in float64 whatever the inputs' type (exact, and the same bits for (a, p) and
+// (p, a), so that a pair is found again by its distance in its partner's list), and kept so:
+// a triplet counts on the exact difference d_ap − d_an + margin, where a positive's distance
+// rounded to float32 would count a tie (a negative row equal to the positive) or drop a
+// near-tie. One at a NaN distance is only counted.
 template <typename acc_t>
 struct Positives {
   std::vector<int64_t> start;  // anchor a's positives: [start[a], start[a + 1])
-  std::vector<acc_t> dist;
+  std::vector<double> dist;
   std::vector<int32_t> uses;  // per positive pair, its counted triplets (count_triplets)
   std::vector<int64_t> nan;   // per anchor, its positives at a NaN distance
   std::unordered_map<int64_t, std::vector<int64_t>> members;  // label -> ref rows
@@ -434,13 +440,13 @@ struct Positives {
     uses.assign(start[p.N], 0);
     at::parallel_for(0, p.N, 16, [&](int64_t begin, int64_t end) {
       for (int64_t a = begin; a < end; ++a) {
-        acc_t* row = dist.data() + start[a];
+        double* row = dist.data() + start[a];
         int64_t n = 0;
         for_each(p, in, a, [&](int64_t, double d) {
           if (std::isnan(d)) {
             ++nan[a];
           } else {
-            row[n++] = static_cast<acc_t>(d);
+            row[n++] = d;
           }
         });
         std::sort(row, row + n);
@@ -472,21 +478,21 @@ struct Positives {
   // the loss (relu(d_ap − dn + margin) > 0; semi_hard: also d_ap < dn): [lo, hi) in its list.
   // A NaN dn: all of them.
   std::pair<int64_t, int64_t> violating(int64_t a, double dn, double margin, bool semi) const {
-    const acc_t* first = dist.data() + begin(a);
-    const acc_t* last = dist.data() + end(a);
+    const double* first = dist.data() + begin(a);
+    const double* last = dist.data() + end(a);
     if (std::isnan(dn)) return {begin(a), end(a)};
-    auto outside = [&](acc_t d) { return !(static_cast<double>(d) - dn + margin > 0); };
-    auto nearer = [&](acc_t d) { return static_cast<double>(d) < dn; };
+    auto outside = [&](double d) { return !(d - dn + margin > 0); };
+    auto nearer = [&](double d) { return d < dn; };
     if (last - first <= 32) {  // a count without branches: a binary search mispredicts
       int64_t lo = 0, hi = 0;
-      for (const acc_t* d = first; d != last; ++d) {
+      for (const double* d = first; d != last; ++d) {
         lo += outside(*d);
         hi += nearer(*d);
       }
       return {begin(a) + lo, semi ? begin(a) + std::max(lo, hi) : end(a)};
     }
-    const acc_t* lo = std::partition_point(first, last, outside);
-    const acc_t* hi = semi ? std::partition_point(lo, last, nearer) : last;
+    const double* lo = std::partition_point(first, last, outside);
+    const double* hi = semi ? std::partition_point(lo, last, nearer) : last;
     return {lo - dist.data(), hi - dist.data()};
   }
 
@@ -499,9 +505,7 @@ struct Positives {
     const auto [first, last] = range;
     // The thresholds next to the range's ends: d_ap + margin around its first, d_ap around its
     // last (semi_hard).
-    auto clear = [&](int64_t k, double shift) {
-      return in.clear(a, n, dn, static_cast<double>(dist[k]) + shift);
-    };
+    auto clear = [&](int64_t k, double shift) { return in.clear(a, n, dn, dist[k] + shift); };
     bool stable = (first == begin(a) || clear(first - 1, margin)) &&
                   (first == end(a) || clear(first, margin));
     if (semi) {
@@ -514,9 +518,8 @@ struct Positives {
   // Where in anchor a's list a positive at distance d is (any of equal distance: they have
   // the same counts), or −1 (NaN).
   int64_t find(int64_t a, double d) const {
-    const acc_t v = static_cast<acc_t>(d);
-    const acc_t* at = std::lower_bound(dist.data() + begin(a), dist.data() + end(a), v);
-    return at != dist.data() + end(a) && *at == v ? at - dist.data() : -1;
+    const double* at = std::lower_bound(dist.data() + begin(a), dist.data() + end(a), d);
+    return at != dist.data() + end(a) && *at == d ? at - dist.data() : -1;
   }
 };
 
@@ -539,15 +542,17 @@ std::vector<TripletSums> count_triplets(const Problem& p, const Inputs<acc_t>& i
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
     acc_t* base = s.data_ptr<acc_t>();
     bool direct[kCols];
+    double exact[kCols];
     for (int64_t r = 0; r < di; ++r) {
       const int64_t a = a0 + r;
       if (pos.start[a + 1] == pos.start[a]) continue;
       acc_t* x = base + r * stride;
-      distance_row(in, true, x, a, b0, dj, direct);
+      distance_row(in, true, x, a, b0, dj, direct, exact);
       TripletSums& row = rows[a];
       for (int64_t c = 0; c < dj; ++c) {
         if (in.la[a] == in.lb[b0 + c]) continue;  // a positive (or itself)
-        const double dn = x[c];
+        // (a direct distance exact: compared with the positives' exact ones, not rounded)
+        const double dn = direct[c] ? exact[c] : static_cast<double>(x[c]);
         const auto [lo, hi] = direct[c] ? pos.violating(a, dn, p.margin, semi)
                                         : pos.settled(in, a, b0 + c, dn, p.margin, semi);
         const int64_t k = std::max<int64_t>(hi - lo, 0) + pos.nan[a];
@@ -642,7 +647,7 @@ std::tuple<Tensor, Tensor> triplet_forward(const Problem& p, const Tensor& embed
     for (int64_t a = 0; a < p.N; ++a) {
       double sum = -rows[a].negative;
       for (int64_t k = pos.begin(a); k < pos.end(a); ++k) {
-        sum += static_cast<double>(pos.uses[k]) * (static_cast<double>(pos.dist[k]) + p.margin);
+        sum += static_cast<double>(pos.uses[k]) * (pos.dist[k] + p.margin);
       }
       // A NaN distance in a counted triplet: the loss is NaN.
       if (rows[a].count > 0 && pos.nan[a] > 0) sum = std::numeric_limits<double>::quiet_NaN();

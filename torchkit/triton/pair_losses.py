@@ -1606,11 +1606,11 @@ def triplet_rows_kernel(
     d_ap − d_an + margin > 0 (semi_hard: and d_ap < d_an) and those with a NaN distance
     (count_triplets in the CPU kernel). An anchor's positives are its label's segment
     [lo, hi) of the refs sorted by label (order), less itself (SELF: anchor i is ref row
-    OFFSET + i), taken BLOCK_P at a time with their exact distances rounded to ACC (the CPU's
-    sorted list); against them, every negative tile's distances in one 3-D comparison. A
-    negative's distance is the tile's, exact where it cancelled (rounded to ACC) or where a
-    threshold of the chunk lies within the tile's error bound (Inputs::clear), so the choices
-    are the exact distances'.
+    OFFSET + i), taken BLOCK_P at a time with their exact distances in float64 (the CPU's
+    sorted list: a tie or near-tie with a negative is decided on the exact difference);
+    against them, every negative tile's distances in one 3-D comparison. A negative's
+    distance is the tile's, exact where it cancelled or where a threshold of the chunk lies
+    within the tile's error bound (Inputs::clear), so the choices are the exact distances'.
     Forward (BAND false): per anchor, sums (N, 2) float64: Σ over counted triplets of
     d_ap + margin and of d_an (the tile's value); count (N, 2) int64: the counted triplets
     and the positives at a NaN distance (each counts with every negative).
@@ -1643,7 +1643,6 @@ def triplet_rows_kernel(
         if SELF:
             p_mask = p_mask & (js - OFFSET != rows[:, None])
         t = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, p_mask, D, ONE_FEATURE)
-        t = t.to(ACC).to(tl.float64)
         pok = p_mask & (t == t)
         nan_p = tl.sum((p_mask & (t != t)).to(tl.int64), axis=1)
         nan_count += nan_p
@@ -1665,7 +1664,7 @@ def triplet_rows_kernel(
                 exact = _exact_dist(
                     xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
                 )
-                d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
+                d64 = tl.where(direct, exact, d64)
             # The entries with a threshold of the chunk (d_ap + margin; semi_hard: d_ap) within
             # the tile's error bound: Inputs::clear, over each positive at once.
             bound = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64)) + 4.0 * unit * d64 * d64
