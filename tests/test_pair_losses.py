@@ -442,9 +442,34 @@ def test_triplet_minings_pick_pmls_triplets():
 
 def exact_distances(e, r):
     """The float64 distances of F.normalize's rows, per pair as Σ(e_i − e_j)²: a pair of equal
-    rows is at exactly the same distance from every row."""
+    rows is at exactly the same distance from every row; a zero row (F.normalize leaves it 0)
+    at exactly 1 from a row of norm > eps."""
     x, y = (torch.nn.functional.normalize(t.double(), dim=1) for t in (e, r))
-    return (x[:, None, :] - y[None, :, :]).pow(2).sum(-1).sqrt()
+    d = (x[:, None, :] - y[None, :, :]).pow(2).sum(-1).sqrt()
+    zero_e, zero_r = (e == 0).all(1), (r == 0).all(1)
+    unit_e, unit_r = e.double().norm(dim=1) > 1e-12, r.double().norm(dim=1) > 1e-12
+    d[(zero_e[:, None] & unit_r[None, :]) | (unit_e[:, None] & zero_r[None, :])] = 1.0
+    return d
+
+
+def exact_euclidean_loss(loss, params, e, labels):
+    """contrastive_loss or triplet_margin_loss ("all", "semi_hard") on exact_distances, as PML
+    defines them: the means of the terms > 0."""
+    d = exact_distances(e, e)
+    same = labels[:, None] == labels[None, :]
+    positive = same & ~torch.eye(len(labels), dtype=torch.bool)
+
+    def mean_above_0(terms):
+        terms = terms[terms > 0]
+        return terms.mean() if terms.numel() else terms.new_zeros(())
+
+    if loss == "contrastive_loss":
+        return mean_above_0(d[positive] - params["pos_margin"]) + mean_above_0(params["neg_margin"] - d[~same])
+    term = d[:, :, None] - d[:, None, :] + params["margin"]  # [a, p, n]
+    kept = positive[:, :, None] & ~same[:, None, :]
+    if params["mining"] == "semi_hard":
+        kept &= d[:, :, None] < d[:, None, :]
+    return mean_above_0(term[kept])
 
 
 def triplets_counted(e, labels, margin, mining):
@@ -474,6 +499,24 @@ def test_triplet_ties_are_decided_on_exact_distances(dtype, margin, mining, devi
         labels[j] = (labels[i] + 1) % 3
         _, stats = raw("triplet_margin_loss")[0](e, labels, None, None, margin, mining)
         assert torch.equal(stats[:, 2], triplets_counted(e, labels, margin, mining)), seed
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_zero_row_lies_at_exactly_1_from_every_row(dtype, device):
+    """F.normalize leaves a zero row 0, at distance exactly 1 from every normalised row: no
+    negative pair there counts at contrastive_loss's neg_margin = 1, no triplet at margin 0
+    (rounded to 1 − 1e-16 they added spurious terms to the mean)."""
+    for seed in range(4):
+        e, labels = make((12, 4), dtype, seed=seed), make_labels(12, 3, seed=seed)
+        e[3 * seed] = 0
+        d = exact_distances(e, e)
+        negative = labels[:, None] != labels[None, :]
+        _, stats = raw("contrastive_loss")[0](e, labels, None, None, 0.0, 1.0)
+        assert round(1 / stats[0, 1].item()) == ((1 - d)[negative] > 0).sum(), seed
+        for mining in ("all", "semi_hard"):
+            _, stats = raw("triplet_margin_loss")[0](e, labels, None, None, 0.0, mining)
+            assert torch.equal(stats[:, 2], triplets_counted(e, labels, 0.0, mining)), (seed, mining)
 
 
 @kernels
@@ -553,14 +596,18 @@ def test_nan_embedding_makes_the_loss_nan(loss, params, device):
 
 @variants_k
 def test_zero_embedding_is_normalised_as_f_normalize(loss, params, device):
-    """An all-zero row stays 0 after F.normalize's clamp, as PML computes. (Its distance to
+    """An all-zero row stays 0 after F.normalize's clamp, as PML computes. Its distance to
     every other row is then exactly 1: the Euclidean losses meet ties there, on their margins
-    and between candidates, which rounding breaks; only their values are compared.)"""
+    and between candidates, which PML's rounding breaks (counting 1 − 1e-16 at neg_margin = 1,
+    taking a tie for semi-hard): contrastive_loss and semi_hard triplets are compared with the
+    exact distances' loss, and only values are compared."""
     e = make((12, 4))
     e[3] = 0
     labels = make_labels(12, 3)
     got, (g,) = loss_and_grads(ours(loss, params), e, labels)
     exp, (g_exp,) = loss_and_grads(pml(loss, params), e, labels)
+    if loss == "contrastive_loss" or params.get("mining") == "semi_hard":
+        exp = exact_euclidean_loss(loss, params, e, labels)
     torch.testing.assert_close(got, exp)
     if loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss"):
         torch.testing.assert_close(g, g_exp)

@@ -42,6 +42,11 @@ struct Points {
   const double* inv = nullptr;
   const acc_t* c = nullptr;
   int64_t D = 0;
+  // Per row: all zero (F.normalize leaves it 0), and normalised to norm 1 exactly in exact
+  // arithmetic (1/norm in (0, 1/eps): its norm finite and above eps). A zero row lies at distance
+  // exactly 1 from a unit one, which the sum of squares below rounds to 1 ± 1e-16: a negative pair
+  // there would count at contrastive_loss's neg_margin = 1, a triplet at margin 0.
+  std::vector<char> zero, unit;
 
   // e_i − e_j in float64, from the inputs and their float64 1/norm: exact to float64's
   // rounding, where the rounded normalised rows would keep only float32's absolute accuracy.
@@ -70,6 +75,7 @@ struct Points {
                   : Pair{raw + i * D, o.raw + j * D, inv[i], o.inv[j], false};
   }
   double direct(int64_t i, const Points& o, int64_t j) const {
+    if (zero[i] != o.zero[j] && (zero[i] ? o.unit[j] : unit[i])) return 1.0;
     const Pair p = pair(i, o, j);
     double s = 0;
     for (int64_t k = 0; k < D; ++k) {
@@ -95,6 +101,19 @@ void make_points(Points<acc_t>& a, Points<acc_t>* b, const Tensor& x, const Tens
     pts->D = D;
     pts->raw = pts->side.raw.template const_data_ptr<acc_t>();
     pts->inv = pts->side.inv64.template const_data_ptr<double>();
+    const int64_t n = pts->side.raw.size(0);
+    const bool* clamped = pts->side.clamped.template const_data_ptr<bool>();
+    pts->zero.assign(n, 0);
+    pts->unit.assign(n, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      const double inv = pts->inv[i];
+      pts->unit[i] = inv > 0 && inv < 1 / kNormEps;  // (NaN fails)
+      if (!clamped[i]) continue;                     // (a zero row is clamped: its norm is 0 < eps)
+      const acc_t* r = pts->raw + i * D;
+      bool all_zero = true;
+      for (int64_t k = 0; k < D && all_zero; ++k) all_zero = r[k] == acc_t(0);
+      pts->zero[i] = all_zero;
+    }
   }
   if (!tiles) return;
   for (Points<acc_t>* pts : {&a, b}) {

@@ -972,7 +972,7 @@ def _exact_dist(
     xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE: tl.constexpr
 ):
     """Exact distances of a tile, as the CPU kernel's Points::direct: √Σ_k (e_ik − e_jk)² in
-    float64, in feature order (e: _unit)."""
+    float64, in feature order (e: _unit), and exactly 1 between a zero row and a unit one."""
     inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
     inv_b = tl.load(inv_b_ptr + cols, mask=col_mask, other=0.0)
     out = tl.zeros((rows.shape[0], cols.shape[0]), tl.float64)
@@ -981,7 +981,29 @@ def _exact_dist(
         b = _unit(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
         v = a[:, None] - b[None, :]
         out += v * v
-    return tl.sqrt(out)
+    # (the rows' sizes in a loop of their own: alongside the distances they would spill)
+    size_a = tl.zeros((rows.shape[0],), tl.float64)
+    size_b = tl.zeros((cols.shape[0],), tl.float64)
+    for k in range(0, D):
+        size_a += tl.abs(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64))
+        size_b += tl.abs(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64))
+    one = _zero_row(size_a)[:, None] & _unit_row(inv_b)[None, :]
+    one = one | (_unit_row(inv_a)[:, None] & _zero_row(size_b)[None, :])
+    return tl.where(one, 1.0, tl.sqrt(out))
+
+
+@triton.jit
+def _unit_row(inv):
+    """Whether a row's normalised norm is 1 in exact arithmetic (Points::unit): its norm finite
+    and above eps (1/norm in (0, 1/eps); NaN fails)."""
+    return (inv > 0.0) & (inv < 1.0 / tl.full(inv.shape, NORM_EPS, tl.float64))
+
+
+@triton.jit
+def _zero_row(size):
+    """Whether a row is all zero (size: its Σ|x|, NaN for NaN): F.normalize leaves it 0, at
+    distance exactly 1 from every unit row (Points::zero)."""
+    return size == 0.0
 
 
 @triton.jit
@@ -1548,8 +1570,8 @@ def hard_grad_kernel(
 
 @triton.jit
 def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, mask, D, ONE_FEATURE: tl.constexpr):
-    """Exact distances (Points::direct: float64, feature order) of anchor rows[i] and ref rows
-    js[i, p]."""
+    """Exact distances (Points::direct: float64, feature order; 1 between a zero row and a unit
+    one) of anchor rows[i] and ref rows js[i, p]."""
     inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
     inv_b = tl.load(inv_b_ptr + js, mask=mask, other=0.0)
     out = tl.zeros(js.shape, tl.float64)
@@ -1558,7 +1580,14 @@ def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask
         b = _unit(tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
         v = a[:, None] - b
         out += v * v
-    return tl.sqrt(out)
+    size_a = tl.zeros((rows.shape[0],), tl.float64)  # (_exact_dist's loop of its own)
+    size_b = tl.zeros(js.shape, tl.float64)
+    for k in range(0, D):
+        size_a += tl.abs(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64))
+        size_b += tl.abs(tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64))
+    one = _zero_row(size_a)[:, None] & _unit_row(inv_b)
+    one = one | (_unit_row(inv_a)[:, None] & _zero_row(size_b))
+    return tl.where(one, 1.0, tl.sqrt(out))
 
 
 @hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
