@@ -307,6 +307,29 @@ def test_one_feature_rows_lie_at_0_and_2_exactly(loss, params, dtype, device):
         torch.testing.assert_close(got, pml(loss, params)(e, labels), rtol=1e-6, atol=1e-7)
 
 
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_multi_similarity_one_feature_cosines_are_exactly_1_and_minus_1(dtype, device):
+    """With D = 1 the cosines are exactly ±1: with miner_epsilon = 0 the miner keeps no pair of
+    cosines equal to the anchor's hardest (x·(1/|x|) rounded below 1 kept them). The loss is
+    the one of the exact cosines, sign(x_i)·sign(x_j)."""
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(10, 1, generator=g, dtype=torch.float64) * 3).to(dtype)
+        labels = torch.randint(0, 3, (10,), generator=g)
+        got = ops.multi_similarity_loss(x, labels, miner_epsilon=0.0).double()
+        s = torch.sign(x.double()) @ torch.sign(x.double()).T
+        same = labels[:, None] == labels[None, :]
+        positive, negative = same & ~torch.eye(10, dtype=torch.bool), ~same
+        hard_negative = torch.where(negative, s, -torch.inf).amax(1, keepdim=True)
+        hard_positive = torch.where(positive, s, torch.inf).amin(1, keepdim=True)
+        kept_p, kept_n = positive & (s < hard_negative), negative & (s > hard_positive)
+        lp = torch.log1p(torch.where(kept_p, torch.exp(-2.0 * (s - 0.5)), 0.0).sum(1)) / 2.0
+        ln = torch.log1p(torch.where(kept_n, torch.exp(50.0 * (s - 0.5)), 0.0).sum(1)) / 50.0
+        some = kept_p.sum() > 1 or kept_n.sum() > 1
+        torch.testing.assert_close(got, (lp + ln).mean() if some else got.new_zeros(()), rtol=1e-6, atol=0)
+
+
 @variants_k
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
 def test_any_integer_label_dtype(loss, params, dtype, device):

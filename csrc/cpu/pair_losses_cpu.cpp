@@ -282,6 +282,11 @@ double exact_cos(const Side& a, int64_t i, const Side& b, int64_t j) {
   AT_DISPATCH_FLOATING_TYPES(a.raw.scalar_type(), "exact_cos", [&] {
     const scalar_t* x = a.raw.const_data_ptr<scalar_t>() + i * D;
     const scalar_t* y = b.raw.const_data_ptr<scalar_t>() + j * D;
+    if (D == 1) {  // F.normalize's ±1 (or x/eps), exactly: x·(1/|x|) is 1 − ulp for many x
+      auto unit = [](double v) { return v / std::max(std::abs(v), kNormEps); };  // (NaN stays)
+      dot = unit(static_cast<double>(x[0])) * unit(static_cast<double>(y[0]));
+      return;
+    }
     for (int64_t k = 0; k < D; ++k) {
       dot += (static_cast<double>(x[k]) * inv_i) * (static_cast<double>(y[k]) * inv_j);
     }

@@ -613,13 +613,16 @@ def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BL
 @triton.jit
 def _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D):
     """Exact cosines of a tile, as the CPU kernels' exact_cos: Σ_k (x_ik·inv_i)(y_jk·inv_j) in
-    float64, in feature order."""
+    float64, in feature order; for rows of one feature F.normalize's ±1 (or x/eps) exactly, by
+    a division (_unit's)."""
     inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
     inv_b = tl.load(inv_b_ptr + cols, mask=col_mask, other=0.0)
     out = tl.zeros((rows.shape[0], cols.shape[0]), tl.float64)
     for k in range(0, D):
-        a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64) * inv_a
-        b = tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64) * inv_b
+        a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64)
+        b = tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64)
+        a = tl.where(D == 1, _unit(a, inv_a, True), a * inv_a)
+        b = tl.where(D == 1, _unit(b, inv_b, True), b * inv_b)
         out += a[:, None] * b[None, :]
     return out
 
