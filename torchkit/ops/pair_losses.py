@@ -134,7 +134,9 @@ def contrastive_loss(
     gradients: the mean of the positive pairs' ``relu(d − pos_margin)`` that are > 0 plus the
     mean of the negative pairs' ``relu(neg_margin − d)`` that are > 0. Distances are exact for
     near-duplicates (where ``torch.cdist``, which PML calls, returns about 0 and so a wrong
-    loss and gradient). Memory O((N + M)·D), whatever N.
+    loss and gradient), and whether a term is > 0 is exact arithmetic's answer (a zero row lies
+    at distance exactly 1, adding nothing at ``neg_margin=1``, where PML's rounding counts
+    ~1e-16). Memory O((N + M)·D), whatever N.
 
     Args:
         embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
@@ -186,7 +188,9 @@ def triplet_margin_loss(
     - ``mining="batch_hard"``: per anchor its farthest positive and nearest negative (with
       ``BatchHardMiner()``); ties go to the lower index.
 
-    Distances are exact for near-duplicates (where ``torch.cdist`` returns about 0). Memory
+    Distances are exact for near-duplicates (where ``torch.cdist`` returns about 0), and which
+    triplets count is decided on exact distances: a negative equal to a positive is a tie, no
+    semi-hard triplet and no term > 0 at margin 0 (PML's rounding breaks such ties). Memory
     O((N + M)·D) plus, for "all" and "semi_hard", a few numbers per positive pair, however
     many triplets there are.
 

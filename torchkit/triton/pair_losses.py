@@ -984,15 +984,12 @@ def _exact_dist(
         b = _unit(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
         v = a[:, None] - b[None, :]
         out += v * v
-    # (the rows' sizes in a loop of their own: alongside the distances they would spill)
-    size_a = tl.zeros((rows.shape[0],), tl.float64)
-    size_b = tl.zeros((cols.shape[0],), tl.float64)
-    for k in range(0, D):
-        size_a += tl.abs(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64))
-        size_b += tl.abs(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64))
-    one = _zero_row(size_a)[:, None] & _unit_row(inv_b)[None, :]
-    one = one | (_unit_row(inv_a)[:, None] & _zero_row(size_b)[None, :])
-    return tl.where(one, 1.0, tl.sqrt(out))
+    out = tl.sqrt(out)
+    if not ONE_FEATURE:  # (one feature: |±1 − 0| is 1 exactly already)
+        zero_a, zero_b = _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, cols, row_mask, col_mask, D)
+        one = (zero_a[:, None] & _unit_row(inv_b)[None, :]) | (_unit_row(inv_a)[:, None] & zero_b[None, :])
+        out = tl.where(one, 1.0, out)
+    return out
 
 
 @triton.jit
@@ -1003,10 +1000,23 @@ def _unit_row(inv):
 
 
 @triton.jit
-def _zero_row(size):
-    """Whether a row is all zero (size: its Σ|x|, NaN for NaN): F.normalize leaves it 0, at
-    distance exactly 1 from every unit row (Points::zero)."""
-    return size == 0.0
+def _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, cols, row_mask, col_mask, D):
+    """Which rows of either side (cols: a vector, or a 2-D block of ref rows) are all zero:
+    F.normalize leaves them 0, at distance exactly 1 from every unit row (Points::zero). Read
+    only where a row is clamped (1/norm >= 1/eps: a zero row is), which is rare."""
+    zero_a = tl.zeros(rows.shape, tl.int1)
+    zero_b = tl.zeros(cols.shape, tl.int1)
+    big = 1.0 / tl.full((), NORM_EPS, tl.float64)
+    clamped = tl.max((inv_a >= big).to(tl.int32), axis=0) + tl.max(tl.ravel((inv_b >= big).to(tl.int32)), axis=0)
+    if clamped > 0:
+        size_a = tl.zeros(rows.shape, tl.float64)
+        size_b = tl.zeros(cols.shape, tl.float64)
+        for k in range(0, D):
+            size_a += tl.abs(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64))
+            size_b += tl.abs(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64))
+        zero_a = size_a == 0.0
+        zero_b = size_b == 0.0
+    return zero_a, zero_b
 
 
 @triton.jit
@@ -1583,14 +1593,12 @@ def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask
         b = _unit(tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
         v = a[:, None] - b
         out += v * v
-    size_a = tl.zeros((rows.shape[0],), tl.float64)  # (_exact_dist's loop of its own)
-    size_b = tl.zeros(js.shape, tl.float64)
-    for k in range(0, D):
-        size_a += tl.abs(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64))
-        size_b += tl.abs(tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64))
-    one = _zero_row(size_a)[:, None] & _unit_row(inv_b)
-    one = one | (_unit_row(inv_a)[:, None] & _zero_row(size_b))
-    return tl.where(one, 1.0, tl.sqrt(out))
+    out = tl.sqrt(out)
+    if not ONE_FEATURE:  # (_exact_dist's)
+        zero_a, zero_b = _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, js, row_mask, mask, D)
+        one = (zero_a[:, None] & _unit_row(inv_b)) | (_unit_row(inv_a)[:, None] & zero_b)
+        out = tl.where(one, 1.0, out)
+    return out
 
 
 @hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
