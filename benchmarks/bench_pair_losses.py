@@ -118,12 +118,19 @@ IMPLS = {
     ROOFLINE: lambda loss, params: gemm_roofline,
 }
 
-# (case, N, D, samples per class, dtype, device)
+# (case, N, D, samples per class, dtype, device, rows): rows "random" (normal draws), or a
+# collapsed batch, as a model early in training gives: every row one point ("one point") or 0
+# ("zero"), where every pair's distance cancels and every choice ties (torchkit against PML and
+# against its own random case of the same size only).
 CASES = [
-    pytest.param("N=1024 D=512 8/class fp32", 1024, 512, 8, torch.float32, "cpu", marks=pytest.mark.headline),
-    pytest.param("N=8192 D=128 8/class fp32", 8192, 128, 8, torch.float32, "cpu"),
+    pytest.param("N=1024 D=512 8/class fp32", 1024, 512, 8, torch.float32, "cpu", "random", marks=pytest.mark.headline),
+    pytest.param("N=8192 D=128 8/class fp32", 8192, 128, 8, torch.float32, "cpu", "random"),
     *(
-        pytest.param(f"N={N} D={D} 8/class {name}", N, D, 8, dtype, "cuda", marks=pytest.mark.cuda)
+        pytest.param(f"N=1024 D=512 8/class fp32 collapsed: {rows}", 1024, 512, 8, torch.float32, "cpu", rows)
+        for rows in ("one point", "zero")
+    ),
+    *(
+        pytest.param(f"N={N} D={D} 8/class {name}", N, D, 8, dtype, "cuda", "random", marks=pytest.mark.cuda)
         for N, D in ((1024, 512), (8192, 128), (65536, 128))
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     ),
@@ -132,10 +139,12 @@ CASES = [
 
 @pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
 @pytest.mark.parametrize("impl", [*IMPLS, PML])
-@pytest.mark.parametrize("case,N,D,per_class,dtype,device", CASES)
+@pytest.mark.parametrize("case,N,D,per_class,dtype,device,rows", CASES)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, impl, pass_):
+def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, rows, impl, pass_):
     loss, params = VARIANTS[variant]
+    if rows != "random" and impl not in ("torchkit", PML):
+        pytest.skip("collapsed batches: torchkit and PML only")
     if impl == TRITON and device != "cuda":
         pytest.skip("Triton kernels: on CUDA tensors (the tests run them interpreted)")
     if impl == "torchkit" and device != "cpu":
@@ -144,7 +153,8 @@ def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, imp
         gib = peer_bytes(impl, variant, N, per_class) / 2**30
         pytest.skip(f"{impl} would need at least {gib:.0f} GiB here")
     g = torch.Generator(device).manual_seed(0)
-    e = torch.randn(N, D, generator=g, device=device).to(dtype)
+    e = torch.randn(N if rows == "random" else 1, D, generator=g, device=device).to(dtype)
+    e = (e if rows != "zero" else torch.zeros_like(e)).expand(N, D).contiguous()
     labels = torch.arange(N, device=device) // per_class
     fn = pml_fn(variant) if impl == PML else IMPLS[impl](loss, params)
     extra = {"flops": 2 * N * N * D * (1 if pass_ == "forward" else 2)}

@@ -542,6 +542,61 @@ def test_a_zero_row_lies_at_exactly_1_from_every_row(dtype, device):
             assert torch.equal(stats[:, 2], triplets_counted(e, labels, 0.0, mining)), (seed, mining)
 
 
+def collapsed(n, dtype, seed, zero=True):
+    """n rows drawn from 3 points (and 0, with either sign of its entries, where `zero`; else
+    twice a point, equal once normalised), as a collapsed model gives them; row 5 a copy of row
+    4 but for one entry, 2^-12 apart, under its label: near, yet no copy (pos_margin = 0 counts
+    its distance; its gradient's direction, a difference of rows 1e-4 apart, is rounded to
+    ~1e-12 in float64)."""
+    g = torch.Generator().manual_seed(seed)
+    points = torch.randn(4, 16, generator=g, dtype=torch.float64).to(dtype)
+    points[3] = 0 if zero else points[0] * 2
+    e = points[torch.randint(4, (n,), generator=g)]
+    e[4] = points[1]
+    e[5] = e[4]
+    e[5, 7] *= 1 + 2**-12
+    e[(e == 0).all(1).nonzero()[::2, 0]] *= -1  # −0 rows
+    labels = make_labels(n, 3, seed=seed)
+    labels[5] = labels[4]
+    return e, labels
+
+
+# Through Triton in float32 (its groups of equal rows are dtype-blind: test_triton_groups_of_equal_rows).
+@with_kernels(
+    [(*v, dtype) for v in VARIANTS for dtype in (torch.float64, torch.float32)],
+    [f"{i}-{dtype}" for i in VARIANT_IDS for dtype in ("float64", "float32")],
+    "loss,params,dtype,device",
+    triton=lambda loss, params, dtype: dtype == torch.float32,
+)
+def test_collapsed_batches(loss, params, dtype, device):
+    """Equal rows are one group (csrc/cpu/pair_losses_cpu.h's equal_rows), their distances 0
+    and cosines one value without a computation: with refs holding copies of the anchors, the
+    loss and gradients are the float64 reference's; a row one ulp from another is no copy; with
+    zero rows (±0), the exact distances' loss (PML's rounding breaks their ties at 1)."""
+    tol, grad_tol = (1e-12, 1e-10) if dtype == torch.float64 else (1e-5, 1e-5)
+    for seed in range(2):
+        e, labels = collapsed(24, dtype, seed, zero=False)
+        ref, ref_labels = collapsed(20, dtype, seed + 10, zero=False)
+        ref[:6], ref_labels[:6] = e[:6], labels[:6]
+        for r, rl in ((None, None), (ref, ref_labels)):
+            got, got_grads = loss_and_grads(ours(loss, params), e, labels, r, rl)
+            exp, exp_grads = loss_and_grads(
+                ref_fn(loss, params), e.double(), labels, None if r is None else r.double(), rl
+            )
+            assert abs(got.double() - exp).item() <= tol * max(exp.abs().item(), 1e-3), (seed, r is None)
+            for a, b in zip(got_grads, exp_grads, strict=True):
+                assert (a.double() - b).abs().max() <= grad_tol * max(b.abs().max(), 1e-3), (seed, r is None)
+        if loss in ("contrastive_loss", "triplet_margin_loss") and params.get("mining") != "batch_hard":
+            e, labels = collapsed(24, dtype, seed)
+            exp = exact_euclidean_loss(loss, params, e, labels)
+            assert abs(ours(loss, params)(e, labels).double() - exp).item() <= tol * exp.abs().item(), seed
+            if loss == "contrastive_loss":  # the positive pair one ulp apart counts at pos_margin 0
+                _, stats = raw(loss)[0](e, labels, None, None, 0.0, 1.0)
+                d = exact_distances(e, e)
+                positive = (labels[:, None] == labels[None, :]) & ~torch.eye(24, dtype=torch.bool)
+                assert round(1 / stats[4, 0].item()) == (d[positive] > 0).sum() > 0, seed
+
+
 @kernels
 def test_triplet_batch_hard_ties_go_to_the_lower_index(device):
     """Anchor 0's positives 1 and 2 coincide, as do its negatives 3 and 4: the gradient reaches
@@ -1296,6 +1351,47 @@ def test_triton_kernels_round_as_the_cpu_kernels():
     assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
 
 
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+def test_triton_groups_of_equal_rows(device):
+    """_equal_rows: each row's group is the lowest number (anchors, then refs) of a row equal
+    to it, entry by entry with ±0 alike; rows holding NaN or ±∞ are alone; rows one ulp apart,
+    or equal but for the order of their entries, are not equal."""
+    tp = triton_module()
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        _check_groups(tp, dtype, device)
+
+
+def _check_groups(tp, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    points = torch.randn(5, 6, generator=g).to(dtype)
+    points[1] = 0
+    points[2] = points[0].flip(0)
+    points[3] = points[0]
+    points[3, 2] = torch.nextafter(points[3, 2].float(), torch.tensor(9.0)).to(dtype)
+    points[4, 1] = float("nan")
+    pick = torch.tensor([0, 1, 2, 3, 4, 0, 1, 4, 2, 0])
+    x = points[pick]
+    x[6] = -x[6]  # −0 entries
+    x[7] = x[7].nan_to_num(nan=float("inf"))
+    x[8, 0] = float("-inf")
+    x[9] = x[9]  # (an equal row after several others)
+    config = tp.ROW_CONFIGS[-1]
+    for split in (None, 4):
+        rows = [x] if split is None else [x[:split], x[split:]]
+        sides = [
+            tp._Side(r.to(device), torch.zeros(len(r), dtype=torch.long, device=device), dtype, config, False)
+            for r in rows
+        ]
+        got = torch.cat(list(tp._equal_rows(sides[0], sides[-1], config)[: len(sides)])).cpu()
+        finite = x.isfinite().all(1)
+        want = [
+            next(j for j in range(len(x)) if finite[i] and (x[j] == x[i]).all()) if finite[i] else i
+            for i in range(len(x))
+        ]
+        assert got.tolist() == want, split
+
+
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
 @pytest.mark.parametrize(
@@ -1524,6 +1620,11 @@ def test_triton_shard_is_checked(loss, params):
         forward_t(rows, labels, None, None, *params, 0)
     with pytest.raises(ValueError, match=rf"^{loss}: shard must be -1 .* in \[0, M - N\] = \[0, 4\], got 5"):
         forward_t(rows[:2], labels[:2], rows, labels, *params, 5)
+    # The shard before the parameters' values, in the CPU kernel's order (the fake kernels' too).
+    worse = (float("nan"), *params[1:])
+    for fn in (forward_t, raw(loss)[0]):
+        with pytest.raises(ValueError, match=rf"^{loss}: shard must be -1 .*, got 5"):
+            fn(rows[:2], labels[:2], rows, labels, *worse, 5)
     other = labels.clone()
     other[3] += 1
     with pytest.raises(

@@ -309,9 +309,32 @@ struct MultiSimilarity {
         in(in_),
         slack((static_cast<double>(p_.D) + 4) * std::numeric_limits<acc_t>::epsilon() / 2),
         hard_negative(p_.N, -std::numeric_limits<double>::infinity()),
-        hard_positive(p_.N, std::numeric_limits<double>::infinity()) {}
+        hard_positive(p_.N, std::numeric_limits<double>::infinity()),
+        group(equal_rows(in_.a, p_.self ? nullptr : &in_.b)),
+        has_equal(p_.N, 0),
+        equal_cos(p_.N, 0.0) {
+    for (int64_t j = 0; j < in.b.raw.size(0); ++j) {
+      const int64_t g = ref_group(j);
+      if (g < p.N && g != (p.self ? j : -1) && !has_equal[g]) {
+        has_equal[g] = 1;
+        equal_cos[g] = exact_cos(in.a, g, in.a, g);
+      }
+    }
+  }
 
-  double exact(int64_t i, int64_t j) const { return exact_cos(in.a, i, in.b, j); }
+  // Groups of equal rows (equal_rows: anchors, then refs), and per anchor g that is the first of
+  // a group holding a pair, the exact cosine of two of its rows: the same bits for every such
+  // pair. (A group with an anchor and a ref starts at an anchor: refs are numbered after them.)
+  std::vector<int64_t> group;
+  std::vector<char> has_equal;
+  std::vector<double> equal_cos;
+
+  int64_t ref_group(int64_t j) const { return group[p.self ? j : p.N + j]; }
+  double exact(int64_t i, int64_t j) const {
+    const int64_t g = group[i];
+    if (g == ref_group(j) && has_equal[g]) return equal_cos[g];
+    return exact_cos(in.a, i, in.b, j);
+  }
 
   // Whether the pair (anchor i, ref j) with tile cosine s is one the miner keeps (PML's
   // MultiSimilarityMiner: a positive below the anchor's hardest negative + ε, a negative

@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -119,6 +121,69 @@ inline Side side(const Tensor& x) {
     out.scale = at::ones({n}, out.rows.options());
   }
   return out;
+}
+
+// Groups of equal rows (entry by entry, ±0 alike) over the rows of a and b (b's numbered after
+// a's; b may be null): per row, its group, the lowest number of a row equal to it; a row
+// holding NaN or ±∞ is alone. Two rows of one group have one exact distance (0) and one exact
+// cosine, which the losses then take without a computation: a collapsed batch (early in
+// training, a model that maps every input to one point, or to 0) has every pair cancel in the
+// tiles' expansion and tie in every choice, so that each of its N² pairs would otherwise be
+// recomputed in float64. Rows are hashed, sorted by hash, and only rows of one hash compared.
+inline std::vector<int64_t> equal_rows(const Side& a, const Side* b) {
+  const int64_t na = a.raw.size(0), nb = b != nullptr ? b->raw.size(0) : 0, D = a.raw.size(1);
+  const int64_t n = na + nb;
+  std::vector<uint64_t> hash(n);
+  std::vector<char> finite(n);
+  std::vector<int64_t> group(n);
+  AT_DISPATCH_FLOATING_TYPES(a.raw.scalar_type(), "equal_rows", [&] {
+    using bits_t = std::conditional_t<sizeof(scalar_t) == 8, uint64_t, uint32_t>;
+    auto row = [&](int64_t g) {
+      return g < na ? a.raw.const_data_ptr<scalar_t>() + g * D
+                    : b->raw.const_data_ptr<scalar_t>() + (g - na) * D;
+    };
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const scalar_t* r = row(g);
+        uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a over the entries' bits (−0 as +0)
+        bool ok = true;
+        for (int64_t k = 0; k < D; ++k) {
+          const scalar_t v = r[k] == scalar_t(0) ? scalar_t(0) : r[k];
+          ok = ok && std::isfinite(v);
+          bits_t bits;
+          std::memcpy(&bits, &v, sizeof bits);
+          h = (h ^ static_cast<uint64_t>(bits)) * 0x100000001b3ULL;
+        }
+        hash[g] = h;
+        finite[g] = ok;
+      }
+    });
+    std::vector<int64_t> order;
+    order.reserve(n);
+    for (int64_t g = 0; g < n; ++g) {
+      group[g] = g;
+      if (finite[g]) order.push_back(g);
+    }
+    std::sort(order.begin(), order.end(),
+              [&](int64_t x, int64_t y) { return hash[x] != hash[y] ? hash[x] < hash[y] : x < y; });
+    std::vector<int64_t> firsts;  // a run of one hash: the first row of each group met in it
+    for (size_t s = 0, e = 0; s < order.size(); s = e) {
+      for (e = s; e < order.size() && hash[order[e]] == hash[order[s]]; ++e) {
+      }
+      firsts.clear();
+      for (size_t t = s; t < e; ++t) {
+        const scalar_t* r = row(order[t]);
+        auto same = [&](int64_t f) { return std::equal(r, r + D, row(f)); };
+        const auto it = std::find_if(firsts.begin(), firsts.end(), same);
+        if (it != firsts.end()) {
+          group[order[t]] = *it;
+        } else {
+          firsts.push_back(order[t]);
+        }
+      }
+    }
+  });
+  return group;
 }
 
 // The rows of a per task: kRows, or fewer for small a (at least 8 tasks while blocks of 8 rows

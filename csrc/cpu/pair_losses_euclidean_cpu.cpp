@@ -6,7 +6,8 @@
 // clusters' common offset leaves every product) and each tile's expansion
 // d² = |c_i|² + |c_j|² − 2 c_i·c_j is computed by one GEMM; where it cancelled (d² below
 // (|c_i|² + |c_j|²)/kRefineRatio: near-duplicates) the entry is recomputed as Σ(e_i − e_j)² in
-// float64 from the inputs and their float64 norms, and its gradient is taken the same way.
+// float64 from the inputs and their float64 norms, and its gradient is taken the same way;
+// between equal rows (equal_rows) it is 0 without a computation.
 // Choices (which pairs' terms count, which triplets, the hardest pairs) are the exact
 // distances' own: a tile's distance is within a bound of the exact one (Inputs::clear), and a
 // choice that close to its threshold is made on the exact distance.
@@ -47,6 +48,7 @@ struct Points {
   // exactly 1 from a unit one, which the sum of squares below rounds to 1 ± 1e-16: a negative pair
   // there would count at contrastive_loss's neg_margin = 1, a triplet at margin 0.
   std::vector<char> zero, unit;
+  std::vector<int64_t> group;  // per row: its group of equal rows over both sides (equal_rows)
 
   // e_i − e_j in float64, from the inputs and their float64 1/norm: exact to float64's
   // rounding, where the rounded normalised rows would keep only float32's absolute accuracy.
@@ -75,6 +77,7 @@ struct Points {
                   : Pair{raw + i * D, o.raw + j * D, inv[i], o.inv[j], false};
   }
   double direct(int64_t i, const Points& o, int64_t j) const {
+    if (group[i] == o.group[j]) return 0.0;  // equal rows: every difference is 0
     if (zero[i] != o.zero[j] && (zero[i] ? o.unit[j] : unit[i])) return 1.0;
     const Pair p = pair(i, o, j);
     double s = 0;
@@ -93,6 +96,9 @@ template <typename acc_t>
 void make_points(Points<acc_t>& a, Points<acc_t>* b, const Tensor& x, const Tensor* y, bool tiles) {
   a.side = side(x);
   if (b != nullptr) b->side = side(*y);
+  const std::vector<int64_t> groups = equal_rows(a.side, b != nullptr ? &b->side : nullptr);
+  a.group.assign(groups.begin(), groups.begin() + x.size(0));
+  if (b != nullptr) b->group.assign(groups.begin() + x.size(0), groups.end());
   const int64_t D = x.size(1);
   std::vector<double> mean(D, 0.0);
   int64_t finite = 0;

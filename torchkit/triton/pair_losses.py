@@ -42,6 +42,11 @@ either forward's stats. Nothing N×M exists:
   Points::direct), a tile at a time and only for tiles that have such an entry. The backward
   recomputes the same distances and decisions; its directly computed entries take their
   gradient from the inputs' float64 differences.
+- Equal rows (_equal_rows: the rows sorted by a key and compared with their neighbour, as
+  the CPU kernels' equal_rows groups them): a pair of equal rows is at distance 0 and has
+  one exact cosine (self_cos_kernel's), taken without a computation, so that a collapsed
+  batch (every row one point, or 0: every pair cancelled, every choice a tie) costs what a
+  random one does rather than an exact recomputation per pair.
 - triplet_margin_loss, batch_hard (hard_rows_kernel): each anchor's farthest positive and
   nearest negative from the same tiles, each distance known within its error bound: where
   one leads past every other's bound it is the answer, otherwise a second pass decides
@@ -628,6 +633,20 @@ def _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_ma
 
 
 @triton.jit
+def _ms_exact(
+    x, near, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, ga_ptr, gb_ptr, cos_a_ptr, rows, cols, row_mask, col_mask, D
+):
+    """The tile's exact cosines where `near` asks (x elsewhere): a pair of equal rows' from
+    cos_a (self_cos_kernel's), the tile computed (_exact_tile) only for the others."""
+    same = _same(ga_ptr, gb_ptr, rows, cols, row_mask, col_mask)
+    exact = x
+    if _any(near & (same == 0)):
+        exact = _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+    cos_a = tl.load(cos_a_ptr + rows, mask=row_mask, other=0.0)
+    return tl.where(same, cos_a[:, None], exact)
+
+
+@triton.jit
 def _mined(s, t, exact, eps, slack, POSITIVE: tl.constexpr):
     """Whether the miner keeps a pair of tile cosine s (float64) against its anchor's
     threshold t (the hardest negative for a positive, the hardest positive for a negative),
@@ -683,6 +702,9 @@ def ms_grad_kernel(
     s_other,
     inv_own_ptr,
     inv_other_ptr,
+    grp_own_ptr,
+    grp_other_ptr,
+    cos_own_ptr,
     own_lab_ptr,
     other_lab_ptr,
     st_ptr,
@@ -743,14 +765,19 @@ def ms_grad_kernel(
                 hn_j = tl.load(st_ptr + cols * 5, mask=col_mask, other=0.0)
                 hp_j = tl.load(st_ptr + cols * 5 + 1, mask=col_mask, other=0.0)
                 near = near | _ms_near(x, pos, neg, hn_j[None, :], hp_j[None, :], eps, slack)
-            if tl.max(tl.max(near.to(tl.int32), axis=1), axis=0) > 0:
-                exact = _exact_tile(
+            if _any(near):
+                exact = _ms_exact(
+                    x,
+                    near,
                     x_own_ptr,
                     x_other_ptr,
                     s_own,
                     s_other,
                     inv_own_ptr,
                     inv_other_ptr,
+                    grp_own_ptr,
+                    grp_other_ptr,
+                    cos_own_ptr,
                     rows,
                     cols,
                     row_mask,
@@ -783,6 +810,9 @@ def ms_rows_kernel(
     sb,
     inv_a_ptr,
     inv_b_ptr,
+    grp_a_ptr,
+    grp_b_ptr,
+    cos_a_ptr,
     lab_ptr,
     ref_lab_ptr,
     st_ptr,
@@ -861,8 +891,25 @@ def ms_rows_kernel(
         elif PASS == 1:
             near_neg = neg & (x >= top[:, None] - 2 * slack)
             near_pos = pos & (x <= bottom[:, None] + 2 * slack)
-            if tl.max(tl.max((near_neg | near_pos).to(tl.int32), axis=1), axis=0) > 0:
-                exact = _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+            if _any(near_neg | near_pos):
+                exact = _ms_exact(
+                    x,
+                    near_neg | near_pos,
+                    xa_ptr,
+                    xb_ptr,
+                    sa,
+                    sb,
+                    inv_a_ptr,
+                    inv_b_ptr,
+                    grp_a_ptr,
+                    grp_b_ptr,
+                    cos_a_ptr,
+                    rows,
+                    cols,
+                    row_mask,
+                    col_mask,
+                    D,
+                )
                 hard_neg = tl.maximum(hard_neg, tl.max(tl.where(near_neg, exact, float("-inf")), axis=1))
                 hard_pos = tl.minimum(hard_pos, tl.min(tl.where(near_pos, exact, float("inf")), axis=1))
         else:
@@ -873,8 +920,25 @@ def ms_rows_kernel(
                 t_neg = bottom[:, None]
                 near = (pos & (tl.abs(x - eps - t_pos) <= slack)) | (neg & (tl.abs(x + eps - t_neg) <= slack))
                 exact = x
-                if tl.max(tl.max(near.to(tl.int32), axis=1), axis=0) > 0:
-                    exact = _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
+                if _any(near):
+                    exact = _ms_exact(
+                        x,
+                        near,
+                        xa_ptr,
+                        xb_ptr,
+                        sa,
+                        sb,
+                        inv_a_ptr,
+                        inv_b_ptr,
+                        grp_a_ptr,
+                        grp_b_ptr,
+                        cos_a_ptr,
+                        rows,
+                        cols,
+                        row_mask,
+                        col_mask,
+                        D,
+                    )
                 keep_pos = pos & _mined(x, t_pos, exact, eps, slack, True)
                 keep_neg = neg & _mined(x, t_neg, exact, eps, slack, False)
             yp = (alpha * (base - x)).to(ACC)
@@ -901,6 +965,79 @@ def ms_rows_kernel(
 
 
 # --------------------------------------------------------------------------- Euclidean (contrastive)
+
+
+@triton.jit
+def row_keys_kernel(x_ptr, key_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A key per row for _equal_rows: Σ_k x_k·w_k in float64 over fixed weights w_k in
+    [0.5, 1.5), the same for equal rows (one sum in one order; ±0 alike), not finite for a row
+    holding NaN or ±∞, and rarely shared by rows of other values."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    key = tl.zeros((BLOCK_ROWS,), tl.float64)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (ks < D)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(tl.float64)
+        w = ((ks * 40503) % 65536).to(tl.float64) / 65536.0 + 0.5
+        key += tl.sum(x * w[None, :], axis=1)
+    tl.store(key_ptr + rows, key + 0.0, mask=row_mask)  # (+ 0.0: −0 as +0)
+
+
+@triton.jit
+def _entries(xa_ptr, xb_ptr, sa, sb, NA, r, ks, mask):
+    """Entries ks of rows r numbered over two sides (a's rows, then b's from NA), in float64
+    (exact; where ±0 compare equal also for 16-bit types under the interpreter)."""
+    in_a = r < NA
+    va = tl.load(xa_ptr + r[:, None] * sa + ks[None, :], mask=mask & in_a[:, None], other=0.0)
+    vb = tl.load(xb_ptr + (r - NA)[:, None] * sb + ks[None, :], mask=mask & (in_a == 0)[:, None], other=0.0)
+    return tl.where(in_a[:, None], va.to(tl.float64), vb.to(tl.float64))
+
+
+@triton.jit
+def equal_next_kernel(
+    xa_ptr, xb_ptr, sa, sb, NA, order_ptr, key_ptr, out_ptr, N, D, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """out[t]: whether row order[t] equals row order[t − 1] entry by entry (±0 alike; NaN
+    equals nothing), with a finite key (a row holding ±∞ equals none: its distances are NaN);
+    rows numbered over both sides (_entries)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = (t >= 1) & (t < N)
+    i = tl.load(order_ptr + t, mask=live, other=0)
+    j = tl.load(order_ptr + t - 1, mask=live, other=0)
+    key = tl.load(key_ptr + i, mask=live, other=0.0)
+    same = live & (key == tl.load(key_ptr + j, mask=live, other=0.0)) & (tl.abs(key) < float("inf"))
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        mask = same[:, None] & (ks < D)[None, :]
+        xi = _entries(xa_ptr, xb_ptr, sa, sb, NA, i, ks, mask)
+        xj = _entries(xa_ptr, xb_ptr, sa, sb, NA, j, ks, mask)
+        same = same & (tl.max(tl.where(mask & (xi != xj), 1, 0), axis=1) == 0)
+    tl.store(out_ptr + t, same, mask=t < N)
+
+
+@triton.jit
+def self_cos_kernel(x_ptr, inv_ptr, out_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr):
+    """Per row its exact cosine with an equal row, summed as _exact_tile sums a pair's:
+    Σ_k (x_k·inv)² in float64, in feature order (at D = 1, F.normalize's ±1 squared)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    inv = tl.load(inv_ptr + rows, mask=row_mask, other=0.0)
+    out = tl.zeros((BLOCK_ROWS,), tl.float64)
+    for k in range(0, D):
+        a = tl.load(x_ptr + rows * stride_row + k, mask=row_mask, other=0.0).to(tl.float64)
+        a = tl.where(D == 1, _unit(a, inv, True), a * inv)
+        out += a * a
+    tl.store(out_ptr + rows, out, mask=row_mask)
+
+
+@triton.jit
+def _same(ga_ptr, gb_ptr, rows, cols, row_mask, col_mask):
+    """Which pairs of a tile join equal rows (one group of _equal_rows): at distance 0 and of
+    one exact cosine, which the kernels take without computing them."""
+    ga = tl.load(ga_ptr + rows, mask=row_mask, other=-1)
+    gb = tl.load(gb_ptr + cols, mask=col_mask, other=-2)
+    return ga[:, None] == gb[None, :]
 
 
 @triton.jit
@@ -1053,6 +1190,8 @@ def contrastive_rows_kernel(
     sb,
     inv_a_ptr,
     inv_b_ptr,
+    grp_a_ptr,
+    grp_b_ptr,
     lab_ptr,
     ref_lab_ptr,
     sums_ptr,
@@ -1105,12 +1244,14 @@ def contrastive_rows_kernel(
         pos = valid & (lab[:, None] == ref_lab[None, :])
         d64 = d.to(tl.float64)
         clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_a, sq_b, err, unit)
-        dd = d64
-        if _any(valid & (direct | (clear == 0))):
+        same = _same(grp_a_ptr, grp_b_ptr, rows, cols, row_mask, col_mask)
+        exact = d64
+        if _any(valid & (direct | (clear == 0)) & (same == 0)):
             exact = _exact_dist(
                 xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
             )
-            dd = tl.where(direct, exact.to(ACC).to(tl.float64), tl.where(clear, d64, exact))
+        exact = tl.where(same, 0.0, exact)
+        dd = tl.where(direct, exact.to(ACC).to(tl.float64), tl.where(clear, d64, exact))
         v = tl.where(pos, dd - pos_margin, neg_margin - dd)
         counted = valid & ((v <= 0) == 0)
         sum_pos += tl.sum(tl.where(counted & pos, v, 0.0), axis=1)
@@ -1140,6 +1281,8 @@ def euclidean_grad_kernel(
     s_other,
     inv_own_ptr,
     inv_other_ptr,
+    grp_own_ptr,
+    grp_other_ptr,
     own_lab_ptr,
     other_lab_ptr,
     st_ptr,
@@ -1225,7 +1368,8 @@ def euclidean_grad_kernel(
             )
             direct = direct & valid
             exact = d.to(tl.float64)
-            have_exact = _any(direct)
+            same = _same(grp_own_ptr, grp_other_ptr, rows, cols, row_mask, col_mask)
+            have_exact = _any(direct & (same == 0))
             if have_exact:
                 exact = _exact_dist(
                     x_own_ptr,
@@ -1241,12 +1385,13 @@ def euclidean_grad_kernel(
                     D,
                     ONE_FEATURE,
                 )
-                d = tl.where(direct, exact.to(ACC), d)
+            exact = tl.where(same, 0.0, exact)
+            d = tl.where(direct, exact.to(ACC), d)
             d64 = d.to(tl.float64)
             if TERMS == CONTRASTIVE_TERMS:
                 pos = valid & (lab[:, None] == other_lab[None, :])
                 clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_i, sq_j, err, unit)
-                if _any(valid & (clear == 0)) & (have_exact == 0):
+                if _any(valid & (clear == 0) & (same == 0)) & (have_exact == 0):
                     exact = _exact_dist(
                         x_own_ptr,
                         x_other_ptr,
@@ -1261,6 +1406,7 @@ def euclidean_grad_kernel(
                         D,
                         ONE_FEATURE,
                     )
+                    exact = tl.where(same, 0.0, exact)
                 dd = tl.where(clear, d64, exact)
                 v = tl.where(pos, dd - pos_margin, neg_margin - dd)
                 counted = valid & ((v <= 0) == 0)
@@ -1332,6 +1478,8 @@ def hard_rows_kernel(
     sb,
     inv_a_ptr,
     inv_b_ptr,
+    grp_a_ptr,
+    grp_b_ptr,
     lab_ptr,
     ref_lab_ptr,
     idx_ptr,
@@ -1406,12 +1554,14 @@ def hard_rows_kernel(
         d64 = d.to(tl.float64)
         s = tl.where(direct, 0.0, _slack(d64, sq_a, sq_b, err, unit))
         exact = d64
-        have_exact = _any(direct)
+        same = _same(grp_a_ptr, grp_b_ptr, rows, cols, row_mask, col_mask)
+        have_exact = _any(direct & (same == 0))
         if have_exact:
             exact = _exact_dist(
                 xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
             )
-            d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
+        exact = tl.where(same, 0.0, exact)
+        d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
         nan = d64 != d64  # (only a direct entry's)
         lo = d64 - s
         hi = d64 + s
@@ -1441,10 +1591,11 @@ def hard_rows_kernel(
         else:
             cand_p = pos & (nan == 0) & (hi >= lead_p[:, None])
             cand_n = neg & (nan == 0) & (lo <= lead_n[:, None])
-            if _any((cand_p | cand_n) & (direct == 0)) & (have_exact == 0):
+            if _any((cand_p | cand_n) & (direct == 0) & (same == 0)) & (have_exact == 0):
                 exact = _exact_dist(
                     xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
                 )
+                exact = tl.where(same, 0.0, exact)
             key = tl.where(direct, d64, exact)
             t_best = tl.max(tl.where(cand_p, key, float("-inf")), axis=1)
             t_idx = _first(cand_p & (key == t_best[:, None]), cols)
@@ -1614,6 +1765,8 @@ def triplet_rows_kernel(
     sb,
     inv_a_ptr,
     inv_b_ptr,
+    grp_a_ptr,
+    grp_b_ptr,
     lab_ptr,
     ref_lab_ptr,
     order_ptr,
@@ -1699,12 +1852,14 @@ def triplet_rows_kernel(
             direct = direct & neg
             d64 = d.to(tl.float64)
             exact = d64
-            have_exact = _any(direct)
+            same = _same(grp_a_ptr, grp_b_ptr, rows, cols, row_mask, col_mask)
+            have_exact = _any(direct & (same == 0))
             if have_exact:
                 exact = _exact_dist(
                     xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
                 )
-                d64 = tl.where(direct, exact, d64)
+            exact = tl.where(same, 0.0, exact)
+            d64 = tl.where(direct, exact, d64)
             # The entries with a threshold of the chunk (d_ap + margin; semi_hard: d_ap) within
             # the tile's error bound: Inputs::clear, over each positive at once.
             bound = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64)) + 4.0 * unit * d64 * d64
@@ -1867,11 +2022,14 @@ def _pml_counts(npos: Tensor, npairs: Tensor) -> Tensor:
     return (positives > 0) & (negatives > 0) & ((positives > 1) | (negatives > 1))
 
 
-def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature) -> float:
+def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature, shard) -> tuple:
+    """The CPU kernels' checks in their order (the fake kernels' too): the arguments' types,
+    the inputs, the shard (_shard), the parameters' values; returns (τ, shard)."""
     check_scalars(op, ("float", "temperature", temperature))
     _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
     _check_params(op, (float(temperature),))
-    return float(temperature)
+    return float(temperature), shard
 
 
 def _shard(op: str, shard, embeddings, labels, ref_embeddings, ref_labels) -> int | None:
@@ -1933,8 +2091,7 @@ def supcon_forward(
 ):
     """torchkit::supcon_loss's CUDA kernel (any device under the interpreter)."""
     op = "supcon_loss"
-    t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
     acc = acc_dtype(embeddings)
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
     self_, offset = _self_pairs(ref_embeddings, shard)
@@ -1962,8 +2119,7 @@ def ntxent_forward(
 ):
     """torchkit::ntxent_loss's CUDA kernel (any device under the interpreter)."""
     op = "ntxent_loss"
-    t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
     acc = acc_dtype(embeddings)
     config = config or ROWS_CONFIGS[0]
     self_, offset = _self_pairs(ref_embeddings, shard)
@@ -2007,8 +2163,7 @@ def _backward(
     row_config,
 ):
     op = "ntxent_loss" if ntxent else "supcon_loss"
-    t = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
     whole = _whole_rows(shard, ref_embeddings)
     _check_backward(op, grad, embeddings, stats, 3 if ntxent else 2, shard=shard, whole=whole)
     self_ = ref_embeddings is None
@@ -2257,16 +2412,17 @@ def proxy_anchor_backward(
     return ge, gp
 
 
-def _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon) -> tuple:
+def _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard) -> tuple:
     op = "multi_similarity_loss"
     floats = [("float", "alpha", alpha), ("float", "beta", beta), ("float", "base", base)]
     if miner_epsilon is not None:
         floats.append(("float", "miner_epsilon", miner_epsilon))
     check_scalars(op, *floats)
     _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
     params = (float(alpha), float(beta), float(base), None if miner_epsilon is None else float(miner_epsilon))
     _check_params(op, params)
-    return params
+    return params, shard
 
 
 def _ms_bits(params, D: int, acc: torch.dtype) -> tuple:
@@ -2293,14 +2449,13 @@ def multi_similarity_forward(
     row_config=None,
 ):
     """torchkit::multi_similarity_loss's CUDA kernel (any device under the interpreter)."""
-    op = "multi_similarity_loss"
-    params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    params, shard = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard)
     mining = params[3] is not None
     acc = acc_dtype(embeddings)
     config = config or EXACT_ROWS_CONFIGS[0]
     self_, offset = _self_pairs(ref_embeddings, shard)
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
+    row_config = row_config or ROW_CONFIGS[0]
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     N, D = embeddings.shape
     st = torch.zeros(N, 5, dtype=torch.float64, device=embeddings.device)
     found = torch.zeros(N, 2, dtype=torch.int32, device=embeddings.device)  # negatives, positives
@@ -2309,6 +2464,7 @@ def multi_similarity_forward(
         st[:, 0] = float("-inf")
         st[:, 1] = float("inf")
     if N > 0 and b.n > 0:
+        groups = _equal_rows(a, b, row_config) if mining else None
         launch = (
             a.e,
             b.e,
@@ -2318,6 +2474,8 @@ def multi_similarity_forward(
             b.raw.stride(0),
             a.inv64 if mining else st,
             b.inv64 if mining else st,
+            *(groups if mining else (a.labels, b.labels)),
+            _self_cos(a, row_config) if mining else st,
             a.labels,
             b.labels,
             st,
@@ -2368,8 +2526,7 @@ def multi_similarity_backward(
 ):
     """torchkit::_multi_similarity_loss_backward's CUDA kernel."""
     op = "multi_similarity_loss"
-    params = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    params, shard = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard)
     whole = _whole_rows(shard, ref_embeddings)
     _check_backward(op, grad, embeddings, stats, 5, stats_dtype=torch.float64, shard=shard, whole=whole)
     mining = params[3] is not None
@@ -2389,9 +2546,16 @@ def multi_similarity_backward(
     bits = _ms_bits(params, D, acc)
     pairs_self = self_ or whole is not None
 
-    def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor, offset=0) -> Tensor:
+    # Per side: its rows' groups of equal rows and exact cosines with an equal row (the miner's).
+    ga, gb = _equal_rows(a, b, row_config) if mining else (a.labels, b.labels)
+    cos_a = _self_cos(a, row_config) if mining else st
+    cos_b = cos_a if a is b or not mining else _self_cos(b, row_config)
+
+    def rows_grad(own: _Side, other: _Side, own_extra, other_groups, anchors_own, anchors_other, like, offset=0):
+        # (own_extra: own's groups and cosines, from which own's rows take those from `offset`)
         g = torch.empty(own.n, D, dtype=acc, device=like.device)
         k = config.kwargs
+        own_groups, own_cos = (t.narrow(0, offset, own.n) if mining else t for t in own_extra)
         ms_grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
             own.e,
             other.e,
@@ -2401,6 +2565,9 @@ def multi_similarity_backward(
             other.raw.stride(0),
             own.inv64 if mining else st,
             other.inv64 if mining else st,
+            own_groups,
+            other_groups,
+            own_cos,
             own.labels,
             other.labels,
             st,
@@ -2420,20 +2587,69 @@ def multi_similarity_backward(
         )
         return _jacobian(own, g, grad, like, row_config)
 
-    if whole is not None:
-        ge = rows_grad(b.narrow(shard, N), b, True, True, embeddings, offset=shard) if want_e else empty
+    if whole is not None:  # (a is b: the refs)
+        ge = rows_grad(b.narrow(shard, N), b, (gb, cos_b), gb, True, True, embeddings, shard) if want_e else empty
         return ge, _zeros(want_r, ref_embeddings, empty)
     if self_:
-        return rows_grad(a, a, True, True, embeddings), empty
-    ge = rows_grad(a, b, True, False, embeddings) if want_e else empty
-    gr = rows_grad(b, a, False, True, ref_embeddings) if want_r else empty
+        return rows_grad(a, a, (ga, cos_a), ga, True, True, embeddings), empty
+    ge = rows_grad(a, b, (ga, cos_a), gb, True, False, embeddings) if want_e else empty
+    gr = rows_grad(b, a, (gb, cos_b), ga, False, True, ref_embeddings) if want_r else empty
     return ge, gr
+
+
+def _equal_rows(a: _Side, b: _Side, config: Config) -> tuple[Tensor, Tensor]:
+    """Per side, each row's group of equal rows over both (b's rows numbered after a's; one
+    side where a is b): the lowest number of a row equal to it, as the CPU kernels'
+    equal_rows. A collapsed batch (a model early in training that maps every input to one
+    point, or to 0) has every pair cancel in the distance tiles and tie in every choice; the
+    kernels take its equal rows' distances (0) and cosines without computing them. The rows
+    are sorted by key (row_keys_kernel) and each compared with the one before, on the device:
+    equal rows between which another row shares their key stay apart (a value computed,
+    never a wrong one)."""
+    sides = [a] if a is b else [a, b]
+    device, D = a.raw.device, a.raw.shape[1]
+    k = config.kwargs
+    keys = torch.empty(sum(side.n for side in sides), dtype=torch.float64, device=device)
+    start = 0
+    for side in sides:
+        if side.n > 0:
+            row_keys_kernel[(blocks(side.n, k["BLOCK_ROWS"]),)](
+                side.raw, keys[start:], side.n, D, side.raw.stride(0), **config.launch
+            )
+        start += side.n
+    n = keys.numel()
+    order = torch.argsort(keys, stable=True)
+    equal = torch.empty(n, dtype=torch.bool, device=device)
+    if n > 0:
+        equal_next_kernel[(blocks(n, k["BLOCK_ROWS"]),)](
+            a.raw, b.raw, a.raw.stride(0), b.raw.stride(0), a.n, order, keys, equal, n, D, **config.launch
+        )
+    first = torch.where(equal, 0, torch.arange(n, device=device)).cummax(0).values
+    group = torch.empty_like(order).index_put_((order,), order[first])
+    return (group, group) if a is b else (group[: a.n], group[a.n :])
+
+
+def _self_cos(side: _Side, config: Config) -> Tensor:
+    """self_cos_kernel: per row its exact cosine with an equal row (float64)."""
+    out = torch.empty(side.n, dtype=torch.float64, device=side.raw.device)
+    if side.n > 0:
+        self_cos_kernel[(blocks(side.n, config.kwargs["BLOCK_ROWS"]),)](
+            side.raw,
+            side.inv64,
+            out,
+            side.n,
+            side.raw.shape[1],
+            side.raw.stride(0),
+            BLOCK_ROWS=config.kwargs["BLOCK_ROWS"],
+            **config.options,
+        )
+    return out
 
 
 def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
     """The rows as the distance tiles take them (the CPU kernel's make_points): F.normalize's
     rows centred on the mean of the finite ones of both sides (float64), rounded once to
-    ACC, and their squared norms; per side (c, |c|²)."""
+    ACC, and their squared norms; per side (c, |c|², its groups of equal rows)."""
     sides = [a] if a is b else [a, b]
     D = a.raw.shape[1]
     device = a.raw.device
@@ -2458,16 +2674,18 @@ def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
                 side.raw, side.inv64, mean, c, sq, side.n, D, side.raw.stride(0), ACC=acc_tl(acc), **config.launch
             )
         out.append((c, sq))
-    return out if a is not b else out * 2
+    groups = _equal_rows(a, b, config)
+    return [(*points, group) for points, group in zip(out * (2 if a is b else 1), groups, strict=True)]
 
 
-def _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin) -> tuple:
+def _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard) -> tuple:
     op = "contrastive_loss"
     check_scalars(op, ("float", "pos_margin", pos_margin), ("float", "neg_margin", neg_margin))
     _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
     params = (float(pos_margin), float(neg_margin))
     _check_params(op, params)
-    return params
+    return params, shard
 
 
 def _euclidean_bits(margins: tuple, D: int, acc: torch.dtype) -> tuple:
@@ -2481,9 +2699,7 @@ def contrastive_forward(
     embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard=None, *, config=None, row_config=None
 ):
     """torchkit::contrastive_loss's CUDA kernel (any device under the interpreter)."""
-    op = "contrastive_loss"
-    margins = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    margins, shard = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard)
     acc = acc_dtype(embeddings)
     config = config or EXACT_ROWS_CONFIGS[0]
     row_config = row_config or ROW_CONFIGS[0]
@@ -2493,7 +2709,7 @@ def contrastive_forward(
     sums = torch.zeros(N, 2, dtype=torch.float64, device=embeddings.device)
     counts = torch.zeros(N, 4, dtype=torch.int32, device=embeddings.device)
     if N > 0 and b.n > 0:
-        (ca, sq_a), (cb, sq_b) = _points(a, b, acc, row_config)
+        (ca, sq_a, ga), (cb, sq_b, gb) = _points(a, b, acc, row_config)
         contrastive_rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
             ca,
             cb,
@@ -2505,6 +2721,8 @@ def contrastive_forward(
             b.raw.stride(0),
             a.inv64,
             b.inv64,
+            ga,
+            gb,
             a.labels,
             b.labels,
             sums,
@@ -2555,8 +2773,7 @@ def contrastive_backward(
 ):
     """torchkit::_contrastive_loss_backward's CUDA kernel."""
     op = "contrastive_loss"
-    margins = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    margins, shard = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard)
     whole = _whole_rows(shard, ref_embeddings)
     _check_backward(op, grad, embeddings, stats, 2, shard=shard, whole=whole)
     self_ = ref_embeddings is None
@@ -2593,6 +2810,8 @@ def contrastive_backward(
             other.raw.stride(0),
             own.inv64,
             other.inv64,
+            own_points[2],
+            other_points[2],
             own.labels,
             other.labels,
             st,
@@ -2627,16 +2846,17 @@ def contrastive_backward(
     return ge, gr
 
 
-def _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining) -> tuple:
+def _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard) -> tuple:
     op = "triplet_margin_loss"
     check_scalars(op, ("float", "margin", margin))
     _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
     params = (float(margin), mining)
     _check_params(op, params)
     M = embeddings.shape[0] if ref_embeddings is None else ref_embeddings.shape[0]
     if M > 2**31 - 1:  # (the CPU kernel's limit, kept: one op, one contract)
         raise ValueError(f"{op}: at most 2^31 - 1 rows of ref_embeddings (or embeddings) are supported, got {M}")
-    return params
+    return params, shard
 
 
 def _triplet_stats_check(stats: Tensor, M: int, batch_hard: bool) -> None:
@@ -2711,7 +2931,7 @@ def _triplet_rows(
     """triplet_rows_kernel over the anchors [row0, end): the forward's sums and counts, or
     (band) the backward's coefficients of those anchors' pairs (self_: anchor i is b's row
     offset + i, not a pair)."""
-    (ca, sq_a), (cb, sq_b) = points
+    (ca, sq_a, ga), (cb, sq_b, gb) = points
     D, M = a.raw.shape[1], b.n
     if end <= row0:
         return
@@ -2728,6 +2948,8 @@ def _triplet_rows(
         b.raw.stride(0),
         a.inv64,
         b.inv64,
+        ga,
+        gb,
         a.labels,
         b.labels,
         *segments,
@@ -2756,8 +2978,7 @@ def triplet_margin_forward(
     embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard=None, *, config=None, row_config=None
 ):
     """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter)."""
-    margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
-    shard = _shard("triplet_margin_loss", shard, embeddings, labels, ref_embeddings, ref_labels)
+    (margin, mining), shard = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard)
     self_, offset = _self_pairs(ref_embeddings, shard)
     acc = acc_dtype(embeddings)
     hard = mining == "batch_hard"
@@ -2792,7 +3013,7 @@ def triplet_margin_forward(
         per = sums[:, 0] - sums[:, 1]
         per = torch.where((count[:, 0] > 0) & (count[:, 1] > 0), float("nan"), per)
         return result(per.sum(), count[:, 0].sum(), torch.cat([idx, count[:, :1]], 1))
-    (ca, sq_a), (cb, sq_b) = points
+    (ca, sq_a, ga), (cb, sq_b, gb) = points
     bound = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
     for step in (0, 1):
         hard_rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
@@ -2806,6 +3027,8 @@ def triplet_margin_forward(
             b.raw.stride(0),
             a.inv64,
             b.inv64,
+            ga,
+            gb,
             a.labels,
             b.labels,
             idx,
@@ -2873,6 +3096,8 @@ def _triplet_band_backward(
             other.raw.stride(0),
             own.inv64,
             other.inv64,
+            own_points[2],
+            other_points[2],
             own.labels,
             other.labels,
             scale,
@@ -2936,8 +3161,7 @@ def triplet_margin_backward(
     rows_config). A shard's takes its own stats and gives the refs' gradient from its anchors
     (csrc/pair_losses.h)."""
     op = "triplet_margin_loss"
-    margin, mining = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    (margin, mining), shard = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard)
     _check_backward(op, grad, embeddings, stats, 3, stats_dtype=torch.int64, shard=shard)
     self_ = ref_embeddings is None
     N, D = embeddings.shape
@@ -3092,6 +3316,8 @@ def compile_cases() -> list[CompileCase]:
                 **dict.fromkeys(("xa_ptr", "xb_ptr", "x_own_ptr", "x_other_ptr"), "*" + dtype),
                 **dict.fromkeys(("inv_a_ptr", "inv_b_ptr", "inv_own_ptr", "inv_other_ptr", "st_ptr"), "*fp64"),
                 **dict.fromkeys(("sa", "sb", "s_own", "s_other"), "i32"),
+                **dict.fromkeys(("grp_a_ptr", "grp_b_ptr", "grp_own_ptr", "grp_other_ptr"), "*i64"),
+                **dict.fromkeys(("cos_a_ptr", "cos_own_ptr"), "*fp64"),
                 **dict.fromkeys(("ALPHA_BITS", "BETA_BITS", "BASE_BITS", "EPS_BITS", "SLACK_BITS"), "i64"),
                 "count_ptr": "*i32",
                 "out_ptr": "*" + acc,
@@ -3235,6 +3461,31 @@ def compile_cases() -> list[CompileCase]:
                     ROW_CONFIGS if every else ROW_CONFIGS[:1],
                 )
             )
+            cases.append(
+                CompileCase(
+                    f"pair_losses.self_cos {dtype}",
+                    self_cos_kernel,
+                    {**types, "inv_ptr": "*fp64", "out_ptr": "*fp64"},
+                    {},
+                    tuple(_config(BLOCK_ROWS=c.kwargs["BLOCK_ROWS"], num_warps=c.num_warps) for c in ROW_CONFIGS),
+                )
+            )
+            for kernel in (row_keys_kernel, equal_next_kernel):
+                cases.append(
+                    CompileCase(
+                        f"pair_losses.{kernel.fn.__name__.removesuffix('_kernel')} {dtype}",
+                        kernel,
+                        {
+                            **ms_types,
+                            **dict.fromkeys(("key_ptr",), "*fp64"),
+                            **dict.fromkeys(("NA", "sa", "sb"), "i32"),
+                            "order_ptr": "*i64",
+                            "out_ptr": "*i1",
+                        },
+                        {},
+                        ROW_CONFIGS if every else ROW_CONFIGS[:1],
+                    )
+                )
             if dtype == "fp32":
                 cases.append(CompileCase("pair_losses.norm64 fp32", norm64_kernel, types, {}, ROW_CONFIGS))
                 cases.append(
