@@ -122,7 +122,7 @@ double check_temperature(const char* op, const c10::Scalar& temperature) {
 
 double check_margin(const char* op, const char* name, const c10::Scalar& margin) {
   const double m = scalar_float(op, name, margin);
-  TK_CHECK_VALUE(op, std::isfinite(m) && m >= 0, name, " must be finite and >= 0, got ", m);
+  TK_CHECK_VALUE(op, std::isfinite(m), name, " must be finite, got ", m);
   return m;
 }
 

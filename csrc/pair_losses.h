@@ -110,7 +110,7 @@ struct Problem {
   double margin = 0;                       // triplet_margin_loss
   Mining mining = Mining::All;             // triplet_margin_loss
   double alpha = 0, beta = 0, base = 0;    // multi_similarity_loss
-  double miner_epsilon = -1;               // multi_similarity_loss; < 0: no miner
+  std::optional<double> miner_epsilon;     // multi_similarity_loss; none: no miner
 
   // Whether anchor i and ref row j are one row (not a pair).
   bool itself(int64_t i, int64_t j) const { return offset >= 0 && j == offset + i; }
@@ -131,13 +131,13 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
                      const std::optional<at::Tensor>& ref_embeddings,
                      const std::optional<at::Tensor>& ref_labels, std::optional<int64_t> shard);
 double check_temperature(const char* op, const c10::Scalar& temperature);
-// A margin: finite and >= 0.
+// A margin (or the miner's ε): finite, of either sign, as PML takes them.
 double check_margin(const char* op, const char* name, const c10::Scalar& margin);
 // Finite and > 0; finite.
 double check_positive(const char* op, const char* name, const c10::Scalar& value);
 double check_finite(const char* op, const char* name, const c10::Scalar& value);
 Mining check_mining(const char* op, c10::string_view mining);
-// proxy_anchor_loss's inputs: labels in [0, C) (read: CPU tensors), margin >= 0, alpha > 0.
+// proxy_anchor_loss's inputs: labels in [0, C) (read: CPU tensors), margin finite, alpha > 0.
 Problem check_proxy_inputs(const at::Tensor& embeddings, const at::Tensor& labels,
                            const at::Tensor& proxies, const c10::Scalar& margin,
                            const c10::Scalar& alpha);

@@ -909,6 +909,80 @@ OTHER_PARAMS = {
 }
 
 
+def test_multi_similarity_module_defaults_to_pmls_module():
+    """torchkit.nn.MultiSimilarityLoss() is PML's MultiSimilarityLoss(), which has no miner:
+    every pair (the function's default mines with ε = 0.1, as its docstring says)."""
+    e, labels = make((40, 8)), make_labels(40, 4)
+    got = torchkit.nn.MultiSimilarityLoss()(e, labels)
+    torch.testing.assert_close(got, losses.MultiSimilarityLoss()(e, labels), rtol=1e-12, atol=1e-12)
+    assert got.item() == ops.multi_similarity_loss(e, labels, miner_epsilon=None).item()
+    assert got.item() != ops.multi_similarity_loss(e, labels).item()
+
+
+@configs
+def test_ref_labels_that_are_labels_count_every_pair(loss, params):
+    """PML leaves out each anchor's pair with the ref row of its index when ref_labels is the
+    labels tensor itself; torchkit counts every (anchor, ref) pair whatever object the labels
+    are (docs/ops.md): PML's value with a copy of the labels."""
+    e, labels = make((12, 6)), make_labels(12, 3)
+    ref = make((12, 6), seed=1)
+    got = ours(loss, params)(e, labels, ref, labels)
+    torch.testing.assert_close(got, pml(loss, params)(e, labels, ref, labels.clone()), rtol=1e-12, atol=1e-12)
+    assert got.item() == ours(loss, params)(e, labels, ref, labels.clone()).item()
+
+
+# PML's parameters of either sign (its own miner test takes margin −0.05).
+NEGATIVE = [
+    ("contrastive_loss", {"pos_margin": -0.1, "neg_margin": 0.5}),
+    ("contrastive_loss", {"pos_margin": 0.2, "neg_margin": -0.3}),
+    ("triplet_margin_loss", {"margin": -0.05, "mining": "all"}),
+    ("triplet_margin_loss", {"margin": -0.05, "mining": "semi_hard"}),
+    ("triplet_margin_loss", {"margin": -0.05, "mining": "batch_hard"}),
+    ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": -0.05}),
+]
+NEGATIVE_IDS = ["-".join([loss.removesuffix("_loss"), *map(str, p.values())]) for loss, p in NEGATIVE]
+
+
+@pytest.mark.parametrize("loss,params", NEGATIVE, ids=NEGATIVE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_negative_margins_are_pmls(loss, params, dtype):
+    """Negative margins and miner ε are PML's (values and gradients, with and without refs):
+    float64 and float32 against PML; float16 and bfloat16 (PML computes in them, torchkit in
+    float32) against the float64 reference on the same values."""
+    e = make((40, 8), seed=3).to(dtype)
+    labels = make_labels(40, 4, seed=3)
+    ref, ref_labels = make((30, 8), seed=4).to(dtype), make_labels(30, 4, seed=4)
+    for r, rl in ((None, None), (ref, ref_labels)):
+        got, got_grads = loss_and_grads(ours(loss, params), e, labels, r, rl)
+        if dtype in (torch.float64, torch.float32):
+            exp, exp_grads = loss_and_grads(pml(loss, params), e, labels, r, rl)
+            tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, exp, **tol)
+            for a, b in zip(got_grads, exp_grads, strict=True):
+                torch.testing.assert_close(a, b, **tol)
+        else:
+            exp, exp_grads = loss_and_grads(
+                ref_fn(loss, params), e.double(), labels, None if r is None else r.double(), rl
+            )
+            eps = torch.finfo(dtype).eps
+            assert abs(got.double() - exp).item() <= 2 * eps * max(exp.abs().item(), 1e-3)
+            for a, b in zip(got_grads, exp_grads, strict=True):
+                assert (a.double() - b).abs().max() <= 4 * eps * max(b.abs().max(), 1e-3)
+    if params.get("mining") == "semi_hard":  # PML's miner takes no triplet below margin 0
+        assert got.item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_proxy_anchor_negative_margin_is_pmls(dtype):
+    e, labels, proxies = make((30, 8), dtype, seed=6), make_labels(30, 5, seed=6), make((5, 8), dtype, seed=7)
+    got, got_grads = proxy_loss_and_grads(lambda *a: ops.proxy_anchor_loss(*a, margin=-0.1), e, labels, proxies)
+    exp, exp_grads = proxy_loss_and_grads(pml_proxy_anchor(margin=-0.1), e, labels, proxies)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, exp, **tol)
+    for a, b in zip(got_grads, exp_grads, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.parametrize("loss", NAMES)
 def test_module(loss):
     module, params = MODULES[loss], OTHER_PARAMS[loss]
@@ -922,10 +996,12 @@ def test_module(loss):
         == fn(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels).item()
     )
     assert repr(m) == f"{module}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
-    assert getattr(torchkit.nn, module)()(e, labels).item() == fn(e, labels).item()  # the defaults
+    # The defaults: the function's, but for MultiSimilarityLoss, which is PML's module (no miner).
+    defaults = {"multi_similarity_loss": {"miner_epsilon": None}}.get(loss, {})
+    assert getattr(torchkit.nn, module)()(e, labels).item() == fn(e, labels, **defaults).item()
     name = next(iter(params))
-    bad = 0.0 if name in ("temperature", "alpha") else -1.0
-    with pytest.raises(ValueError, match=f"{module}: {name} must be finite and"):
+    bad = 0.0 if name in ("temperature", "alpha") else float("nan")
+    with pytest.raises(ValueError, match=f"{module}: {name} must be finite"):
         getattr(torchkit.nn, module)(**{**params, name: bad})
 
 
@@ -1055,23 +1131,23 @@ def bad_cases(loss):
                 )
         for value, shown in ((float("inf"), "inf"), (float("nan"), "nan")):
             cases.append((lambda v=value: fn(e4, l6, base=v), ValueError, rf"base must be finite, got {shown}"))
-        for value, shown in ((-0.1, "-0.1"), (float("nan"), "nan")):
+        for value, shown in ((float("inf"), "inf"), (float("nan"), "nan")):
             cases.append(
                 (
                     lambda v=value: fn(e4, l6, miner_epsilon=v),
                     ValueError,
-                    rf"miner_epsilon must be finite and >= 0, got {shown}",
+                    rf"miner_epsilon must be finite, got {shown}",
                 )
             )
         return cases
     names = ("pos_margin", "neg_margin") if loss == "contrastive_loss" else ("margin",)
     for name in names:
-        for value, shown in ((-0.1, "-0.1"), (float("inf"), "inf"), (float("nan"), "nan")):
+        for value, shown in ((float("-inf"), "-inf"), (float("inf"), "inf"), (float("nan"), "nan")):
             cases.append(
                 (
                     lambda n=name, v=value: fn(e4, l6, **{n: v}),
                     ValueError,
-                    rf"{name} must be finite and >= 0, got {shown}",
+                    rf"{name} must be finite, got {shown}",
                 )
             )
     if loss == "triplet_margin_loss":
@@ -1100,10 +1176,8 @@ def proxy_bad_cases():
         (lambda: fn(e4, l6, p3[:, :3]), ValueError, r"proxies must be 2-D \(C, D\) with embeddings' D"),
         (lambda: fn(e4, l6, p3[0]), ValueError, r"proxies must be 2-D \(C, D\) with embeddings' D"),
     ]
-    for value, shown in ((-0.1, "-0.1"), (float("inf"), "inf"), (float("nan"), "nan")):
-        cases.append(
-            (lambda v=value: fn(e4, l6, p3, margin=v), ValueError, rf"margin must be finite and >= 0, got {shown}")
-        )
+    for value, shown in ((float("-inf"), "-inf"), (float("inf"), "inf"), (float("nan"), "nan")):
+        cases.append((lambda v=value: fn(e4, l6, p3, margin=v), ValueError, rf"margin must be finite, got {shown}"))
     for value, shown in ((0.0, "0"), (float("inf"), "inf")):
         cases.append(
             (lambda v=value: fn(e4, l6, p3, alpha=v), ValueError, rf"alpha must be finite and > 0, got {shown}")
@@ -1231,8 +1305,8 @@ def backward_bad_cases(loss):
     kind = {"triplet_margin_loss": "Long", "multi_similarity_loss": "Double"}.get(loss, "Float")
     bad_param = {
         "multi_similarity_loss": (0, 0.0, r"alpha must be finite and > 0, got 0"),
-        "contrastive_loss": (1, -1.0, r"neg_margin must be finite and >= 0, got -1"),
-        "triplet_margin_loss": (0, float("nan"), r"margin must be finite and >= 0, got nan"),
+        "contrastive_loss": (1, float("inf"), r"neg_margin must be finite, got inf"),
+        "triplet_margin_loss": (0, float("nan"), r"margin must be finite, got nan"),
     }.get(loss, (0, 0.0, r"temperature must be finite and > 0, got 0"))
     at, value, rule = bad_param
     bad_values = [*values[:at], value, *values[at + 1 :]]
@@ -1550,11 +1624,11 @@ def test_triton_backward_checks_its_inputs(loss, params):
     with pytest.raises(TypeError, match=r"embeddings and grad must have the same dtype"):
         backward_t(torch.ones((), dtype=torch.float64), e4, l6, None, None, stats, *params, [True, False])
     name_, bad, rule = {
-        "multi_similarity_loss": ("alpha", (0.0, *params[1:]), "> 0"),
-        "contrastive_loss": ("neg_margin", (0.0, -1.0), ">= 0"),
-        "triplet_margin_loss": ("margin", (-1.0, "batch_hard"), ">= 0"),
-    }.get(loss, ("temperature", (0.0,), "> 0"))
-    with pytest.raises(ValueError, match=rf"{name_} must be finite and {rule}"):
+        "multi_similarity_loss": ("alpha", (0.0, *params[1:]), "finite and > 0"),
+        "contrastive_loss": ("neg_margin", (0.0, float("nan")), "finite,"),
+        "triplet_margin_loss": ("margin", (float("inf"), "batch_hard"), "finite,"),
+    }.get(loss, ("temperature", (0.0,), "finite and > 0"))
+    with pytest.raises(ValueError, match=rf"{name_} must be {rule}"):
         getattr(tp, f"{name}_forward")(e4, l6, None, None, *bad)
 
 
@@ -2152,3 +2226,31 @@ def test_proxy_anchor_memory_is_linear():
     would be 3 MiB here, but it is never formed: at C = 11,000 it would be 350 MiB)."""
     growth = peak_growth_mib("proxy_anchor_loss(P)", 8192, 128, 100)
     assert growth < 16, f"peak grew by {growth:.1f} MiB"
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
+@TRITON_DEVICE
+def test_triton_negative_margins_as_the_cpu_kernel(device):
+    """NEGATIVE (and proxy-anchor's margin −0.1) through the Triton kernels, in float64, with
+    refs: the CPU kernel's loss, stats and gradients."""
+    tp = triton_module()
+    e, labels = make((24, 6), seed=8), make_labels(24, 3, seed=8)
+    ref, ref_labels = make((20, 6), seed=9), make_labels(20, 3, seed=9)
+    cases = [(loss, tuple(params.values())) for loss, params in NEGATIVE]
+    for loss, params in cases:
+        op, backward = raw(loss)
+        name = loss.removesuffix("_loss")
+        forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
+        value, stats = op(e, labels, ref, ref_labels, *params)
+        got, got_stats = forward_t(*on(device, e, labels, ref, ref_labels), *params)
+        torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
+        g = torch.ones((), dtype=torch.float64)
+        exp = backward(g, e, labels, ref, ref_labels, stats, *params, [True, True])
+        out = backward_t(*on(device, g, e, labels, ref, ref_labels, stats), *params, [True, True])
+        for x, y in zip(out, exp, strict=True):
+            torch.testing.assert_close(x.cpu(), y, rtol=1e-12, atol=1e-13)
+    proxies = make((3, 6), seed=10)
+    value, stats = torch.ops.torchkit.proxy_anchor_loss(e, labels, proxies, -0.1, 32.0)
+    got, got_stats = tp.proxy_anchor_forward(*on(device, e, labels, proxies), -0.1, 32.0)
+    torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)

@@ -129,7 +129,10 @@ def error_cases(world: int, rank: int) -> dict:
             ops.contrastive_loss,
             dict(embeddings=x, labels=y, ref_embeddings=x if last else None, ref_labels=y if last else None),
         ),
-        "one_rank_refuses": (ops.triplet_margin_loss, dict(embeddings=x, labels=y, margin=-1.0 if last else 0.1)),
+        "one_rank_refuses": (
+            ops.triplet_margin_loss,
+            dict(embeddings=x, labels=y, margin=float("nan") if last else 0.1),
+        ),
         "labels_of_another_length": (ops.ntxent_loss, dict(embeddings=x, labels=y[:-1] if last else y)),
         "proxies_differ_in_number": (
             ops.proxy_anchor_loss,
@@ -250,7 +253,7 @@ ERRORS = {
     "dtypes_differ": (ValueError, r"supcon_loss: the ranks disagree on the dtype: rank 0: 'torch.float64'"),
     "parameters_differ": (ValueError, r"supcon_loss: the ranks disagree on the loss's parameters"),
     "refs_on_one_rank": (ValueError, r"contrastive_loss: the ranks disagree on whether ref_embeddings are given"),
-    "one_rank_refuses": (ValueError, r"triplet_margin_loss: margin must be finite and >= 0, got -1 \(on rank \d\)"),
+    "one_rank_refuses": (ValueError, r"triplet_margin_loss: margin must be finite, got nan \(on rank \d\)"),
     "labels_of_another_length": (ValueError, r"ntxent_loss: labels must be 1-D with one label per row"),
     "proxies_differ_in_number": (ValueError, r"proxy_anchor_loss: the ranks disagree on the number of proxies C"),
     "proxy_label_out_of_range": (IndexError, r"proxy_anchor_loss: labels must lie in \[0, C\) = \[0, 2\).*on rank"),

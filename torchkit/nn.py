@@ -339,9 +339,10 @@ class TripletMarginLoss(_PairLoss):
 
 
 class MultiSimilarityLoss(_PairLoss):
-    """pytorch-metric-learning's ``MultiSimilarityLoss(alpha=2, beta=50, base=0.5)`` with its
-    ``MultiSimilarityMiner(epsilon=miner_epsilon)`` (none for None) on the fused kernel; see
-    :func:`torchkit.ops.multi_similarity_loss`."""
+    """pytorch-metric-learning's ``MultiSimilarityLoss(alpha=2, beta=50, base=0.5)`` on the
+    fused kernel, by default on every pair as PML's module (which has no miner);
+    ``miner_epsilon=ε`` adds its ``MultiSimilarityMiner(epsilon=ε)``, the default of
+    :func:`torchkit.ops.multi_similarity_loss` being ε = 0.1."""
 
     _op = "multi_similarity_loss"
 
@@ -350,7 +351,7 @@ class MultiSimilarityLoss(_PairLoss):
         alpha: float = 2.0,
         beta: float = 50.0,
         base: float = 0.5,
-        miner_epsilon: Optional[float] = 0.1,
+        miner_epsilon: Optional[float] = None,
         *,
         group=None,
     ) -> None:

@@ -340,8 +340,8 @@ struct MultiSimilarity {
   // MultiSimilarityMiner: a positive below the anchor's hardest negative + ε, a negative
   // above its hardest positive − ε; every pair without a miner). A NaN keeps the pair.
   bool mined(int64_t i, int64_t j, double s, bool positive) const {
-    if (p.miner_epsilon < 0) return true;
-    const double eps = p.miner_epsilon;
+    if (!p.miner_epsilon) return true;
+    const double eps = *p.miner_epsilon;
     const double t = positive ? hard_negative[i] : hard_positive[i];
     auto keep = [&](double v) { return positive ? v - eps < t : v + eps > t; };
     if (std::isnan(s) || std::isnan(t)) return true;
@@ -376,7 +376,7 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
   if (p.N == 0 || p.M == 0) return zero();
   const int64_t* lab = in.lab.const_data_ptr<int64_t>();
   const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
-  const bool mining = p.miner_epsilon >= 0;
+  const bool mining = p.miner_epsilon.has_value();
   // The miner's thresholds: each anchor's hardest negative and positive, exact.
   std::vector<int64_t> pairs(2 * p.N, 0);  // per anchor: [negative, positive] pairs
   if (mining) {
@@ -850,8 +850,8 @@ Problem ms_problem(const Tensor& embeddings, const Tensor& labels,
   p.alpha = check_positive(p.op, "alpha", alpha);
   p.beta = check_positive(p.op, "beta", beta);
   p.base = check_finite(p.op, "base", base);
-  p.miner_epsilon =
-      miner_epsilon.has_value() ? check_margin(p.op, "miner_epsilon", *miner_epsilon) : -1.0;
+  if (miner_epsilon.has_value())
+    p.miner_epsilon = check_margin(p.op, "miner_epsilon", *miner_epsilon);
   return p;
 }
 

@@ -142,7 +142,7 @@ def contrastive_loss(
         embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
             accumulate in float32).
         labels (Tensor[N]): any integer dtype; pairs of equal labels are positives.
-        pos_margin, neg_margin: finite and >= 0.
+        pos_margin, neg_margin: finite, of either sign (as PML takes them).
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -198,7 +198,7 @@ def triplet_margin_loss(
         embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
             accumulate in float32).
         labels (Tensor[N]): any integer dtype.
-        margin: finite and >= 0.
+        margin: finite, of either sign (as PML takes it; semi_hard mines none below 0).
         mining: "all", "semi_hard" or "batch_hard".
         ref_embeddings (Tensor[M, D], optional): the positives' and negatives' rows instead
             of the batch itself (PML's ``ref_emb``).
@@ -250,7 +250,9 @@ def multi_similarity_loss(
             accumulate in float32).
         labels (Tensor[N]): any integer dtype; pairs of equal labels are positives.
         alpha, beta: finite and > 0. base: finite.
-        miner_epsilon: the miner's ε, finite and >= 0; None: no miner, every pair.
+        miner_epsilon: the miner's ε, finite, of either sign; None: no miner, every pair. The
+            default mines with ε = 0.1, where ``torchkit.nn.MultiSimilarityLoss``, as PML's
+            module, defaults to no miner.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``).
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -306,7 +308,7 @@ def proxy_anchor_loss(
             class.
         proxies (Tensor[C, D]): one per class, of ``embeddings``' dtype and device (PML's
             ``loss.proxies``; ``torchkit.nn.ProxyAnchorLoss`` holds them as a parameter).
-        margin: finite and >= 0. alpha: finite and > 0.
+        margin: finite, of either sign (as PML). alpha: finite and > 0.
         group (optional): a ``torch.distributed`` process group: every rank passes its own
             batch and the same proxies, and gets the loss of the ranks' batches concatenated;
             the gradient of its embeddings is theirs of that loss, and the proxies' gradient
@@ -365,8 +367,8 @@ def _check_proxy_inputs(embeddings: Tensor, labels: Tensor, proxies: Tensor, mar
 
 
 def _check_proxy_params(op: str, margin: float, alpha: float) -> None:
-    if not 0.0 <= margin < math.inf:
-        raise ValueError(f"{op}: margin must be finite and >= 0, got {margin:g}")
+    if not -math.inf < margin < math.inf:
+        raise ValueError(f"{op}: margin must be finite, got {margin:g}")
     if not 0.0 < alpha < math.inf:
         raise ValueError(f"{op}: alpha must be finite and > 0, got {alpha:g}")
 
@@ -513,11 +515,8 @@ def _check_params(op: str, params: tuple, *, loss: Optional[str] = None) -> None
         elif name in ("temperature", "alpha", "beta"):
             if not 0.0 < value < math.inf:
                 raise ValueError(f"{op}: {name} must be finite and > 0, got {value:g}")
-        elif name == "base":
-            if not -math.inf < value < math.inf:
-                raise ValueError(f"{op}: base must be finite, got {value:g}")
-        elif not 0.0 <= value < math.inf:  # the margins, miner_epsilon
-            raise ValueError(f"{op}: {name} must be finite and >= 0, got {value:g}")
+        elif not -math.inf < value < math.inf:  # base, the margins, miner_epsilon: either sign, as PML
+            raise ValueError(f"{op}: {name} must be finite, got {value:g}")
 
 
 def _check_device(op: str, embeddings: Tensor) -> None:
