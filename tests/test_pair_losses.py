@@ -2230,9 +2230,10 @@ def test_proxy_anchor_memory_is_linear():
 
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
-def test_triton_negative_margins_as_the_cpu_kernel(device):
+def test_triton_parameters_of_any_sign_and_size_as_the_cpu_kernel(device):
     """NEGATIVE (and proxy-anchor's margin −0.1) through the Triton kernels, in float64, with
-    refs: the CPU kernel's loss, stats and gradients."""
+    refs: the CPU kernel's loss, stats and gradients; and proxy-anchor's α past float32's
+    range, whose products overflow: ∞, as the CPU kernel and PML (α·s + α·margin gave ∞ − ∞)."""
     tp = triton_module()
     e, labels = make((24, 6), seed=8), make_labels(24, 3, seed=8)
     ref, ref_labels = make((20, 6), seed=9), make_labels(20, 3, seed=9)
@@ -2254,3 +2255,8 @@ def test_triton_negative_margins_as_the_cpu_kernel(device):
     value, stats = torch.ops.torchkit.proxy_anchor_loss(e, labels, proxies, -0.1, 32.0)
     got, got_stats = tp.proxy_anchor_forward(*on(device, e, labels, proxies), -0.1, 32.0)
     torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
+    x, p = e.float(), proxies.float()
+    for margin, alpha in ((0.1, 1e300), (1e39, 1.0)):
+        value, _ = torch.ops.torchkit.proxy_anchor_loss(x, labels, p, margin, alpha)
+        got, _ = tp.proxy_anchor_forward(*on(device, x, labels, p), margin, alpha)
+        assert value.isinf() and got.cpu().isinf() and got > 0, (margin, alpha)

@@ -248,14 +248,16 @@ def _log_add_exp(x, log_s):
 @triton.jit
 def _lse_fold(m, s, x, keep):
     """Folds the kept entries of x (per row) into the running log-sum-exp (m, s); NaN entries
-    are the caller's to flag."""
+    are the caller's to flag. A term of +∞ (a finite parameter's product past the accumulation
+    type) makes the sum +∞ (m = ∞, s = 1), as the CPU kernels' LogSumExp::overflow, where the
+    shift by the maximum would make it ∞ − ∞."""
     ok = keep & (x == x)
     m_new = tl.maximum(m, tl.max(tl.where(ok, x, float("-inf")), axis=1))
-    live = m_new != float("-inf")
+    live = (m_new != float("-inf")) & (m_new != float("inf"))
     shift = tl.where(live, m_new, 0.0)
     scale = tl.where(live, tl.exp(m - shift), 0.0)
     p = tl.where(ok, tl.exp(x - shift[:, None]), 0.0)
-    return m_new, s * scale + tl.sum(p, axis=1)
+    return m_new, tl.where(m_new == float("inf"), 1.0, s * scale + tl.sum(p, axis=1))
 
 
 @triton.jit
@@ -357,8 +359,8 @@ def rows_kernel(
     NTXENT_NEGATIVES: out = log Σ_negatives exp(x) (−∞ without), sum = Σ_positives x, counts;
     NTXENT_POSITIVES (log_s: the negatives' pass's out): out = log R = log Σ_p q/(q + tiny) /
     (exp(x_p) + S), sum = Σ_p −log(q_p + tiny), q_p = exp(x_p)/(exp(x_p) + S); no counts;
-    PROXY (anchors: the proxies, 1/τ = α, shift = α·margin): out = Ln = log(1 + Σ_negatives
-    exp(x + shift)), sum = Lp = log(1 + Σ_positives exp(shift − x)), and the counts;
+    PROXY (anchors: the proxies, 1/τ = α, shift = margin): out = Ln = log(1 + Σ_negatives
+    exp(α(s + margin))), sum = Lp = log(1 + Σ_positives exp(α(margin − s))), and the counts;
     PROXY_SHARD: PROXY's without the 1 (−∞ for an empty sum)."""
     inv_t, tiny = _scalars(INV_T_BITS, IS64)
     shift = tm.f64(SHIFT_BITS).to(tiny.dtype)
@@ -401,12 +403,15 @@ def rows_kernel(
                 nan = nan | tl.max(tl.where(pos & (r != r), 1, 0), axis=1)
                 m, s = _lse_fold(m, s, r, pos)
         elif MODE >= PROXY:  # PROXY, PROXY_SHARD
-            x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
+            # α(s + margin) and α(margin − s), as the CPU kernel forms them: an α past the
+            # accumulation type's range makes them ±∞ by their sign (+∞: the loss is ∞), where
+            # α·s + α·margin would be ∞ − ∞; a zero factor stays 0.
+            c = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
             negative = valid & (pos == 0)
-            y = x + shift
+            y = tl.where(c + shift == 0, 0.0, (c + shift) * inv_t)
             nan = nan | tl.max(tl.where(negative & (y != y), 1, 0), axis=1)
             m, s = _lse_fold(m, s, y, negative)
-            z = shift - x
+            z = tl.where(shift - c == 0, 0.0, (shift - c) * inv_t)
             nan2 = nan2 | tl.max(tl.where(pos & (z != z), 1, 0), axis=1)
             m2, s2 = _lse_fold(m2, s2, z, pos)
             npos += tl.sum(pos.to(tl.int32), axis=1)
@@ -2366,7 +2371,7 @@ def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None,
     acc = acc_dtype(embeddings)
     a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config or ROW_CONFIGS[0])
     mode = PROXY if shard is None else PROXY_SHARD
-    ln, lp, npos, _ = _rows(a, b, mode, False, alpha, acc, config or ROWS_CONFIGS[0], shift=alpha * margin)
+    ln, lp, npos, _ = _rows(a, b, mode, False, alpha, acc, config or ROWS_CONFIGS[0], shift=margin)
     if shard is not None:
         parts = torch.stack([lp.double(), ln.double(), (npos > 0).double()], dim=1)
         return parts, torch.zeros(a.n, 4, dtype=acc, device=proxies.device)
