@@ -1,6 +1,7 @@
 """The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss with each
 mining, multi_similarity_loss with its miner) vs pytorch-metric-learning (the library our users
-run, with its miners), the full-matrix references and their torch.compile; forward and
+run, with its miners), the full-matrix references and their torch.compile, and on the GPU
+SupCon, NT-Xent and proxy-anchor on flex_attention (flex_losses.py); forward and
 forward+backward, with each one's peak extra memory, against the GEMM roofline: the N×N
 similarity product (forward), plus the backward's product of the same shape. Peers' cases
 that cannot run in this machine's memory are skipped with the size they ask for."""
@@ -105,6 +106,24 @@ class TritonPairLoss(torch.autograd.Function):
         return ge, None, None, None
 
 
+FLEX = "flex_attention"  # GPU cases only: its backward does not run on the CPU
+FLEX_LOSSES = ("supcon_loss", "ntxent_loss")
+
+
+@functools.cache
+def compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def flex_loss(loss, params):
+    """SupCon or NT-Xent on torch.compile(flex_attention), as a user writes them (flex_losses.py)."""
+    import flex_losses
+
+    return functools.partial(getattr(flex_losses, loss), flex=compiled_flex(), **params)
+
+
 def triton_loss(loss, params):
     name, values = loss.removesuffix("_loss"), tuple(params.values())
     return lambda e, labels: TritonPairLoss.apply(e, labels, name, values)
@@ -113,6 +132,7 @@ def triton_loss(loss, params):
 IMPLS = {
     "torchkit": lambda loss, params: functools.partial(getattr(ops, loss), **params),
     TRITON: triton_loss,
+    FLEX: flex_loss,
     "reference": lambda loss, params: functools.partial(getattr(reference, loss), **params),
     "torch.compile(reference)": lambda loss, params: functools.partial(compiled_reference(loss), **params),
     ROOFLINE: lambda loss, params: gemm_roofline,
@@ -147,6 +167,8 @@ def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, row
         pytest.skip("collapsed batches: torchkit and PML only")
     if impl == TRITON and device != "cuda":
         pytest.skip("Triton kernels: on CUDA tensors (the tests run them interpreted)")
+    if impl == FLEX and (device != "cuda" or loss not in FLEX_LOSSES):
+        pytest.skip("flex_attention: SupCon and NT-Xent (no mining), on CUDA (its backward does not run on the CPU)")
     if impl == "torchkit" and device != "cpu":
         pytest.skip("torchkit's CUDA kernels for the pair losses are the staged Triton ones")
     if impl in (PML, "reference", "torch.compile(reference)") and peer_bytes(impl, variant, N, per_class) > BUDGET:
@@ -219,9 +241,16 @@ class TritonProxyAnchor(torch.autograd.Function):
         return ge, None, gp
 
 
+def flex_proxy_anchor(C, D):
+    import flex_losses
+
+    return functools.partial(flex_losses.proxy_anchor_loss, flex=compiled_flex())
+
+
 PROXY_IMPLS = {
     "torchkit": lambda C, D: ops.proxy_anchor_loss,
     TRITON: lambda C, D: TritonProxyAnchor.apply,
+    FLEX: flex_proxy_anchor,
     "reference": lambda C, D: reference.proxy_anchor_loss,
     "torch.compile(reference)": lambda C, D: compiled_reference("proxy_anchor_loss"),
     PML: pml_proxy_anchor,
@@ -244,6 +273,8 @@ PROXY_CASES = [
 def test_proxy_anchor_loss(benchmark, case, N, D, C, device, impl, pass_):
     if impl == TRITON and device != "cuda":
         pytest.skip("the Triton kernels run on CUDA tensors (the tests run them interpreted)")
+    if impl == FLEX and device != "cuda":
+        pytest.skip("flex_attention: on CUDA (its backward does not run on the CPU)")
     if impl == "torchkit" and device != "cpu":
         pytest.skip("torchkit's CUDA kernels for the pair losses are the staged Triton ones")
     g = torch.Generator(device).manual_seed(0)

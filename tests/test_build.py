@@ -35,7 +35,15 @@ def test_version():
 
 def test_build_info_describes_this_build():
     info = torchkit.build_info()
-    assert set(info) == {"torch", "cuda", "architectures", "compiler", "cuda_compiler", "cuda_kernels"}
+    assert set(info) == {
+        "torch",
+        "cuda",
+        "architectures",
+        "compiler",
+        "cuda_compiler",
+        "cuda_kernels",
+        "cuda_float32_products",
+    }
     assert Version(info["torch"]).release[:2] == Version(torch.__version__).release[:2]
     assert info["compiler"].split()[0] in {"gcc", "clang"}
     if info["cuda"] is None:
@@ -201,3 +209,15 @@ def test_public_names_are_the_api(module):
     defined = {n for n, v in vars(mod).items() if getattr(v, "__module__", None) == mod.__name__}
     public = {n for n in defined if not n.startswith("_")}
     assert public <= set(mod.__all__), sorted(public - set(mod.__all__))
+
+
+def test_build_info_names_the_float32_products_of_the_fp32_matmul_setting():
+    """PyTorch's fp32-matmul setting, read at each call, picks the products of float32 inputs
+    under the CUDA precision contract: three TF32 products by default, TF32 or bfloat16."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        for setting, products in (("highest", "3xTF32"), ("high", "TF32"), ("medium", "bfloat16")):
+            torch.set_float32_matmul_precision(setting)
+            assert torchkit.build_info()["cuda_float32_products"] == products
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -260,3 +260,18 @@ def test_a_prediction_past_the_committed_one_fails(tmp_path):
     path.write_text(json.dumps({"gpu": "h200", "triton": "0.0", "cases": {"a": 1e-9}}))
     lines, failed = gpu_model.regressions({"a": 1.0}, str(path))
     assert not failed and "Not compared" in lines[-1]
+
+
+def test_the_cache_key_reads_the_kernel_packages_too(tmp_path, monkeypatch):
+    """A kernel module inside a family's package (torchkit/triton/pair_losses/lse.py) keys
+    the cached counts as a module beside it does: changing either recounts."""
+    package = tmp_path / "torchkit" / "triton" / "family"
+    package.mkdir(parents=True)
+    (package.parent / "single.py").write_text("a = 1\n")
+    (package / "engine.py").write_text("b = 1\n")
+    monkeypatch.setattr(gpu_model, "ROOT", str(tmp_path))
+    before = gpu_model._digest()
+    (package / "engine.py").write_text("b = 2\n")
+    assert gpu_model._digest() != before
+    (package / "engine.py").write_text("b = 1\n")
+    assert gpu_model._digest() == before

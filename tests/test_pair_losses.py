@@ -1563,9 +1563,9 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     exact = loss != "supcon_loss" and loss != "ntxent_loss"  # float64 tiles beside ACC's
     hard = params[-1] == "batch_hard"
     triplets = loss == "triplet_margin_loss" and not hard  # all, semi_hard
-    rows = pick(tp.TRIPLET_ROWS_CONFIGS if triplets else tp.EXACT_ROWS_CONFIGS if exact else tp.ROWS_CONFIGS)
-    grad = pick(tp.HARD_GRAD_CONFIGS if hard else tp.EXACT_GRAD_CONFIGS if exact else tp.GRAD_CONFIGS)
-    row = pick(tp.ROW_CONFIGS)
+    rows = pick(tp.TRIPLET_ROWS_CONFIGS if triplets else tp.EXACT_ROWS_CONFIGS if exact else tp.lse.ROWS_CONFIGS)
+    grad = pick(tp.HARD_GRAD_CONFIGS if hard else tp.EXACT_GRAD_CONFIGS if exact else tp.lse.GRAD_CONFIGS)
+    row = pick(tp.ROW_CONFIGS if exact else tp.lse.ROW_CONFIGS)
     more = dict(rows_config=rows) if triplets else {}
     for e, labels, ref, ref_labels in triton_problems():
         value, stats = op(e, labels, ref, ref_labels, *params)
@@ -2202,7 +2202,7 @@ def test_proxy_anchor_triton_every_configuration_matches_the_cpu_kernel(which, d
     sizes, a proxy without positives, a zero embedding."""
     tp = triton_module()
     pick = lambda configs: configs[min(which, len(configs) - 1)]  # noqa: E731
-    rows, grad, row = pick(tp.ROWS_CONFIGS), pick(tp.GRAD_CONFIGS), pick(tp.ROW_CONFIGS)
+    rows, grad, row = pick(tp.lse.ROWS_CONFIGS), pick(tp.lse.GRAD_CONFIGS), pick(tp.lse.ROW_CONFIGS)
     e, labels, proxies = make((45, 19), seed=41), make_labels(45, 30), make((37, 19), seed=42)
     e[3] = 0
     for margin, alpha in ((0.1, 32.0), (0.0, 4.0)):
@@ -2260,3 +2260,96 @@ def test_triton_parameters_of_any_sign_and_size_as_the_cpu_kernel(device):
         value, _ = torch.ops.torchkit.proxy_anchor_loss(x, labels, p, margin, alpha)
         got, _ = tp.proxy_anchor_forward(*on(device, x, labels, p), margin, alpha)
         assert value.isinf() and got.cpu().isinf() and got > 0, (margin, alpha)
+
+
+# The CUDA precision contract of the log-sum-exp engine (supcon_loss, ntxent_loss and
+# proxy_anchor_loss's Triton kernels: docs/ops.md), float32 inputs by PyTorch's fp32-matmul
+# setting: (loss, gradients) relative to float64 on the same values, at most; and at least,
+# for the reduced schemes, so that a scheme not applied fails too.
+FLOAT32_PRODUCTS = {
+    "highest": ((1e-6, 1e-5), (0.0, 0.0)),
+    "high": ((1e-4, 5e-3), (1e-7, 1e-5)),
+    "medium": ((2e-2, 1e-1), (1e-5, 1e-3)),
+}
+
+
+def lse_engine_errors(tp, x, labels, proxies, temperature=0.1, reference=torch.float64):
+    """Each LSE-engine loss's (loss error, gradient error) through the Triton kernels at x's
+    dtype against the CPU kernel in the reference dtype on the same values (the gradients'
+    relative to their largest entry)."""
+    out = []
+    for loss in ("supcon", "ntxent", "proxy"):
+        runs = []
+        for kernels, v, p, lab in (
+            ("triton", x, proxies, labels),
+            ("cpu", *(t.cpu().to(reference) for t in (x, proxies)), labels.cpu()),
+        ):
+            if loss == "proxy":
+                op, backward = (
+                    raw("proxy_anchor_loss")
+                    if kernels == "cpu"
+                    else (tp.proxy_anchor_forward, tp.proxy_anchor_backward)
+                )
+                value, stats = op(v, lab, p, 0.1, 32.0)
+                grads = backward(torch.ones((), dtype=value.dtype), v, lab, p, stats, 0.1, 32.0, [True, True])
+            else:
+                op, backward = (
+                    raw(f"{loss}_loss")
+                    if kernels == "cpu"
+                    else (getattr(tp, f"{loss}_forward"), getattr(tp, f"{loss}_backward"))
+                )
+                value, stats = op(v, lab, None, None, temperature)
+                args = (torch.ones((), dtype=value.dtype), v, lab, None, None, stats, temperature, [True, False])
+                grads = backward(*args)[:1]
+            runs.append((value.cpu(), [g.cpu() for g in grads]))
+        (value, grads), (value64, grads64) = runs
+        grad_err = max(
+            ((g.double() - h).abs().max() / h.abs().max()).item() for g, h in zip(grads, grads64, strict=True)
+        )
+        out.append((loss, abs(value.double() - value64).item() / abs(value64).item(), grad_err))
+    return out
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+@pytest.mark.parametrize("setting", list(FLOAT32_PRODUCTS))
+def test_triton_float32_products_follow_the_fp32_matmul_setting(setting, device):
+    """float32 rows' products on tensor cores as PyTorch's setting selects them (the operands
+    are rounded to TF32 or bfloat16 before the products, so that the interpreter's products
+    are the tensor cores'): within the scheme's error of the CPU kernel's float64 (D of 8 and
+    384, held whole and a slice at a time), and the reduced schemes measurably reduced."""
+    tp = triton_module()
+    (loss_tol, grad_tol), (loss_floor, grad_floor) = FLOAT32_PRODUCTS[setting]
+    before = torch.get_float32_matmul_precision()
+    worst = [0.0, 0.0]
+    try:
+        torch.set_float32_matmul_precision(setting)
+        for D in (8, 384):
+            x = make((40, D), torch.float32, seed=D)
+            labels = make_labels(40, 5, seed=D)
+            proxies = make((5, D), torch.float32, seed=D + 1)
+            for loss, loss_err, grad_err in lse_engine_errors(tp, *on(device, x, labels, proxies)):
+                assert loss_err <= loss_tol and grad_err <= grad_tol, (loss, D, loss_err, grad_err)
+                worst = [max(worst[0], loss_err), max(worst[1], grad_err)]
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert worst[0] >= loss_floor and worst[1] >= grad_floor, worst
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_inputs_on_tensor_cores_as_given(dtype, device):
+    """bfloat16 and float16 rows multiplied as given (exact products), the backward's
+    ∂loss/∂s as a pair hi + lo of their type: within a few of their own ulp of float64 on the
+    same values; and of float32 (the same accumulation type: NT-Xent's tiny is its) at a
+    temperature whose ∂loss/∂s passes float16's range (scaled by a power of two first)."""
+    tp = triton_module()
+    eps = torch.finfo(dtype).eps
+    x = make((40, 24), dtype, seed=3)
+    labels = make_labels(40, 5, seed=3)
+    proxies = make((5, 24), dtype, seed=4)
+    for temperature, against in ((0.1, torch.float64), (1e-4, torch.float32)):
+        errors = lse_engine_errors(tp, *on(device, x, labels, proxies), temperature, against)
+        for loss, loss_err, grad_err in errors:
+            assert loss_err <= 2 * eps and grad_err <= 4 * eps, (loss, temperature, loss_err, grad_err)

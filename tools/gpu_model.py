@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import glob
 import os
 import re
 import sys
@@ -594,17 +595,18 @@ def _dump(value, path: str) -> None:
 
 
 def _digest(*parts) -> str:
-    """A digest of the Triton kernels' sources (torchkit/triton/*.py) and of `parts`' (the
-    model's functions that draw facts from them): what a cache of those facts is keyed by."""
+    """A digest of the Triton kernels' sources (torchkit/triton/**/*.py, packages included)
+    and of `parts`' (the model's functions that draw facts from them): what a cache of those
+    facts is keyed by."""
     import hashlib
     import inspect
 
     digest = hashlib.sha256()
     folder = os.path.join(ROOT, "torchkit", "triton")
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                digest.update(f.read())
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.py"), recursive=True)):
+        digest.update(os.path.relpath(path, folder).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
     for part in parts:
         digest.update(inspect.getsource(part).encode())
     return digest.hexdigest()
@@ -811,6 +813,7 @@ def fit(samples: list[tuple[list[dict], float]], classes: list[str] | None = Non
     if classes is None:
         tally = Counter(max(rows, key=lambda r: r["seconds"])["bound"] for rows, _ in samples)
         classes = sorted(k for k, n in tally.items() if n >= FIT_MIN_CASES)
+    classes = [k for k in classes if k in resources]  # (a resource no sample uses cannot be fitted)
     matrices = [np.array([[r["times"].get(k, 0.0) for k in resources] for r in rows]) for rows, _ in samples]
     seen = np.log([m for _, m in samples])
     efficiency = np.ones(len(resources))
@@ -1042,7 +1045,7 @@ def count_case(index: int) -> tuple[list[Launch], int]:
 def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
     """The launches of each chosen case (count_case: the forward's are the first of both
     passes', counted once for both), on `jobs` processes, cached in build/gpu-model by the
-    Triton kernels' sources (torchkit/triton/*.py) and how they are counted: a rerun with no
+    Triton kernels' sources (torchkit/triton/**/*.py) and how they are counted: a rerun with no
     kernel changed costs nothing."""
     import hashlib
     import inspect

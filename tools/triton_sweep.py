@@ -107,7 +107,7 @@ def sweep_bilinear_pool(results: dict) -> None:
             rows.append(("forward", i, repr(config), ms))
         out, norm = kernels.forward(x, y, 1e-5, 1e-12)
         args = (torch.randn_like(out), x, y, out, norm, 1e-5, 1e-12, [True, y is not None])
-        for i, config in enumerate(kernels.GRAD_CONFIGS):
+        for i, config in enumerate(kernels.lse.GRAD_CONFIGS):
             ms = milliseconds(lambda c=config, args=args: kernels.backward(*args, config=c))
             rows.append(("backward", i, repr(config), ms))
         report("bilinear_pool", name, rows, results)
@@ -128,14 +128,14 @@ def sweep_pair_losses(results: dict) -> None:
             small = (e[:300], labels[:300], None if r is None else r[:200], None if r is None else rl[:200], 0.1)
             on_cpu = [t.cpu() if torch.is_tensor(t) else t for t in small]
             expected, _ = getattr(torch.ops.torchkit, f"{loss}_loss")(*on_cpu)
-            for i, config in enumerate(kernels.ROWS_CONFIGS):
+            for i, config in enumerate(kernels.lse.ROWS_CONFIGS):
                 got, _ = forward(*small, config=config)
                 torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=1e-4, atol=1e-5)
                 ms = milliseconds(lambda c=config, f=forward, args=(e, labels, r, rl, 0.1): f(*args, config=c))
                 rows.append((f"{loss}.rows", i, repr(config), ms))
             value, stats = forward(e, labels, r, rl, 0.1)
             args = (torch.ones_like(value), e, labels, r, rl, stats, 0.1, [True, r is not None])
-            for i, config in enumerate(kernels.GRAD_CONFIGS):
+            for i, config in enumerate(kernels.lse.GRAD_CONFIGS):
                 ms = milliseconds(lambda c=config, b=backward, args=args: b(*args, config=c))
                 rows.append((f"{loss}.grad", i, repr(config), ms))
         ms = (2.0, 50.0, 0.5, 0.1)
@@ -180,13 +180,13 @@ def sweep_pair_losses(results: dict) -> None:
         # proxy_anchor_loss: the refs (or the embeddings) as its proxies.
         proxies = (e if r is None else r)[:1000]
         classes = labels % proxies.shape[0]
-        for i, config in enumerate(kernels.ROWS_CONFIGS):
+        for i, config in enumerate(kernels.lse.ROWS_CONFIGS):
             args = (e, classes, proxies, 0.1, 32.0)
             ms = milliseconds(lambda c=config, args=args: kernels.proxy_anchor_forward(*args, config=c))
             rows.append(("proxy_anchor.rows", i, repr(config), ms))
         value, stats = kernels.proxy_anchor_forward(e, classes, proxies, 0.1, 32.0)
         args = (torch.ones_like(value), e, classes, proxies, stats, 0.1, 32.0, [True, True])
-        for i, config in enumerate(kernels.GRAD_CONFIGS):
+        for i, config in enumerate(kernels.lse.GRAD_CONFIGS):
             ms = milliseconds(lambda c=config, args=args: kernels.proxy_anchor_backward(*args, config=c))
             rows.append(("proxy_anchor.grad", i, repr(config), ms))
         report("pair_losses", name, rows, results)

@@ -160,7 +160,10 @@ def build_info() -> dict:
     or ``None`` for a CPU-only build), ``architectures`` (list of GPU architectures, empty
     for CPU-only), ``compiler`` (the C++ compiler), ``cuda_compiler`` (nvcc or ``None``) and
     ``cuda_kernels``: each op → what serves its CUDA tensors, ``"cuda"`` (the build's CUDA C++
-    kernel), ``"triton"`` (a Triton kernel: see ``TORCHKIT_CUDA_KERNELS`` in README) or ``None``.
+    kernel), ``"triton"`` (a Triton kernel: see ``TORCHKIT_CUDA_KERNELS`` in README) or ``None``;
+    ``cuda_float32_products``: the products PyTorch's fp32-matmul setting selects now for
+    float32 inputs of the Triton kernels under the CUDA precision contract (docs/ops.md):
+    ``"3xTF32"`` (the default), ``"TF32"`` or ``"bfloat16"``.
     """
     raw = json.loads(torch.ops.torchkit._build_info())
     cuda = raw["cuda"]
@@ -171,6 +174,7 @@ def build_info() -> dict:
         "compiler": raw["compiler"],
         "cuda_compiler": raw["cuda_compiler"] or None,
         "cuda_kernels": _triton_path.serving(kernels("cuda")),
+        "cuda_float32_products": _triton_path.float32_products(),
     }
 
 

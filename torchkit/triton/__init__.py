@@ -1,7 +1,7 @@
 """Which kernel serves each op's CUDA tensors: the build's CUDA C++ kernel or a Triton kernel.
 
 An op with Triton kernels has a module here named after it (``torchkit/triton/cdist.py``) or
-its family (``pair_losses.py``), imported only when a tensor reaches one of its kernels: torch
+its family (the package ``pair_losses/``), imported only when a tensor reaches one of its kernels: torch
 alone still imports torchkit, and Triton is needed only where it runs. The schema, the CPU
 kernel and autograd stay in C++ (or Python, for the pair losses); a Triton kernel is registered
 from Python as the op's CUDA kernel, and the autograd kernel redispatches into it.
@@ -152,3 +152,28 @@ def serving(has_cuda_kernel: dict[str, bool | None]) -> dict[str, str | None]:
         op = next((o for o, names in TRITON_KERNELS.items() if name in names), None)
         out[name] = _serving.get(op) if op is not None else ("cuda" if has else None)
     return out
+
+
+# The products of float32 inputs in the Triton kernels under the CUDA precision contract (the
+# pair losses' log-sum-exp engine: docs/ops.md), by PyTorch's fp32-matmul setting.
+FLOAT32_PRODUCTS = {"highest": "3xTF32", "high": "TF32", "medium": "bfloat16"}
+
+
+def float32_products() -> str:
+    """Which products PyTorch's fp32-matmul setting selects for float32 inputs now, read as
+    matmuls read it: ``torch.backends.cuda.matmul.fp32_precision`` where set ("ieee": the
+    default's; "tf32"), else ``torch.get_float32_matmul_precision()``: "3xTF32" (three TF32
+    products of each row's TF32 pair hi + lo: about float32's accuracy, on tensor cores) for
+    the default "highest", "TF32" for "high", "bfloat16" for "medium"."""
+    cuda = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # both APIs were used (torch refuses to answer): the new one decides
+        legacy = None
+    if cuda == "ieee":
+        return FLOAT32_PRODUCTS["highest"]
+    if legacy == "medium":
+        return FLOAT32_PRODUCTS["medium"]
+    if cuda == "tf32" or legacy == "high":
+        return FLOAT32_PRODUCTS["high"]
+    return FLOAT32_PRODUCTS["highest"]

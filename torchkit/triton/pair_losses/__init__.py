@@ -1,6 +1,8 @@
 """The pair losses' Triton kernels (supcon_loss, ntxent_loss, contrastive_loss,
 triplet_margin_loss, multi_similarity_loss, proxy_anchor_loss): their CUDA kernels where
-torchkit.triton selects them.
+torchkit.triton selects them. One engine per module: lse.py (supcon_loss, ntxent_loss and
+proxy_anchor_loss: tensor-core tiles and log-sum-exps, under the CUDA precision contract);
+this module holds the others, which keep the CPU kernels' exact decisions.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
 csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either backward takes
@@ -10,25 +12,8 @@ either forward's stats. Nothing N×M exists:
   accumulation type (a float32 copy of float16 and bfloat16 rows), from the row scaled by the
   power of two 2^-E of its largest |entry| first, so that no sum of squares over- or
   underflows anywhere in the finite range; per row E, 1/‖x·2^-E‖ (1e12 where the clamp holds)
-  and whether it holds, for the backward's Jacobian.
-- Forward (rows_kernel): one program per block of anchors, the similarity tiles of its rows
-  against every ref block (IEEE products in float32 or float64, never TF32) folded into per
-  anchor running statistics: SupCon's log-sum-exp over the pairs, NT-Xent's over the
-  negatives, the positives' sum of x = s/τ and the counts. NT-Xent then takes a second pass
-  for its positive pairs' terms, which need their anchor's whole negative sum, over only the
-  tiles that hold a positive pair (few, with a handful of samples per class). The per-anchor
-  results become the loss and the stats with a few elementwise torch operations on the device
-  (no host synchronisation), the totals in float64 as on the CPU.
-- Backward: per anchor the coefficients of ∂loss/∂x_ij = coef_i·exp(x_ij − shift_i), with the
-  positive pairs' own terms (PairGrad in pair_losses_cpu.cpp), formed on the device from the
-  stats; grad_kernel recomputes each tile, turns it into ∂loss/∂s and multiplies it into the
-  other side's normalised rows, one program per block of its own rows and block of features
-  (the tile is recomputed per feature block: no atomics, the same bits on every run). Without
-  refs one pass gives each row's gradient as anchor and as ref (s is symmetric); with refs a
-  second pass, refs own, gives the refs'. jacobian_kernel takes each row through the
-  normalisation, times the loss's gradient (read on the device).
-- proxy_anchor_loss: the proxies are the anchors (label c for proxy c), the embeddings the
-  refs; rows_kernel's PROXY mode folds both per-proxy log-sum-exps in one pass.
+  and whether it holds, for the backward's Jacobian (jacobian_kernel: each row's gradient
+  through the normalisation, times the loss's gradient read on the device).
 - multi_similarity_loss (ms_rows_kernel, ms_grad_kernel): the miner's thresholds from the
   tiles, then exactly (each candidate within two slacks of them, by a float64 cosine summed in
   feature order as the CPU kernel's exact_cos, from float64 inverse norms: norm64_kernel);
@@ -70,9 +55,9 @@ either forward's stats. Nothing N×M exists:
   pair with ref row OFFSET + i left out (shard >= 0), and returns the reducer's parts, formed
   on the device like the loss. The backward of a shard of the rows takes the whole problem's
   stats and is the refs' own problem (without refs) restricted to the anchors' rows: own
-  rows [shard, shard + N) against every row, as anchor and as ref (grad_kernel's and
+  rows [shard, shard + N) against every row, as anchor and as ref (lse.grad_kernel's and
   ms_grad_kernel's OFFSET, euclidean_grad_kernel's OWN0 and OUT0). proxy_anchor_loss's shard
-  (one rank's embeddings) is rows_kernel's PROXY_SHARD mode: its log-sums without the 1.
+  (one rank's embeddings) is its forward's per-proxy log-sums without the 1.
   triplet_margin_loss's shard is its forward with refs, hard_rows_kernel and
   triplet_rows_kernel leaving out anchor i's pair with ref row OFFSET + i, returning the
   mean's sum and count; its backward takes the shard's own stats (a float64 grad scaled by
@@ -91,16 +76,19 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_scalars
-from torchkit.ops.pair_losses import (
-    _check_backward,
-    _check_inputs,
-    _check_params,
-    _check_proxy_inputs,
-    _check_proxy_shard,
-    _check_shard,
-)
+from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
+from torchkit.triton.pair_losses import lse
+from torchkit.triton.pair_losses._common import _parts, _self_pairs, _shard, _whole_rows, _zeros
+from torchkit.triton.pair_losses.lse import (  # noqa: F401 (the ops' kernels: torchkit.triton.TRITON_KERNELS)
+    ntxent_backward,
+    ntxent_forward,
+    proxy_anchor_backward,
+    proxy_anchor_forward,
+    supcon_backward,
+    supcon_forward,
+)
 
 # Why the pair kernels (@hot) multiply float32 with IEEE FMAs and decide in float64 per pair.
 IEEE_PRODUCTS = (
@@ -114,17 +102,6 @@ FLOAT64_DECISIONS = (
 
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
-# rows_kernel's modes: SupCon's pass, NT-Xent's negatives, NT-Xent's positive pairs, proxy
-# anchor's pass, and a shard's (its log-sums without the 1).
-SUPCON = tl.constexpr(0)
-NTXENT_NEGATIVES = tl.constexpr(1)
-NTXENT_POSITIVES = tl.constexpr(2)
-PROXY = tl.constexpr(3)
-PROXY_SHARD = tl.constexpr(4)
-# grad_kernel's losses.
-LOSS_SUPCON = tl.constexpr(0)
-LOSS_NTXENT = tl.constexpr(1)
-LOSS_PROXY = tl.constexpr(2)
 # euclidean_grad_kernel's sources of ∂loss/∂d: contrastive_loss's terms, a band of
 # triplet_rows_kernel's coefficients.
 CONTRASTIVE_TERMS = tl.constexpr(0)
@@ -142,15 +119,6 @@ def _config(**kwargs) -> Config:
 
 # Launch configurations. Each is run by the tests (every masking path) and compiled by
 # tools/triton_check.py; `config` arguments pick one, the default being the first.
-ROWS_CONFIGS = (
-    _config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=3),
-    _config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
-)
-GRAD_CONFIGS = (
-    _config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
-    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
-)
 # The kernels that carry float64 tiles beside the float32 ones (multi-similarity's exact
 # cosines, the Euclidean losses' exact distances and float64 terms): smaller tiles keep them
 # within the registers.
@@ -225,24 +193,6 @@ def _weighted_rows(g, f, x, acc, IS64: tl.constexpr):
     hit = tl.max(((g != 0) & (x != x)).to(tl.int32), axis=1) > 0
     acc = _product(g, tl.trans(tl.where(f != f, 0.0, f)), acc, IS64)
     return tl.where(hit[:, None], float("nan"), acc)
-
-
-@triton.jit
-def _scalars(INV_T_BITS, IS64: tl.constexpr):
-    """1/τ in the accumulation type (passed as float64 bits: _launch.float_bits), and tiny, PML's
-    small_val: the accumulation type's smallest normal."""
-    if IS64:
-        tiny = tm.pow2(tl.full((), -1022, tl.int32), IS64)
-    else:
-        tiny = tm.pow2(tl.full((), -126, tl.int32), IS64)
-    return tm.f64(INV_T_BITS).to(tiny.dtype), tiny
-
-
-@triton.jit
-def _log_add_exp(x, log_s):
-    """log(exp(x) + exp(log_s)) as the CPU kernel forms it (x where log_s = −∞)."""
-    top = tl.maximum(x, log_s, propagate_nan=tl.PropagateNan.ALL)
-    return tl.where(log_s == float("-inf"), x, top + tl.log(1.0 + tl.exp(-tl.abs(x - log_s))))
 
 
 @triton.jit
@@ -327,211 +277,7 @@ def normalise_kernel(
 # --------------------------------------------------------------------------- forward
 
 
-@hot(ieee_dot=IEEE_PRODUCTS)
-@triton.jit
-def rows_kernel(
-    a_ptr,
-    b_ptr,
-    lab_ptr,
-    ref_lab_ptr,
-    log_s_ptr,
-    out_ptr,
-    sum_ptr,
-    npos_ptr,
-    npairs_ptr,
-    N,
-    M,
-    D,
-    OFFSET,
-    INV_T_BITS,
-    SHIFT_BITS,
-    SELF: tl.constexpr,
-    MODE: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Per anchor of a block, over every ref (x = s/τ; pairs: every ref but the anchor itself
-    with SELF, anchor i being ref OFFSET + i; positives: equal labels):
-    SUPCON: out = log Σ_pairs exp(x) (0 without pairs), sum = Σ_positives x, and the counts;
-    NTXENT_NEGATIVES: out = log Σ_negatives exp(x) (−∞ without), sum = Σ_positives x, counts;
-    NTXENT_POSITIVES (log_s: the negatives' pass's out): out = log R = log Σ_p q/(q + tiny) /
-    (exp(x_p) + S), sum = Σ_p −log(q_p + tiny), q_p = exp(x_p)/(exp(x_p) + S); no counts;
-    PROXY (anchors: the proxies, 1/τ = α, shift = margin): out = Ln = log(1 + Σ_negatives
-    exp(α(s + margin))), sum = Lp = log(1 + Σ_positives exp(α(margin − s))), and the counts;
-    PROXY_SHARD: PROXY's without the 1 (−∞ for an empty sum)."""
-    inv_t, tiny = _scalars(INV_T_BITS, IS64)
-    shift = tm.f64(SHIFT_BITS).to(tiny.dtype)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
-    m = tl.full((BLOCK_N,), float("-inf"), ACC)
-    s = tl.zeros((BLOCK_N,), ACC)
-    total = tl.zeros((BLOCK_N,), ACC)
-    nan = tl.zeros((BLOCK_N,), tl.int32)
-    if MODE == PROXY:  # both log-sum-exps hold the 1 (exp(0)) from the start
-        m = tl.zeros((BLOCK_N,), ACC)
-        s = tl.full((BLOCK_N,), 1.0, ACC)
-        m2 = tl.zeros((BLOCK_N,), ACC)
-        s2 = tl.full((BLOCK_N,), 1.0, ACC)
-        nan2 = tl.zeros((BLOCK_N,), tl.int32)
-    if MODE == PROXY_SHARD:
-        m2 = tl.full((BLOCK_N,), float("-inf"), ACC)
-        s2 = tl.zeros((BLOCK_N,), ACC)
-        nan2 = tl.zeros((BLOCK_N,), tl.int32)
-    npos = tl.zeros((BLOCK_N,), tl.int32)
-    npairs = tl.zeros((BLOCK_N,), tl.int32)
-    if MODE == NTXENT_POSITIVES:
-        log_s = tl.load(log_s_ptr + rows, mask=row_mask, other=0.0)
-    for j0 in range(0, M, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-        col_mask = cols < M
-        ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
-        valid = row_mask[:, None] & col_mask[None, :]
-        if SELF:
-            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
-        pos = valid & (lab[:, None] == ref_lab[None, :])
-        if MODE == NTXENT_POSITIVES:
-            if _any(pos):  # (only the tiles that hold a positive pair)
-                x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
-                lse = _log_add_exp(x, log_s[:, None])
-                q = tl.exp(x - lse)
-                total += tl.sum(tl.where(pos, -tl.log(q + tiny), 0.0), axis=1)
-                r = tl.where(q > 0, tl.log(tl.where(q > 0, q, 1.0) / (q + tiny)), float("-inf")) - lse
-                nan = nan | tl.max(tl.where(pos & (r != r), 1, 0), axis=1)
-                m, s = _lse_fold(m, s, r, pos)
-        elif MODE >= PROXY:  # PROXY, PROXY_SHARD
-            # α(s + margin) and α(margin − s), as the CPU kernel forms them: an α past the
-            # accumulation type's range makes them ±∞ by their sign (+∞: the loss is ∞), where
-            # α·s + α·margin would be ∞ − ∞; a zero factor stays 0.
-            c = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
-            negative = valid & (pos == 0)
-            y = tl.where(c + shift == 0, 0.0, (c + shift) * inv_t)
-            nan = nan | tl.max(tl.where(negative & (y != y), 1, 0), axis=1)
-            m, s = _lse_fold(m, s, y, negative)
-            z = tl.where(shift - c == 0, 0.0, (shift - c) * inv_t)
-            nan2 = nan2 | tl.max(tl.where(pos & (z != z), 1, 0), axis=1)
-            m2, s2 = _lse_fold(m2, s2, z, pos)
-            npos += tl.sum(pos.to(tl.int32), axis=1)
-            npairs += tl.sum(valid.to(tl.int32), axis=1)
-        else:
-            x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
-            keep = valid
-            if MODE == NTXENT_NEGATIVES:
-                keep = valid & (pos == 0)
-            nan = nan | tl.max(tl.where(keep & (x != x), 1, 0), axis=1)
-            m, s = _lse_fold(m, s, x, keep)
-            total += tl.sum(tl.where(pos, x, 0.0), axis=1)
-            npos += tl.sum(pos.to(tl.int32), axis=1)
-            npairs += tl.sum(valid.to(tl.int32), axis=1)
-    out = _lse_value(m, s, nan != 0)
-    if MODE == SUPCON:
-        out = tl.where(npairs > 0, out, 0.0)
-    if MODE >= PROXY:
-        total = _lse_value(m2, s2, nan2 != 0)
-    tl.store(out_ptr + rows, out, mask=row_mask)
-    tl.store(sum_ptr + rows, total, mask=row_mask)
-    if MODE != NTXENT_POSITIVES:
-        tl.store(npos_ptr + rows, npos, mask=row_mask)
-        tl.store(npairs_ptr + rows, npairs, mask=row_mask)
-
-
 # --------------------------------------------------------------------------- backward
-
-
-@triton.jit
-def _pair_terms(x, coef, shift, w, log_s, tiny, LOSS: tl.constexpr):
-    """∂loss/∂x of one anchor's pairs (coef etc. broadcast along the anchor's axis): a
-    negative pair's coef·exp(x − shift), and a positive pair's term: SupCon's and NT-Xent's as
-    PairGrad in pair_losses_cpu.cpp forms them, proxy anchor's −w·exp(−x − log_s)."""
-    live = coef != 0
-    every = tl.where(live, coef * tl.exp(x - shift), 0.0)
-    if LOSS == LOSS_NTXENT:
-        q = tl.exp(x - _log_add_exp(x, log_s))
-        positive = tl.where(live, -q * (1.0 - q) / (q + tiny) * coef, 0.0)
-    elif LOSS == LOSS_PROXY:
-        positive = tl.where(w != 0, -w * tl.exp(-x - log_s), 0.0)
-    else:
-        positive = tl.where(live, every - w, 0.0)
-    return every, positive
-
-
-@hot(ieee_dot=IEEE_PRODUCTS)
-@triton.jit
-def grad_kernel(
-    own_ptr,
-    other_ptr,
-    own_lab_ptr,
-    other_lab_ptr,
-    coef_ptr,
-    shift_ptr,
-    w_ptr,
-    log_s_ptr,
-    out_ptr,
-    N_OWN,
-    N_OTHER,
-    D,
-    OFFSET,
-    INV_T_BITS,
-    SELF: tl.constexpr,
-    ANCHORS_OWN: tl.constexpr,
-    ANCHORS_OTHER: tl.constexpr,
-    LOSS: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-):
-    """out[own rows, feature block] = Σ_other ∂loss/∂s · other's normalised rows, ∂/∂s of the
-    pairs whose anchor is the own row (ANCHORS_OWN) and of those whose anchor is the other row
-    (ANCHORS_OTHER; both without refs), the per-anchor arrays indexed by anchor. SELF: own row
-    i is other's row OFFSET + i (a shard's rows of the whole problem; 0: the same rows), not
-    a pair."""
-    inv_t, tiny = _scalars(INV_T_BITS, IS64)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
-    row_mask = rows < N_OWN
-    f_mask = fs < D
-    lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
-    if ANCHORS_OWN:
-        ci = tl.load(coef_ptr + OFFSET + rows, mask=row_mask, other=0.0)
-        hi = tl.load(shift_ptr + OFFSET + rows, mask=row_mask, other=0.0)
-        wi = tl.load(w_ptr + OFFSET + rows, mask=row_mask, other=0.0)
-        si = tl.load(log_s_ptr + OFFSET + rows, mask=row_mask, other=0.0)
-    acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
-    for j0 in range(0, N_OTHER, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-        col_mask = cols < N_OTHER
-        other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=0)
-        x = _tile(own_ptr, other_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K) * inv_t
-        g = tl.zeros((BLOCK_N, BLOCK_M), ACC)
-        p = tl.zeros((BLOCK_N, BLOCK_M), ACC)
-        if ANCHORS_OWN:
-            every, positive = _pair_terms(x, ci[:, None], hi[:, None], wi[:, None], si[:, None], tiny, LOSS)
-            g += every
-            p += positive
-        if ANCHORS_OTHER:
-            cj = tl.load(coef_ptr + cols, mask=col_mask, other=0.0)
-            hj = tl.load(shift_ptr + cols, mask=col_mask, other=0.0)
-            wj = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
-            sj = tl.load(log_s_ptr + cols, mask=col_mask, other=0.0)
-            every, positive = _pair_terms(x, cj[None, :], hj[None, :], wj[None, :], sj[None, :], tiny, LOSS)
-            g += every
-            p += positive
-        valid = row_mask[:, None] & col_mask[None, :]
-        if SELF:
-            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
-        g = tl.where(lab[:, None] == other_lab[None, :], p, g)
-        if LOSS != LOSS_PROXY:  # (proxy anchor's coefficients, its stats', hold ∂x/∂s = α)
-            g = g * inv_t
-        g = tl.where(valid, g, 0.0)
-        f = tl.load(other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0)
-        acc = _weighted_rows(g, f, x, acc, IS64)
-    tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=row_mask[:, None] & f_mask[None, :])
 
 
 @triton.jit
@@ -1985,296 +1731,6 @@ def _backward_sides(embeddings, labels, ref_embeddings, ref_labels, acc, config,
     return _sides(embeddings, labels, ref_embeddings, ref_labels, acc, config)
 
 
-def _rows(a: _Side, b: _Side, mode, self_: bool, scale: float, acc, config: Config, log_s=None, shift=0.0, offset=0):
-    """rows_kernel over every anchor, x = s·scale: (out, sum, positives, pairs) per anchor
-    (self_: anchor i is b's row offset + i, not a pair)."""
-    N, D = a.e.shape
-    out = torch.empty(N, dtype=acc, device=a.e.device)
-    total = torch.empty(N, dtype=acc, device=a.e.device)
-    npos = torch.empty(N, dtype=torch.int32, device=a.e.device)
-    npairs = torch.empty(N, dtype=torch.int32, device=a.e.device)
-    if N > 0:
-        rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
-            a.e,
-            b.e,
-            a.labels,
-            b.labels,
-            out if log_s is None else log_s,
-            out,
-            total,
-            npos,
-            npairs,
-            N,
-            b.n,
-            D,
-            offset,
-            float_bits(scale),
-            float_bits(shift),
-            SELF=self_,
-            MODE=mode,
-            ACC=acc_tl(acc),
-            IS64=acc == torch.float64,
-            **config.launch,
-        )
-    return out, total, npos, npairs
-
-
-def _pml_counts(npos: Tensor, npairs: Tensor) -> Tensor:
-    """PML's condition for a loss at all: a positive and a negative pair, and more than one of
-    one kind (a bool tensor: no host synchronisation)."""
-    positives = npos.sum(dtype=torch.int64)
-    negatives = npairs.sum(dtype=torch.int64) - positives
-    return (positives > 0) & (negatives > 0) & ((positives > 1) | (negatives > 1))
-
-
-def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature, shard) -> tuple:
-    """The CPU kernels' checks in their order (the fake kernels' too): the arguments' types,
-    the inputs, the shard (_shard), the parameters' values; returns (τ, shard)."""
-    check_scalars(op, ("float", "temperature", temperature))
-    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
-    _check_params(op, (float(temperature),))
-    return float(temperature), shard
-
-
-def _shard(op: str, shard, embeddings, labels, ref_embeddings, ref_labels) -> int | None:
-    """csrc/pair_losses.cpp's checks of a shard (None: none; −1: refs apart from the anchors;
-    >= 0: the anchors' first ref row), with the anchors' labels and rows, which must be those ref rows':
-    read on the host for CPU tensors (the interpreter), asserted on the device for CUDA ones
-    (no synchronisation)."""
-    if shard is None:
-        return None
-    _check_shard(op, shard, embeddings, ref_embeddings)
-    N = embeddings.shape[0]
-    if shard >= 0 and N > 0:
-        mine, theirs = labels.long(), ref_labels.narrow(0, shard, N).long()
-        rule = (
-            f"{op}: with shard = {shard}, labels must equal ref_labels[shard:shard + N] (the anchors are "
-            "those ref rows)"
-        )
-        # And their rows, compared by their bits (a NaN row is that row too).
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[embeddings.element_size()]
-        rows, refs = embeddings.view(bits), ref_embeddings.narrow(0, shard, N).view(bits)
-        row_rule = (
-            f"{op}: with shard = {shard}, embeddings must equal ref_embeddings[shard:shard + N] (the anchors are "
-            "those ref rows)"
-        )
-        if labels.device.type == "cpu":
-            differ = (mine != theirs).nonzero()
-            if differ.numel():
-                raise ValueError(f"{rule}, got a different label at anchor {int(differ[0, 0])}")
-            unequal = (rows != refs).any(1).nonzero()
-            if unequal.numel():
-                raise ValueError(f"{row_rule}, got a different row at anchor {int(unequal[0, 0])}")
-        else:
-            torch._assert_async((mine == theirs).all(), rule)
-            torch._assert_async((rows == refs).all(), row_rule)
-    return int(shard)
-
-
-def _self_pairs(ref_embeddings, shard: int | None) -> tuple[bool, int]:
-    """Whether the anchors are rows of the refs (left out of their own pairs), and the first's
-    row there."""
-    if shard is not None and shard >= 0:
-        return True, shard
-    return ref_embeddings is None, 0
-
-
-def _whole_rows(shard: int | None, ref_embeddings) -> int | None:
-    """The whole problem's rows, whose stats a shard's backward with shard >= 0 takes (the
-    losses of torchkit.ops.pair_losses.WHOLE_STATS; None: its own anchors')."""
-    return ref_embeddings.shape[0] if shard is not None and shard >= 0 else None
-
-
-def _parts(*values: Tensor) -> Tensor:
-    """A shard's loss output: its reducer's parts (csrc/pair_losses.h), float64."""
-    return torch.stack([v.double() for v in values])
-
-
-def supcon_forward(
-    embeddings, labels, ref_embeddings, ref_labels, temperature, shard=None, *, config=None, row_config=None
-):
-    """torchkit::supcon_loss's CUDA kernel (any device under the interpreter)."""
-    op = "supcon_loss"
-    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
-    acc = acc_dtype(embeddings)
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
-    self_, offset = _self_pairs(ref_embeddings, shard)
-    lse, possum, npos, npairs = _rows(a, b, SUPCON, self_, 1.0 / t, acc, config or ROWS_CONFIGS[0], offset=offset)
-    # Per anchor as supcon_forward (pair_losses_cpu.cpp), in float64.
-    lse64 = lse.double()
-    has = npos > 0
-    loss = torch.where(has, lse64 - possum.double() / npos.clamp(min=1).double(), 0.0)
-    kept = (loss > 0) | loss.isnan()  # PML's AvgNonZero, keeping NaN
-    counted = kept.sum(dtype=torch.int64)
-    # PML's batch rules (a shard's caller applies them to the whole problem's parts).
-    use = (_pml_counts(npos, npairs) if shard is None else True) & (counted > 0)
-    denominator = counted.clamp(min=1).double()
-    total = torch.where(use, torch.where(kept, loss, 0.0).sum(), 0.0)
-    w = torch.where(use & kept, 1.0 / (npos.clamp(min=1).double() * denominator), 0.0)
-    stats = torch.stack([lse, w.to(acc)], dim=1)
-    if shard is not None:
-        positives = npos.sum(dtype=torch.int64)
-        return _parts(total, counted, positives, npairs.sum(dtype=torch.int64) - positives), stats
-    return (total / denominator).to(embeddings.dtype), stats
-
-
-def ntxent_forward(
-    embeddings, labels, ref_embeddings, ref_labels, temperature, shard=None, *, config=None, row_config=None
-):
-    """torchkit::ntxent_loss's CUDA kernel (any device under the interpreter)."""
-    op = "ntxent_loss"
-    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
-    acc = acc_dtype(embeddings)
-    config = config or ROWS_CONFIGS[0]
-    self_, offset = _self_pairs(ref_embeddings, shard)
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config or ROW_CONFIGS[0])
-    log_s, _, npos, npairs = _rows(a, b, NTXENT_NEGATIVES, self_, 1.0 / t, acc, config, offset=offset)
-    log_r, loss, _, _ = _rows(a, b, NTXENT_POSITIVES, self_, 1.0 / t, acc, config, log_s=log_s, offset=offset)
-    positives = npos.sum(dtype=torch.int64)
-    negatives = npairs.sum(dtype=torch.int64) - positives
-    # PML's batch rules; a shard's terms need only a positive and a negative pair (its caller
-    # applies the rules to the whole problem's parts).
-    use = _pml_counts(npos, npairs) if shard is None else (positives > 0) & (negatives > 0)
-    has = npos > 0
-    log_r = torch.where(has, log_r, float("-inf"))
-    total = torch.where(use, torch.where(has, loss.double(), 0.0).sum(), 0.0)
-    share = torch.where(use, 1.0 / positives.clamp(min=1).double(), 0.0).to(acc)
-    # All zero where the loss is zero by PML's rule, as the CPU kernel's.
-    stats = torch.where(use, torch.stack([log_s, log_r, share.expand(a.n)], dim=1), 0.0)
-    if shard is not None:
-        return _parts(total, positives, negatives), stats
-    return (total / positives.clamp(min=1).double()).to(embeddings.dtype), stats
-
-
-def _zeros(want: bool, like: Tensor | None, empty: Tensor) -> Tensor:
-    """A backward's output where nothing is computed (csrc's backward_outputs): zeros of like's
-    shape where wanted, `empty` ((0,)) where output_mask leaves it out."""
-    return torch.zeros_like(like, memory_format=torch.contiguous_format) if want else empty
-
-
-def _backward(
-    ntxent: bool,
-    grad,
-    embeddings,
-    labels,
-    ref_embeddings,
-    ref_labels,
-    stats,
-    temperature,
-    output_mask,
-    shard,
-    config,
-    row_config,
-):
-    op = "ntxent_loss" if ntxent else "supcon_loss"
-    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
-    whole = _whole_rows(shard, ref_embeddings)
-    _check_backward(op, grad, embeddings, stats, 3 if ntxent else 2, shard=shard, whole=whole)
-    self_ = ref_embeddings is None
-    want_e = bool(output_mask[0])
-    want_r = not self_ and bool(output_mask[1])
-    empty = embeddings.new_empty(0)
-    N, D = embeddings.shape
-    M = N if self_ else ref_embeddings.shape[0]
-    if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
-        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
-    acc = acc_dtype(embeddings)
-    row_config = row_config or ROW_CONFIGS[0]
-    config = config or GRAD_CONFIGS[0]
-    a, b = _backward_sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, whole)
-    # Per anchor: coef, shift, w and log S (PairGrad in pair_losses_cpu.cpp). (Python scalars,
-    # never a tensor made from one: that would be a copy from the host.)
-    inf = float("inf")
-    if ntxent:
-        log_s, log_r, share = stats.unbind(1)
-        coef = torch.where(log_r == -inf, 0.0, share)
-        shift = torch.where(coef != 0, -log_r, inf)
-        w = torch.zeros_like(coef)
-    else:
-        lse, w = stats.unbind(1)
-        counted = (w != 0).sum(dtype=torch.int64)
-        coef = torch.where(w != 0, 1.0 / counted.clamp(min=1).to(acc), 0.0).to(acc)
-        shift = torch.where(w != 0, lse, inf)
-        log_s = torch.zeros_like(coef)
-    coef, shift, w, log_s = (v.contiguous() for v in (coef, shift, w, log_s))
-    terms = (coef, shift, w, log_s)
-    loss = LOSS_NTXENT if ntxent else LOSS_SUPCON
-
-    pairs_self = self_ or whole is not None
-
-    def rows_grad(own: _Side, other: _Side, anchors_own: bool, anchors_other: bool, like: Tensor, offset=0) -> Tensor:
-        return _grad(
-            own,
-            other,
-            terms,
-            pairs_self,
-            anchors_own,
-            anchors_other,
-            loss,
-            1.0 / t,
-            grad,
-            like,
-            config,
-            row_config,
-            offset,
-        )
-
-    if whole is not None:
-        ge = rows_grad(b.narrow(shard, N), b, True, True, embeddings, offset=shard) if want_e else empty
-        return ge, _zeros(want_r, ref_embeddings, empty)
-    if self_:
-        return rows_grad(a, a, True, True, embeddings), empty
-    ge = rows_grad(a, b, True, False, embeddings) if want_e else empty
-    gr = rows_grad(b, a, False, True, ref_embeddings) if want_r else empty
-    return ge, gr
-
-
-def _grad(
-    own: _Side,
-    other: _Side,
-    terms,
-    self_,
-    anchors_own,
-    anchors_other,
-    loss,
-    scale,
-    grad,
-    like,
-    config,
-    row_config,
-    offset=0,
-):
-    """The gradient of the rows of `own` (in like's dtype): grad_kernel, x = s·scale, with the
-    per-anchor (coef, shift, w, log_s) of `terms`, then jacobian_kernel (self_: own row i is
-    other's row offset + i)."""
-    acc = own.e.dtype
-    D = own.e.shape[1]
-    k = config.kwargs
-    g = torch.empty(own.n, D, dtype=acc, device=own.e.device)
-    grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
-        own.e,
-        other.e,
-        own.labels,
-        other.labels,
-        *terms,
-        g,
-        own.n,
-        other.n,
-        D,
-        offset,
-        float_bits(scale),
-        SELF=self_,
-        ANCHORS_OWN=anchors_own,
-        ANCHORS_OTHER=anchors_other,
-        LOSS=loss,
-        ACC=acc_tl(acc),
-        IS64=acc == torch.float64,
-        **config.launch,
-    )
-    return _jacobian(own, g, grad, like, row_config)
-
-
 def _jacobian(own: _Side, g: Tensor, grad: Tensor, like: Tensor, row_config: Config) -> Tensor:
     """jacobian_kernel: g (∂loss/∂ own's normalised rows) through the normalisation, times grad,
     in like's dtype."""
@@ -2295,126 +1751,6 @@ def _jacobian(own: _Side, g: Tensor, grad: Tensor, like: Tensor, row_config: Con
         **row_config.launch,
     )
     return out
-
-
-def supcon_backward(
-    grad,
-    embeddings,
-    labels,
-    ref_embeddings,
-    ref_labels,
-    stats,
-    temperature,
-    output_mask,
-    shard=None,
-    *,
-    config=None,
-    row_config=None,
-):
-    """torchkit::_supcon_loss_backward's CUDA kernel."""
-    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard)
-    return _backward(False, *args, config, row_config)
-
-
-def ntxent_backward(
-    grad,
-    embeddings,
-    labels,
-    ref_embeddings,
-    ref_labels,
-    stats,
-    temperature,
-    output_mask,
-    shard=None,
-    *,
-    config=None,
-    row_config=None,
-):
-    """torchkit::_ntxent_loss_backward's CUDA kernel."""
-    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard)
-    return _backward(True, *args, config, row_config)
-
-
-def _proxy_check(embeddings, labels, proxies, margin, alpha) -> tuple[float, float]:
-    """csrc/pair_losses.cpp's check_proxy_inputs: the labels' range read on the host for CPU
-    tensors (the interpreter), asserted on the device for CUDA ones (no synchronisation: a
-    device-side assertion, as the cross-entropy's CUDA kernel gives)."""
-    op = "proxy_anchor_loss"
-    check_scalars(op, ("float", "margin", margin), ("float", "alpha", alpha))
-    margin, alpha = float(margin), float(alpha)
-    _check_proxy_inputs(embeddings, labels, proxies, margin, alpha)
-    C = proxies.shape[0]
-    if labels.numel() > 0:
-        if labels.device.type == "cpu":
-            low, high = int(labels.min()), int(labels.max())
-            if low < 0 or high >= C:
-                bad = low if low < 0 else high
-                raise IndexError(f"{op}: labels must lie in [0, C) = [0, {C}) (a row of proxies each), got {bad}")
-        else:
-            inside = ((labels >= 0) & (labels < C)).all()
-            torch._assert_async(inside, f"{op}: labels must lie in [0, C) = [0, {C}) (a row of proxies each)")
-    return margin, alpha
-
-
-def _proxy_sides(embeddings, labels, proxies, acc, row_config):
-    """The proxies as the anchors (label c for row c), the embeddings as the refs."""
-    classes = torch.arange(proxies.shape[0], device=proxies.device)
-    return _Side(proxies, classes, acc, row_config), _Side(embeddings, labels, acc, row_config)
-
-
-def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None, *, config=None, row_config=None):
-    """torchkit::proxy_anchor_loss's CUDA kernel (any device under the interpreter). A shard
-    (−1: these embeddings are one rank's): per proxy its two log-sums without the 1 and whether
-    it has positives (csrc/pair_losses.h)."""
-    margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
-    _check_proxy_shard(shard)
-    acc = acc_dtype(embeddings)
-    a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config or ROW_CONFIGS[0])
-    mode = PROXY if shard is None else PROXY_SHARD
-    ln, lp, npos, _ = _rows(a, b, mode, False, alpha, acc, config or ROWS_CONFIGS[0], shift=margin)
-    if shard is not None:
-        parts = torch.stack([lp.double(), ln.double(), (npos > 0).double()], dim=1)
-        return parts, torch.zeros(a.n, 4, dtype=acc, device=proxies.device)
-    # PML's DivisorReducer: the positive terms over the P proxies with positives (0 without
-    # any), the negative ones over all C proxies (proxy_anchor_forward in pair_losses_cpu.cpp).
-    C = a.n
-    P = (npos > 0).sum(dtype=torch.int64)
-    pos = torch.where(P > 0, lp.double().sum() / P.clamp(min=1).double(), 0.0)
-    total = pos + (ln.double().sum() / C if C > 0 else 0.0)
-    share = torch.where(P > 0, alpha / P.clamp(min=1).double(), 0.0).to(acc)
-    # (α/C made in float64 and cast: past float32's range a tensor cast gives inf, as the CPU
-    # kernel's; full_like would refuse the value)
-    per_proxy = torch.full_like(ln, alpha / max(C, 1), dtype=torch.float64).to(acc)
-    stats = torch.stack([lp, ln, share.expand(C), per_proxy], dim=1)
-    return total.to(embeddings.dtype), stats
-
-
-def proxy_anchor_backward(
-    grad, embeddings, labels, proxies, stats, margin, alpha, output_mask, *, config=None, row_config=None
-):
-    """torchkit::_proxy_anchor_loss_backward's CUDA kernel."""
-    op = "proxy_anchor_loss"
-    margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
-    want_e, want_p = bool(output_mask[0]), bool(output_mask[1])
-    C, D = proxies.shape
-    N = embeddings.shape[0]
-    _check_backward(op, grad, embeddings, stats, 4, anchors=C)
-    empty = embeddings.new_empty(0)
-    if N == 0 or C == 0 or D == 0 or not (want_e or want_p):
-        return _zeros(want_e, embeddings, empty), _zeros(want_p, proxies, empty)
-    acc = acc_dtype(embeddings)
-    row_config = row_config or ROW_CONFIGS[0]
-    config = config or GRAD_CONFIGS[0]
-    a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config)
-    # Per proxy (ProxyAnchorTerms in pair_losses_cpu.cpp), x = α·s: a negative's
-    # α/C·exp(x − (Ln − α·margin)), a positive's −α/P·exp(−x − (Lp − α·margin)).
-    lp, ln, share, per_proxy = stats.unbind(1)
-    am = alpha * margin
-    terms = tuple(v.contiguous() for v in (per_proxy, ln - am, share, lp - am))
-    common = (terms, False)
-    gp = _grad(a, b, *common, True, False, LOSS_PROXY, alpha, grad, proxies, config, row_config) if want_p else empty
-    ge = _grad(b, a, *common, False, True, LOSS_PROXY, alpha, grad, embeddings, config, row_config) if want_e else empty
-    return ge, gp
 
 
 def _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard) -> tuple:
@@ -3241,8 +2577,8 @@ def triplet_margin_backward(
 
 def compile_cases() -> list[CompileCase]:
     """Every kernel for tools/triton_check.py: each configuration in float32, float64 with the
-    first; rows_kernel in each mode, grad_kernel in each loss's passes."""
-    cases = []
+    first; the log-sum-exp engine's (lse.compile_cases) first."""
+    cases = lse.compile_cases()
     for dtype, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
         is64 = acc == "fp64"
         every = dtype == "fp32"
@@ -3282,40 +2618,6 @@ def compile_cases() -> list[CompileCase]:
             "SHIFT_BITS": "i64",
         }
         if dtype != "bf16":
-            modes = (
-                (SUPCON, "supcon"),
-                (NTXENT_NEGATIVES, "negatives"),
-                (NTXENT_POSITIVES, "positives"),
-                (PROXY, "proxy"),
-                (PROXY_SHARD, "proxy shard"),
-            )
-            for mode, name in modes:
-                for self_ in (True, False) if mode == SUPCON else ((False,) if mode >= PROXY else (True,)):
-                    cases.append(
-                        CompileCase(
-                            f"pair_losses.rows {name} {dtype}{' self' if self_ else ''}",
-                            rows_kernel,
-                            {**types, "out_ptr": "*" + acc},
-                            dict(SELF=self_, MODE=mode, **flags),
-                            ROWS_CONFIGS if every and mode == SUPCON and self_ else ROWS_CONFIGS[:1],
-                        )
-                    )
-            passes = [
-                (loss, name, self_, own, other)
-                for loss, name in ((LOSS_SUPCON, "supcon"), (LOSS_NTXENT, "ntxent"))
-                for self_, own, other in ((True, True, True), (False, True, False), (False, False, True))
-            ]
-            passes += [(LOSS_PROXY, "proxy", False, True, False), (LOSS_PROXY, "proxy", False, False, True)]
-            for loss, name, self_, own, other in passes:
-                cases.append(
-                    CompileCase(
-                        f"pair_losses.grad {name} {dtype}{' self' if self_ else (' anchors' if own else ' refs')}",
-                        grad_kernel,
-                        {**types, "out_ptr": "*" + acc},
-                        dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, LOSS=loss, **flags),
-                        GRAD_CONFIGS if every and self_ and loss == LOSS_SUPCON else GRAD_CONFIGS[:1],
-                    )
-                )
             ms_types = {
                 **types,
                 **dict.fromkeys(("xa_ptr", "xb_ptr", "x_own_ptr", "x_other_ptr"), "*" + dtype),

@@ -1,0 +1,110 @@
+"""What the pair losses' Triton engines share: the CPU kernels' checks of the arguments in their
+order (csrc/pair_losses.cpp), the shard's, PML's batch rule and the shapes of a backward's
+outputs."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchkit.ops._common import check_scalars
+from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_inputs, _check_shard
+
+
+def _pml_counts(npos: Tensor, npairs: Tensor) -> Tensor:
+    """PML's condition for a loss at all: a positive and a negative pair, and more than one of
+    one kind (a bool tensor: no host synchronisation)."""
+    positives = npos.sum(dtype=torch.int64)
+    negatives = npairs.sum(dtype=torch.int64) - positives
+    return (positives > 0) & (negatives > 0) & ((positives > 1) | (negatives > 1))
+
+
+def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature, shard) -> tuple:
+    """The CPU kernels' checks in their order (the fake kernels' too): the arguments' types,
+    the inputs, the shard (_shard), the parameters' values; returns (τ, shard)."""
+    check_scalars(op, ("float", "temperature", temperature))
+    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
+    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
+    _check_params(op, (float(temperature),))
+    return float(temperature), shard
+
+
+def _shard(op: str, shard, embeddings, labels, ref_embeddings, ref_labels) -> int | None:
+    """csrc/pair_losses.cpp's checks of a shard (None: none; −1: refs apart from the anchors;
+    >= 0: the anchors' first ref row), with the anchors' labels and rows, which must be those ref rows':
+    read on the host for CPU tensors (the interpreter), asserted on the device for CUDA ones
+    (no synchronisation)."""
+    if shard is None:
+        return None
+    _check_shard(op, shard, embeddings, ref_embeddings)
+    N = embeddings.shape[0]
+    if shard >= 0 and N > 0:
+        mine, theirs = labels.long(), ref_labels.narrow(0, shard, N).long()
+        rule = (
+            f"{op}: with shard = {shard}, labels must equal ref_labels[shard:shard + N] (the anchors are "
+            "those ref rows)"
+        )
+        # And their rows, compared by their bits (a NaN row is that row too).
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[embeddings.element_size()]
+        rows, refs = embeddings.view(bits), ref_embeddings.narrow(0, shard, N).view(bits)
+        row_rule = (
+            f"{op}: with shard = {shard}, embeddings must equal ref_embeddings[shard:shard + N] (the anchors are "
+            "those ref rows)"
+        )
+        if labels.device.type == "cpu":
+            differ = (mine != theirs).nonzero()
+            if differ.numel():
+                raise ValueError(f"{rule}, got a different label at anchor {int(differ[0, 0])}")
+            unequal = (rows != refs).any(1).nonzero()
+            if unequal.numel():
+                raise ValueError(f"{row_rule}, got a different row at anchor {int(unequal[0, 0])}")
+        else:
+            torch._assert_async((mine == theirs).all(), rule)
+            torch._assert_async((rows == refs).all(), row_rule)
+    return int(shard)
+
+
+def _self_pairs(ref_embeddings, shard: int | None) -> tuple[bool, int]:
+    """Whether the anchors are rows of the refs (left out of their own pairs), and the first's
+    row there."""
+    if shard is not None and shard >= 0:
+        return True, shard
+    return ref_embeddings is None, 0
+
+
+def _whole_rows(shard: int | None, ref_embeddings) -> int | None:
+    """The whole problem's rows, whose stats a shard's backward with shard >= 0 takes (the
+    losses of torchkit.ops.pair_losses.WHOLE_STATS; None: its own anchors')."""
+    return ref_embeddings.shape[0] if shard is not None and shard >= 0 else None
+
+
+def _parts(*values: Tensor) -> Tensor:
+    """A shard's loss output: its reducer's parts (csrc/pair_losses.h), float64."""
+    return torch.stack([v.double() for v in values])
+
+
+def _zeros(want: bool, like: Tensor | None, empty: Tensor) -> Tensor:
+    """A backward's output where nothing is computed (csrc's backward_outputs): zeros of like's
+    shape where wanted, `empty` ((0,)) where output_mask leaves it out."""
+    return torch.zeros_like(like, memory_format=torch.contiguous_format) if want else empty
+
+
+def _proxy_check(embeddings, labels, proxies, margin, alpha) -> tuple[float, float]:
+    """csrc/pair_losses.cpp's check_proxy_inputs: the labels' range read on the host for CPU
+    tensors (the interpreter), asserted on the device for CUDA ones (no synchronisation: a
+    device-side assertion, as the cross-entropy's CUDA kernel gives)."""
+    op = "proxy_anchor_loss"
+    check_scalars(op, ("float", "margin", margin), ("float", "alpha", alpha))
+    margin, alpha = float(margin), float(alpha)
+    _check_proxy_inputs(embeddings, labels, proxies, margin, alpha)
+    C = proxies.shape[0]
+    if labels.numel() > 0:
+        if labels.device.type == "cpu":
+            low, high = int(labels.min()), int(labels.max())
+            if low < 0 or high >= C:
+                bad = low if low < 0 else high
+                raise IndexError(f"{op}: labels must lie in [0, C) = [0, {C}) (a row of proxies each), got {bad}")
+        else:
+            inside = ((labels >= 0) & (labels < C)).all()
+            torch._assert_async(inside, f"{op}: labels must lie in [0, C) = [0, {C}) (a row of proxies each)")
+    return margin, alpha

@@ -1,0 +1,1432 @@
+"""The log-sum-exp engine: supcon_loss, ntxent_loss and proxy_anchor_loss as FlashAttention
+computes attention, on tensor cores, under the CUDA precision contract (docs/ops.md).
+
+Each loss is a tile of cosines, an elementwise transform, per-row log-sum-exps, and a backward
+that recomputes the tile:
+
+- Prefix (operands_kernel), O(N·D): each row scaled by the power of two 2^-E of its largest
+  |entry| (exact; float16 rows as they are: their products cannot over- or underflow float32),
+  so that no product leaves float32's range anywhere in the finite range, and stored as the
+  products take it: float64; bfloat16 or float16 as given; float32 as a TF32 pair hi + lo
+  (PyTorch's default fp32-matmul precision: three TF32 products hi·hi + hi·lo + lo·hi, about
+  float32's accuracy) or hi alone ("high": TF32), or bfloat16 ("medium"). The operands are
+  rounded here, so the interpreter's IEEE products of them are the tensor cores' products and
+  its results the GPU's up to the order of the sums. Per row the factor f that makes the scaled
+  row F.normalize's (1/‖x·2^-E‖, or 2^E·1e12 where the clamp holds), whether the row holds a
+  NaN or ±∞ (its operand is then 0 and its pairs NaN, injected only in the tiles that hold such
+  a row), and the Jacobian's numbers.
+- Forward (rows_kernel): a program per block of anchors and slice of refs (the slices fill
+  the GPU where the anchors alone would not: FILL), the cosine tile c = (a·b)·f_a·f_b, its
+  terms x in the accumulation type, folded into running log-sum-exps with exp2, partial sums
+  and counts; merge_kernel merges the slices' partials per anchor in slice order (the same bits
+  on every run). float64 only per row. SupCon's log-sum-exp is over every pair; NT-Xent's over
+  the negatives, then a second pass, over only the tiles that hold a positive pair, takes each
+  positive pair's term, which needs its anchor's whole negative sum; proxy-anchor's anchors
+  are the proxies and its two log-sums, over the negatives of α(c + margin) and the positives
+  of α(margin − c), hold the 1 (added by the merge, once).
+- Backward (grad_kernel): per anchor the coefficients of ∂loss/∂x_ij = coef_i·exp(x_ij −
+  shift_i) and of the positive pairs' own terms (PairGrad in pair_losses_cpu.cpp), formed on
+  the device from the stats; each program recomputes its tiles, forms ∂loss/∂c and multiplies
+  it into the other side's operands on tensor cores (the TF32 pair: ∂loss/∂c split in two
+  too), for its block of own rows, block of features and slice of the other rows; without
+  refs a pair's terms as anchor i and as anchor j in one pass (c is symmetric). No atomics:
+  jacobian_kernel sums the slices in order and takes each row through the normalisation.
+
+A shard (the losses across ranks: csrc/pair_losses.h) is as in the module that holds the other
+engines (torchkit/triton/pair_losses/__init__.py). Kernels never index past what the wrapper
+checked; offsets are int64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from torchkit.ops._common import acc_dtype
+from torchkit.ops.pair_losses import _check_backward, _check_proxy_shard
+from torchkit.triton import _math as tm
+from torchkit.triton import float32_products
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot, interpreting
+from torchkit.triton.pair_losses._common import (
+    _check,
+    _parts,
+    _pml_counts,
+    _proxy_check,
+    _self_pairs,
+    _whole_rows,
+    _zeros,
+)
+
+NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+# How the products are taken (the operands' layout, operands_kernel's SCHEME).
+FP64 = tl.constexpr(0)  # float64 rows, float64 products
+TF32X3 = tl.constexpr(1)  # float32 rows as TF32 hi + lo: hi·hi + hi·lo + lo·hi
+TF32 = tl.constexpr(2)  # float32 rows as TF32
+HALF = tl.constexpr(3)  # bfloat16 or float16 rows, as given or rounded from float32 ("medium")
+
+# rows_kernel's modes.
+SUPCON = tl.constexpr(0)
+NTXENT_NEGATIVES = tl.constexpr(1)
+NTXENT_POSITIVES = tl.constexpr(2)
+PROXY = tl.constexpr(3)
+# grad_kernel's losses.
+LOSS_SUPCON = tl.constexpr(0)
+LOSS_NTXENT = tl.constexpr(1)
+LOSS_PROXY = tl.constexpr(2)
+
+# Programs a launch aims for: two per SM of an H100/H200 (132). The refs are split into
+# slices until the anchors' blocks times the slices reach it.
+FILL = 264
+
+# Launch configurations; every one is run by the tests and compiled by tools/triton_check.py,
+# the first being the default.
+ROWS_CONFIGS = (
+    Config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=16, num_warps=8, num_stages=3),
+    Config(BLOCK_N=128, BLOCK_M=32, BLOCK_K=16, num_warps=8, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),  # float64's
+)
+GRAD_CONFIGS = (
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=4, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
+)
+# The per-row kernels (prefix, merge, Jacobian); exact operations only (no FMA contraction),
+# as the CPU kernels round the norms.
+ROW_CONFIGS = (
+    Config(BLOCK_ROWS=16, BLOCK_D=128, num_warps=4, num_stages=2, fp_fusion=False),
+    Config(BLOCK_ROWS=8, BLOCK_D=16, num_warps=2, num_stages=2, fp_fusion=False),
+)
+
+
+def scheme(dtype: torch.dtype) -> int:
+    """How products of `dtype` rows are taken: float64 as float64; bfloat16 and float16 as
+    given; float32 by PyTorch's fp32-matmul setting, read at the call
+    (torchkit.triton.float32_products)."""
+    if dtype == torch.float64:
+        return FP64.value
+    if dtype != torch.float32:
+        return HALF.value
+    return {"3xTF32": TF32X3, "TF32": TF32, "bfloat16": HALF}[float32_products()].value
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _tf32(x):
+    """x rounded to TF32 (10 mantissa bits; to nearest, ties to even), as float32; NaN stays
+    NaN. The tensor cores ignore the 13 bits below, so they take such a value exactly."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & -8192
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _load(hi_ptr, lo_ptr, rows, ks, mask, D, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
+    """A tile of operands: hi (and lo for TF32X3), 0 in masked lanes; half types upcast under
+    the interpreter, whose bfloat16 arithmetic is on the raw bits (their products are exact in
+    float32, so the result is the GPU's)."""
+    offsets = rows[:, None] * D + ks[None, :]
+    hi = tl.load(hi_ptr + offsets, mask=mask, other=0.0)
+    lo = hi
+    if SCHEME == TF32X3:
+        lo = tl.load(lo_ptr + offsets, mask=mask, other=0.0)
+    if SCHEME == HALF:
+        if INTERPRET:
+            hi = hi.to(tl.float32)
+            lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _mma(a_hi, a_lo, b_hi, b_lo, acc, SCHEME: tl.constexpr):
+    """acc + a·b (a: (n, k), b: (k, m)) on tensor cores by the scheme: the small products first."""
+    if SCHEME == FP64:
+        return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float64)
+    elif SCHEME == TF32X3:
+        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32", out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32", out_dtype=tl.float32)
+        return tl.dot(a_hi, b_hi, acc, input_precision="tf32", out_dtype=tl.float32)
+    elif SCHEME == TF32:
+        return tl.dot(a_hi, b_hi, acc, input_precision="tf32", out_dtype=tl.float32)
+    else:
+        return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _cosines(
+    a_hi,
+    a_lo,
+    b_hi,
+    b_lo,
+    f_a,
+    f_b,
+    rows,
+    cols,
+    row_mask,
+    col_mask,
+    D,
+    ACC: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The cosine tile of rows `rows` of a against rows `cols` of b: their scaled rows' products
+    times both factors."""
+    s = tl.zeros((rows.shape[0], cols.shape[0]), ACC)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < D
+        ah, al = _load(a_hi, a_lo, rows, ks, row_mask[:, None] & k_mask[None, :], D, SCHEME, INTERPRET)
+        bh, bl = _load(b_hi, b_lo, cols, ks, col_mask[:, None] & k_mask[None, :], D, SCHEME, INTERPRET)
+        s = _mma(ah, al, tl.trans(bh), tl.trans(bl), s, SCHEME)
+    return s * f_a[:, None] * f_b[None, :]
+
+
+@triton.jit
+def _held_cosines(
+    ah,
+    al,
+    b_hi,
+    b_lo,
+    f_a,
+    f_b,
+    cols,
+    col_mask,
+    ks,
+    k_mask,
+    D,
+    ACC: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """_cosines with the anchors' operands held (ah, al: their whole rows) and the refs' rows
+    loaded whole: one product per tile, one round trip to memory."""
+    bh, bl = _load(b_hi, b_lo, cols, ks, col_mask[:, None] & k_mask[None, :], D, SCHEME, INTERPRET)
+    s = _mma(ah, al, tl.trans(bh), tl.trans(bl), tl.zeros((ah.shape[0], cols.shape[0]), ACC), SCHEME)
+    return s * f_a[:, None] * f_b[None, :]
+
+
+@triton.jit
+def _poison(c, bad_a, bad_b):
+    """NaN for the pairs of a row that holds a NaN or ±∞ (its operand is 0)."""
+    return tl.where(bad_a[:, None] | bad_b[None, :], float("nan"), c)
+
+
+@triton.jit
+def _any(mask):
+    """Whether a 2-D mask holds anywhere (a branch that skips a tile's work)."""
+    return tl.max(tl.max(mask.to(tl.int32), axis=1), axis=0) > 0
+
+
+@triton.jit
+def _exp(x):
+    """e^x as the GPU's exp2 unit takes it."""
+    return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def _fold(m, s, nan, x, keep):
+    """Folds the kept entries of x (per row) into the running log-sum-exp (m, s): s·e^m. A term
+    of +∞ (a finite parameter's product past the accumulation type) makes the sum +∞ (m = ∞,
+    s = 1), as the CPU kernels' LogSumExp::overflow; a NaN term sets nan."""
+    m_new = tl.maximum(m, tl.max(tl.where(keep, x, float("-inf")), axis=1))
+    live = (m_new != float("-inf")) & (m_new != float("inf"))
+    shift = tl.where(live, m_new, 0.0)
+    p = tl.where(keep, _exp(x - shift[:, None]), 0.0)
+    s_new = tl.where(live, s * _exp(m - shift), 0.0) + tl.sum(p, axis=1)
+    nan = nan | (s_new != s_new)
+    return m_new, tl.where(m_new == float("inf"), 1.0, s_new), nan
+
+
+@triton.jit
+def _log_add_exp(x, log_s):
+    """log(exp(x) + exp(log_s)) as the CPU kernel forms it (x where log_s = −∞)."""
+    top = tl.maximum(x, log_s, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(log_s == float("-inf"), x, top + tl.log(1.0 + tl.exp(-tl.abs(x - log_s))))
+
+
+@triton.jit
+def _tiny(IS64: tl.constexpr):
+    """PML's small_val: the accumulation type's smallest normal."""
+    if IS64:
+        return tm.pow2(tl.full((), -1022, tl.int32), IS64)
+    else:
+        return tm.pow2(tl.full((), -126, tl.int32), IS64)
+
+
+# --------------------------------------------------------------------------- prefix
+
+
+@triton.jit
+def operands_kernel(
+    x_ptr,
+    hi_ptr,
+    lo_ptr,
+    f_ptr,
+    bad_ptr,
+    exp_ptr,
+    inv_ptr,
+    clamped_ptr,
+    N,
+    D,
+    stride_row,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    SCHEME: tl.constexpr,
+    SCALED: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Per row: its operand(s) x·2^-E in the scheme's layout (x as given where not SCALED; 0 for
+    a row holding NaN or ±∞) and the factor f with F.normalize(x) = operand·f; bad (int8) where
+    the row holds NaN or ±∞; and as the Jacobian takes them, E (int32), inv = 1/‖x·2^-E‖ (1e12
+    where the clamp holds, 1/top for a bad row, E = 0 there) and whether the clamp holds."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    top = tl.zeros((BLOCK_ROWS,), ACC)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (ks < D)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+        top = tl.maximum(top, tl.max(tl.abs(x), axis=1), propagate_nan=tl.PropagateNan.ALL)
+        top = tl.where(tl.max(tl.where(mask & (x != x), 1, 0), axis=1) > 0, float("nan"), top)
+    bad = (top != top) | (top == float("inf"))
+    special = (top == 0) | bad
+    E = tl.where(special, 0, tm.ilogb(tl.where(special, 1.0, top), IS64) + 1)
+    sq = tl.zeros((BLOCK_ROWS,), ACC)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (ks < D)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+        v = tm.ldexp(x, 0 - E[:, None], IS64)
+        sq += tl.sum(v * v, axis=1)
+    norm = tm.sqrt_rn(sq, IS64)  # of the row times 2^-E: in [1/2, sqrt(D)] for an ordinary row
+    clamped = (top == 0) | (tm.ldexp(norm, E, IS64) < NORM_EPS)
+    one = tl.full((BLOCK_ROWS,), 1.0, ACC)
+    eps_inv = one / tl.full((BLOCK_ROWS,), NORM_EPS, ACC)
+    # (Each quotient's divisor made non-zero where the other branch is taken: masked rows too.)
+    inv = tl.where(
+        clamped,
+        eps_inv,
+        tl.where(special, one / tl.where(top == 0, 1.0, top), one / tl.where(norm == 0, 1.0, norm)),
+    )
+    # operand·f = x/max(‖x‖, eps): where the clamp holds x·1e12 = (x·2^-E)·(2^E·1e12).
+    if SCALED:
+        f = tl.where(clamped, tm.ldexp(eps_inv, E, IS64), inv)
+    else:
+        f = tl.where(clamped, eps_inv, tm.ldexp(inv, 0 - E, IS64))
+    f = tl.where(bad, 0.0, f)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (ks < D)[None, :]
+        offsets = rows[:, None] * D + ks[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+        if SCALED:
+            x = tm.ldexp(x, 0 - E[:, None], IS64)
+        x = tl.where(bad[:, None], 0.0, x)
+        if SCHEME == TF32X3:
+            hi = _tf32(x)
+            tl.store(hi_ptr + offsets, hi, mask=mask)
+            tl.store(lo_ptr + offsets, _tf32(x - hi), mask=mask)
+        elif SCHEME == TF32:
+            tl.store(hi_ptr + offsets, _tf32(x), mask=mask)
+        else:
+            tl.store(hi_ptr + offsets, x.to(hi_ptr.dtype.element_ty), mask=mask)
+    tl.store(f_ptr + rows, f, mask=row_mask)
+    tl.store(bad_ptr + rows, bad.to(tl.int8), mask=row_mask)
+    tl.store(exp_ptr + rows, E, mask=row_mask)
+    tl.store(inv_ptr + rows, inv, mask=row_mask)
+    tl.store(clamped_ptr + rows, clamped.to(tl.int8), mask=row_mask)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@hot()
+@triton.jit
+def rows_kernel(
+    a_hi,
+    a_lo,
+    a_f,
+    a_bad,
+    b_hi,
+    b_lo,
+    b_f,
+    b_bad,
+    lab_ptr,
+    ref_lab_ptr,
+    log_s_ptr,
+    part_ptr,
+    count_ptr,
+    N,
+    M,
+    D,
+    OFFSET,
+    CHUNK,
+    SCALE_BITS,
+    SHIFT_BITS,
+    SELF: tl.constexpr,
+    MODE: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Per anchor of a block, over the refs of slice program_id(1) (CHUNK refs from
+    program_id(1)·CHUNK): the partials part[k, slice, anchor] (k: m, s, sum, m2, s2; each
+    running log-sum-exp s·e^m, s NaN where a term was NaN) and count[k, slice, anchor] (k:
+    positives, pairs). x = c·scale; pairs: every ref but the anchor itself with SELF, anchor i
+    being ref OFFSET + i; positives: equal labels.
+    SUPCON: (m, s) of every pair's x, sum = Σ_positives x, the counts;
+    NTXENT_NEGATIVES: (m, s) of the negatives' x, sum, the counts;
+    NTXENT_POSITIVES (log_s: log S of the negatives, whole): (m, s) of log R = log Σ_p
+    q/(q + tiny)/(exp(x_p) + S), sum = Σ_p −log(q_p + tiny), q_p = exp(x_p)/(exp(x_p) + S);
+    PROXY (anchors: the proxies, scale = α, shift = margin): (m, s) of the negatives'
+    α(c + margin), (m2, s2) of the positives' α(margin − c), the counts."""
+    scale = tm.f64(SCALE_BITS).to(ACC)
+    shift = tm.f64(SHIFT_BITS).to(ACC)
+    tiny = _tiny(IS64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    me = rows.to(tl.int32) + OFFSET  # (int32 comparisons on the tile: fewer registers)
+    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
+    f_a = tl.load(a_f + rows, mask=row_mask, other=0.0)
+    bad_a = tl.load(a_bad + rows, mask=row_mask, other=0) != 0
+    any_bad_a = tl.max(bad_a.to(tl.int32), axis=0) > 0
+    m = tl.full((BLOCK_N,), float("-inf"), ACC)
+    s = tl.zeros((BLOCK_N,), ACC)
+    nan = tl.zeros((BLOCK_N,), tl.int1)
+    m2 = tl.full((BLOCK_N,), float("-inf"), ACC)
+    s2 = tl.zeros((BLOCK_N,), ACC)
+    nan2 = tl.zeros((BLOCK_N,), tl.int1)
+    total = tl.zeros((BLOCK_N,), ACC)
+    npos = tl.zeros((BLOCK_N,), tl.int32)
+    npairs = tl.zeros((BLOCK_N,), tl.int32)
+    if MODE == NTXENT_POSITIVES:
+        log_s = tl.load(log_s_ptr + rows, mask=row_mask, other=0.0)
+    if BLOCK_D > 0:  # the anchors' whole rows, held across the refs (BLOCK_D >= D)
+        ks = tl.arange(0, BLOCK_D)
+        k_mask = ks < D
+        ah, al = _load(a_hi, a_lo, rows, ks, row_mask[:, None] & k_mask[None, :], D, SCHEME, INTERPRET)
+    first = tl.program_id(1).to(tl.int64) * CHUNK
+    last = tl.minimum(first + CHUNK, M)
+    for j0 in range(first, last, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < last
+        ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=-1)
+        valid = row_mask[:, None] & col_mask[None, :]
+        if SELF:
+            valid = valid & (me[:, None] != cols.to(tl.int32)[None, :])
+        pos = valid & (lab[:, None] == ref_lab[None, :])
+        if MODE != NTXENT_POSITIVES:
+            npos += tl.sum(pos.to(tl.int32), axis=1)
+            npairs += tl.sum(valid.to(tl.int32), axis=1)
+        if MODE == NTXENT_POSITIVES:
+            go = _any(pos)  # (the positive pairs' pass: their tiles only)
+        else:
+            go = True
+        if go:
+            f_b = tl.load(b_f + cols, mask=col_mask, other=0.0)
+            if BLOCK_D > 0:
+                c = _held_cosines(ah, al, b_hi, b_lo, f_a, f_b, cols, col_mask, ks, k_mask, D, ACC, SCHEME, INTERPRET)
+            else:
+                c = _cosines(
+                    a_hi, a_lo, b_hi, b_lo, f_a, f_b, rows, cols, row_mask, col_mask, D, ACC, SCHEME, INTERPRET, BLOCK_K
+                )
+            bad_b = tl.load(b_bad + cols, mask=col_mask, other=0) != 0
+            if any_bad_a | (tl.max(bad_b.to(tl.int32), axis=0) > 0):
+                c = _poison(c, bad_a, bad_b)
+            if MODE == PROXY:
+                # α(c + margin) and α(margin − c), as the CPU kernel forms them: an α past the
+                # accumulation type's range makes them ±∞ by their sign (+∞: the loss is ∞),
+                # where α·c + α·margin would be ∞ − ∞; a zero factor stays 0.
+                y = tl.where(c + shift == 0, 0.0, (c + shift) * scale)
+                m, s, nan = _fold(m, s, nan, y, valid & (pos == 0))
+                if _any(pos):
+                    z = tl.where(shift - c == 0, 0.0, (shift - c) * scale)
+                    m2, s2, nan2 = _fold(m2, s2, nan2, z, pos)
+            elif MODE == NTXENT_POSITIVES:
+                x = c * scale
+                lse = _log_add_exp(x, log_s[:, None])
+                q = tl.exp(x - lse)
+                total += tl.sum(tl.where(pos, -tl.log(q + tiny), 0.0), axis=1)
+                r = tl.where(q > 0, tl.log(tl.where(q > 0, q, 1.0) / (q + tiny)), float("-inf")) - lse
+                m, s, nan = _fold(m, s, nan, r, pos)
+            else:
+                x = c * scale
+                keep = valid
+                if MODE == NTXENT_NEGATIVES:
+                    keep = valid & (pos == 0)
+                m, s, nan = _fold(m, s, nan, x, keep)
+                total += tl.sum(tl.where(pos, x, 0.0), axis=1)
+    at = tl.program_id(1).to(tl.int64) * N + rows
+    plane = tl.num_programs(1).to(tl.int64) * N
+    tl.store(part_ptr + at, m, mask=row_mask)
+    tl.store(part_ptr + plane + at, tl.where(nan, float("nan"), s), mask=row_mask)
+    tl.store(part_ptr + 2 * plane + at, total, mask=row_mask)
+    tl.store(part_ptr + 3 * plane + at, m2, mask=row_mask)
+    tl.store(part_ptr + 4 * plane + at, tl.where(nan2, float("nan"), s2), mask=row_mask)
+    tl.store(count_ptr + at, npos, mask=row_mask)
+    tl.store(count_ptr + plane + at, npairs, mask=row_mask)
+
+
+@triton.jit
+def _merge(part_ptr, k, at, mask, plane, ONE: tl.constexpr, ACC: tl.constexpr):
+    """log Σ of the slices' running log-sum-exps (m, s) at part[k], part[k + 1] (at: a slice ×
+    anchor tile of offsets; and of e^0 = 1 with ONE), summed in a fixed order: NaN where a
+    slice's was, +∞ where one's was, −∞ for none."""
+    mj = tl.load(part_ptr + k * plane + at, mask=mask, other=float("-inf"))
+    sj = tl.load(part_ptr + (k + 1) * plane + at, mask=mask, other=0.0)
+    mj = tl.where(mj == mj, mj, float("-inf"))
+    m = tl.max(mj, axis=0)
+    if ONE:
+        m = tl.maximum(m, 0.0)
+    live = (m != float("-inf")) & (m != float("inf"))
+    shift = tl.where(live, m, 0.0)
+    s = tl.sum(tl.where(live[None, :] & (mj != float("-inf")), sj * _exp(mj - shift[None, :]), 0.0), axis=0)
+    if ONE:
+        s += tl.where(live, _exp(0.0 - shift), 0.0)
+    nan = tl.max((sj != sj).to(tl.int32), axis=0) > 0
+    value = tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), m)
+    return tl.where(nan, float("nan"), value)
+
+
+@triton.jit
+def merge_kernel(
+    part_ptr,
+    count_ptr,
+    out_ptr,
+    sum_ptr,
+    npos_ptr,
+    npairs_ptr,
+    N,
+    SLICES,
+    MODE: tl.constexpr,
+    ONE: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """rows_kernel's slices (at most BLOCK_S) merged per anchor, in a fixed order (the same
+    bits on every run): out = the log-sum-exp (SupCon's 0 without pairs; proxy-anchor's Ln =
+    log(1 + Σ negatives), without the 1 unless ONE: a shard's), sum (proxy-anchor's Lp =
+    log(1 + Σ positives), likewise), and the counts. Every slice is loaded at once: one round
+    trip to memory."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    slices = tl.arange(0, BLOCK_S).to(tl.int64)
+    plane = (SLICES + tl.zeros((), tl.int64)) * N
+    at = slices[:, None] * N + rows[None, :]
+    mask = (slices < SLICES)[:, None] & row_mask[None, :]
+    total = tl.sum(tl.load(part_ptr + 2 * plane + at, mask=mask, other=0.0), axis=0)
+    npos = tl.sum(tl.load(count_ptr + at, mask=mask, other=0), axis=0)
+    npairs = tl.sum(tl.load(count_ptr + plane + at, mask=mask, other=0), axis=0)
+    out = _merge(part_ptr, 0, at, mask, plane, ONE, ACC)
+    if MODE == SUPCON:
+        out = tl.where(npairs > 0, out, 0.0)
+    if MODE == PROXY:
+        total = _merge(part_ptr, 3, at, mask, plane, ONE, ACC)
+    tl.store(out_ptr + rows, out, mask=row_mask)
+    tl.store(sum_ptr + rows, total, mask=row_mask)
+    tl.store(npos_ptr + rows, npos, mask=row_mask)
+    tl.store(npairs_ptr + rows, npairs, mask=row_mask)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _pair_terms(x, coef, shift, w, log_s, tiny, pos, LOSS: tl.constexpr, CAREFUL: tl.constexpr):
+    """∂loss/∂x of one anchor's pairs (coef etc. broadcast along the anchor's axis): a
+    negative pair's coef·exp(x − shift), and a positive pair's: SupCon's and NT-Xent's as
+    PairGrad in pair_losses_cpu.cpp forms them, proxy anchor's −w·exp(−x − log_s). An anchor
+    without terms has coef = 0 and shift = +∞, so that its terms are 0 wherever x is finite;
+    CAREFUL (a NaN or ±∞ x in the tile) selects them instead."""
+    every = coef * _exp(x - shift)
+    if CAREFUL:
+        every = tl.where(coef != 0, every, 0.0)
+    if LOSS == LOSS_SUPCON:
+        g = every - tl.where(pos, w, 0.0)
+        if CAREFUL:
+            g = tl.where(coef != 0, g, 0.0)
+    elif LOSS == LOSS_PROXY:
+        g = tl.where(pos, tl.where(w != 0, -w * _exp(-x - log_s), 0.0), every)
+    else:
+        g = every
+        if _any(pos):
+            q = tl.exp(x - _log_add_exp(x, log_s))
+            g = tl.where(pos, tl.where(coef != 0, -q * (1.0 - q) / (q + tiny) * coef, 0.0), g)
+    return g
+
+
+@triton.jit
+def _grad_tile(
+    c,
+    pos,
+    valid,
+    scale,
+    tiny,
+    ci,
+    hi,
+    wi,
+    si,
+    cj,
+    hj,
+    wj,
+    sj,
+    ANCHORS_OWN: tl.constexpr,
+    ANCHORS_OTHER: tl.constexpr,
+    LOSS: tl.constexpr,
+    CAREFUL: tl.constexpr,
+):
+    """∂loss/∂c of a tile: the pairs' terms as anchors of the own rows and of the other rows."""
+    x = c * scale
+    g = tl.zeros(c.shape, c.dtype)
+    if ANCHORS_OWN:
+        g += _pair_terms(x, ci[:, None], hi[:, None], wi[:, None], si[:, None], tiny, pos, LOSS, CAREFUL)
+    if ANCHORS_OTHER:
+        g += _pair_terms(x, cj[None, :], hj[None, :], wj[None, :], sj[None, :], tiny, pos, LOSS, CAREFUL)
+    if LOSS != LOSS_PROXY:  # (proxy anchor's coefficients, its stats', hold ∂x/∂c = α)
+        g = g * scale
+    return tl.where(valid, g, 0.0)
+
+
+@hot()
+@triton.jit
+def grad_kernel(
+    own_hi,
+    own_lo,
+    own_f,
+    own_bad,
+    other_hi,
+    other_lo,
+    other_f,
+    other_bad,
+    own_lab_ptr,
+    other_lab_ptr,
+    coef_ptr,
+    shift_ptr,
+    w_ptr,
+    log_s_ptr,
+    out_ptr,
+    N_OWN,
+    N_OTHER,
+    D,
+    OFFSET,
+    CHUNK,
+    SCALE_BITS,
+    G_SCALE_BITS,
+    SELF: tl.constexpr,
+    ANCHORS_OWN: tl.constexpr,
+    ANCHORS_OTHER: tl.constexpr,
+    LOSS: tl.constexpr,
+    CAREFUL: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[slice, own rows, feature block] = Σ over the other rows of the slice (CHUNK from
+    program_id(2)·CHUNK) of ∂loss/∂c · the other side's normalised rows: ∂/∂c of the pairs
+    whose anchor is the own row (ANCHORS_OWN) and of those whose anchor is the other row
+    (ANCHORS_OTHER; both without refs), the per-anchor arrays indexed by anchor. SELF: own row
+    i is other's row OFFSET + i (a shard's rows of the whole problem; 0: the same rows), not
+    a pair. CAREFUL: every tile as one that holds a NaN or ±∞ x (a scale or shift past the
+    accumulation type's range). G_SCALE: a power of two that ∂loss/∂c is multiplied by before
+    it is rounded to a half type (HALF)."""
+    scale = tm.f64(SCALE_BITS).to(ACC)
+    g_scale = tm.f64(G_SCALE_BITS).to(ACC)
+    tiny = _tiny(IS64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    row_mask = rows < N_OWN
+    f_mask = fs < D
+    me = rows.to(tl.int32) + OFFSET  # (int32 comparisons on the tile: fewer registers)
+    lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
+    f_a = tl.load(own_f + rows, mask=row_mask, other=0.0)
+    bad_a = tl.load(own_bad + rows, mask=row_mask, other=0) != 0
+    any_bad_a = tl.max(bad_a.to(tl.int32), axis=0) > 0
+    ci = tl.zeros((BLOCK_N,), ACC)
+    hi = ci
+    wi = ci
+    si = ci
+    if ANCHORS_OWN:
+        ci = tl.load(coef_ptr + OFFSET + rows, mask=row_mask, other=0.0)
+        hi = tl.load(shift_ptr + OFFSET + rows, mask=row_mask, other=0.0)
+        wi = tl.load(w_ptr + OFFSET + rows, mask=row_mask, other=0.0)
+        si = tl.load(log_s_ptr + OFFSET + rows, mask=row_mask, other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
+    if BLOCK_D > 0:  # the own rows whole, held across the other rows (BLOCK_D >= D)
+        ks = tl.arange(0, BLOCK_D)
+        k_mask = ks < D
+        ah, al = _load(own_hi, own_lo, rows, ks, row_mask[:, None] & k_mask[None, :], D, SCHEME, INTERPRET)
+    first = tl.program_id(2).to(tl.int64) * CHUNK
+    last = tl.minimum(first + CHUNK, N_OTHER)
+    for j0 in range(first, last, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < last
+        other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=-1)
+        f_b = tl.load(other_f + cols, mask=col_mask, other=0.0)
+        if BLOCK_D > 0:
+            c = _held_cosines(
+                ah, al, other_hi, other_lo, f_a, f_b, cols, col_mask, ks, k_mask, D, ACC, SCHEME, INTERPRET
+            )
+        else:
+            c = _cosines(
+                own_hi,
+                own_lo,
+                other_hi,
+                other_lo,
+                f_a,
+                f_b,
+                rows,
+                cols,
+                row_mask,
+                col_mask,
+                D,
+                ACC,
+                SCHEME,
+                INTERPRET,
+                BLOCK_K,
+            )
+        cj = tl.zeros((BLOCK_M,), ACC)
+        hj = cj
+        wj = cj
+        sj = cj
+        if ANCHORS_OTHER:
+            cj = tl.load(coef_ptr + cols, mask=col_mask, other=0.0)
+            hj = tl.load(shift_ptr + cols, mask=col_mask, other=0.0)
+            wj = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+            sj = tl.load(log_s_ptr + cols, mask=col_mask, other=0.0)
+        valid = row_mask[:, None] & col_mask[None, :]
+        if SELF:
+            valid = valid & (me[:, None] != cols.to(tl.int32)[None, :])
+        pos = lab[:, None] == other_lab[None, :]
+        bad_b = tl.load(other_bad + cols, mask=col_mask, other=0) != 0
+        if (any_bad_a | (tl.max(bad_b.to(tl.int32), axis=0) > 0)) | CAREFUL:
+            c = _poison(c, bad_a, bad_b)
+            g = _grad_tile(
+                c, pos, valid, scale, tiny, ci, hi, wi, si, cj, hj, wj, sj, ANCHORS_OWN, ANCHORS_OTHER, LOSS, True
+            )
+        else:
+            g = _grad_tile(
+                c, pos, valid, scale, tiny, ci, hi, wi, si, cj, hj, wj, sj, ANCHORS_OWN, ANCHORS_OTHER, LOSS, False
+            )
+        # Σ_j g_ij·e_j = Σ_j (g_ij·f_j)·operand_j: the factor goes into g.
+        g = g * f_b[None, :]
+        bh, bl = _load(other_hi, other_lo, cols, fs, col_mask[:, None] & f_mask[None, :], D, SCHEME, INTERPRET)
+        if SCHEME == TF32X3:
+            g_hi = _tf32(g)
+            acc = _mma(g_hi, _tf32(g - g_hi), bh, bl, acc, SCHEME)
+        elif SCHEME == TF32:
+            acc = _mma(_tf32(g), g, bh, bl, acc, SCHEME)
+        elif SCHEME == HALF:
+            # ∂loss/∂c as a pair hi + lo of the operands' type (about 16 bits): the products
+            # stay exact in float32, as the forward's; times a power of two that keeps hi
+            # within float16's range.
+            g = g * g_scale
+            gh = g.to(other_hi.dtype.element_ty)
+            gl = (g - gh.to(tl.float32)).to(other_hi.dtype.element_ty)
+            if INTERPRET:
+                gh = gh.to(tl.float32)
+                gl = gl.to(tl.float32)
+            acc = _mma(gl, gl, bh, bl, acc, SCHEME)
+            acc = _mma(gh, gh, bh, bl, acc, SCHEME)
+        else:
+            acc = _mma(g, g, bh, bl, acc, SCHEME)
+    if SCHEME == HALF:
+        acc = acc / g_scale
+    out = out_ptr + (tl.program_id(2).to(tl.int64) * N_OWN + rows[:, None]) * D + fs[None, :]
+    tl.store(out, acc, mask=row_mask[:, None] & f_mask[None, :])
+
+
+@triton.jit
+def jacobian_kernel(
+    g_ptr,
+    x_ptr,
+    exp_ptr,
+    inv_ptr,
+    clamped_ptr,
+    grad_ptr,
+    out_ptr,
+    N,
+    D,
+    SLICES,
+    stride_row,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out = grad·∂/∂x of g·e for e = x / max(‖x‖, eps), per row, g the sum of grad_kernel's
+    slices (in slice order): (g − e(e·g))·inv·2^-E where ‖x‖ > eps, g·1e12 where the clamp
+    holds (its constant); in out's dtype. e is formed from x as the prefix scaled it."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    E = tl.load(exp_ptr + rows, mask=row_mask, other=0)
+    inv = tl.load(inv_ptr + rows, mask=row_mask, other=0.0)
+    clamped = tl.load(clamped_ptr + rows, mask=row_mask, other=0) != 0
+    plane = (N + tl.zeros((), tl.int64)) * D
+    dot = tl.zeros((BLOCK_ROWS,), ACC)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (ks < D)[None, :]
+        g = tl.zeros((BLOCK_ROWS, BLOCK_D), ACC)
+        for j in range(0, SLICES):
+            g += tl.load(g_ptr + j * plane + rows[:, None] * D + ks[None, :], mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+        e = tl.where(clamped[:, None], x * inv[:, None], tm.ldexp(x, 0 - E[:, None], IS64) * inv[:, None])
+        dot += tl.sum(g * e, axis=1)
+    grad = tl.load(grad_ptr).to(ACC)
+    along = tl.where(clamped, 0.0, dot)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (ks < D)[None, :]
+        g = tl.zeros((BLOCK_ROWS, BLOCK_D), ACC)
+        for j in range(0, SLICES):
+            g += tl.load(g_ptr + j * plane + rows[:, None] * D + ks[None, :], mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+        e = tl.where(clamped[:, None], x * inv[:, None], tm.ldexp(x, 0 - E[:, None], IS64) * inv[:, None])
+        v = (g - e * along[:, None]) * inv[:, None]
+        v = tl.where(clamped[:, None], v, tm.ldexp(v, 0 - E[:, None], IS64)) * grad
+        tl.store(out_ptr + rows[:, None] * D + ks[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- wrappers
+
+
+def _label_ids(*labels: Tensor) -> list[Tensor]:
+    """The labels of each side as int32 ids, equal where the labels are (a label's place among
+    them all, sorted): the tiles compare int32, with no host synchronisation."""
+    every = torch.cat([v.reshape(-1).to(torch.int64) for v in labels])
+    ids = torch.searchsorted(every.sort().values, every).to(torch.int32)
+    return list(ids.split([v.numel() for v in labels]))
+
+
+class _Operands:
+    """One set of rows as the kernels take them: operands_kernel's outputs and the labels'
+    int32 ids (_label_ids)."""
+
+    def __init__(self, x: Tensor, labels: Tensor, acc: torch.dtype, row_config: Config):
+        N, D = x.shape
+        self.n = N
+        self.labels = labels
+        self.raw = x if x.stride(-1) == 1 or N == 0 else x.contiguous()
+        self.scheme = scheme(x.dtype)
+        dev = x.device
+        operand = {FP64.value: torch.float64, TF32X3.value: torch.float32, TF32.value: torch.float32}
+        dtype = operand.get(self.scheme, torch.bfloat16 if x.dtype == torch.float32 else x.dtype)
+        self.hi = torch.empty(N, D, dtype=dtype, device=dev)
+        self.lo = torch.empty_like(self.hi) if self.scheme == TF32X3.value else self.hi
+        self.f = torch.empty(N, dtype=acc, device=dev)
+        self.bad = torch.empty(N, dtype=torch.int8, device=dev)
+        self.exp = torch.empty(N, dtype=torch.int32, device=dev)
+        self.inv = torch.empty(N, dtype=acc, device=dev)
+        self.clamped = torch.empty(N, dtype=torch.int8, device=dev)
+        if N == 0:
+            return
+        operands_kernel[(blocks(N, row_config.kwargs["BLOCK_ROWS"]),)](
+            self.raw,
+            self.hi,
+            self.lo,
+            self.f,
+            self.bad,
+            self.exp,
+            self.inv,
+            self.clamped,
+            N,
+            D,
+            self.raw.stride(0),
+            ACC=acc_tl(acc),
+            IS64=acc == torch.float64,
+            SCHEME=self.scheme,
+            SCALED=x.dtype != torch.float16,
+            **row_config.launch,
+        )
+
+    def narrow(self, first: int, n: int) -> _Operands:
+        """Rows [first, first + n) of these, as views."""
+        view = object.__new__(_Operands)
+        view.n, view.scheme = n, self.scheme
+        for name in ("labels", "raw", "hi", "lo", "f", "bad", "exp", "inv", "clamped"):
+            setattr(view, name, getattr(self, name).narrow(0, first, n))
+        return view
+
+    @property
+    def pointers(self) -> tuple:
+        return self.hi, self.lo, self.f, self.bad
+
+
+def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config):
+    if ref_embeddings is None:
+        a = _Operands(embeddings, *_label_ids(labels), acc, row_config)
+        return a, a
+    ids, ref_ids = _label_ids(labels, ref_labels)
+    a = _Operands(embeddings, ids, acc, row_config)
+    b = _Operands(ref_embeddings, ref_ids, acc, row_config)
+    return a, b
+
+
+def _slices(programs: int, columns: int, block: int) -> tuple[int, int]:
+    """(slices, columns per slice, a multiple of block) of `columns` so that `programs` times
+    the slices reach FILL, no slice being empty."""
+    tiles = blocks(columns, block)
+    want = min(tiles, max(1, -(-FILL // max(programs, 1))))
+    chunk = blocks(tiles, want) * block
+    return blocks(columns, chunk), chunk
+
+
+# The widest rows whose operands a hot kernel holds whole (one product per tile: no loop over
+# the features, one round trip to memory per tile), by scheme; wider rows are multiplied a
+# BLOCK_K slice at a time.
+HELD = {FP64.value: 0, TF32X3.value: 64, TF32.value: 128, HALF.value: 128}
+
+
+def _held(D: int, scheme: int) -> int:
+    """The hot kernels' BLOCK_D: D's power of two where the rows are held whole, else 0."""
+    block = triton.next_power_of_2(max(D, 16))
+    return block if block <= HELD[scheme] else 0
+
+
+def _default(configs: tuple, acc: torch.dtype) -> Config:
+    """A hot kernel's default configuration: the first, or float64's (the last: smaller tiles)."""
+    return configs[-1] if acc == torch.float64 else configs[0]
+
+
+def _merge_config(row_config: Config, slices: int) -> Config:
+    """merge_kernel's launch: the per-row kernels' rows and options, `slices` at once."""
+    return Config(
+        BLOCK_ROWS=row_config.kwargs["BLOCK_ROWS"],
+        BLOCK_S=triton.next_power_of_2(slices),
+        num_warps=row_config.num_warps,
+        num_stages=row_config.num_stages,
+        fp_fusion=row_config.fp_fusion,
+    )
+
+
+def _launch_flags(side: _Operands, acc: torch.dtype) -> dict:
+    return dict(ACC=acc_tl(acc), IS64=acc == torch.float64, SCHEME=side.scheme, INTERPRET=interpreting())
+
+
+def _rows(
+    a: _Operands,
+    b: _Operands,
+    mode,
+    self_: bool,
+    scale: float,
+    acc,
+    config: Config,
+    row_config: Config,
+    log_s=None,
+    shift=0.0,
+    offset=0,
+    one=False,
+):
+    """rows_kernel over every anchor, its slices merged: (out, sum, positives, pairs) per
+    anchor (self_: anchor i is b's row offset + i, not a pair; one: proxy-anchor's log-sums
+    hold the 1)."""
+    N, D = a.hi.shape
+    dev = a.hi.device
+    out = torch.empty(N, dtype=acc, device=dev)
+    total = torch.empty(N, dtype=acc, device=dev)
+    npos = torch.empty(N, dtype=torch.int32, device=dev)
+    npairs = torch.empty(N, dtype=torch.int32, device=dev)
+    if N == 0:
+        return out, total, npos, npairs
+    k = config.kwargs
+    programs = blocks(N, k["BLOCK_N"])
+    slices, chunk = _slices(programs, b.n, k["BLOCK_M"])
+    part = torch.empty(5, slices, N, dtype=acc, device=dev)
+    count = torch.empty(2, slices, N, dtype=torch.int32, device=dev)
+    rows_kernel[(programs, slices)](
+        *a.pointers,
+        *b.pointers,
+        a.labels,
+        b.labels,
+        out if log_s is None else log_s,
+        part,
+        count,
+        N,
+        b.n,
+        D,
+        offset,
+        chunk,
+        float_bits(scale),
+        float_bits(shift),
+        SELF=self_,
+        MODE=mode,
+        BLOCK_D=_held(D, a.scheme),
+        **_launch_flags(a, acc),
+        **config.launch,
+    )
+    merge = _merge_config(row_config, slices)
+    merge_kernel[(blocks(N, merge.kwargs["BLOCK_ROWS"]),)](
+        part,
+        count,
+        out,
+        total,
+        npos,
+        npairs,
+        N,
+        slices,
+        MODE=mode,
+        ONE=one,
+        ACC=acc_tl(acc),
+        **merge.launch,
+    )
+    return out, total, npos, npairs
+
+
+def supcon_forward(
+    embeddings, labels, ref_embeddings, ref_labels, temperature, shard=None, *, config=None, row_config=None
+):
+    """torchkit::supcon_loss's CUDA kernel (any device under the interpreter)."""
+    op = "supcon_loss"
+    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    self_, offset = _self_pairs(ref_embeddings, shard)
+    lse, possum, npos, npairs = _rows(
+        a, b, SUPCON, self_, 1.0 / t, acc, config or _default(ROWS_CONFIGS, acc), row_config, offset=offset
+    )
+    # Per anchor as supcon_forward (pair_losses_cpu.cpp), in float64.
+    lse64 = lse.double()
+    has = npos > 0
+    loss = torch.where(has, lse64 - possum.double() / npos.clamp(min=1).double(), 0.0)
+    kept = (loss > 0) | loss.isnan()  # PML's AvgNonZero, keeping NaN
+    counted = kept.sum(dtype=torch.int64)
+    # PML's batch rules (a shard's caller applies them to the whole problem's parts).
+    use = (_pml_counts(npos, npairs) if shard is None else True) & (counted > 0)
+    denominator = counted.clamp(min=1).double()
+    total = torch.where(use, torch.where(kept, loss, 0.0).sum(), 0.0)
+    w = torch.where(use & kept, 1.0 / (npos.clamp(min=1).double() * denominator), 0.0)
+    stats = torch.stack([lse, w.to(acc)], dim=1)
+    if shard is not None:
+        positives = npos.sum(dtype=torch.int64)
+        return _parts(total, counted, positives, npairs.sum(dtype=torch.int64) - positives), stats
+    return (total / denominator).to(embeddings.dtype), stats
+
+
+def ntxent_forward(
+    embeddings, labels, ref_embeddings, ref_labels, temperature, shard=None, *, config=None, row_config=None
+):
+    """torchkit::ntxent_loss's CUDA kernel (any device under the interpreter)."""
+    op = "ntxent_loss"
+    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
+    acc = acc_dtype(embeddings)
+    config = config or _default(ROWS_CONFIGS, acc)
+    row_config = row_config or ROW_CONFIGS[0]
+    self_, offset = _self_pairs(ref_embeddings, shard)
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    log_s, _, npos, npairs = _rows(a, b, NTXENT_NEGATIVES, self_, 1.0 / t, acc, config, row_config, offset=offset)
+    log_r, loss, _, _ = _rows(
+        a, b, NTXENT_POSITIVES, self_, 1.0 / t, acc, config, row_config, log_s=log_s, offset=offset
+    )
+    positives = npos.sum(dtype=torch.int64)
+    negatives = npairs.sum(dtype=torch.int64) - positives
+    # PML's batch rules; a shard's terms need only a positive and a negative pair (its caller
+    # applies the rules to the whole problem's parts).
+    use = _pml_counts(npos, npairs) if shard is None else (positives > 0) & (negatives > 0)
+    has = npos > 0
+    log_r = torch.where(has, log_r, float("-inf"))
+    total = torch.where(use, torch.where(has, loss.double(), 0.0).sum(), 0.0)
+    share = torch.where(use, 1.0 / positives.clamp(min=1).double(), 0.0).to(acc)
+    # All zero where the loss is zero by PML's rule, as the CPU kernel's.
+    stats = torch.where(use, torch.stack([log_s, log_r, share.expand(a.n)], dim=1), 0.0)
+    if shard is not None:
+        return _parts(total, positives, negatives), stats
+    return (total / positives.clamp(min=1).double()).to(embeddings.dtype), stats
+
+
+def _grad_scale(scale: float, bound: float, operand: torch.dtype) -> float:
+    """The power of two that keeps ∂loss/∂c (at most bound·|scale|, times a factor f <= 2)
+    below float16's largest value 65504 when rounded to it: 1 for other operands."""
+    top = 2.0 * bound * abs(scale)
+    if operand != torch.float16 or not math.isfinite(top) or top < 2.0**14:
+        return 1.0
+    return 2.0 ** (14 - math.ceil(math.log2(top)))
+
+
+def _careful(scale: float, shift: float, acc: torch.dtype) -> bool:
+    """Whether a term x = c·scale (or α(c ± margin)) may be ±∞ for a cosine |c| <= 1 (up to
+    rounding): then every tile of the backward takes grad_kernel's careful path."""
+    top = torch.finfo(acc).max / 4
+    return not (math.isfinite(scale) and abs(scale) * (1.0 + abs(shift)) < top)
+
+
+def _grad(
+    own: _Operands,
+    other: _Operands,
+    terms,
+    self_,
+    anchors_own,
+    anchors_other,
+    loss,
+    scale,
+    grad,
+    like,
+    config,
+    row_config,
+    offset=0,
+    careful=False,
+    bound=4.0,
+):
+    """The gradient of the rows of `own` (in like's dtype): grad_kernel, x = c·scale, with the
+    per-anchor (coef, shift, w, log_s) of `terms`, then jacobian_kernel (self_: own row i is
+    other's row offset + i; bound·|scale|: at most |∂loss/∂c|)."""
+    acc = own.f.dtype
+    N, D = own.hi.shape
+    k = config.kwargs
+    programs = blocks(N, k["BLOCK_N"]) * blocks(D, k["BLOCK_F"])
+    slices, chunk = _slices(programs, other.n, k["BLOCK_M"])
+    g = torch.empty(slices, N, D, dtype=acc, device=own.hi.device)
+    grad_kernel[(blocks(N, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]), slices)](
+        *own.pointers,
+        *other.pointers,
+        own.labels,
+        other.labels,
+        *terms,
+        g,
+        N,
+        other.n,
+        D,
+        offset,
+        chunk,
+        float_bits(scale),
+        float_bits(_grad_scale(scale, bound, own.hi.dtype)),
+        SELF=self_,
+        ANCHORS_OWN=anchors_own,
+        ANCHORS_OTHER=anchors_other,
+        LOSS=loss,
+        CAREFUL=careful,
+        BLOCK_D=_held(D, own.scheme),
+        **_launch_flags(own, acc),
+        **config.launch,
+    )
+    out = torch.empty(N, D, dtype=like.dtype, device=like.device)
+    jacobian_kernel[(blocks(N, row_config.kwargs["BLOCK_ROWS"]),)](
+        g,
+        own.raw,
+        own.exp,
+        own.inv,
+        own.clamped,
+        grad,
+        out,
+        N,
+        D,
+        slices,
+        own.raw.stride(0),
+        ACC=acc_tl(acc),
+        IS64=acc == torch.float64,
+        **row_config.launch,
+    )
+    return out
+
+
+def _backward(
+    ntxent: bool,
+    grad,
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    stats,
+    temperature,
+    output_mask,
+    shard,
+    config,
+    row_config,
+):
+    op = "ntxent_loss" if ntxent else "supcon_loss"
+    t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
+    whole = _whole_rows(shard, ref_embeddings)
+    _check_backward(op, grad, embeddings, stats, 3 if ntxent else 2, shard=shard, whole=whole)
+    self_ = ref_embeddings is None
+    want_e = bool(output_mask[0])
+    want_r = not self_ and bool(output_mask[1])
+    empty = embeddings.new_empty(0)
+    N, D = embeddings.shape
+    M = N if self_ else ref_embeddings.shape[0]
+    if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
+        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    config = config or _default(GRAD_CONFIGS, acc)
+    if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
+        a = b = _Operands(ref_embeddings, *_label_ids(ref_labels), acc, row_config)
+    else:
+        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    # Per anchor: coef, shift, w and log S (PairGrad in pair_losses_cpu.cpp). (Python scalars,
+    # never a tensor made from one: that would be a copy from the host.)
+    inf = float("inf")
+    if ntxent:
+        log_s, log_r, share = stats.unbind(1)
+        coef = torch.where(log_r == -inf, 0.0, share)
+        shift = torch.where(coef != 0, -log_r, inf)
+        w = torch.zeros_like(coef)
+    else:
+        lse, w = stats.unbind(1)
+        counted = (w != 0).sum(dtype=torch.int64)
+        coef = torch.where(w != 0, 1.0 / counted.clamp(min=1).to(acc), 0.0).to(acc)
+        shift = torch.where(w != 0, lse, inf)
+        log_s = torch.zeros_like(coef)
+    terms = tuple(v.contiguous() for v in (coef, shift, w, log_s))
+    loss = LOSS_NTXENT if ntxent else LOSS_SUPCON
+    pairs_self = self_ or whole is not None
+    careful = _careful(1.0 / t, 0.0, acc)
+
+    def rows_grad(own, other, anchors_own: bool, anchors_other: bool, like: Tensor, offset=0) -> Tensor:
+        common = (terms, pairs_self, anchors_own, anchors_other, loss, 1.0 / t, grad, like, config, row_config)
+        return _grad(own, other, *common, offset, careful)
+
+    if whole is not None:
+        ge = rows_grad(b.narrow(shard, N), b, True, True, embeddings, offset=shard) if want_e else empty
+        return ge, _zeros(want_r, ref_embeddings, empty)
+    if self_:
+        return rows_grad(a, a, True, True, embeddings), empty
+    ge = rows_grad(a, b, True, False, embeddings) if want_e else empty
+    gr = rows_grad(b, a, False, True, ref_embeddings) if want_r else empty
+    return ge, gr
+
+
+def supcon_backward(
+    grad,
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    stats,
+    temperature,
+    output_mask,
+    shard=None,
+    *,
+    config=None,
+    row_config=None,
+):
+    """torchkit::_supcon_loss_backward's CUDA kernel."""
+    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard)
+    return _backward(False, *args, config, row_config)
+
+
+def ntxent_backward(
+    grad,
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    stats,
+    temperature,
+    output_mask,
+    shard=None,
+    *,
+    config=None,
+    row_config=None,
+):
+    """torchkit::_ntxent_loss_backward's CUDA kernel."""
+    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard)
+    return _backward(True, *args, config, row_config)
+
+
+def _proxy_sides(embeddings, labels, proxies, acc, row_config):
+    """The proxies as the anchors (label c for row c), the embeddings as the refs."""
+    classes = torch.arange(proxies.shape[0], dtype=torch.int32, device=proxies.device)
+    ids = labels.to(torch.int32).contiguous()  # (in [0, C): checked)
+    return _Operands(proxies, classes, acc, row_config), _Operands(embeddings, ids, acc, row_config)
+
+
+def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None, *, config=None, row_config=None):
+    """torchkit::proxy_anchor_loss's CUDA kernel (any device under the interpreter). A shard
+    (−1: these embeddings are one rank's): per proxy its two log-sums without the 1 and whether
+    it has positives (csrc/pair_losses.h)."""
+    margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
+    _check_proxy_shard(shard)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config)
+    config = config or _default(ROWS_CONFIGS, acc)
+    ln, lp, npos, _ = _rows(a, b, PROXY, False, alpha, acc, config, row_config, shift=margin, one=shard is None)
+    if shard is not None:
+        parts = torch.stack([lp.double(), ln.double(), (npos > 0).double()], dim=1)
+        return parts, torch.zeros(a.n, 4, dtype=acc, device=proxies.device)
+    # PML's DivisorReducer: the positive terms over the P proxies with positives (0 without
+    # any), the negative ones over all C proxies (proxy_anchor_forward in pair_losses_cpu.cpp).
+    C = a.n
+    P = (npos > 0).sum(dtype=torch.int64)
+    pos = torch.where(P > 0, lp.double().sum() / P.clamp(min=1).double(), 0.0)
+    total = pos + (ln.double().sum() / C if C > 0 else 0.0)
+    share = torch.where(P > 0, alpha / P.clamp(min=1).double(), 0.0).to(acc)
+    # (α/C made in float64 and cast: past float32's range a tensor cast gives inf, as the CPU
+    # kernel's; full_like would refuse the value)
+    per_proxy = torch.full_like(ln, alpha / max(C, 1), dtype=torch.float64).to(acc)
+    stats = torch.stack([lp, ln, share.expand(C), per_proxy], dim=1)
+    return total.to(embeddings.dtype), stats
+
+
+def proxy_anchor_backward(
+    grad, embeddings, labels, proxies, stats, margin, alpha, output_mask, *, config=None, row_config=None
+):
+    """torchkit::_proxy_anchor_loss_backward's CUDA kernel."""
+    op = "proxy_anchor_loss"
+    margin, alpha = _proxy_check(embeddings, labels, proxies, margin, alpha)
+    want_e, want_p = bool(output_mask[0]), bool(output_mask[1])
+    C, D = proxies.shape
+    N = embeddings.shape[0]
+    _check_backward(op, grad, embeddings, stats, 4, anchors=C)
+    empty = embeddings.new_empty(0)
+    if N == 0 or C == 0 or D == 0 or not (want_e or want_p):
+        return _zeros(want_e, embeddings, empty), _zeros(want_p, proxies, empty)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    config = config or _default(GRAD_CONFIGS, acc)
+    a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config)
+    # Per proxy (ProxyAnchorTerms in pair_losses_cpu.cpp), x = α·c: a negative's
+    # α/C·exp(x − (Ln − α·margin)), a positive's −α/P·exp(−x − (Lp − α·margin)).
+    lp, ln, share, per_proxy = stats.unbind(1)
+    am = alpha * margin
+    terms = tuple(v.contiguous() for v in (per_proxy, ln - am, share, lp - am))
+    careful = _careful(alpha, margin, acc)
+    common = (terms, False)
+    gp, ge = empty, empty
+    if want_p:
+        gp = _grad(a, b, *common, True, False, LOSS_PROXY, alpha, grad, proxies, config, row_config, 0, careful)
+    if want_e:
+        ge = _grad(b, a, *common, False, True, LOSS_PROXY, alpha, grad, embeddings, config, row_config, 0, careful)
+    return ge, gp
+
+
+def compile_cases() -> list[CompileCase]:
+    """This engine's kernels for tools/triton_check.py: each scheme's operands (float32 as the
+    TF32 pair, TF32 and bfloat16; bfloat16 and float16 as given; float64), rows_kernel in each
+    mode and grad_kernel in each loss's passes with the TF32 pair (every configuration of the
+    first), bfloat16 and float64."""
+    ints = dict.fromkeys(("N", "M", "D", "N_OWN", "N_OTHER", "OFFSET", "CHUNK", "SLICES", "stride_row"), "i32")
+    bits = dict.fromkeys(("SCALE_BITS", "SHIFT_BITS", "G_SCALE_BITS"), "i64")
+    # (name, input dtype, operand dtype, accumulation type, scheme)
+    schemes = (
+        ("fp32", "fp32", "fp32", "fp32", TF32X3),
+        ("fp32 tf32", "fp32", "fp32", "fp32", TF32),
+        ("fp32 medium", "fp32", "bf16", "fp32", HALF),
+        ("bf16", "bf16", "bf16", "fp32", HALF),
+        ("fp16", "fp16", "fp16", "fp32", HALF),
+        ("fp64", "fp64", "fp64", "fp64", FP64),
+    )
+    cases = []
+    for name, dtype, operand, acc, how in schemes:
+        is64 = acc == "fp64"
+        acc64 = torch.float64 if is64 else torch.float32
+        first = name == "fp32"
+        flags = dict(ACC=tl.float64 if is64 else tl.float32, IS64=is64)
+        sides = {
+            f"{side}_{part}": t
+            for side in ("a", "b", "own", "other")
+            for part, t in (("hi", "*" + operand), ("lo", "*" + operand), ("f", "*" + acc), ("bad", "*i8"))
+        }
+        types = {
+            **ints,
+            **bits,
+            **sides,
+            **dict.fromkeys(("hi_ptr", "lo_ptr"), "*" + operand),
+            **dict.fromkeys(("f_ptr", "inv_ptr", "log_s_ptr", "part_ptr", "out_ptr", "sum_ptr", "g_ptr"), "*" + acc),
+            **dict.fromkeys(("coef_ptr", "shift_ptr", "w_ptr"), "*" + acc),
+            **dict.fromkeys(("lab_ptr", "ref_lab_ptr", "own_lab_ptr", "other_lab_ptr"), "*i32"),
+            **dict.fromkeys(("count_ptr", "npos_ptr", "npairs_ptr", "exp_ptr"), "*i32"),
+            **dict.fromkeys(("bad_ptr", "clamped_ptr"), "*i8"),
+            "x_ptr": "*" + dtype,
+            "grad_ptr": "*" + dtype,
+        }
+        cases.append(
+            CompileCase(
+                f"pair_losses.lse.operands {name}",
+                operands_kernel,
+                types,
+                dict(SCHEME=how, SCALED=dtype != "fp16", **flags),
+                ROW_CONFIGS if first else ROW_CONFIGS[:1],
+            )
+        )
+        if name in ("fp16", "fp32 medium"):  # (their hot kernels are bfloat16's)
+            continue
+        hot_flags = dict(SCHEME=how, INTERPRET=False, **flags)
+        modes = ((SUPCON, "supcon", True), (SUPCON, "supcon", False), (NTXENT_NEGATIVES, "negatives", True))
+        modes += ((NTXENT_POSITIVES, "positives", True), (PROXY, "proxy", False))
+        # Rows of D = 128 (the headline cases'): held whole where the scheme holds them, and
+        # multiplied a slice at a time (the first case of each kernel also so).
+        held = _held(128, how.value)
+        for mode, what, self_ in modes if name != "fp32 tf32" else modes[:1]:
+            for block_d in (held, 0) if held and what == "supcon" and self_ else (held,):
+                cases.append(
+                    CompileCase(
+                        f"pair_losses.lse.rows {what} {name}{' self' if self_ else ''}{'' if block_d else ' D loop'}",
+                        rows_kernel,
+                        types,
+                        dict(SELF=self_, MODE=mode, BLOCK_D=block_d, **hot_flags),
+                        ROWS_CONFIGS if first and mode == SUPCON and self_ else (_default(ROWS_CONFIGS, acc64),),
+                        tensor_cores=not is64,
+                    )
+                )
+        passes = [
+            (loss, what, self_, own, other)
+            for loss, what in ((LOSS_SUPCON, "supcon"), (LOSS_NTXENT, "ntxent"))
+            for self_, own, other in ((True, True, True), (False, True, False), (False, False, True))
+        ]
+        passes += [(LOSS_PROXY, "proxy", False, True, False), (LOSS_PROXY, "proxy", False, False, True)]
+        for loss, what, self_, own, other in passes if first else passes[:1]:
+            for careful in (False, True) if first and loss == LOSS_PROXY and own else (False,):
+                for block_d in (held, 0) if held and loss == LOSS_SUPCON and self_ else (held,):
+                    pass_ = " self" if self_ else (" anchors" if own else " refs")
+                    flags_ = dict(CAREFUL=careful, BLOCK_D=block_d, **hot_flags)
+                    cases.append(
+                        CompileCase(
+                            f"pair_losses.lse.grad {what} {name}{pass_}{' careful' if careful else ''}"
+                            f"{'' if block_d else ' D loop'}",
+                            grad_kernel,
+                            types,
+                            dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, LOSS=loss, **flags_),
+                            GRAD_CONFIGS
+                            if first and self_ and loss == LOSS_SUPCON
+                            else (_default(GRAD_CONFIGS, acc64),),
+                            tensor_cores=not is64,
+                        )
+                    )
+        if name == "fp32 tf32":
+            continue
+        for mode, one in ((SUPCON, False), (PROXY, True), (PROXY, False)) if first else ((SUPCON, False),):
+            cases.append(
+                CompileCase(
+                    f"pair_losses.lse.merge {'proxy' if mode == PROXY else 'supcon'} {name}{' one' if one else ''}",
+                    merge_kernel,
+                    types,
+                    dict(MODE=mode, ONE=one, ACC=flags["ACC"]),
+                    (_merge_config(ROW_CONFIGS[0], 4),),
+                )
+            )
+        jacobians = [("", types)]
+        if dtype != "fp64":  # a shard's backward: the caller's float64 grad
+            jacobians.append((" shard", {**types, "grad_ptr": "*fp64"}))
+        for what, jacobian_types in jacobians:
+            cases.append(
+                CompileCase(
+                    f"pair_losses.lse.jacobian {name}{what}",
+                    jacobian_kernel,
+                    {**jacobian_types, "out_ptr": "*" + dtype},
+                    flags,
+                    ROW_CONFIGS if first and not what else ROW_CONFIGS[:1],
+                )
+            )
+    return cases
