@@ -275,3 +275,31 @@ def test_the_cache_key_reads_the_kernel_packages_too(tmp_path, monkeypatch):
     assert gpu_model._digest() != before
     (package / "engine.py").write_text("b = 1\n")
     assert gpu_model._digest() == before
+
+
+@needs_interpreter
+@pytest.mark.triton("supcon_loss", dispatch=False)
+def test_the_log_sum_exp_engine_is_counted_split_as_at_its_headline_size():
+    """The engine splits the refs into as many slices as fill the GPU, which at small sizes is
+    every tile: counted so, the programs would extrapolate quadratically. headline_slices
+    splits the counted sizes as the headline's, so that the extrapolated grid is the one the
+    headline launches, and refuses a size whose tiles cannot split so."""
+    from torchkit.triton.pair_losses import lse
+
+    def count(n):
+        g = torch.Generator().manual_seed(n)
+        e, labels = torch.randn(n, 16, generator=g), torch.arange(n) // 8
+        with gpu_model.counting() as launches, gpu_model.headline_slices(n, 8192):
+            lse.supcon_forward(e, labels, None, None, 0.1)
+        return launches
+
+    runs = [(n, count(n)) for n in (384, 512, 768)]
+    rows = lse._default(lse.ROWS_CONFIGS, torch.float32).kwargs
+    slices = lse._slices(8192 // rows["BLOCK_N"], 8192, rows["BLOCK_M"])[0]
+    assert 1 < slices < 8192 // rows["BLOCK_M"]
+    at = {launch.kernel: launch.counts for launch in gpu_model.extrapolate(runs, 8192)}
+    assert at["rows_kernel"]["programs"] == pytest.approx(8192 // rows["BLOCK_N"] * slices)
+    # The merge reads every slice's partials once: SupCon's (m, s, sum), float32 planes of slices x N.
+    assert at["merge_kernel"]["load:fp32"] == pytest.approx(3 * slices * 8192 * 4)
+    with pytest.raises(ValueError, match="headline's 3 slices"):
+        count(256)

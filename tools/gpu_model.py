@@ -1012,10 +1012,12 @@ def cases() -> list[Case]:
                 if loss == "triplet_margin_loss":
                     case += f" {params['mining']}"
                 run = _pair_loss(loss, params, dtype)
-                out.append(Case(loss, case, pass_, run, (128, 256, 512), 8192, 8192**2))
+                # The log-sum-exp engine's at sizes whose tiles split as the headline's (headline_slices).
+                sizes = (384, 512, 768) if loss in ("supcon_loss", "ntxent_loss") else (128, 256, 512)
+                out.append(Case(loss, case, pass_, run, sizes, 8192, 8192**2))
             if dtype == torch.float32:  # the benchmark's proxy case: Stanford Online Products' classes
                 # Its work is per (embedding, proxy) pair: counted at two sizes of each.
-                corners = tuple((n, c) for n in (128, 256) for c in (128, 256))
+                corners = tuple((n, c) for n in (128, 256) for c in (192, 320))
                 out.append(Case("proxy_anchor_loss", "N=8192 D=512 C=11318 fp32", pass_, _proxy_anchor,
                                 corners, (8192, 11318), 8192 * 11318))  # fmt: skip
             run = _cdist(dtype)
@@ -1023,6 +1025,46 @@ def cases() -> list[Case]:
             run = _bilinear_pool(dtype)
             out.append(Case("bilinear_pool", f"N=32 D=512 28x28 {tname}", pass_, run, (1, 2, 3), 32, 32 * 512**2))
     return out
+
+
+@contextlib.contextmanager
+def headline_slices(size, headline):
+    """Count the log-sum-exp engine's launches with the refs split as at the headline size.
+    The engine splits the refs into as many slices as fill the GPU (lse._slices), a count that
+    is not polynomial in the size: at the counted sizes every slice is one tile, and the
+    extrapolated programs, partials and their merges would grow quadratically. Split into the
+    headline's slice count instead, the programs and partials grow as the anchors and the work
+    per slice as the pairs, which extrapolate() fits exactly. The refs' size variable is the
+    one their count equals (the counted sizes keep the variables' values apart); the anchors'
+    is the same one, or the other where there are two (proxy-anchor: embeddings and proxies)."""
+    from torchkit.triton.pair_losses import lse
+
+    sizes = size if isinstance(size, tuple) else (size,)
+    heads = headline if isinstance(headline, tuple) else (headline,)
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"counted size {size}: its variables must differ to tell the refs from the anchors")
+    original = lse._slices
+
+    def split(programs: int, columns: int, block: int) -> tuple[int, int]:
+        if columns not in sizes:
+            raise ValueError(f"{columns} refs at size {size}: not one of its variables")
+        refs = sizes.index(columns)
+        anchors = refs if len(sizes) == 1 else 1 - refs
+        wanted = original(round(programs * heads[anchors] / sizes[anchors]), heads[refs], block)[0]
+        tiles = -(-columns // block)
+        chunk = -(-tiles // wanted) * block
+        if -(-columns // chunk) != wanted:
+            raise ValueError(
+                f"{columns} refs in tiles of {block} do not split into the headline's {wanted} slices: count "
+                "at sizes whose tiles do"
+            )
+        return wanted, chunk
+
+    lse._slices = split
+    try:
+        yield
+    finally:
+        lse._slices = original
 
 
 def count_case(index: int) -> tuple[list[Launch], int]:
@@ -1034,7 +1076,7 @@ def count_case(index: int) -> tuple[list[Launch], int]:
     case = cases()[index]
     runs, forward = [], set()
     for size in case.sizes:
-        with counting() as launches:
+        with counting() as launches, headline_slices(size, case.size):
             case.run(*(size if isinstance(size, tuple) else (size,)), between=lambda: forward.add(len(launches)))
         runs.append((size, launches))
     if len(forward) != 1:
@@ -1054,7 +1096,7 @@ def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
 
     import triton
 
-    sources = _digest(counting, Counter_, Launch, extrapolate, count_case)
+    sources = _digest(counting, Counter_, Launch, extrapolate, headline_slices, count_case)
     every = cases()
     first = {}  # the index count_case runs for each counted (op, case)
     for i, c in enumerate(every):

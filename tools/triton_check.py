@@ -47,7 +47,7 @@ def compile_one(job):
             constexprs[(i,)] = constants[name]
         else:
             signature[name] = case.types[name]
-            if case.types[name].startswith("*"):
+            if case.types[name].startswith("*") or name in case.divisible:
                 attrs[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are 16-byte aligned
     row = dict(case=case.name, config=repr(config).removeprefix("Config(").removesuffix(")"), arch=f"sm_{arch}")
     started = time.time()

@@ -65,8 +65,9 @@ def interpreting() -> bool:
 class CompileCase:
     """One kernel as tools/triton_check.py compiles it: its argument types as a launch would
     give them (pointers "*fp32", ints "i32"), its constexpr values, the configurations to
-    compile, and whether its products are meant for tensor cores (then the PTX must hold
-    mma or wgmma)."""
+    compile, whether its products are meant for tensor cores (then the PTX must hold mma or
+    wgmma), and the int arguments its headline launch passes divisible by 16 (Triton's JIT
+    specialises them so, and the loads they index are then vectorised)."""
 
     name: str
     kernel: object
@@ -74,6 +75,7 @@ class CompileCase:
     constexprs: dict
     configs: tuple
     tensor_cores: bool = False
+    divisible: tuple = ()
 
 
 def float_bits(value: float) -> int:

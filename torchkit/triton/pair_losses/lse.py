@@ -28,9 +28,12 @@ that recomputes the tile:
   shift_i) and of the positive pairs' own terms (PairGrad in pair_losses_cpu.cpp), formed on
   the device from the stats; each program recomputes its tiles, forms ∂loss/∂c and multiplies
   it into the other side's operands on tensor cores (the TF32 pair: ∂loss/∂c split in two
-  too), for its block of own rows, block of features and slice of the other rows; without
-  refs a pair's terms as anchor i and as anchor j in one pass (c is symmetric). No atomics:
-  jacobian_kernel sums the slices in order and takes each row through the normalisation.
+  too), for its block of own rows, block of features (rows held whole: all of them, so that
+  each tile is formed once) and slice of the other rows; without refs a pair's terms as anchor
+  i and as anchor j in one pass (c is symmetric). No atomics: jacobian_kernel sums the slices
+  in order and takes each row through the normalisation.
+- Each tile's loads are issued before any of them is used (one round trip to memory per tile,
+  where Triton's pipeliner does not prefetch them: those that feed no product).
 
 A shard (the losses across ranks: csrc/pair_losses.h) is as in the module that holds the other
 engines (torchkit/triton/pair_losses/__init__.py). Kernels never index past what the wrapper
@@ -39,6 +42,7 @@ checked; offsets are int64.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -92,7 +96,7 @@ ROWS_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),  # float64's
 )
 GRAD_CONFIGS = (
-    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=3),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
 )
@@ -190,26 +194,26 @@ def _cosines(
 
 
 @triton.jit
-def _held_cosines(
-    ah,
-    al,
-    b_hi,
-    b_lo,
-    f_a,
-    f_b,
-    cols,
-    col_mask,
-    ks,
-    k_mask,
-    D,
-    ACC: tl.constexpr,
-    SCHEME: tl.constexpr,
-    INTERPRET: tl.constexpr,
+def _refs(
+    b_hi, b_lo, b_f, b_bad, cols, col_mask, D, SCHEME: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    """_cosines with the anchors' operands held (ah, al: their whole rows) and the refs' rows
-    loaded whole: one product per tile, one round trip to memory."""
-    bh, bl = _load(b_hi, b_lo, cols, ks, col_mask[:, None] & k_mask[None, :], D, SCHEME, INTERPRET)
-    s = _mma(ah, al, tl.trans(bh), tl.trans(bl), tl.zeros((ah.shape[0], cols.shape[0]), ACC), SCHEME)
+    """A tile's refs: their factors, bad flags (int8) and, where rows are held (BLOCK_D > 0),
+    their whole rows' operands; every load issued before any is used: one round trip to memory."""
+    f_b = tl.load(b_f + cols, mask=col_mask, other=0.0)
+    bad_b = tl.load(b_bad + cols, mask=col_mask, other=0)
+    bh = f_b
+    bl = f_b
+    if BLOCK_D > 0:
+        ks = tl.arange(0, BLOCK_D)
+        bh, bl = _load(b_hi, b_lo, cols, ks, col_mask[:, None] & (ks < D)[None, :], D, SCHEME, INTERPRET)
+    return f_b, bad_b, bh, bl
+
+
+@triton.jit
+def _held_cosines(ah, al, bh, bl, f_a, f_b, ACC: tl.constexpr, SCHEME: tl.constexpr):
+    """_cosines with both sides' whole rows loaded (ah, al: the anchors', held; bh, bl: the
+    refs'): one product per tile."""
+    s = _mma(ah, al, tl.trans(bh), tl.trans(bl), tl.zeros((ah.shape[0], bh.shape[0]), ACC), SCHEME)
     return s * f_a[:, None] * f_b[None, :]
 
 
@@ -425,6 +429,8 @@ def rows_kernel(
         cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
         col_mask = cols < last
         ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=-1)
+        if MODE != NTXENT_POSITIVES:  # (the positives' pass loads the rest in their tiles only)
+            f_b, bad_b, bh, bl = _refs(b_hi, b_lo, b_f, b_bad, cols, col_mask, D, SCHEME, INTERPRET, BLOCK_D)
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
             valid = valid & (me[:, None] != cols.to(tl.int32)[None, :])
@@ -437,16 +443,16 @@ def rows_kernel(
         else:
             go = True
         if go:
-            f_b = tl.load(b_f + cols, mask=col_mask, other=0.0)
+            if MODE == NTXENT_POSITIVES:
+                f_b, bad_b, bh, bl = _refs(b_hi, b_lo, b_f, b_bad, cols, col_mask, D, SCHEME, INTERPRET, BLOCK_D)
             if BLOCK_D > 0:
-                c = _held_cosines(ah, al, b_hi, b_lo, f_a, f_b, cols, col_mask, ks, k_mask, D, ACC, SCHEME, INTERPRET)
+                c = _held_cosines(ah, al, bh, bl, f_a, f_b, ACC, SCHEME)
             else:
                 c = _cosines(
                     a_hi, a_lo, b_hi, b_lo, f_a, f_b, rows, cols, row_mask, col_mask, D, ACC, SCHEME, INTERPRET, BLOCK_K
                 )
-            bad_b = tl.load(b_bad + cols, mask=col_mask, other=0) != 0
             if any_bad_a | (tl.max(bad_b.to(tl.int32), axis=0) > 0):
-                c = _poison(c, bad_a, bad_b)
+                c = _poison(c, bad_a, bad_b != 0)
             if MODE == PROXY:
                 # α(c + margin) and α(margin − c), as the CPU kernel forms them: an α past the
                 # accumulation type's range makes them ±∞ by their sign (+∞: the loss is ∞),
@@ -673,6 +679,7 @@ def grad_kernel(
         si = tl.load(log_s_ptr + OFFSET + rows, mask=row_mask, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
     if BLOCK_D > 0:  # the own rows whole, held across the other rows (BLOCK_D >= D)
+        tl.static_assert(BLOCK_F == BLOCK_D, "held rows are one feature block")
         ks = tl.arange(0, BLOCK_D)
         k_mask = ks < D
         ah, al = _load(own_hi, own_lo, rows, ks, row_mask[:, None] & k_mask[None, :], D, SCHEME, INTERPRET)
@@ -681,12 +688,23 @@ def grad_kernel(
     for j0 in range(first, last, BLOCK_M):
         cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
         col_mask = cols < last
+        # Every load of the tile issued before any is used: one round trip to memory (the
+        # operands last: the interpreter's upcast of a half type uses them at once).
+        cj = tl.zeros((BLOCK_M,), ACC)
+        hj = cj
+        wj = cj
+        sj = cj
+        if ANCHORS_OTHER:
+            cj = tl.load(coef_ptr + cols, mask=col_mask, other=0.0)
+            hj = tl.load(shift_ptr + cols, mask=col_mask, other=0.0)
+            wj = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+            sj = tl.load(log_s_ptr + cols, mask=col_mask, other=0.0)
         other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=-1)
-        f_b = tl.load(other_f + cols, mask=col_mask, other=0.0)
-        if BLOCK_D > 0:
-            c = _held_cosines(
-                ah, al, other_hi, other_lo, f_a, f_b, cols, col_mask, ks, k_mask, D, ACC, SCHEME, INTERPRET
-            )
+        f_b, bad_b, bh, bl = _refs(
+            other_hi, other_lo, other_f, other_bad, cols, col_mask, D, SCHEME, INTERPRET, BLOCK_D
+        )
+        if BLOCK_D > 0:  # (the product's features are the whole rows: BLOCK_F == BLOCK_D)
+            c = _held_cosines(ah, al, bh, bl, f_a, f_b, ACC, SCHEME)
         else:
             c = _cosines(
                 own_hi,
@@ -705,22 +723,12 @@ def grad_kernel(
                 INTERPRET,
                 BLOCK_K,
             )
-        cj = tl.zeros((BLOCK_M,), ACC)
-        hj = cj
-        wj = cj
-        sj = cj
-        if ANCHORS_OTHER:
-            cj = tl.load(coef_ptr + cols, mask=col_mask, other=0.0)
-            hj = tl.load(shift_ptr + cols, mask=col_mask, other=0.0)
-            wj = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
-            sj = tl.load(log_s_ptr + cols, mask=col_mask, other=0.0)
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
             valid = valid & (me[:, None] != cols.to(tl.int32)[None, :])
         pos = lab[:, None] == other_lab[None, :]
-        bad_b = tl.load(other_bad + cols, mask=col_mask, other=0) != 0
         if (any_bad_a | (tl.max(bad_b.to(tl.int32), axis=0) > 0)) | CAREFUL:
-            c = _poison(c, bad_a, bad_b)
+            c = _poison(c, bad_a, bad_b != 0)
             g = _grad_tile(
                 c, pos, valid, scale, tiny, ci, hi, wi, si, cj, hj, wj, sj, ANCHORS_OWN, ANCHORS_OTHER, LOSS, True
             )
@@ -730,12 +738,16 @@ def grad_kernel(
             )
         # Σ_j g_ij·e_j = Σ_j (g_ij·f_j)·operand_j: the factor goes into g.
         g = g * f_b[None, :]
-        bh, bl = _load(other_hi, other_lo, cols, fs, col_mask[:, None] & f_mask[None, :], D, SCHEME, INTERPRET)
+        if BLOCK_D > 0:
+            fh = bh
+            fl = bl
+        else:  # (loaded here, not with the tile's other loads: fewer registers live in _cosines)
+            fh, fl = _load(other_hi, other_lo, cols, fs, col_mask[:, None] & f_mask[None, :], D, SCHEME, INTERPRET)
         if SCHEME == TF32X3:
             g_hi = _tf32(g)
-            acc = _mma(g_hi, _tf32(g - g_hi), bh, bl, acc, SCHEME)
+            acc = _mma(g_hi, _tf32(g - g_hi), fh, fl, acc, SCHEME)
         elif SCHEME == TF32:
-            acc = _mma(_tf32(g), g, bh, bl, acc, SCHEME)
+            acc = _mma(_tf32(g), g, fh, fl, acc, SCHEME)
         elif SCHEME == HALF:
             # ∂loss/∂c as a pair hi + lo of the operands' type (about 16 bits): the products
             # stay exact in float32, as the forward's; times a power of two that keeps hi
@@ -746,10 +758,10 @@ def grad_kernel(
             if INTERPRET:
                 gh = gh.to(tl.float32)
                 gl = gl.to(tl.float32)
-            acc = _mma(gl, gl, bh, bl, acc, SCHEME)
-            acc = _mma(gh, gh, bh, bl, acc, SCHEME)
+            acc = _mma(gl, gl, fh, fl, acc, SCHEME)
+            acc = _mma(gh, gh, fh, fl, acc, SCHEME)
         else:
-            acc = _mma(g, g, bh, bl, acc, SCHEME)
+            acc = _mma(g, g, fh, fl, acc, SCHEME)
     if SCHEME == HALF:
         acc = acc / g_scale
     out = out_ptr + (tl.program_id(2).to(tl.int64) * N_OWN + rows[:, None]) * D + fs[None, :]
@@ -902,6 +914,15 @@ def _held(D: int, scheme: int) -> int:
     """The hot kernels' BLOCK_D: D's power of two where the rows are held whole, else 0."""
     block = triton.next_power_of_2(max(D, 16))
     return block if block <= HELD[scheme] else 0
+
+
+def _grad_config(config: Config, held: int) -> Config:
+    """grad_kernel's launch of `config` for rows held whole (BLOCK_D = held > 0): one feature
+    block of the whole rows, whose tile the program then forms once, not once per block."""
+    if not held:
+        return config
+    kwargs = {**config.kwargs, "BLOCK_F": held}
+    return Config(num_warps=config.num_warps, num_stages=config.num_stages, fp_fusion=config.fp_fusion, **kwargs)
 
 
 def _default(configs: tuple, acc: torch.dtype) -> Config:
@@ -1093,6 +1114,8 @@ def _grad(
     other's row offset + i; bound·|scale|: at most |∂loss/∂c|)."""
     acc = own.f.dtype
     N, D = own.hi.shape
+    held = _held(D, own.scheme)
+    config = _grad_config(config, held)
     k = config.kwargs
     programs = blocks(N, k["BLOCK_N"]) * blocks(D, k["BLOCK_F"])
     slices, chunk = _slices(programs, other.n, k["BLOCK_M"])
@@ -1116,7 +1139,7 @@ def _grad(
         ANCHORS_OTHER=anchors_other,
         LOSS=loss,
         CAREFUL=careful,
-        BLOCK_D=_held(D, own.scheme),
+        BLOCK_D=held,
         **_launch_flags(own, acc),
         **config.launch,
     )
@@ -1317,6 +1340,9 @@ def compile_cases() -> list[CompileCase]:
     mode and grad_kernel in each loss's passes with the TF32 pair (every configuration of the
     first), bfloat16 and float64."""
     ints = dict.fromkeys(("N", "M", "D", "N_OWN", "N_OTHER", "OFFSET", "CHUNK", "SLICES", "stride_row"), "i32")
+    # The headline launches' sizes (8,192 rows of 128 features from offset 0, slices of whole
+    # tiles) are divisible by 16, all but the slice count.
+    case = functools.partial(CompileCase, divisible=tuple(k for k in ints if k != "SLICES"))
     bits = dict.fromkeys(("SCALE_BITS", "SHIFT_BITS", "G_SCALE_BITS"), "i64")
     # (name, input dtype, operand dtype, accumulation type, scheme)
     schemes = (
@@ -1352,7 +1378,7 @@ def compile_cases() -> list[CompileCase]:
             "grad_ptr": "*" + dtype,
         }
         cases.append(
-            CompileCase(
+            case(
                 f"pair_losses.lse.operands {name}",
                 operands_kernel,
                 types,
@@ -1371,7 +1397,7 @@ def compile_cases() -> list[CompileCase]:
         for mode, what, self_ in modes if name != "fp32 tf32" else modes[:1]:
             for block_d in (held, 0) if held and what == "supcon" and self_ else (held,):
                 cases.append(
-                    CompileCase(
+                    case(
                         f"pair_losses.lse.rows {what} {name}{' self' if self_ else ''}{'' if block_d else ' D loop'}",
                         rows_kernel,
                         types,
@@ -1392,15 +1418,20 @@ def compile_cases() -> list[CompileCase]:
                     pass_ = " self" if self_ else (" anchors" if own else " refs")
                     flags_ = dict(CAREFUL=careful, BLOCK_D=block_d, **hot_flags)
                     cases.append(
-                        CompileCase(
+                        case(
                             f"pair_losses.lse.grad {what} {name}{pass_}{' careful' if careful else ''}"
                             f"{'' if block_d else ' D loop'}",
                             grad_kernel,
                             types,
                             dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, LOSS=loss, **flags_),
-                            GRAD_CONFIGS
-                            if first and self_ and loss == LOSS_SUPCON
-                            else (_default(GRAD_CONFIGS, acc64),),
+                            tuple(
+                                _grad_config(c, block_d)
+                                for c in (
+                                    GRAD_CONFIGS
+                                    if first and self_ and loss == LOSS_SUPCON
+                                    else (_default(GRAD_CONFIGS, acc64),)
+                                )
+                            ),
                             tensor_cores=not is64,
                         )
                     )
@@ -1408,7 +1439,7 @@ def compile_cases() -> list[CompileCase]:
             continue
         for mode, one in ((SUPCON, False), (PROXY, True), (PROXY, False)) if first else ((SUPCON, False),):
             cases.append(
-                CompileCase(
+                case(
                     f"pair_losses.lse.merge {'proxy' if mode == PROXY else 'supcon'} {name}{' one' if one else ''}",
                     merge_kernel,
                     types,
@@ -1421,7 +1452,7 @@ def compile_cases() -> list[CompileCase]:
             jacobians.append((" shard", {**types, "grad_ptr": "*fp64"}))
         for what, jacobian_types in jacobians:
             cases.append(
-                CompileCase(
+                case(
                     f"pair_losses.lse.jacobian {name}{what}",
                     jacobian_kernel,
                     {**jacobian_types, "out_ptr": "*" + dtype},
