@@ -2200,6 +2200,46 @@ def test_proxy_anchor_module(device):
 
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
+def test_triton_lse_tiles_inside_the_problem_as_on_its_edges(device):
+    """SupCon's and NT-Xent's tiles wholly inside the problem and off the diagonal fold
+    without masks, the others with them: in float64 against the CPU kernel, at sizes of
+    several blocks of each of the first two configurations (ragged ends), without refs, with
+    refs, and a shard whose anchors start inside the refs (the diagonal moved by its offset)."""
+    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
+
+    tp = triton_module()
+    e, labels = make((150, 19), seed=31), make_labels(150, 9, seed=31)
+    ref, ref_labels = make((140, 19), seed=32), make_labels(140, 9, seed=32)
+    g = torch.tensor(0.7, dtype=torch.float64)
+    for loss, params in (("supcon_loss", (0.3,)), ("ntxent_loss", (0.3,))):
+        op, backward = raw(loss)
+        name = loss.removesuffix("_loss")
+        forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
+        problems = (
+            (e, labels, None, None, None),
+            (e, labels, ref, ref_labels, None),
+            (e[70:], labels[70:], e, labels, 70),
+        )
+        for which in (0, 1):
+            rows, grad = tp.lse.ROWS_CONFIGS[which], tp.lse.GRAD_CONFIGS[which]
+            for x, lab, r, r_lab, shard in problems:
+                extra = () if shard is None else (shard,)
+                value, stats = op(x, lab, r, r_lab, *params, *extra)
+                inputs = on(device, x, lab, r, r_lab)
+                got, got_stats = forward_t(*inputs, *params, *extra, config=rows)
+                torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
+                want = [True, r is not None]
+                if shard is not None and loss in WHOLE_STATS:  # (a shard's backward takes the whole problem's)
+                    stats = op(e, labels, None, None, *params)[1]
+                exp = backward(g, x, lab, r, r_lab, stats, *params, want, *extra)
+                out = backward_t(*on(device, g), *inputs, *on(device, stats), *params, want, *extra, config=grad)
+                for a, b in zip(out, exp, strict=True):
+                    torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
+@TRITON_DEVICE
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_proxy_anchor_triton_every_configuration_matches_the_cpu_kernel(which, device):
     """test_triton_every_configuration_matches_the_cpu_kernel's, for proxy_anchor_loss: ragged

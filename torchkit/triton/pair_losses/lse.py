@@ -67,6 +67,7 @@ from torchkit.triton.pair_losses._common import (
 
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 # How the products are taken (the operands' layout, operands_kernel's SCHEME).
 FP64 = tl.constexpr(0)  # float64 rows, float64 products
@@ -87,6 +88,11 @@ LOSS_PROXY = tl.constexpr(2)
 # Programs a launch aims for: two per SM of an H100/H200 (132). The refs are split into
 # slices until the anchors' blocks times the slices reach it.
 FILL = 264
+
+# The largest |scale| whose terms rows_kernel forms in base 2 with the scale folded into the
+# anchors' factors (BASE2): times log2(e) and a factor (at most 1e12, a clamped row's) it stays
+# far inside float32's range. A larger scale takes the terms in base e, as the CPU kernel.
+BASE2_SCALE = 2.0**64
 
 # Launch configurations; every one is run by the tests and compiled by tools/triton_check.py,
 # the first being the default.
@@ -236,15 +242,27 @@ def _exp(x):
 
 
 @triton.jit
-def _fold(m, s, nan, x, keep):
-    """Folds the kept entries of x (per row) into the running log-sum-exp (m, s): s·e^m. A term
-    of +∞ (a finite parameter's product past the accumulation type) makes the sum +∞ (m = ∞,
-    s = 1), as the CPU kernels' LogSumExp::overflow; a NaN term sets nan."""
-    m_new = tl.maximum(m, tl.max(tl.where(keep, x, float("-inf")), axis=1))
+def _power(x, BASE2: tl.constexpr):
+    """2^x where x is in base 2 (BASE2), else e^x."""
+    if BASE2:
+        return tl.exp2(x)
+    else:
+        return _exp(x)
+
+
+@triton.jit
+def _fold(m, s, nan, x, keep, BASE2: tl.constexpr, MASKED: tl.constexpr = True):
+    """Folds the kept entries of x (per row; every one unless MASKED) into the running
+    log-sum-exp (m, s): s·e^m, or s·2^m where x is in base 2 (BASE2). A term of +∞ (a finite
+    parameter's product past the accumulation type) makes the sum +∞ (m = ∞, s = 1), as the
+    CPU kernels' LogSumExp::overflow; a NaN term sets nan."""
+    if MASKED:
+        x = tl.where(keep, x, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, axis=1))
     live = (m_new != float("-inf")) & (m_new != float("inf"))
     shift = tl.where(live, m_new, 0.0)
-    p = tl.where(keep, _exp(x - shift[:, None]), 0.0)
-    s_new = tl.where(live, s * _exp(m - shift), 0.0) + tl.sum(p, axis=1)
+    p = _power(x - shift[:, None], BASE2)  # (0 where masked: shift is finite)
+    s_new = tl.where(live, s * _power(m - shift, BASE2), 0.0) + tl.sum(p, axis=1)
     nan = nan | (s_new != s_new)
     return m_new, tl.where(m_new == float("inf"), 1.0, s_new), nan
 
@@ -368,7 +386,6 @@ def rows_kernel(
     ref_lab_ptr,
     log_s_ptr,
     part_ptr,
-    count_ptr,
     N,
     M,
     D,
@@ -378,6 +395,7 @@ def rows_kernel(
     SHIFT_BITS,
     SELF: tl.constexpr,
     MODE: tl.constexpr,
+    BASE2: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     SCHEME: tl.constexpr,
@@ -389,15 +407,18 @@ def rows_kernel(
 ):
     """Per anchor of a block, over the refs of slice program_id(1) (CHUNK refs from
     program_id(1)·CHUNK): the partials part[k, slice, anchor] (k: m, s, sum, m2, s2; each
-    running log-sum-exp s·e^m, s NaN where a term was NaN) and count[k, slice, anchor] (k:
-    positives, pairs). x = c·scale; pairs: every ref but the anchor itself with SELF, anchor i
-    being ref OFFSET + i; positives: equal labels.
-    SUPCON: (m, s) of every pair's x, sum = Σ_positives x, the counts;
-    NTXENT_NEGATIVES: (m, s) of the negatives' x, sum, the counts;
+    running log-sum-exp s·e^m, s NaN where a term was NaN). x = c·scale; pairs: every ref but
+    the anchor itself with SELF, anchor i being ref OFFSET + i; positives: equal labels.
+    SUPCON: (m, s) of every pair's x, sum = Σ_positives x;
+    NTXENT_NEGATIVES: (m, s) of the negatives' x, sum;
     NTXENT_POSITIVES (log_s: log S of the negatives, whole): (m, s) of log R = log Σ_p
     q/(q + tiny)/(exp(x_p) + S), sum = Σ_p −log(q_p + tiny), q_p = exp(x_p)/(exp(x_p) + S);
     PROXY (anchors: the proxies, scale = α, shift = margin): (m, s) of the negatives'
-    α(c + margin), (m2, s2) of the positives' α(margin − c), the counts."""
+    α(c + margin), (m2, s2) of the positives' α(margin − c).
+    BASE2 (SUPCON and NTXENT_NEGATIVES, a scale whose product with log2(e) and a factor stays
+    finite): x·log2(e) formed at once, the scale and log2(e) folded into the anchors'
+    factors, and the running sums kept in base 2 (m and sum taken back to base e per anchor at
+    the end). Their tiles wholly inside the problem and off the diagonal fold without masks."""
     scale = tm.f64(SCALE_BITS).to(ACC)
     shift = tm.f64(SHIFT_BITS).to(ACC)
     tiny = _tiny(IS64)
@@ -406,8 +427,13 @@ def rows_kernel(
     me = rows.to(tl.int32) + OFFSET  # (int32 comparisons on the tile: fewer registers)
     lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
     f_a = tl.load(a_f + rows, mask=row_mask, other=0.0)
+    if BASE2:
+        f_a = f_a * (scale * LOG2E)
     bad_a = tl.load(a_bad + rows, mask=row_mask, other=0) != 0
     any_bad_a = tl.max(bad_a.to(tl.int32), axis=0) > 0
+    # Where the tiles of this block of anchors are wholly inside the problem and off the diagonal.
+    first_row = tl.program_id(0) * BLOCK_N
+    full_rows = first_row + BLOCK_N <= N
     m = tl.full((BLOCK_N,), float("-inf"), ACC)
     s = tl.zeros((BLOCK_N,), ACC)
     nan = tl.zeros((BLOCK_N,), tl.int1)
@@ -415,8 +441,6 @@ def rows_kernel(
     s2 = tl.zeros((BLOCK_N,), ACC)
     nan2 = tl.zeros((BLOCK_N,), tl.int1)
     total = tl.zeros((BLOCK_N,), ACC)
-    npos = tl.zeros((BLOCK_N,), tl.int32)
-    npairs = tl.zeros((BLOCK_N,), tl.int32)
     if MODE == NTXENT_POSITIVES:
         log_s = tl.load(log_s_ptr + rows, mask=row_mask, other=0.0)
     if BLOCK_D > 0:  # the anchors' whole rows, held across the refs (BLOCK_D >= D)
@@ -434,12 +458,8 @@ def rows_kernel(
         valid = row_mask[:, None] & col_mask[None, :]
         if SELF:
             valid = valid & (me[:, None] != cols.to(tl.int32)[None, :])
-        pos = valid & (lab[:, None] == ref_lab[None, :])
-        if MODE != NTXENT_POSITIVES:
-            npos += tl.sum(pos.to(tl.int32), axis=1)
-            npairs += tl.sum(valid.to(tl.int32), axis=1)
         if MODE == NTXENT_POSITIVES:
-            go = _any(pos)  # (the positive pairs' pass: their tiles only)
+            go = _any(valid & (lab[:, None] == ref_lab[None, :]))  # (the positive pairs' pass: their tiles only)
         else:
             go = True
         if go:
@@ -457,25 +477,44 @@ def rows_kernel(
                 # α(c + margin) and α(margin − c), as the CPU kernel forms them: an α past the
                 # accumulation type's range makes them ±∞ by their sign (+∞: the loss is ∞),
                 # where α·c + α·margin would be ∞ − ∞; a zero factor stays 0.
+                pos = valid & (lab[:, None] == ref_lab[None, :])
                 y = tl.where(c + shift == 0, 0.0, (c + shift) * scale)
-                m, s, nan = _fold(m, s, nan, y, valid & (pos == 0))
+                m, s, nan = _fold(m, s, nan, y, valid & (pos == 0), False)
                 if _any(pos):
                     z = tl.where(shift - c == 0, 0.0, (shift - c) * scale)
-                    m2, s2, nan2 = _fold(m2, s2, nan2, z, pos)
+                    m2, s2, nan2 = _fold(m2, s2, nan2, z, pos, False)
             elif MODE == NTXENT_POSITIVES:
+                pos = valid & (lab[:, None] == ref_lab[None, :])
                 x = c * scale
                 lse = _log_add_exp(x, log_s[:, None])
                 q = tl.exp(x - lse)
                 total += tl.sum(tl.where(pos, -tl.log(q + tiny), 0.0), axis=1)
                 r = tl.where(q > 0, tl.log(tl.where(q > 0, q, 1.0) / (q + tiny)), float("-inf")) - lse
-                m, s, nan = _fold(m, s, nan, r, pos)
+                m, s, nan = _fold(m, s, nan, r, pos, False)
             else:
-                x = c * scale
-                keep = valid
-                if MODE == NTXENT_NEGATIVES:
-                    keep = valid & (pos == 0)
-                m, s, nan = _fold(m, s, nan, x, keep)
+                if BASE2:
+                    x = c
+                else:
+                    x = c * scale
+                interior = full_rows & (j0 + BLOCK_M <= last)
+                if SELF:  # (off the diagonal: the anchors' own refs are elsewhere)
+                    interior = interior & ((j0 >= first_row + OFFSET + BLOCK_N) | (j0 + BLOCK_M <= first_row + OFFSET))
+                if interior:
+                    pos = lab[:, None] == ref_lab[None, :]
+                    if MODE == NTXENT_NEGATIVES:
+                        m, s, nan = _fold(m, s, nan, x, pos == 0, BASE2)
+                    else:
+                        m, s, nan = _fold(m, s, nan, x, pos, BASE2, False)
+                else:
+                    pos = valid & (lab[:, None] == ref_lab[None, :])
+                    keep = valid
+                    if MODE == NTXENT_NEGATIVES:
+                        keep = valid & (pos == 0)
+                    m, s, nan = _fold(m, s, nan, x, keep, BASE2)
                 total += tl.sum(tl.where(pos, x, 0.0), axis=1)
+    if BASE2:  # (back to base e)
+        m = m * LN2
+        total = total * LN2
     at = tl.program_id(1).to(tl.int64) * N + rows
     plane = tl.num_programs(1).to(tl.int64) * N
     tl.store(part_ptr + at, m, mask=row_mask)
@@ -483,8 +522,6 @@ def rows_kernel(
     tl.store(part_ptr + 2 * plane + at, total, mask=row_mask)
     tl.store(part_ptr + 3 * plane + at, m2, mask=row_mask)
     tl.store(part_ptr + 4 * plane + at, tl.where(nan2, float("nan"), s2), mask=row_mask)
-    tl.store(count_ptr + at, npos, mask=row_mask)
-    tl.store(count_ptr + plane + at, npairs, mask=row_mask)
 
 
 @triton.jit
@@ -511,11 +548,8 @@ def _merge(part_ptr, k, at, mask, plane, ONE: tl.constexpr, ACC: tl.constexpr):
 @triton.jit
 def merge_kernel(
     part_ptr,
-    count_ptr,
     out_ptr,
     sum_ptr,
-    npos_ptr,
-    npairs_ptr,
     N,
     SLICES,
     MODE: tl.constexpr,
@@ -525,10 +559,9 @@ def merge_kernel(
     BLOCK_S: tl.constexpr,
 ):
     """rows_kernel's slices (at most BLOCK_S) merged per anchor, in a fixed order (the same
-    bits on every run): out = the log-sum-exp (SupCon's 0 without pairs; proxy-anchor's Ln =
-    log(1 + Σ negatives), without the 1 unless ONE: a shard's), sum (proxy-anchor's Lp =
-    log(1 + Σ positives), likewise), and the counts. Every slice is loaded at once: one round
-    trip to memory."""
+    bits on every run): out = the log-sum-exp (proxy-anchor's Ln = log(1 + Σ negatives),
+    without the 1 unless ONE: a shard's) and sum (proxy-anchor's Lp = log(1 + Σ positives),
+    likewise). Every slice is loaded at once: one round trip to memory."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
     slices = tl.arange(0, BLOCK_S).to(tl.int64)
@@ -536,17 +569,11 @@ def merge_kernel(
     at = slices[:, None] * N + rows[None, :]
     mask = (slices < SLICES)[:, None] & row_mask[None, :]
     total = tl.sum(tl.load(part_ptr + 2 * plane + at, mask=mask, other=0.0), axis=0)
-    npos = tl.sum(tl.load(count_ptr + at, mask=mask, other=0), axis=0)
-    npairs = tl.sum(tl.load(count_ptr + plane + at, mask=mask, other=0), axis=0)
     out = _merge(part_ptr, 0, at, mask, plane, ONE, ACC)
-    if MODE == SUPCON:
-        out = tl.where(npairs > 0, out, 0.0)
     if MODE == PROXY:
         total = _merge(part_ptr, 3, at, mask, plane, ONE, ACC)
     tl.store(out_ptr + rows, out, mask=row_mask)
     tl.store(sum_ptr + rows, total, mask=row_mask)
-    tl.store(npos_ptr + rows, npos, mask=row_mask)
-    tl.store(npairs_ptr + rows, npairs, mask=row_mask)
 
 
 # --------------------------------------------------------------------------- backward
@@ -961,20 +988,18 @@ def _rows(
 ):
     """rows_kernel over every anchor, its slices merged: (out, sum, positives, pairs) per
     anchor (self_: anchor i is b's row offset + i, not a pair; one: proxy-anchor's log-sums
-    hold the 1)."""
+    hold the 1). SupCon's out is 0 without pairs."""
     N, D = a.hi.shape
     dev = a.hi.device
     out = torch.empty(N, dtype=acc, device=dev)
     total = torch.empty(N, dtype=acc, device=dev)
-    npos = torch.empty(N, dtype=torch.int32, device=dev)
-    npairs = torch.empty(N, dtype=torch.int32, device=dev)
+    npos, npairs = _counts(a, b, self_)
     if N == 0:
         return out, total, npos, npairs
     k = config.kwargs
     programs = blocks(N, k["BLOCK_N"])
     slices, chunk = _slices(programs, b.n, k["BLOCK_M"])
     part = torch.empty(5, slices, N, dtype=acc, device=dev)
-    count = torch.empty(2, slices, N, dtype=torch.int32, device=dev)
     rows_kernel[(programs, slices)](
         *a.pointers,
         *b.pointers,
@@ -982,7 +1007,6 @@ def _rows(
         b.labels,
         out if log_s is None else log_s,
         part,
-        count,
         N,
         b.n,
         D,
@@ -992,6 +1016,7 @@ def _rows(
         float_bits(shift),
         SELF=self_,
         MODE=mode,
+        BASE2=mode in (SUPCON, NTXENT_NEGATIVES) and abs(scale) <= BASE2_SCALE,
         BLOCK_D=_held(D, a.scheme),
         **_launch_flags(a, acc),
         **config.launch,
@@ -999,11 +1024,8 @@ def _rows(
     merge = _merge_config(row_config, slices)
     merge_kernel[(blocks(N, merge.kwargs["BLOCK_ROWS"]),)](
         part,
-        count,
         out,
         total,
-        npos,
-        npairs,
         N,
         slices,
         MODE=mode,
@@ -1011,7 +1033,19 @@ def _rows(
         ACC=acc_tl(acc),
         **merge.launch,
     )
+    if mode == SUPCON and b.n - self_ == 0:  # (no pairs: no log-sum-exp)
+        out.zero_()
     return out, total, npos, npairs
+
+
+def _counts(a: _Operands, b: _Operands, self_: bool) -> tuple[Tensor, Tensor]:
+    """Per anchor, its positive pairs (the refs of its label but itself with self_: from the
+    labels' ids, O(N + M), no host synchronisation) and its pairs (every ref but itself)."""
+    dev = a.labels.device
+    ids = torch.zeros(a.n + b.n, dtype=torch.int32, device=dev)
+    ids.index_add_(0, b.labels.long(), torch.ones_like(b.labels))
+    npos = ids[a.labels.long()] - int(self_)
+    return npos, torch.full((a.n,), b.n - int(self_), dtype=torch.int32, device=dev)
 
 
 def supcon_forward(
@@ -1401,7 +1435,13 @@ def compile_cases() -> list[CompileCase]:
                         f"pair_losses.lse.rows {what} {name}{' self' if self_ else ''}{'' if block_d else ' D loop'}",
                         rows_kernel,
                         types,
-                        dict(SELF=self_, MODE=mode, BLOCK_D=block_d, **hot_flags),
+                        dict(
+                            SELF=self_,
+                            MODE=mode,
+                            BASE2=mode in (SUPCON, NTXENT_NEGATIVES),
+                            BLOCK_D=block_d,
+                            **hot_flags,
+                        ),
                         ROWS_CONFIGS if first and mode == SUPCON and self_ else (_default(ROWS_CONFIGS, acc64),),
                         tensor_cores=not is64,
                     )
