@@ -1013,7 +1013,7 @@ def cases() -> list[Case]:
                     case += f" {params['mining']}"
                 run = _pair_loss(loss, params, dtype)
                 # The log-sum-exp engine's at sizes whose tiles split as the headline's (headline_slices).
-                sizes = (384, 512, 768) if loss in ("supcon_loss", "ntxent_loss") else (128, 256, 512)
+                sizes = (192, 384, 576) if loss in ("supcon_loss", "ntxent_loss") else (128, 256, 512)
                 out.append(Case(loss, case, pass_, run, sizes, 8192, 8192**2))
             if dtype == torch.float32:  # the benchmark's proxy case: Stanford Online Products' classes
                 # Its work is per (embedding, proxy) pair: counted at two sizes of each.
