@@ -1418,13 +1418,14 @@ def test_triton_kernels_round_as_the_cpu_kernels():
     fusing a product and a sum into an FMA, which the CPU kernels never do (setup.py builds
     them with -ffp-contract=off): with it, a zero row's exact distances to normalised rows
     (all 1 within an ulp) round otherwise, and batch_hard chose another nearest negative than
-    the CPU kernel on an H200. The log-sum-exp engine's tile kernels (no exact decision: their
-    contract is a bound against float64, tests below) may fuse; its per-row kernels, which
-    form the norms as the CPU kernels do, may not."""
+    the CPU kernel on an H200. The tensor-core tile kernels (their contract is a bound against
+    float64, with which multi-similarity's decides on exact cosines near a threshold) may fuse;
+    the per-row kernels, which form the norms as the CPU kernels do, and the exact cosines may
+    not."""
     tp = triton_module()
     configs = [c for name in dir(tp) if name.endswith("_CONFIGS") for c in getattr(tp, name)]
-    configs += tp.lse.ROW_CONFIGS
-    fused = (tp.lse.rows_kernel, tp.lse.grad_kernel)
+    configs += tp.lse.ROW_CONFIGS + tp.ms.EXACT_CONFIGS
+    fused = (tp.lse.rows_kernel, tp.lse.grad_kernel, tp.ms.ms_rows_kernel)
     configs += [c for case in tp.compile_cases() if case.kernel not in fused for c in case.configs]
     assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
 
@@ -1567,14 +1568,24 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     exact = loss != "supcon_loss" and loss != "ntxent_loss"  # float64 tiles beside ACC's
     hard = params[-1] == "batch_hard"
     triplets = loss == "triplet_margin_loss" and not hard  # all, semi_hard
-    rows = pick(tp.TRIPLET_ROWS_CONFIGS if triplets else tp.EXACT_ROWS_CONFIGS if exact else tp.lse.ROWS_CONFIGS)
+    ms = loss == "multi_similarity_loss"
+    rows = pick(
+        tp.TRIPLET_ROWS_CONFIGS
+        if triplets
+        else tp.ms.ROWS_CONFIGS
+        if ms
+        else tp.EXACT_ROWS_CONFIGS
+        if exact
+        else tp.lse.ROWS_CONFIGS
+    )
     grad = pick(tp.HARD_GRAD_CONFIGS if hard else tp.EXACT_GRAD_CONFIGS if exact else tp.lse.GRAD_CONFIGS)
     row = pick(tp.ROW_CONFIGS if exact else tp.lse.ROW_CONFIGS)
     more = dict(rows_config=rows) if triplets else {}
+    forward_more = dict(exact_config=pick(tp.ms.EXACT_CONFIGS)) if ms else {}
     for e, labels, ref, ref_labels in triton_problems():
         value, stats = op(e, labels, ref, ref_labels, *params)
         inputs = on(device, e, labels, ref, ref_labels)
-        got, got_stats = forward_t(*inputs, *params, config=rows, row_config=row)
+        got, got_stats = forward_t(*inputs, *params, config=rows, row_config=row, **forward_more)
         torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
         g = torch.tensor(0.7, dtype=e.dtype)
@@ -2236,6 +2247,79 @@ def test_triton_lse_tiles_inside_the_problem_as_on_its_edges(device):
                 out = backward_t(*on(device, g), *inputs, *on(device, stats), *params, want, *extra, config=grad)
                 for a, b in zip(out, exp, strict=True):
                     torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
+
+
+MS_SCHEMES = [
+    (torch.float32, "highest", 1e-6),
+    (torch.float32, "high", 3e-3),
+    (torch.float32, "medium", 3e-2),
+    (torch.bfloat16, "highest", 1e-6),
+    (torch.float16, "highest", 1e-6),
+]
+
+
+def ms_problems(dtype):
+    """(name, embeddings, labels, refs, ref labels, params) on which multi-similarity's miner
+    meets the tiles' error: random rows (several blocks, ragged); rows of two directions
+    jittered by about an ulp of float32 (their choices all within the tiles' error:
+    candidates past the lists' size, anchors taken whole; equal rows in bfloat16 and
+    float16) beside random ones (chosen on the tiles), with ε = 0
+    (each positive against a threshold its exact cosine may tie); a collapsed batch (one row
+    repeated, and a zero row: equal rows, never listed)."""
+    e, labels = make((150, 19), seed=41), make_labels(150, 9, seed=41)
+    ref, ref_labels = make((140, 19), seed=42), make_labels(140, 9, seed=42)
+    yield "random", e.to(dtype), labels, ref.to(dtype), ref_labels, (2.0, 50.0, 0.5, 0.1)
+    directions = make((2, 19), seed=43)
+    e, ref = make((120, 19), seed=44), make((110, 19), seed=45)
+    e[:100] = directions[torch.arange(100) % 2] + 1e-7 * e[:100]
+    ref[:90] = directions[torch.arange(90) % 2] + 1e-7 * ref[:90]
+    yield (
+        "ties",
+        e.to(dtype),
+        make_labels(120, 4, seed=44),
+        ref.to(dtype),
+        make_labels(110, 4, seed=45),
+        (2, 50, 0.5, 0),
+    )
+    e = directions[:1].expand(40, 19).clone()
+    e[7] = 0
+    ref_labels = make_labels(30, 3, seed=47)
+    yield "collapsed", e.to(dtype), make_labels(40, 3, seed=46), e[:30].to(dtype), ref_labels, (2.0, 50.0, 0.5, 0.1)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+def test_triton_multi_similarity_chooses_as_float64_on_tensor_core_tiles(device):
+    """Multi-similarity's tiles under every product scheme, its choices on exact cosines where
+    they lie within the tiles' error: the thresholds (stats) are the CPU kernel's to the bit,
+    the kept pairs of each kind its count (a shard's parts), without refs (the pairs of a row
+    and itself left out) and with; the loss within the scheme's error of the cosines (each
+    log-sum over α or β moves by at most α or β times it; and the output's rounding)."""
+    for dtype, setting, tol in MS_SCHEMES:
+        _check_ms_choices(dtype, setting, tol, device)
+
+
+def _check_ms_choices(dtype, setting, tol, device):
+    tp = triton_module()
+    op = raw("multi_similarity_loss")[0]
+    rounding = torch.finfo(dtype).eps
+    before = torch.get_float32_matmul_precision()
+    for name, e, labels, ref, ref_labels, params in ms_problems(dtype):
+        for r, r_lab, shard in ((None, None, None), (ref, ref_labels, -1)):
+            extra = () if shard is None else (shard,)
+            value, stats = op(e, labels, r, r_lab, *params, *extra)  # (IEEE products)
+            try:
+                torch.set_float32_matmul_precision(setting)
+                got, got_stats = tp.multi_similarity_forward(*on(device, e, labels, r, r_lab), *params, *extra)
+            finally:
+                torch.set_float32_matmul_precision(before)
+            assert torch.equal(got_stats[:, :2].cpu(), stats[:, :2]), (name, shard, dtype, setting)
+            if shard is None:
+                atol = 2 * tol + 2 * rounding * value.abs().item()
+                torch.testing.assert_close(got.cpu().double(), value.double(), rtol=0, atol=atol)
+            else:  # (total, anchors, kept negatives, kept positives)
+                assert torch.equal(got[1:].cpu(), value[1:]), (name, dtype, setting)
+                torch.testing.assert_close(got[0].cpu(), value[0], rtol=0, atol=(2 * tol + 1e-5) * e.shape[0])
 
 
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)

@@ -1012,8 +1012,10 @@ def cases() -> list[Case]:
                 if loss == "triplet_margin_loss":
                     case += f" {params['mining']}"
                 run = _pair_loss(loss, params, dtype)
-                # The log-sum-exp engine's at sizes whose tiles split as the headline's (headline_slices).
-                sizes = (192, 384, 576) if loss in ("supcon_loss", "ntxent_loss") else (128, 256, 512)
+                # The sliced engines' (lse.py's, ms.py's) at sizes whose tiles split as the
+                # headline's (headline_slices).
+                sliced = loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss")
+                sizes = (192, 384, 576) if sliced else (128, 256, 512)
                 out.append(Case(loss, case, pass_, run, sizes, 8192, 8192**2))
             if dtype == torch.float32:  # the benchmark's proxy case: Stanford Online Products' classes
                 # Its work is per (embedding, proxy) pair: counted at two sizes of each.

@@ -139,7 +139,7 @@ def sweep_pair_losses(results: dict) -> None:
                 ms = milliseconds(lambda c=config, b=backward, args=args: b(*args, config=c))
                 rows.append((f"{loss}.grad", i, repr(config), ms))
         ms = (2.0, 50.0, 0.5, 0.1)
-        for i, config in enumerate(kernels.EXACT_ROWS_CONFIGS):
+        for i, config in enumerate(kernels.ms.ROWS_CONFIGS):
             args = (e, labels, r, rl, *ms)
             t = milliseconds(lambda c=config, args=args: kernels.multi_similarity_forward(*args, config=c))
             rows.append(("multi_similarity.rows", i, repr(config), t))

@@ -2,7 +2,8 @@
 triplet_margin_loss, multi_similarity_loss, proxy_anchor_loss): their CUDA kernels where
 torchkit.triton selects them. One engine per module: lse.py (supcon_loss, ntxent_loss and
 proxy_anchor_loss: tensor-core tiles and log-sum-exps, under the CUDA precision contract);
-this module holds the others, which keep the CPU kernels' exact decisions.
+ms.py (multi_similarity_loss's forward: the same tiles, its choices exact); this module holds
+the others, which keep the CPU kernels' exact decisions on IEEE float32 or float64 tiles.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
 csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either backward takes
@@ -14,11 +15,10 @@ either forward's stats. Nothing N×M exists:
   underflows anywhere in the finite range; per row E, 1/‖x·2^-E‖ (1e12 where the clamp holds)
   and whether it holds, for the backward's Jacobian (jacobian_kernel: each row's gradient
   through the normalisation, times the loss's gradient read on the device).
-- multi_similarity_loss (ms_rows_kernel, ms_grad_kernel): the miner's thresholds from the
-  tiles, then exactly (each candidate within two slacks of them, by a float64 cosine summed in
-  feature order as the CPU kernel's exact_cos, from float64 inverse norms: norm64_kernel);
-  a pair within a slack of its threshold is kept or not by its exact cosine, in the forward
-  and the backward alike.
+- multi_similarity_loss's backward (ms_grad_kernel; the forward: ms.py): the miner's choices
+  remade from the stats' exact thresholds, a pair within a slack of its threshold kept or not
+  by its exact cosine (a float64 cosine summed in feature order as the CPU kernel's exact_cos,
+  from float64 inverse norms: norm64_kernel).
 - contrastive_loss (Euclidean distances of the normalised rows): the rows centred on the
   float64 mean of the finite ones of both sides, rounded once (centre_sums_kernel,
   points_kernel); each tile's distances from the expansion |c_i|² + |c_j|² − 2c_i·c_j, and
@@ -79,8 +79,8 @@ from torchkit.ops._common import acc_dtype, check_scalars
 from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
-from torchkit.triton.pair_losses import lse
-from torchkit.triton.pair_losses._common import _parts, _self_pairs, _shard, _whole_rows, _zeros
+from torchkit.triton.pair_losses import lse, ms
+from torchkit.triton.pair_losses._common import NORM_EPS, _parts, _self_pairs, _shard, _unit, _whole_rows, _zeros
 from torchkit.triton.pair_losses.lse import (  # noqa: F401 (the ops' kernels: torchkit.triton.TRITON_KERNELS)
     ntxent_backward,
     ntxent_forward,
@@ -89,6 +89,7 @@ from torchkit.triton.pair_losses.lse import (  # noqa: F401 (the ops' kernels: t
     supcon_backward,
     supcon_forward,
 )
+from torchkit.triton.pair_losses.ms import _ms_check, multi_similarity_forward  # noqa: F401 (as below)
 
 # Why the pair kernels (@hot) multiply float32 with IEEE FMAs and decide in float64 per pair.
 IEEE_PRODUCTS = (
@@ -99,8 +100,6 @@ FLOAT64_DECISIONS = (
     "each pair's distance or cosine, its threshold and error bound in float64, as the CPU kernels "
     "decide (Inputs::clear, MultiSimilarity::mined); not yet a float32 bound with a sparse float64 recheck"
 )
-
-NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
 # euclidean_grad_kernel's sources of ∂loss/∂d: contrastive_loss's terms, a band of
 # triplet_rows_kernel's coefficients.
@@ -193,26 +192,6 @@ def _weighted_rows(g, f, x, acc, IS64: tl.constexpr):
     hit = tl.max(((g != 0) & (x != x)).to(tl.int32), axis=1) > 0
     acc = _product(g, tl.trans(tl.where(f != f, 0.0, f)), acc, IS64)
     return tl.where(hit[:, None], float("nan"), acc)
-
-
-@triton.jit
-def _lse_fold(m, s, x, keep):
-    """Folds the kept entries of x (per row) into the running log-sum-exp (m, s); NaN entries
-    are the caller's to flag. A term of +∞ (a finite parameter's product past the accumulation
-    type) makes the sum +∞ (m = ∞, s = 1), as the CPU kernels' LogSumExp::overflow, where the
-    shift by the maximum would make it ∞ − ∞."""
-    ok = keep & (x == x)
-    m_new = tl.maximum(m, tl.max(tl.where(ok, x, float("-inf")), axis=1))
-    live = (m_new != float("-inf")) & (m_new != float("inf"))
-    shift = tl.where(live, m_new, 0.0)
-    scale = tl.where(live, tl.exp(m - shift), 0.0)
-    p = tl.where(ok, tl.exp(x - shift[:, None]), 0.0)
-    return m_new, tl.where(m_new == float("inf"), 1.0, s * scale + tl.sum(p, axis=1))
-
-
-@triton.jit
-def _lse_value(m, s, nan):
-    return tl.where(nan, float("nan"), tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), m))
 
 
 # --------------------------------------------------------------------------- prefix
@@ -550,171 +529,6 @@ def ms_grad_kernel(
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=row_mask[:, None] & f_mask[None, :])
 
 
-@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
-@triton.jit
-def ms_rows_kernel(
-    a_ptr,
-    b_ptr,
-    xa_ptr,
-    xb_ptr,
-    sa,
-    sb,
-    inv_a_ptr,
-    inv_b_ptr,
-    grp_a_ptr,
-    grp_b_ptr,
-    cos_a_ptr,
-    lab_ptr,
-    ref_lab_ptr,
-    st_ptr,
-    count_ptr,
-    N,
-    M,
-    D,
-    OFFSET,
-    ALPHA_BITS,
-    BETA_BITS,
-    BASE_BITS,
-    EPS_BITS,
-    SLACK_BITS,
-    SELF: tl.constexpr,
-    MINING: tl.constexpr,
-    PASS: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """multi-similarity's passes over every anchor's pairs (st: (N, 5) float64, the op's stats
-    layout; count: (N, 2) int32; SELF: anchor i is ref OFFSET + i, not a pair):
-    PASS 0: the tiles' largest negative and smallest positive cosine per anchor into st[:, 0:2]
-    (NaN if any is NaN), and the anchor's negatives and positives into count;
-    PASS 1: the exact ones: each candidate within two slacks of those, exactly;
-    PASS 2: the terms, over the pairs the miner keeps (every pair for ε < 0): st[:, 2] =
-    log(1 + Σ exp(α(base − s))) over the kept positives, st[:, 3] = log(1 + Σ exp(β(s − base)))
-    over the kept negatives; count = the kept negatives and positives."""
-    alpha = tm.f64(ALPHA_BITS)
-    beta = tm.f64(BETA_BITS)
-    base = tm.f64(BASE_BITS)
-    eps = tm.f64(EPS_BITS)
-    slack = tm.f64(SLACK_BITS)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
-    if PASS == 0:
-        top = tl.full((BLOCK_N,), float("-inf"), tl.float64)
-        bottom = tl.full((BLOCK_N,), float("inf"), tl.float64)
-        nan_neg = tl.zeros((BLOCK_N,), tl.int32)
-        nan_pos = tl.zeros((BLOCK_N,), tl.int32)
-    else:
-        top = tl.load(st_ptr + rows * 5, mask=row_mask, other=0.0)
-        bottom = tl.load(st_ptr + rows * 5 + 1, mask=row_mask, other=0.0)
-    if PASS == 1:
-        hard_neg = tl.full((BLOCK_N,), float("-inf"), tl.float64)
-        hard_pos = tl.full((BLOCK_N,), float("inf"), tl.float64)
-    if PASS == 2:
-        m_p = tl.zeros((BLOCK_N,), ACC)  # both log-sum-exps hold the 1 from the start
-        s_p = tl.full((BLOCK_N,), 1.0, ACC)
-        m_n = tl.zeros((BLOCK_N,), ACC)
-        s_n = tl.full((BLOCK_N,), 1.0, ACC)
-        nan_neg = tl.zeros((BLOCK_N,), tl.int32)
-        nan_pos = tl.zeros((BLOCK_N,), tl.int32)
-    n_neg = tl.zeros((BLOCK_N,), tl.int32)
-    n_pos = tl.zeros((BLOCK_N,), tl.int32)
-    for j0 in range(0, M, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-        col_mask = cols < M
-        ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
-        x = _tile(a_ptr, b_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K).to(tl.float64)
-        valid = row_mask[:, None] & col_mask[None, :]
-        if SELF:
-            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
-        pos = valid & (lab[:, None] == ref_lab[None, :])
-        neg = valid & (lab[:, None] != ref_lab[None, :])
-        if PASS == 0:
-            top = tl.maximum(top, tl.max(tl.where(neg, x, float("-inf")), axis=1))
-            bottom = tl.minimum(bottom, tl.min(tl.where(pos, x, float("inf")), axis=1))
-            nan_neg = nan_neg | tl.max(tl.where(neg & (x != x), 1, 0), axis=1)
-            nan_pos = nan_pos | tl.max(tl.where(pos & (x != x), 1, 0), axis=1)
-            n_neg += tl.sum(neg.to(tl.int32), axis=1)
-            n_pos += tl.sum(pos.to(tl.int32), axis=1)
-        elif PASS == 1:
-            near_neg = neg & (x >= top[:, None] - 2 * slack)
-            near_pos = pos & (x <= bottom[:, None] + 2 * slack)
-            if _any(near_neg | near_pos):
-                exact = _ms_exact(
-                    x,
-                    near_neg | near_pos,
-                    xa_ptr,
-                    xb_ptr,
-                    sa,
-                    sb,
-                    inv_a_ptr,
-                    inv_b_ptr,
-                    grp_a_ptr,
-                    grp_b_ptr,
-                    cos_a_ptr,
-                    rows,
-                    cols,
-                    row_mask,
-                    col_mask,
-                    D,
-                )
-                hard_neg = tl.maximum(hard_neg, tl.max(tl.where(near_neg, exact, float("-inf")), axis=1))
-                hard_pos = tl.minimum(hard_pos, tl.min(tl.where(near_pos, exact, float("inf")), axis=1))
-        else:
-            keep_pos = pos
-            keep_neg = neg
-            if MINING:
-                t_pos = top[:, None]  # a positive's threshold: the hardest negative
-                t_neg = bottom[:, None]
-                near = (pos & (tl.abs(x - eps - t_pos) <= slack)) | (neg & (tl.abs(x + eps - t_neg) <= slack))
-                exact = x
-                if _any(near):
-                    exact = _ms_exact(
-                        x,
-                        near,
-                        xa_ptr,
-                        xb_ptr,
-                        sa,
-                        sb,
-                        inv_a_ptr,
-                        inv_b_ptr,
-                        grp_a_ptr,
-                        grp_b_ptr,
-                        cos_a_ptr,
-                        rows,
-                        cols,
-                        row_mask,
-                        col_mask,
-                        D,
-                    )
-                keep_pos = pos & _mined(x, t_pos, exact, eps, slack, True)
-                keep_neg = neg & _mined(x, t_neg, exact, eps, slack, False)
-            yp = (alpha * (base - x)).to(ACC)
-            yn = (beta * (x - base)).to(ACC)
-            nan_pos = nan_pos | tl.max(tl.where(keep_pos & (yp != yp), 1, 0), axis=1)
-            nan_neg = nan_neg | tl.max(tl.where(keep_neg & (yn != yn), 1, 0), axis=1)
-            m_p, s_p = _lse_fold(m_p, s_p, yp, keep_pos)
-            m_n, s_n = _lse_fold(m_n, s_n, yn, keep_neg)
-            n_neg += tl.sum(keep_neg.to(tl.int32), axis=1)
-            n_pos += tl.sum(keep_pos.to(tl.int32), axis=1)
-    if PASS == 0:
-        tl.store(st_ptr + rows * 5, tl.where(nan_neg != 0, float("nan"), top), mask=row_mask)
-        tl.store(st_ptr + rows * 5 + 1, tl.where(nan_pos != 0, float("nan"), bottom), mask=row_mask)
-    elif PASS == 1:
-        # (A NaN candidate makes the threshold NaN, as the CPU kernel's Extreme.)
-        tl.store(st_ptr + rows * 5, tl.where(top != top, top, hard_neg), mask=row_mask)
-        tl.store(st_ptr + rows * 5 + 1, tl.where(bottom != bottom, bottom, hard_pos), mask=row_mask)
-    else:
-        tl.store(st_ptr + rows * 5 + 2, _lse_value(m_p, s_p, nan_pos != 0).to(tl.float64), mask=row_mask)
-        tl.store(st_ptr + rows * 5 + 3, _lse_value(m_n, s_n, nan_neg != 0).to(tl.float64), mask=row_mask)
-    if PASS != 1:
-        tl.store(count_ptr + rows * 2, n_neg, mask=row_mask)
-        tl.store(count_ptr + rows * 2 + 1, n_pos, mask=row_mask)
-
-
 # --------------------------------------------------------------------------- Euclidean (contrastive)
 
 
@@ -841,21 +655,6 @@ def points_kernel(
         c64 = tl.where(mask, c.to(tl.float64), 0.0)
         sq += tl.sum(c64 * c64, axis=1)
     tl.store(sq_ptr + rows, sq.to(ACC), mask=row_mask)
-
-
-@triton.jit
-def _unit(x, inv, ONE_FEATURE: tl.constexpr):
-    """F.normalize's rows x / max(‖x‖, eps) in float64 from x (float64) and its float64 1/norm,
-    as the CPU kernel's Points::Pair: x·inv, a multiplication for a division, except for rows
-    of one feature (ONE_FEATURE: D = 1, a launch of its own), where x·inv is 1 − ulp for many x
-    and the division exactly ±1 (or x/eps)."""
-    if ONE_FEATURE:
-        a = tl.abs(x)
-        eps = tl.full(x.shape, NORM_EPS, tl.float64)
-        out = x / tl.where(a < eps, eps, a)  # NaN stays NaN, ±∞ gives NaN as ∞/∞
-    else:
-        out = x * inv
-    return out
 
 
 @triton.jit
@@ -1753,19 +1552,6 @@ def _jacobian(own: _Side, g: Tensor, grad: Tensor, like: Tensor, row_config: Con
     return out
 
 
-def _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard) -> tuple:
-    op = "multi_similarity_loss"
-    floats = [("float", "alpha", alpha), ("float", "beta", beta), ("float", "base", base)]
-    if miner_epsilon is not None:
-        floats.append(("float", "miner_epsilon", miner_epsilon))
-    check_scalars(op, *floats)
-    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
-    params = (float(alpha), float(beta), float(base), None if miner_epsilon is None else float(miner_epsilon))
-    _check_params(op, params)
-    return params, shard
-
-
 def _ms_bits(params, D: int, acc: torch.dtype) -> tuple:
     """α, β, base, ε (−1: no miner) and the tiles' slack as float64 bits. The slack bounds a
     tile's cosine's distance from the exact one: the dot product of D terms and the rows'
@@ -1773,79 +1559,6 @@ def _ms_bits(params, D: int, acc: torch.dtype) -> tuple:
     alpha, beta, base, eps = params
     slack = (2 * D + 8) * torch.finfo(acc).eps / 2
     return tuple(float_bits(v) for v in (alpha, beta, base, -1.0 if eps is None else eps, slack))
-
-
-def multi_similarity_forward(
-    embeddings,
-    labels,
-    ref_embeddings,
-    ref_labels,
-    alpha,
-    beta,
-    base,
-    miner_epsilon,
-    shard=None,
-    *,
-    config=None,
-    row_config=None,
-):
-    """torchkit::multi_similarity_loss's CUDA kernel (any device under the interpreter)."""
-    params, shard = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard)
-    mining = params[3] is not None
-    acc = acc_dtype(embeddings)
-    config = config or EXACT_ROWS_CONFIGS[0]
-    self_, offset = _self_pairs(ref_embeddings, shard)
-    row_config = row_config or ROW_CONFIGS[0]
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
-    N, D = embeddings.shape
-    st = torch.zeros(N, 5, dtype=torch.float64, device=embeddings.device)
-    found = torch.zeros(N, 2, dtype=torch.int32, device=embeddings.device)  # negatives, positives
-    kept = torch.zeros(N, 2, dtype=torch.int32, device=embeddings.device)
-    if not mining:
-        st[:, 0] = float("-inf")
-        st[:, 1] = float("inf")
-    if N > 0 and b.n > 0:
-        groups = _equal_rows(a, b, row_config) if mining else None
-        launch = (
-            a.e,
-            b.e,
-            a.raw,
-            b.raw,
-            a.raw.stride(0),
-            b.raw.stride(0),
-            a.inv64 if mining else st,
-            b.inv64 if mining else st,
-            *(groups if mining else (a.labels, b.labels)),
-            _self_cos(a, row_config) if mining else st,
-            a.labels,
-            b.labels,
-            st,
-        )
-        flags = dict(SELF=self_, MINING=mining, ACC=acc_tl(acc), IS64=acc == torch.float64, **config.launch)
-        grid = (blocks(N, config.kwargs["BLOCK_N"]),)
-        bits = _ms_bits(params, D, acc)
-        for step in (0, 1, 2) if mining else (2,):
-            count = found if step == 0 else kept
-            ms_rows_kernel[grid](*launch, count, N, b.n, D, offset, *bits, PASS=step, **flags)
-    # ms_forward (pair_losses_cpu.cpp): with the miner, nothing without a negative or a positive
-    # pair in the batch; and nothing when each kind keeps at most one pair (a shard's caller
-    # applies that rule to the whole problem's parts).
-    kept_negatives, kept_positives = kept.sum(dim=0, dtype=torch.int64).unbind()
-    if shard is None:
-        use = ~((kept_negatives <= 1) & (kept_positives <= 1))
-    else:
-        use = torch.full((), N > 0 and b.n > 0, dtype=torch.bool, device=embeddings.device)
-    if mining:
-        use = use & (found[:, 0].sum() > 0) & (found[:, 1].sum() > 0)
-    w = 1.0 / max(N, 1)
-    total = (st[:, 2] / params[0] + st[:, 3] / params[1]).sum()
-    st[:, 4] = w
-    stats = torch.where(use, st, 0.0)
-    if shard is not None:
-        zero = total.new_zeros(())
-        kept_negatives, kept_positives = (torch.where(use, k, 0) for k in (kept_negatives, kept_positives))
-        return _parts(torch.where(use, total, zero), zero + N, kept_negatives, kept_positives), stats
-    return torch.where(use, total * w, 0.0).to(embeddings.dtype), stats
 
 
 def multi_similarity_backward(
@@ -2577,8 +2290,9 @@ def triplet_margin_backward(
 
 def compile_cases() -> list[CompileCase]:
     """Every kernel for tools/triton_check.py: each configuration in float32, float64 with the
-    first; the log-sum-exp engine's (lse.compile_cases) first."""
-    cases = lse.compile_cases()
+    first; the log-sum-exp and multi-similarity engines' (lse.compile_cases, ms.compile_cases)
+    first."""
+    cases = lse.compile_cases() + ms.compile_cases()
     for dtype, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
         is64 = acc == "fp64"
         every = dtype == "fp32"
@@ -2629,17 +2343,6 @@ def compile_cases() -> list[CompileCase]:
                 "count_ptr": "*i32",
                 "out_ptr": "*" + acc,
             }
-            for step in (0, 1, 2):
-                for mining in (True, False) if step == 2 else (True,):
-                    cases.append(
-                        CompileCase(
-                            f"pair_losses.ms_rows {step} {dtype}{'' if mining else ' all pairs'}",
-                            ms_rows_kernel,
-                            ms_types,
-                            dict(SELF=True, MINING=mining, PASS=step, **flags),
-                            EXACT_ROWS_CONFIGS if every and step == 2 and mining else EXACT_ROWS_CONFIGS[:1],
-                        )
-                    )
             for self_, own, other in ((True, True, True), (False, True, False), (False, False, True)):
                 for mining in (True, False) if self_ else (True,):
                     cases.append(

@@ -1,14 +1,33 @@
 """What the pair losses' Triton engines share: the CPU kernels' checks of the arguments in their
-order (csrc/pair_losses.cpp), the shard's, PML's batch rule and the shapes of a backward's
-outputs."""
+order (csrc/pair_losses.cpp), the shard's, PML's batch rule, the shapes of a backward's
+outputs, and F.normalize's rows in float64 (_unit) as the exact recomputations take them."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import check_scalars
 from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_inputs, _check_shard
+
+NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
+
+
+@triton.jit
+def _unit(x, inv, ONE_FEATURE: tl.constexpr):
+    """F.normalize's rows x / max(‖x‖, eps) in float64 from x (float64) and its float64 1/norm,
+    as the CPU kernel's Points::Pair: x·inv, a multiplication for a division, except for rows
+    of one feature (ONE_FEATURE: D = 1, a launch of its own), where x·inv is 1 − ulp for many x
+    and the division exactly ±1 (or x/eps)."""
+    if ONE_FEATURE:
+        a = tl.abs(x)
+        eps = tl.full(x.shape, NORM_EPS, tl.float64)
+        out = x / tl.where(a < eps, eps, a)  # NaN stays NaN, ±∞ gives NaN as ∞/∞
+    else:
+        out = x * inv
+    return out
 
 
 def _pml_counts(npos: Tensor, npairs: Tensor) -> Tensor:

@@ -56,6 +56,7 @@ from torchkit.triton import _math as tm
 from torchkit.triton import float32_products
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot, interpreting
 from torchkit.triton.pair_losses._common import (
+    NORM_EPS,
     _check,
     _parts,
     _pml_counts,
@@ -65,7 +66,6 @@ from torchkit.triton.pair_losses._common import (
     _zeros,
 )
 
-NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
