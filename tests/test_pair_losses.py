@@ -1424,8 +1424,8 @@ def test_triton_kernels_round_as_the_cpu_kernels():
     not."""
     tp = triton_module()
     configs = [c for name in dir(tp) if name.endswith("_CONFIGS") for c in getattr(tp, name)]
-    configs += tp.lse.ROW_CONFIGS + tp.ms.EXACT_CONFIGS
-    fused = (tp.lse.rows_kernel, tp.lse.grad_kernel, tp.ms.ms_rows_kernel)
+    configs += (*tp.lse.ROW_CONFIGS, *tp.ms.EXACT_CONFIGS, tp.ms.PAIRS_CONFIG)
+    fused = (tp.lse.rows_kernel, tp.lse.grad_kernel, tp.ms.ms_rows_kernel, tp.ms.ms_grad_kernel)
     configs += [c for case in tp.compile_cases() if case.kernel not in fused for c in case.configs]
     assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
 
@@ -1578,7 +1578,15 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
         if exact
         else tp.lse.ROWS_CONFIGS
     )
-    grad = pick(tp.HARD_GRAD_CONFIGS if hard else tp.EXACT_GRAD_CONFIGS if exact else tp.lse.GRAD_CONFIGS)
+    grad = pick(
+        tp.HARD_GRAD_CONFIGS
+        if hard
+        else tp.ms.GRAD_CONFIGS
+        if ms
+        else tp.EXACT_GRAD_CONFIGS
+        if exact
+        else tp.lse.GRAD_CONFIGS
+    )
     row = pick(tp.ROW_CONFIGS if exact else tp.lse.ROW_CONFIGS)
     more = dict(rows_config=rows) if triplets else {}
     forward_more = dict(exact_config=pick(tp.ms.EXACT_CONFIGS)) if ms else {}
@@ -2249,6 +2257,7 @@ def test_triton_lse_tiles_inside_the_problem_as_on_its_edges(device):
                     torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
 
 
+# (dtype, fp32-matmul setting, the tiles' error of a cosine)
 MS_SCHEMES = [
     (torch.float32, "highest", 1e-6),
     (torch.float32, "high", 3e-3),
@@ -2262,25 +2271,19 @@ def ms_problems(dtype):
     """(name, embeddings, labels, refs, ref labels, params) on which multi-similarity's miner
     meets the tiles' error: random rows (several blocks, ragged); rows of two directions
     jittered by about an ulp of float32 (their choices all within the tiles' error:
-    candidates past the lists' size, anchors taken whole; equal rows in bfloat16 and
-    float16) beside random ones (chosen on the tiles), with ε = 0
-    (each positive against a threshold its exact cosine may tie); a collapsed batch (one row
-    repeated, and a zero row: equal rows, never listed)."""
+    candidates past the lists' size, 16 in the test, anchors taken whole; equal rows in
+    bfloat16 and float16) beside random ones (chosen on the tiles), with ε = 0 (each positive
+    against a threshold its exact cosine may tie); a collapsed batch (one row repeated, and a
+    zero row: equal rows, never listed)."""
     e, labels = make((150, 19), seed=41), make_labels(150, 9, seed=41)
     ref, ref_labels = make((140, 19), seed=42), make_labels(140, 9, seed=42)
     yield "random", e.to(dtype), labels, ref.to(dtype), ref_labels, (2.0, 50.0, 0.5, 0.1)
     directions = make((2, 19), seed=43)
-    e, ref = make((120, 19), seed=44), make((110, 19), seed=45)
-    e[:100] = directions[torch.arange(100) % 2] + 1e-7 * e[:100]
-    ref[:90] = directions[torch.arange(90) % 2] + 1e-7 * ref[:90]
-    yield (
-        "ties",
-        e.to(dtype),
-        make_labels(120, 4, seed=44),
-        ref.to(dtype),
-        make_labels(110, 4, seed=45),
-        (2, 50, 0.5, 0),
-    )
+    e, ref = make((64, 19), seed=44), make((56, 19), seed=45)
+    e[:50] = directions[torch.arange(50) % 2] + 1e-7 * e[:50]
+    ref[:40] = directions[torch.arange(40) % 2] + 1e-7 * ref[:40]
+    e_labels, ref_labels = make_labels(64, 4, seed=44), make_labels(56, 4, seed=45)
+    yield "ties", e.to(dtype), e_labels, ref.to(dtype), ref_labels, (2.0, 50.0, 0.5, 0.0)
     e = directions[:1].expand(40, 19).clone()
     e[7] = 0
     ref_labels = make_labels(30, 3, seed=47)
@@ -2289,30 +2292,50 @@ def ms_problems(dtype):
 
 @pytest.mark.triton("pair_losses", dispatch=False)
 @TRITON_DEVICE
-def test_triton_multi_similarity_chooses_as_float64_on_tensor_core_tiles(device):
+def test_triton_multi_similarity_chooses_as_float64_on_tensor_core_tiles(monkeypatch, device):
     """Multi-similarity's tiles under every product scheme, its choices on exact cosines where
     they lie within the tiles' error: the thresholds (stats) are the CPU kernel's to the bit,
     the kept pairs of each kind its count (a shard's parts), without refs (the pairs of a row
     and itself left out) and with; the loss within the scheme's error of the cosines (each
-    log-sum over α or β moves by at most α or β times it; and the output's rounding)."""
+    log-sum over α or β moves by at most α or β times it; and the output's rounding); the
+    backward's gradients (at the default setting, and of bfloat16 and float16), its choices
+    remade on its own tiles, within the scheme's error of the CPU kernel's from the same stats
+    (a term moves by a factor up to e^{β·error})."""
+    tp = triton_module()
+    monkeypatch.setattr(tp.ms, "CAPS", dict.fromkeys(tp.ms.CAPS, 16))  # (smaller problems pass it)
+    monkeypatch.setattr(tp.ms, "CAP_ROUNDED", 16)
     for dtype, setting, tol in MS_SCHEMES:
         _check_ms_choices(dtype, setting, tol, device)
 
 
 def _check_ms_choices(dtype, setting, tol, device):
     tp = triton_module()
-    op = raw("multi_similarity_loss")[0]
+    op, backward = raw("multi_similarity_loss")
     rounding = torch.finfo(dtype).eps
     before = torch.get_float32_matmul_precision()
     for name, e, labels, ref, ref_labels, params in ms_problems(dtype):
         for r, r_lab, shard in ((None, None, None), (ref, ref_labels, -1)):
             extra = () if shard is None else (shard,)
             value, stats = op(e, labels, r, r_lab, *params, *extra)  # (IEEE products)
+            g, want = torch.ones((), dtype=value.dtype), [True, r is not None]
+            inputs = on(device, e, labels, r, r_lab)
+            exp, grads = (), ()
             try:
                 torch.set_float32_matmul_precision(setting)
-                got, got_stats = tp.multi_similarity_forward(*on(device, e, labels, r, r_lab), *params, *extra)
+                got, got_stats = tp.multi_similarity_forward(*inputs, *params, *extra)
+                if setting == "highest":  # (the backward's choices are made as the forward's)
+                    args = (*on(device, g), *inputs, *on(device, stats), *params, want, *extra)
+                    grads = tp.multi_similarity_backward(*args)
             finally:
                 torch.set_float32_matmul_precision(before)
+            if grads:
+                exp = backward(g, e, labels, r, r_lab, stats, *params, want, *extra)
+            # (a term e^{β(s − base)} moves by a factor e^{β·tol}: relative to the largest entry)
+            grad_tol = 2 * params[1] * tol + 4 * rounding
+            for a, b in zip(grads, exp, strict=True):
+                finite = b.double()[b.isfinite()]  # (a zero row's float16 gradient overflows)
+                scale = finite.abs().amax().item() if finite.numel() else 0.0
+                torch.testing.assert_close(a.cpu().double(), b.double(), rtol=0, atol=grad_tol * scale)
             assert torch.equal(got_stats[:, :2].cpu(), stats[:, :2]), (name, shard, dtype, setting)
             if shard is None:
                 atol = 2 * tol + 2 * rounding * value.abs().item()
@@ -2481,3 +2504,30 @@ def test_triton_half_inputs_on_tensor_cores_as_given(dtype, device):
         errors = lse_engine_errors(tp, *on(device, x, labels, proxies), temperature, against)
         for loss, loss_err, grad_err in errors:
             assert loss_err <= 2 * eps and grad_err <= 4 * eps, (loss, temperature, loss_err, grad_err)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+def test_triton_float16_zero_row_spoils_no_other_gradient(device):
+    """A row of zeros among float16 rows: its normalisation factor (1e12 where F.normalize's
+    clamp holds) never meets ∂loss/∂s in float16, where it overflowed and met the row's zero
+    operand as NaN in every row paired with it. The other rows' gradients are the CPU kernel's
+    within float16's rounding (the zero row's own overflows float16 on both)."""
+    tp = triton_module()
+    x = make((12, 8), torch.float16, seed=5)
+    x[3] = 0
+    labels = torch.arange(12) % 3
+    for loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss"):
+        op, backward = raw(loss)
+        name = loss.removesuffix("_loss")
+        params = (0.1,) if loss != "multi_similarity_loss" else (2.0, 50.0, 0.5, 0.1)
+        value, stats = op(x, labels, None, None, *params)
+        g = torch.ones((), dtype=value.dtype)
+        (exp,) = backward(g, x, labels, None, None, stats, *params, [True, False])[:1]
+        forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
+        _, got_stats = forward_t(*on(device, x, labels), None, None, *params)
+        (got,) = backward_t(*on(device, g, x, labels), None, None, got_stats, *params, [True, False])[:1]
+        others = torch.arange(12) != 3
+        assert not got.cpu()[others].isnan().any(), loss
+        scale = exp[others].double().abs().amax().item()
+        torch.testing.assert_close(got.cpu()[others].double(), exp[others].double(), rtol=0, atol=4e-3 * scale)

@@ -2,7 +2,7 @@
 triplet_margin_loss, multi_similarity_loss, proxy_anchor_loss): their CUDA kernels where
 torchkit.triton selects them. One engine per module: lse.py (supcon_loss, ntxent_loss and
 proxy_anchor_loss: tensor-core tiles and log-sum-exps, under the CUDA precision contract);
-ms.py (multi_similarity_loss's forward: the same tiles, its choices exact); this module holds
+ms.py (multi_similarity_loss: the same tiles, its choices exact); this module holds
 the others, which keep the CPU kernels' exact decisions on IEEE float32 or float64 tiles.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
@@ -15,10 +15,8 @@ either forward's stats. Nothing N×M exists:
   underflows anywhere in the finite range; per row E, 1/‖x·2^-E‖ (1e12 where the clamp holds)
   and whether it holds, for the backward's Jacobian (jacobian_kernel: each row's gradient
   through the normalisation, times the loss's gradient read on the device).
-- multi_similarity_loss's backward (ms_grad_kernel; the forward: ms.py): the miner's choices
-  remade from the stats' exact thresholds, a pair within a slack of its threshold kept or not
-  by its exact cosine (a float64 cosine summed in feature order as the CPU kernel's exact_cos,
-  from float64 inverse norms: norm64_kernel).
+- Exact cosines (multi_similarity_loss's, ms.py): float64 inverse norms (norm64_kernel), the
+  cosine of a row with an equal one (self_cos_kernel).
 - contrastive_loss (Euclidean distances of the normalised rows): the rows centred on the
   float64 mean of the finite ones of both sides, rounded once (centre_sums_kernel,
   points_kernel); each tile's distances from the expansion |c_i|² + |c_j|² − 2c_i·c_j, and
@@ -89,7 +87,7 @@ from torchkit.triton.pair_losses.lse import (  # noqa: F401 (the ops' kernels: t
     supcon_backward,
     supcon_forward,
 )
-from torchkit.triton.pair_losses.ms import _ms_check, multi_similarity_forward  # noqa: F401 (as below)
+from torchkit.triton.pair_losses.ms import multi_similarity_backward, multi_similarity_forward  # noqa: F401 (as below)
 
 # Why the pair kernels (@hot) multiply float32 with IEEE FMAs and decide in float64 per pair.
 IEEE_PRODUCTS = (
@@ -179,19 +177,6 @@ def _tile(
 def _any(mask):
     """Whether a 2-D mask holds anywhere (a branch that skips a tile's work)."""
     return tl.max(tl.max(mask.to(tl.int32), axis=1), axis=0) > 0
-
-
-@triton.jit
-def _weighted_rows(g, f, x, acc, IS64: tl.constexpr):
-    """acc + g·f, the rows f (normalised: NaN where an input is not finite) summed with the
-    weights g of the pairs whose cosines are x, a row not finite counting only where its weight
-    is not 0: 0·NaN would spoil every gradient the row meets, also where it has no term in the
-    loss (an anchor without positives among the refs). Such a row's NaN entries are 0 in the
-    product; a row with a weight on one (x is NaN there: the loss is NaN) is NaN, as in the CPU
-    kernels (GemmRows)."""
-    hit = tl.max(((g != 0) & (x != x)).to(tl.int32), axis=1) > 0
-    acc = _product(g, tl.trans(tl.where(f != f, 0.0, f)), acc, IS64)
-    return tl.where(hit[:, None], float("nan"), acc)
 
 
 # --------------------------------------------------------------------------- prefix
@@ -346,193 +331,6 @@ def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BL
 
 
 @triton.jit
-def _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D):
-    """Exact cosines of a tile, as the CPU kernels' exact_cos: Σ_k (x_ik·inv_i)(y_jk·inv_j) in
-    float64, in feature order; for rows of one feature F.normalize's ±1 (or x/eps) exactly, by
-    a division (_unit's)."""
-    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
-    inv_b = tl.load(inv_b_ptr + cols, mask=col_mask, other=0.0)
-    out = tl.zeros((rows.shape[0], cols.shape[0]), tl.float64)
-    for k in range(0, D):
-        a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64)
-        b = tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64)
-        a = tl.where(D == 1, _unit(a, inv_a, True), a * inv_a)
-        b = tl.where(D == 1, _unit(b, inv_b, True), b * inv_b)
-        out += a[:, None] * b[None, :]
-    return out
-
-
-@triton.jit
-def _ms_exact(
-    x, near, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, ga_ptr, gb_ptr, cos_a_ptr, rows, cols, row_mask, col_mask, D
-):
-    """The tile's exact cosines where `near` asks (x elsewhere): a pair of equal rows' from
-    cos_a (self_cos_kernel's), the tile computed (_exact_tile) only for the others."""
-    same = _same(ga_ptr, gb_ptr, rows, cols, row_mask, col_mask)
-    exact = x
-    if _any(near & (same == 0)):
-        exact = _exact_tile(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D)
-    cos_a = tl.load(cos_a_ptr + rows, mask=row_mask, other=0.0)
-    return tl.where(same, cos_a[:, None], exact)
-
-
-@triton.jit
-def _mined(s, t, exact, eps, slack, POSITIVE: tl.constexpr):
-    """Whether the miner keeps a pair of tile cosine s (float64) against its anchor's
-    threshold t (the hardest negative for a positive, the hardest positive for a negative),
-    exact its exact cosine: a positive with s − ε < t, a negative with s + ε > t, decided on
-    the exact cosine within `slack` of the threshold; NaN keeps the pair (MultiSimilarity::mined)."""
-    if POSITIVE:
-        v = s - eps
-        w = tl.where(tl.abs(v - t) <= slack, exact - eps, v)
-        keep = w < t
-    else:
-        v = s + eps
-        w = tl.where(tl.abs(v - t) <= slack, exact + eps, v)
-        keep = w > t
-    return keep | (s != s) | (t != t)
-
-
-@triton.jit
-def _ms_near(x, pos, neg, hard_neg, hard_pos, eps, slack):
-    """The pairs whose choice the miner makes on the exact cosine."""
-    return (pos & (tl.abs(x - eps - hard_neg) <= slack)) | (neg & (tl.abs(x + eps - hard_pos) <= slack))
-
-
-@triton.jit
-def _ms_terms(
-    x, exact, pos, neg, st_ptr, anchors, mask, alpha, beta, base, eps, slack, ACC: tl.constexpr, MINING: tl.constexpr
-):
-    """∂loss/∂s of the pairs whose anchors are `anchors` (broadcast: rows [:, None] or columns
-    [None, :]), from their stats: w·exp(β(s − base) − Ln) for a kept negative,
-    −w·exp(α(base − s) − Lp) for a kept positive (MultiSimilarityTerms)."""
-    hn = tl.load(st_ptr + anchors * 5, mask=mask, other=0.0)
-    hp = tl.load(st_ptr + anchors * 5 + 1, mask=mask, other=0.0)
-    lp = tl.load(st_ptr + anchors * 5 + 2, mask=mask, other=0.0)
-    ln = tl.load(st_ptr + anchors * 5 + 3, mask=mask, other=0.0)
-    w = tl.load(st_ptr + anchors * 5 + 4, mask=mask, other=0.0)
-    keep_pos = pos & (w != 0)
-    keep_neg = neg & (w != 0)
-    if MINING:
-        keep_pos = keep_pos & _mined(x, hn, exact, eps, slack, True)
-        keep_neg = keep_neg & _mined(x, hp, exact, eps, slack, False)
-    gn = w.to(ACC) * tl.exp((beta * (x - base) - ln).to(ACC))
-    gp = (0.0 - w).to(ACC) * tl.exp((alpha * (base - x) - lp).to(ACC))
-    return tl.where(keep_neg, gn, 0.0) + tl.where(keep_pos, gp, 0.0)
-
-
-@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
-@triton.jit
-def ms_grad_kernel(
-    own_ptr,
-    other_ptr,
-    x_own_ptr,
-    x_other_ptr,
-    s_own,
-    s_other,
-    inv_own_ptr,
-    inv_other_ptr,
-    grp_own_ptr,
-    grp_other_ptr,
-    cos_own_ptr,
-    own_lab_ptr,
-    other_lab_ptr,
-    st_ptr,
-    out_ptr,
-    N_OWN,
-    N_OTHER,
-    D,
-    OFFSET,
-    ALPHA_BITS,
-    BETA_BITS,
-    BASE_BITS,
-    EPS_BITS,
-    SLACK_BITS,
-    SELF: tl.constexpr,
-    ANCHORS_OWN: tl.constexpr,
-    ANCHORS_OTHER: tl.constexpr,
-    MINING: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-):
-    """grad_kernel's product for multi-similarity: the miner's choices remade from the stats'
-    thresholds (on exact cosines near them, as the forward), ∂loss/∂s by _ms_terms; OFFSET as
-    grad_kernel's."""
-    alpha = tm.f64(ALPHA_BITS)
-    beta = tm.f64(BETA_BITS)
-    base = tm.f64(BASE_BITS)
-    eps = tm.f64(EPS_BITS)
-    slack = tm.f64(SLACK_BITS)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
-    row_mask = rows < N_OWN
-    f_mask = fs < D
-    lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
-    if ANCHORS_OWN:
-        hn_i = tl.load(st_ptr + (OFFSET + rows) * 5, mask=row_mask, other=0.0)
-        hp_i = tl.load(st_ptr + (OFFSET + rows) * 5 + 1, mask=row_mask, other=0.0)
-    acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
-    for j0 in range(0, N_OTHER, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-        col_mask = cols < N_OTHER
-        other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=0)
-        x = _tile(own_ptr, other_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K).to(tl.float64)
-        valid = row_mask[:, None] & col_mask[None, :]
-        if SELF:
-            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
-        pos = valid & (lab[:, None] == other_lab[None, :])
-        neg = valid & (lab[:, None] != other_lab[None, :])
-        exact = x
-        if MINING:
-            near = tl.zeros((BLOCK_N, BLOCK_M), tl.int1)
-            if ANCHORS_OWN:
-                near = near | _ms_near(x, pos, neg, hn_i[:, None], hp_i[:, None], eps, slack)
-            if ANCHORS_OTHER:
-                hn_j = tl.load(st_ptr + cols * 5, mask=col_mask, other=0.0)
-                hp_j = tl.load(st_ptr + cols * 5 + 1, mask=col_mask, other=0.0)
-                near = near | _ms_near(x, pos, neg, hn_j[None, :], hp_j[None, :], eps, slack)
-            if _any(near):
-                exact = _ms_exact(
-                    x,
-                    near,
-                    x_own_ptr,
-                    x_other_ptr,
-                    s_own,
-                    s_other,
-                    inv_own_ptr,
-                    inv_other_ptr,
-                    grp_own_ptr,
-                    grp_other_ptr,
-                    cos_own_ptr,
-                    rows,
-                    cols,
-                    row_mask,
-                    col_mask,
-                    D,
-                )
-        g = tl.zeros((BLOCK_N, BLOCK_M), ACC)
-        if ANCHORS_OWN:
-            anchors = OFFSET + rows[:, None]
-            g += _ms_terms(
-                x, exact, pos, neg, st_ptr, anchors, row_mask[:, None], alpha, beta, base, eps, slack, ACC, MINING
-            )
-        if ANCHORS_OTHER:
-            g += _ms_terms(
-                x, exact, pos, neg, st_ptr, cols[None, :], col_mask[None, :], alpha, beta, base, eps, slack, ACC, MINING
-            )
-        f = tl.load(other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0)
-        acc = _weighted_rows(g, f, x, acc, IS64)
-    tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc, mask=row_mask[:, None] & f_mask[None, :])
-
-
-# --------------------------------------------------------------------------- Euclidean (contrastive)
-
-
-@triton.jit
 def row_keys_kernel(x_ptr, key_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """A key per row for _equal_rows: Σ_k x_k·w_k in float64 over fixed weights w_k in
     [0.5, 1.5), the same for equal rows (one sum in one order; ±0 alike), not finite for a row
@@ -583,7 +381,7 @@ def equal_next_kernel(
 
 @triton.jit
 def self_cos_kernel(x_ptr, inv_ptr, out_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr):
-    """Per row its exact cosine with an equal row, summed as _exact_tile sums a pair's:
+    """Per row its exact cosine with an equal row, summed as ms._exact sums a pair's:
     Σ_k (x_k·inv)² in float64, in feature order (at D = 1, F.normalize's ±1 squared)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
@@ -1552,105 +1350,6 @@ def _jacobian(own: _Side, g: Tensor, grad: Tensor, like: Tensor, row_config: Con
     return out
 
 
-def _ms_bits(params, D: int, acc: torch.dtype) -> tuple:
-    """α, β, base, ε (−1: no miner) and the tiles' slack as float64 bits. The slack bounds a
-    tile's cosine's distance from the exact one: the dot product of D terms and the rows'
-    normalisation, each within about D·u (u: the accumulation type's unit roundoff)."""
-    alpha, beta, base, eps = params
-    slack = (2 * D + 8) * torch.finfo(acc).eps / 2
-    return tuple(float_bits(v) for v in (alpha, beta, base, -1.0 if eps is None else eps, slack))
-
-
-def multi_similarity_backward(
-    grad,
-    embeddings,
-    labels,
-    ref_embeddings,
-    ref_labels,
-    stats,
-    alpha,
-    beta,
-    base,
-    miner_epsilon,
-    output_mask,
-    shard=None,
-    *,
-    config=None,
-    row_config=None,
-):
-    """torchkit::_multi_similarity_loss_backward's CUDA kernel."""
-    op = "multi_similarity_loss"
-    params, shard = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard)
-    whole = _whole_rows(shard, ref_embeddings)
-    _check_backward(op, grad, embeddings, stats, 5, stats_dtype=torch.float64, shard=shard, whole=whole)
-    mining = params[3] is not None
-    self_ = ref_embeddings is None
-    want_e = bool(output_mask[0])
-    want_r = not self_ and bool(output_mask[1])
-    empty = embeddings.new_empty(0)
-    N, D = embeddings.shape
-    M = N if self_ else ref_embeddings.shape[0]
-    if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
-        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
-    acc = acc_dtype(embeddings)
-    row_config = row_config or ROW_CONFIGS[0]
-    config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
-    a, b = _backward_sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, whole)
-    st = stats.contiguous()
-    bits = _ms_bits(params, D, acc)
-    pairs_self = self_ or whole is not None
-
-    # Per side: its rows' groups of equal rows and exact cosines with an equal row (the miner's).
-    ga, gb = _equal_rows(a, b, row_config) if mining else (a.labels, b.labels)
-    cos_a = _self_cos(a, row_config) if mining else st
-    cos_b = cos_a if a is b or not mining else _self_cos(b, row_config)
-
-    def rows_grad(own: _Side, other: _Side, own_extra, other_groups, anchors_own, anchors_other, like, offset=0):
-        # (own_extra: own's groups and cosines, from which own's rows take those from `offset`)
-        g = torch.empty(own.n, D, dtype=acc, device=like.device)
-        k = config.kwargs
-        own_groups, own_cos = (t.narrow(0, offset, own.n) if mining else t for t in own_extra)
-        ms_grad_kernel[(blocks(own.n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
-            own.e,
-            other.e,
-            own.raw,
-            other.raw,
-            own.raw.stride(0),
-            other.raw.stride(0),
-            own.inv64 if mining else st,
-            other.inv64 if mining else st,
-            own_groups,
-            other_groups,
-            own_cos,
-            own.labels,
-            other.labels,
-            st,
-            g,
-            own.n,
-            other.n,
-            D,
-            offset,
-            *bits,
-            SELF=pairs_self,
-            ANCHORS_OWN=anchors_own,
-            ANCHORS_OTHER=anchors_other,
-            MINING=mining,
-            ACC=acc_tl(acc),
-            IS64=acc == torch.float64,
-            **config.launch,
-        )
-        return _jacobian(own, g, grad, like, row_config)
-
-    if whole is not None:  # (a is b: the refs)
-        ge = rows_grad(b.narrow(shard, N), b, (gb, cos_b), gb, True, True, embeddings, shard) if want_e else empty
-        return ge, _zeros(want_r, ref_embeddings, empty)
-    if self_:
-        return rows_grad(a, a, (ga, cos_a), ga, True, True, embeddings), empty
-    ge = rows_grad(a, b, (ga, cos_a), gb, True, False, embeddings) if want_e else empty
-    gr = rows_grad(b, a, (gb, cos_b), ga, False, True, ref_embeddings) if want_r else empty
-    return ge, gr
-
-
 def _equal_rows(a: _Side, b: _Side, config: Config) -> tuple[Tensor, Tensor]:
     """Per side, each row's group of equal rows over both (b's rows numbered after a's; one
     side where a is b): the lowest number of a row equal to it, as the CPU kernels'
@@ -2343,22 +2042,6 @@ def compile_cases() -> list[CompileCase]:
                 "count_ptr": "*i32",
                 "out_ptr": "*" + acc,
             }
-            for self_, own, other in ((True, True, True), (False, True, False), (False, False, True)):
-                for mining in (True, False) if self_ else (True,):
-                    cases.append(
-                        CompileCase(
-                            f"pair_losses.ms_grad {dtype}{' self' if self_ else (' anchors' if own else ' refs')}"
-                            f"{'' if mining else ' all pairs'}",
-                            ms_grad_kernel,
-                            ms_types,
-                            dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, MINING=mining, **flags),
-                            EXACT_GRAD_CONFIGS
-                            if every and self_ and mining
-                            else EXACT_GRAD_CONFIGS[-1:]
-                            if is64
-                            else EXACT_GRAD_CONFIGS[:1],
-                        )
-                    )
             euclidean = {
                 **ms_types,
                 **dict.fromkeys(("ca_ptr", "cb_ptr", "sq_a_ptr", "sq_b_ptr", "c_own_ptr", "c_other_ptr"), "*" + acc),

@@ -307,9 +307,10 @@ def operands_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """Per row: its operand(s) x·2^-E in the scheme's layout (x as given where not SCALED; 0 for
-    a row holding NaN or ±∞) and the factor f with F.normalize(x) = operand·f; bad (int8) where
-    the row holds NaN or ±∞; and as the Jacobian takes them, E (int32), inv = 1/‖x·2^-E‖ (1e12
-    where the clamp holds, 1/top for a bad row, E = 0 there) and whether the clamp holds."""
+    a row holding NaN or ±∞) and the factor f with F.normalize(x) = operand·f (0 for a row of
+    zeros, or one holding NaN or ±∞); bad (int8) where the row holds NaN or ±∞; and as the
+    Jacobian takes them, E (int32), inv = 1/‖x·2^-E‖ (1e12 where the clamp holds, 1/top for a
+    bad row, E = 0 there) and whether the clamp holds."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
     top = tl.zeros((BLOCK_ROWS,), ACC)
@@ -344,7 +345,9 @@ def operands_kernel(
         f = tl.where(clamped, tm.ldexp(eps_inv, E, IS64), inv)
     else:
         f = tl.where(clamped, eps_inv, tm.ldexp(inv, 0 - E, IS64))
-    f = tl.where(bad, 0.0, f)
+    # (0 for a row of zeros, whose operand is 0 anyway: a backward multiplies f into ∂loss/∂c
+    # before rounding it to the operands' type, where 1e12 would overflow float16)
+    f = tl.where(bad | (top == 0), 0.0, f)
     for k0 in range(0, D, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (ks < D)[None, :]
@@ -635,6 +638,57 @@ def _grad_tile(
     return tl.where(valid, g, 0.0)
 
 
+@triton.jit
+def _grad_product(
+    g,
+    f_b,
+    bh,
+    bl,
+    other_hi,
+    other_lo,
+    cols,
+    col_mask,
+    fs,
+    f_mask,
+    D,
+    g_scale,
+    acc,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """acc + Σ_j g_ij·e_j over a tile (g: ∂loss/∂c; e_j = operand_j·f_j, the other side's
+    normalised rows, features fs) on tensor cores by the scheme: the factor goes into g, and g
+    is split as the operands are (a TF32 pair; a pair hi + lo of the half type, times the
+    power of two g_scale that keeps hi within float16's range: the caller divides it out).
+    Where rows are held (BLOCK_D > 0) their loaded operands bh, bl are the features'."""
+    g = g * f_b[None, :]
+    if BLOCK_D > 0:
+        fh = bh
+        fl = bl
+    else:  # (loaded here, not with the tile's other loads: fewer registers live in _cosines)
+        fh, fl = _load(other_hi, other_lo, cols, fs, col_mask[:, None] & f_mask[None, :], D, SCHEME, INTERPRET)
+    if SCHEME == TF32X3:
+        g_hi = _tf32(g)
+        acc = _mma(g_hi, _tf32(g - g_hi), fh, fl, acc, SCHEME)
+    elif SCHEME == TF32:
+        acc = _mma(_tf32(g), g, fh, fl, acc, SCHEME)
+    elif SCHEME == HALF:
+        # ∂loss/∂c as a pair hi + lo of the operands' type (about 16 bits): the products stay
+        # exact in float32, as the forward's.
+        g = g * g_scale
+        gh = g.to(other_hi.dtype.element_ty)
+        gl = (g - gh.to(tl.float32)).to(other_hi.dtype.element_ty)
+        if INTERPRET:
+            gh = gh.to(tl.float32)
+            gl = gl.to(tl.float32)
+        acc = _mma(gl, gl, fh, fl, acc, SCHEME)
+        acc = _mma(gh, gh, fh, fl, acc, SCHEME)
+    else:
+        acc = _mma(g, g, fh, fl, acc, SCHEME)
+    return acc
+
+
 @hot()
 @triton.jit
 def grad_kernel(
@@ -763,32 +817,9 @@ def grad_kernel(
             g = _grad_tile(
                 c, pos, valid, scale, tiny, ci, hi, wi, si, cj, hj, wj, sj, ANCHORS_OWN, ANCHORS_OTHER, LOSS, False
             )
-        # Σ_j g_ij·e_j = Σ_j (g_ij·f_j)·operand_j: the factor goes into g.
-        g = g * f_b[None, :]
-        if BLOCK_D > 0:
-            fh = bh
-            fl = bl
-        else:  # (loaded here, not with the tile's other loads: fewer registers live in _cosines)
-            fh, fl = _load(other_hi, other_lo, cols, fs, col_mask[:, None] & f_mask[None, :], D, SCHEME, INTERPRET)
-        if SCHEME == TF32X3:
-            g_hi = _tf32(g)
-            acc = _mma(g_hi, _tf32(g - g_hi), fh, fl, acc, SCHEME)
-        elif SCHEME == TF32:
-            acc = _mma(_tf32(g), g, fh, fl, acc, SCHEME)
-        elif SCHEME == HALF:
-            # ∂loss/∂c as a pair hi + lo of the operands' type (about 16 bits): the products
-            # stay exact in float32, as the forward's; times a power of two that keeps hi
-            # within float16's range.
-            g = g * g_scale
-            gh = g.to(other_hi.dtype.element_ty)
-            gl = (g - gh.to(tl.float32)).to(other_hi.dtype.element_ty)
-            if INTERPRET:
-                gh = gh.to(tl.float32)
-                gl = gl.to(tl.float32)
-            acc = _mma(gl, gl, fh, fl, acc, SCHEME)
-            acc = _mma(gh, gh, fh, fl, acc, SCHEME)
-        else:
-            acc = _mma(g, g, fh, fl, acc, SCHEME)
+        acc = _grad_product(
+            g, f_b, bh, bl, other_hi, other_lo, cols, col_mask, fs, f_mask, D, g_scale, acc, SCHEME, INTERPRET, BLOCK_D
+        )
     if SCHEME == HALF:
         acc = acc / g_scale
     out = out_ptr + (tl.program_id(2).to(tl.int64) * N_OWN + rows[:, None]) * D + fs[None, :]

@@ -1,4 +1,4 @@
-"""multi_similarity_loss's forward on tensor cores under the CUDA precision contract
+"""multi_similarity_loss on tensor cores under the CUDA precision contract
 (docs/ops.md), with the CPU kernel's choices: the miner keeps exactly the pairs that the
 float64 cosines (exact_cos in pair_losses_cpu.cpp) say it keeps, without a float64 value per
 pair. The tiles are the log-sum-exp engine's (lse.py: its operands, slices of the refs and
@@ -25,9 +25,16 @@ are recomputed, from a per-anchor list:
 - An anchor whose list outgrows CAP (near-duplicate rows that are not equal: adversarial) is
   taken whole by ms_exact_kernel: every pair's exact cosine, its choice and term, in place of
   the tiles' (its slices cleared).
+- Backward (ms_grad_kernel): lse.grad_kernel's tiles and products (lse._grad_product), each
+  pair's ∂loss/∂c as anchor of either row from the stats (the exact thresholds' cuts, the
+  log-sums, the weight), its choices remade on the backward's own tiles against the same cuts;
+  a pair within a band of either anchor's cut is left out and listed for its own row, and
+  ms_pairs_grad_kernel adds the listed pairs' terms on their exact cosines as one more slice
+  (a row whose list outgrows CAP: every pair of it, its slices cleared); lse.jacobian_kernel
+  sums the slices in order. No float atomics: the same bits on every run.
 
-Without the miner only TERMS runs, keeping every pair. float64 inputs take float64 tiles
-(SCHEME FP64) and the same steps.
+Without the miner only TERMS runs (and the backward's tiles), keeping every pair. float64
+inputs take float64 tiles (SCHEME FP64) and the same steps.
 """
 
 from __future__ import annotations
@@ -40,11 +47,11 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_scalars
-from torchkit.ops.pair_losses import _check_inputs, _check_params
+from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse
-from torchkit.triton.pair_losses._common import _parts, _self_pairs, _shard, _unit
+from torchkit.triton.pair_losses._common import _parts, _self_pairs, _shard, _unit, _whole_rows, _zeros
 
 # ms_rows_kernel's passes.
 EXTREMES = tl.constexpr(0)
@@ -68,6 +75,15 @@ EXACT_CONFIGS = (
     Config(BLOCK_ROWS=16, num_warps=4, num_stages=2, fp_fusion=False),
     Config(BLOCK_ROWS=4, num_warps=2, num_stages=2, fp_fusion=False),
 )
+# ms_grad_kernel: lse.grad_kernel's tiles with more per-anchor numbers (the second spills past
+# 512 bytes on sm_80 with bfloat16 rows held: the first is every dtype's default).
+GRAD_CONFIGS = (
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=4, num_stages=2),
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
+)
+# ms_pairs_grad_kernel: a program per row (its listed pairs), exact cosines as the others.
+PAIRS_CONFIG = Config(num_warps=4, num_stages=2, fp_fusion=False)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -84,6 +100,31 @@ def _append(listed, rows, cols, fill_ptr, slot_ptr, CAP):
     at = tl.where(n > 0, start, 0)[:, None] + (tl.cumsum(hits, axis=1) - 1).to(tl.int32)
     refs = cols[None, :] + tl.zeros(listed.shape, tl.int64)
     tl.store(slot_ptr + rows[:, None] * CAP + at, refs, mask=listed & (at < CAP))
+
+
+@triton.jit
+def _near(c, pos, neg, cut_n, cut_p, slack, IS64: tl.constexpr):
+    """The pairs decided on their exact cosines: within their band of their anchor's cut (the
+    tile's slack, the cut's rounding to the accumulation type and e ± ε's in float64: 4u·(|cut|
+    + 1); nothing is near an infinite cut)."""
+    if IS64:
+        u = 2.0**-53
+    else:
+        u = 2.0**-24
+    band_n = tl.where(tl.abs(cut_n) == float("inf"), -1.0, slack + 4 * u * (tl.abs(cut_n) + 1))
+    band_p = tl.where(tl.abs(cut_p) == float("inf"), -1.0, slack + 4 * u * (tl.abs(cut_p) + 1))
+    return (neg & (tl.abs(c - cut_n) <= band_n)) | (pos & (tl.abs(c - cut_p) <= band_p))
+
+
+@triton.jit
+def _kept(c, pos, neg, same, code, cut_n, cut_p):
+    """The miner's choices on the tile's cosines against their anchor's cuts, a pair of equal
+    rows (same) by its anchor's choice on their exact cosine (code: 1 keeps a negative, 2 a
+    positive); NaN keeps the pair."""
+    choice = code.to(tl.int32)
+    keep_n = neg & tl.where(same, (choice & 1) != 0, (c > cut_n) | (c != c))
+    keep_p = pos & tl.where(same, (choice & 2) != 0, (c < cut_p) | (c != c))
+    return keep_n, keep_p
 
 
 @hot()
@@ -115,6 +156,7 @@ def ms_rows_kernel(
     ALPHA_BITS,
     BETA_BITS,
     BASE_BITS,
+    SLACK_BITS,
     SELF: tl.constexpr,
     PASS: tl.constexpr,
     MINING: tl.constexpr,
@@ -135,8 +177,8 @@ def ms_rows_kernel(
     CANDIDATES (row 0: the negatives' floor, 1: the positives' ceiling): the pairs past them
     listed but those of equal rows (grp); count 0, 1 = whether an equal row is a negative,
     a positive.
-    TERMS (row 0, 1: the negatives' and positives' cuts, 2, 3: their bands, 4, 5: whether a
-    negative, a positive of an equal row is kept; MINING): part 0, 1 = the kept negatives'
+    TERMS (row 0, 1: the negatives' and positives' cuts, 2: the choices on equal rows, as
+    _kept takes them; MINING): part 0, 1 = the kept negatives'
     log-sum-exp (m, s) of β(s − base), 3, 4 = the kept positives' of α(base − s), 2 = 0;
     count 0, 1 = the kept negatives and positives; pairs within a band of their cut listed."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,10 +192,8 @@ def ms_rows_kernel(
         r0 = tl.load(row_ptr + rows, mask=row_mask, other=0.0)
         r1 = tl.load(row_ptr + N + rows, mask=row_mask, other=0.0)
     if PASS == TERMS:
-        band_n = tl.load(row_ptr + 2 * N + rows, mask=row_mask, other=0.0)
-        band_p = tl.load(row_ptr + 3 * N + rows, mask=row_mask, other=0.0)
-        same_n = tl.load(row_ptr + 4 * N + rows, mask=row_mask, other=0.0) != 0
-        same_p = tl.load(row_ptr + 5 * N + rows, mask=row_mask, other=0.0) != 0
+        code = tl.load(row_ptr + 2 * N + rows, mask=row_mask, other=0.0)
+        slack = tm.f64(SLACK_BITS).to(ACC)
         alpha = tm.f64(ALPHA_BITS).to(ACC)
         beta = tm.f64(BETA_BITS).to(ACC)
         base = tm.f64(BASE_BITS).to(ACC)
@@ -216,14 +256,12 @@ def ms_rows_kernel(
             if MINING:
                 # Far from its cut the tile's cosine decides; within its band the pair is listed;
                 # a pair of equal rows is decided per anchor; NaN keeps the pair.
-                near = (neg & (tl.abs(c - r0[:, None]) <= band_n[:, None])) | (
-                    pos & (tl.abs(c - r1[:, None]) <= band_p[:, None])
-                )
-                near = near & (same == 0)
+                near = _near(c, pos, neg, r0[:, None], r1[:, None], slack, IS64) & (same == 0)
                 if lse._any(near):
                     _append(near, rows, cols, fill_ptr, slot_ptr, CAP)
-                keep_n = neg & (near == 0) & tl.where(same, same_n[:, None], (c > r0[:, None]) | (c != c))
-                keep_p = pos & (near == 0) & tl.where(same, same_p[:, None], (c < r1[:, None]) | (c != c))
+                keep_n, keep_p = _kept(c, pos, neg, same, code[:, None], r0[:, None], r1[:, None])
+                keep_n = keep_n & (near == 0)
+                keep_p = keep_p & (near == 0)
             # β(s − base) and α(base − s) as the CPU kernel forms them: an α or β past the
             # accumulation type's range makes them ±∞ by their sign, a zero difference 0.
             d = c - base
@@ -267,10 +305,10 @@ def _exact(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b_ptr, rows, row_mask, cols, mask,
 @triton.jit
 def _decide(e, pos, neg, hn, hp, eps):
     """The miner's choices on exact cosines e (MultiSimilarity::mined): a positive with
-    e − ε < its anchor's hardest negative, a negative with e + ε > its hardest positive; NaN
-    keeps the pair."""
-    keep_p = pos & (((e - eps) < hn[:, None]) | (e != e) | (hn != hn)[:, None])
-    keep_n = neg & (((e + eps) > hp[:, None]) | (e != e) | (hp != hp)[:, None])
+    e − ε < its anchor's hardest negative hn, a negative with e + ε > its hardest positive hp
+    (broadcast as e); NaN keeps the pair."""
+    keep_p = pos & (((e - eps) < hn) | (e != e) | (hn != hn))
+    keep_n = neg & (((e + eps) > hp) | (e != e) | (hp != hp))
     return keep_n, keep_p
 
 
@@ -360,7 +398,7 @@ def ms_exact_kernel(
                 top = tl.maximum(top, tl.max(tl.where(neg, e, float("-inf")), axis=1))
                 bottom = tl.minimum(bottom, tl.min(tl.where(pos, e, float("inf")), axis=1))
             else:
-                keep_n, keep_p = _decide(e, pos, neg, hn, hp, eps)
+                keep_n, keep_p = _decide(e, pos, neg, hn[:, None], hp[:, None], eps)
                 x = e.to(ACC)
                 d = x - base
                 y = tl.where(d == 0, 0.0, d * beta)
@@ -394,6 +432,321 @@ def ms_exact_kernel(
         tl.store(part_ptr + 4 * plane + at, tl.where(nan_p, float("nan"), s_p), mask=row_mask)
         tl.store(count_ptr + at, n_n, mask=row_mask)
         tl.store(count_ptr + plane + at, n_p, mask=row_mask)
+
+
+# --------------------------------------------------------------------------- backward
+
+# The per-anchor planes of the backward (anchor[k·anchors + i], ACC): the terms' weight and
+# log-sums, then _cuts' three.
+W, LN, LP, CUT_N, CUT_P, SAME = (tl.constexpr(k) for k in range(6))
+
+
+@triton.jit
+def _anchor(anchor_ptr, k, at, mask, n):
+    return tl.load(anchor_ptr + k * n + at, mask=mask, other=0.0)
+
+
+@triton.jit
+def _ms_terms(c, d, pos, neg, same, w, ln, lp, cut_n, cut_p, code, alpha, beta, MINING: tl.constexpr):
+    """∂loss/∂c of one anchor's pairs (its numbers broadcast along the anchor's axis), as
+    MultiSimilarityTerms (pair_losses_cpu.cpp): w·e^{β(c − base) − Ln} for a kept negative,
+    −w·e^{α(base − c) − Lp} for a kept positive (d = c − base; its products with α and β
+    formed as the forward's), the miner's choices by _kept; 0 for an anchor of weight 0
+    (PML's batch rules: a loss of 0)."""
+    keep_n = neg
+    keep_p = pos
+    if MINING:
+        keep_n, keep_p = _kept(c, pos, neg, same, code, cut_n, cut_p)
+    y = tl.where(d == 0, 0.0, d * beta)
+    z = tl.where(d == 0, 0.0, (0.0 - d) * alpha)
+    g = tl.where(keep_n, w * lse._exp(y - ln), 0.0) - tl.where(keep_p, w * lse._exp(z - lp), 0.0)
+    return tl.where(w != 0, g, 0.0)
+
+
+@hot()
+@triton.jit
+def ms_grad_kernel(
+    own_hi,
+    own_lo,
+    own_f,
+    own_bad,
+    other_hi,
+    other_lo,
+    other_f,
+    other_bad,
+    own_lab_ptr,
+    other_lab_ptr,
+    grp_own_ptr,
+    grp_other_ptr,
+    anchor_ptr,
+    slot_ptr,
+    fill_ptr,
+    out_ptr,
+    N_OWN,
+    N_OTHER,
+    ANCHORS,
+    D,
+    OFFSET,
+    CHUNK,
+    CAP,
+    ALPHA_BITS,
+    BETA_BITS,
+    BASE_BITS,
+    G_SCALE_BITS,
+    SLACK_BITS,
+    SELF: tl.constexpr,
+    ANCHORS_OWN: tl.constexpr,
+    ANCHORS_OTHER: tl.constexpr,
+    MINING: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """lse.grad_kernel's for multi-similarity: out[slice, own rows, feature block] = Σ over
+    the other rows of the slice of ∂loss/∂c · their normalised rows, the pairs' terms as
+    anchors of the own rows (ANCHORS_OWN; anchor OFFSET + i) and of the other rows
+    (ANCHORS_OTHER; anchor j) by _ms_terms, from the per-anchor planes (ANCHORS of them).
+    A pair within a band of either anchor's cut (but of equal rows) is left out and listed
+    for its own row (slots, fill: as the forward's): ms_pairs_grad_kernel adds its terms."""
+    alpha = tm.f64(ALPHA_BITS).to(ACC)
+    beta = tm.f64(BETA_BITS).to(ACC)
+    base = tm.f64(BASE_BITS).to(ACC)
+    g_scale = tm.f64(G_SCALE_BITS).to(ACC)
+    slack = tm.f64(SLACK_BITS).to(ACC)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    row_mask = rows < N_OWN
+    f_mask = fs < D
+    me = rows.to(tl.int32) + OFFSET
+    lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
+    f_a = tl.load(own_f + rows, mask=row_mask, other=0.0)
+    bad_a = tl.load(own_bad + rows, mask=row_mask, other=0) != 0
+    any_bad_a = tl.max(bad_a.to(tl.int32), axis=0) > 0
+    if MINING:
+        grp = tl.load(grp_own_ptr + rows, mask=row_mask, other=-1)
+    if ANCHORS_OWN:
+        at = OFFSET + rows
+        wi = _anchor(anchor_ptr, W, at, row_mask, ANCHORS)
+        lni = _anchor(anchor_ptr, LN, at, row_mask, ANCHORS)
+        lpi = _anchor(anchor_ptr, LP, at, row_mask, ANCHORS)
+        if MINING:
+            cni = _anchor(anchor_ptr, CUT_N, at, row_mask, ANCHORS)
+            cpi = _anchor(anchor_ptr, CUT_P, at, row_mask, ANCHORS)
+            sni = _anchor(anchor_ptr, SAME, at, row_mask, ANCHORS)
+        else:
+            cni, cpi, sni = wi, wi, wi
+    acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
+    if BLOCK_D > 0:  # the own rows whole, held across the other rows (BLOCK_D >= D)
+        tl.static_assert(BLOCK_F == BLOCK_D, "held rows are one feature block")
+        ks = tl.arange(0, BLOCK_D)
+        ah, al = lse._load(own_hi, own_lo, rows, ks, row_mask[:, None] & (ks < D)[None, :], D, SCHEME, INTERPRET)
+    first = tl.program_id(2).to(tl.int64) * CHUNK
+    last = tl.minimum(first + CHUNK, N_OTHER)
+    for j0 in range(first, last, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < last
+        if ANCHORS_OTHER:
+            wj = _anchor(anchor_ptr, W, cols, col_mask, ANCHORS)
+            lnj = _anchor(anchor_ptr, LN, cols, col_mask, ANCHORS)
+            lpj = _anchor(anchor_ptr, LP, cols, col_mask, ANCHORS)
+            if MINING:
+                cnj = _anchor(anchor_ptr, CUT_N, cols, col_mask, ANCHORS)
+                cpj = _anchor(anchor_ptr, CUT_P, cols, col_mask, ANCHORS)
+                snj = _anchor(anchor_ptr, SAME, cols, col_mask, ANCHORS)
+            else:
+                cnj, cpj, snj = wj, wj, wj
+        other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=-1)
+        if MINING:
+            grp_b = tl.load(grp_other_ptr + cols, mask=col_mask, other=-2)
+        f_b, bad_b, bh, bl = lse._refs(
+            other_hi, other_lo, other_f, other_bad, cols, col_mask, D, SCHEME, INTERPRET, BLOCK_D
+        )
+        if BLOCK_D > 0:
+            c = lse._held_cosines(ah, al, bh, bl, f_a, f_b, ACC, SCHEME)
+        else:
+            c = lse._cosines(
+                own_hi,
+                own_lo,
+                other_hi,
+                other_lo,
+                f_a,
+                f_b,
+                rows,
+                cols,
+                row_mask,
+                col_mask,
+                D,
+                ACC,
+                SCHEME,
+                INTERPRET,
+                BLOCK_K,
+            )
+        if any_bad_a | (tl.max(bad_b.to(tl.int32), axis=0) > 0):
+            c = lse._poison(c, bad_a, bad_b != 0)
+        valid = row_mask[:, None] & col_mask[None, :]
+        if SELF:
+            valid = valid & (me[:, None] != cols.to(tl.int32)[None, :])
+        same_lab = lab[:, None] == other_lab[None, :]
+        pos = valid & same_lab
+        neg = valid & (same_lab == 0)
+        same = pos & False
+        if MINING:
+            same = grp[:, None] == grp_b[None, :]
+        d = c - base
+        g = tl.zeros(c.shape, ACC)
+        near = pos & False
+        if ANCHORS_OWN:
+            g += _ms_terms(
+                c, d, pos, neg, same, wi[:, None], lni[:, None], lpi[:, None], cni[:, None], cpi[:, None],
+                sni[:, None], alpha, beta, MINING,
+            )  # fmt: skip
+            if MINING:
+                near = near | _near(c, pos, neg, cni[:, None], cpi[:, None], slack, IS64)
+        if ANCHORS_OTHER:
+            g += _ms_terms(
+                c, d, pos, neg, same, wj[None, :], lnj[None, :], lpj[None, :], cnj[None, :], cpj[None, :],
+                snj[None, :], alpha, beta, MINING,
+            )  # fmt: skip
+            if MINING:
+                near = near | _near(c, pos, neg, cnj[None, :], cpj[None, :], slack, IS64)
+        if MINING:
+            near = near & (same == 0)
+            if lse._any(near):
+                if tl.program_id(1) == 0:  # (once per pair: the first feature block lists it)
+                    _append(near, rows, cols, fill_ptr, slot_ptr, CAP)
+                g = tl.where(near, 0.0, g)
+        acc = lse._grad_product(
+            g, f_b, bh, bl, other_hi, other_lo, cols, col_mask, fs, f_mask, D, g_scale, acc, SCHEME, INTERPRET, BLOCK_D
+        )
+    if SCHEME == lse.HALF:
+        acc = acc / g_scale
+    out = out_ptr + (tl.program_id(2).to(tl.int64) * N_OWN + rows[:, None]) * D + fs[None, :]
+    tl.store(out, acc, mask=row_mask[:, None] & f_mask[None, :])
+
+
+@triton.jit
+def ms_pairs_grad_kernel(
+    xo_ptr,
+    xt_ptr,
+    s_own,
+    s_other,
+    inv_own_ptr,
+    inv_other_ptr,
+    own_lab_ptr,
+    other_lab_ptr,
+    stats_ptr,
+    anchor_ptr,
+    slot_ptr,
+    fill_ptr,
+    out_ptr,
+    N_OWN,
+    N_OTHER,
+    ANCHORS,
+    D,
+    OFFSET,
+    SLICES,
+    ALPHA_BITS,
+    BETA_BITS,
+    BASE_BITS,
+    EPS_BITS,
+    SELF: tl.constexpr,
+    ANCHORS_OWN: tl.constexpr,
+    ANCHORS_OTHER: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
+    ACC: tl.constexpr,
+    CAP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Own row program_id(0)'s listed pairs on their exact cosines (an own row whose list
+    outgrew CAP: every pair of it, its slices of ms_grad_kernel's output cleared): the
+    miner's choices as anchor of either row (the stats' exact thresholds: (anchors, 5)
+    float64) and their terms from the exact cosine, Σ_j ∂loss/∂c_ij · e_j into out's slice
+    SLICES (e_j = x_j·inv_j; a row holding NaN or ±∞ as 0 where its weight is 0, NaN where
+    it is not, as lse.grad_kernel's operands and poison give)."""
+    alpha = tm.f64(ALPHA_BITS).to(ACC)
+    beta = tm.f64(BETA_BITS).to(ACC)
+    base = tm.f64(BASE_BITS).to(ACC)
+    eps = tm.f64(EPS_BITS)
+    row = tl.program_id(0).to(tl.int64)
+    rows = row + tl.arange(0, 1).to(tl.int64)
+    row_mask = rows < N_OWN
+    lab = tl.load(own_lab_ptr + rows)
+    inv_a = tl.load(inv_own_ptr + rows)
+    fill = tl.load(fill_ptr + row)
+    whole = fill > CAP
+    slots = tl.arange(0, CAP)
+    ks = tl.arange(0, BLOCK_D)
+    at = OFFSET + rows
+    if ANCHORS_OWN:
+        hn = tl.load(stats_ptr + at * 5)[:, None]
+        hp = tl.load(stats_ptr + at * 5 + 1)[:, None]
+        wi = _anchor(anchor_ptr, W, at, row_mask, ANCHORS)[:, None]
+        lni = _anchor(anchor_ptr, LN, at, row_mask, ANCHORS)[:, None]
+        lpi = _anchor(anchor_ptr, LP, at, row_mask, ANCHORS)[:, None]
+    extra = out_ptr + (SLICES * N_OWN + row) * D
+    for k0 in range(0, D, BLOCK_D):
+        tl.store(extra + k0 + ks, tl.zeros((BLOCK_D,), ACC), mask=k0 + ks < D)
+    if whole:  # (every pair of this row is here: the tiles' slices cleared)
+        for k in range(0, SLICES):
+            for k0 in range(0, D, BLOCK_D):
+                tl.store(out_ptr + (k * N_OWN + row) * D + k0 + ks, tl.zeros((BLOCK_D,), ACC), mask=k0 + ks < D)
+    end = tl.where(whole, N_OTHER, 0)
+    for j0 in range(-CAP, end, CAP):
+        if j0 < 0:
+            mask = (slots < fill) & (whole == 0)
+            cols = tl.load(slot_ptr + row * CAP + slots, mask=mask, other=0)
+        else:
+            cols = j0 + slots.to(tl.int64)
+            mask = cols < N_OTHER
+        if SELF:
+            mask = mask & (cols != OFFSET + row)
+        if tl.max(mask.to(tl.int32), axis=0) > 0:
+            cols2 = cols[None, :]
+            mask2 = mask[None, :]
+            e = _exact(
+                xo_ptr, xt_ptr, s_own, s_other, inv_a, inv_other_ptr, rows, row_mask, cols2, mask2, D, ONE_FEATURE
+            )
+            same_lab = lab[:, None] == tl.load(other_lab_ptr + cols2, mask=mask2, other=-1)
+            pos = mask2 & same_lab
+            neg = mask2 & (same_lab == 0)
+            d = e.to(ACC) - base
+            y = tl.where(d == 0, 0.0, d * beta)
+            z = tl.where(d == 0, 0.0, (0.0 - d) * alpha)
+            g = tl.zeros(e.shape, ACC)
+            if ANCHORS_OWN:
+                keep_n, keep_p = _decide(e, pos, neg, hn, hp, eps)
+                g += tl.where(keep_n, wi * lse._exp(y - lni), 0.0) - tl.where(keep_p, wi * lse._exp(z - lpi), 0.0)
+                g = tl.where(wi != 0, g, 0.0)
+            if ANCHORS_OTHER:
+                hnj = tl.load(stats_ptr + cols2 * 5, mask=mask2, other=0.0)
+                hpj = tl.load(stats_ptr + cols2 * 5 + 1, mask=mask2, other=0.0)
+                wj = _anchor(anchor_ptr, W, cols2, mask2, ANCHORS)
+                lnj = _anchor(anchor_ptr, LN, cols2, mask2, ANCHORS)
+                lpj = _anchor(anchor_ptr, LP, cols2, mask2, ANCHORS)
+                keep_n, keep_p = _decide(e, pos, neg, hnj, hpj, eps)
+                gj = tl.where(keep_n, wj * lse._exp(y - lnj), 0.0) - tl.where(keep_p, wj * lse._exp(z - lpj), 0.0)
+                g += tl.where(wj != 0, gj, 0.0)
+            # (a NaN cosine with a weight: the row's gradient is NaN)
+            hit = tl.max(((g != 0) & (e != e)).to(tl.int32), axis=1) > 0
+            inv_b = tl.load(inv_other_ptr + cols, mask=mask, other=0.0)
+            for k0 in range(0, D, BLOCK_D):
+                k_mask = k0 + ks < D
+                x = tl.load(
+                    xt_ptr + cols[:, None] * s_other + (k0 + ks)[None, :],
+                    mask=mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+                v = (x.to(tl.float64) * inv_b[:, None]).to(ACC)
+                v = tl.where(v == v, v, 0.0)
+                part = tl.sum(tl.trans(g) * v, axis=0)
+                part = tl.where(hit, float("nan"), part)
+                tl.store(extra + k0 + ks, tl.load(extra + k0 + ks, mask=k_mask, other=0.0) + part, mask=k_mask)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -441,6 +794,20 @@ CAP_ROUNDED = 512  # float32 rows rounded to bfloat16
 def _cap(side: lse._Operands, M: int) -> int:
     cap = CAP_ROUNDED if side.scheme == lse.HALF.value and side.raw.dtype == torch.float32 else CAPS[side.scheme]
     return max(16, min(cap, triton.next_power_of_2(max(M, 1))))
+
+
+def _cuts(hn: Tensor, hp: Tensor, cos: Tensor, eps: float) -> list:
+    """Per anchor from its exact thresholds hn, hp (float64): the cut a negative's tile cosine
+    must pass (hp − ε) and a positive's stay below (hn + ε), a NaN threshold keeping every
+    pair (a pair within _near's band of its cut is decided on its exact cosine instead); and
+    the choices on a pair of equal rows, whose exact cosine is cos (the anchor's with itself):
+    1 keeps a negative, 2 a positive, as _kept reads them."""
+    inf = float("inf")
+    cut_n = torch.where(hp.isnan(), -inf, hp - eps)
+    cut_p = torch.where(hn.isnan(), inf, hn + eps)
+    same_n = ((cos + eps) > hp) | hp.isnan() | cos.isnan()
+    same_p = ((cos - eps) < hn) | hn.isnan() | cos.isnan()
+    return [cut_n, cut_p, same_n.double() + 2 * same_p.double()]
 
 
 def _row(values: list, acc: torch.dtype) -> Tensor:
@@ -526,6 +893,7 @@ def multi_similarity_forward(
                 float_bits(alpha),
                 float_bits(beta),
                 float_bits(base),
+                float_bits(slack),
                 SELF=self_,
                 PASS=step,
                 MINING=mining,
@@ -583,18 +951,9 @@ def multi_similarity_forward(
             st[:, 2] = torch.where(same_n, cos, -inf)
             st[:, 3] = torch.where(same_p, cos, inf)
             exact(THRESHOLDS)
-            hn, hp = st[:, 0], st[:, 1]
-            # The cuts (a NaN threshold keeps every pair), their bands, and the choices on
-            # the pairs of equal rows.
-            cut_p = torch.where(hn.isnan(), inf, hn + eps)
-            cut_n = torch.where(hp.isnan(), -inf, hp - eps)
-            band = lambda cut: torch.where(cut.to(acc).isinf(), -1.0, slack + 4 * u * (cut.abs() + 1))  # noqa: E731
-            keep_same_p = ((cos - eps) < hn) | hn.isnan() | cos.isnan()
-            keep_same_n = ((cos + eps) > hp) | hp.isnan() | cos.isnan()
             fill.zero_()
             slot.fill_(NO_COL)
-            row = _row([cut_n, cut_p, band(cut_n), band(cut_p), keep_same_n, keep_same_p], acc)
-            rows(TERMS, row)
+            rows(TERMS, _row(_cuts(st[:, 0], st[:, 1], cos, eps), acc))
             slot.copy_(slot.sort(dim=1).values)  # (the listed pairs in ref order)
             exact(DECISIONS)
         else:
@@ -633,16 +992,192 @@ def multi_similarity_forward(
     return torch.where(use, total * w, 0.0).to(embeddings.dtype), stats
 
 
+def multi_similarity_backward(
+    grad,
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    stats,
+    alpha,
+    beta,
+    base,
+    miner_epsilon,
+    output_mask,
+    shard=None,
+    *,
+    config=None,
+    row_config=None,
+):
+    """torchkit::_multi_similarity_loss_backward's CUDA kernel (any device under the
+    interpreter): per side, ms_grad_kernel's tiles, ms_pairs_grad_kernel's listed pairs, and
+    lse.jacobian_kernel through the normalisation."""
+    from torchkit.triton.pair_losses import ROW_CONFIGS, _equal_rows, _self_cos, _Side
+
+    op = "multi_similarity_loss"
+    params, shard = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard)
+    alpha, beta, base, eps = params
+    whole = _whole_rows(shard, ref_embeddings)
+    _check_backward(op, grad, embeddings, stats, 5, stats_dtype=torch.float64, shard=shard, whole=whole)
+    mining = eps is not None
+    self_ = ref_embeddings is None
+    want_e = bool(output_mask[0])
+    want_r = not self_ and bool(output_mask[1])
+    empty = embeddings.new_empty(0)
+    N, D = embeddings.shape
+    M = N if self_ else ref_embeddings.shape[0]
+    if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
+        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
+    acc = acc_dtype(embeddings)
+    row_config = row_config or ROW_CONFIGS[0]
+    config = config or lse._default(GRAD_CONFIGS, acc)
+    if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
+        a = b = lse._Operands(ref_embeddings, *lse._label_ids(ref_labels), acc, row_config)
+    else:
+        a, b = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    pairs_self = self_ or whole is not None
+    st = stats.contiguous()
+    # The anchors' numbers (the stats' rows: the whole problem's for a shard), as _ms_terms
+    # and _near take them.
+    hn, hp, lp, ln, w = st.unbind(1)
+    slack = _slack(D, a, acc)
+    if mining:
+        sa = _Side(a.raw, a.labels, acc, row_config, normalised=False)
+        sb = sa if b is a else _Side(b.raw, b.labels, acc, row_config, normalised=False)
+        groups = _equal_rows(sa, sb, row_config)
+        anchors = sb if whole is not None else sa
+        cuts = _cuts(hn, hp, _self_cos(anchors, row_config), eps)
+    else:
+        cuts = [w] * 3
+    planes = _row([w, ln, lp, *cuts], acc)
+
+    def rows_grad(own, other, sides, own_groups, other_groups, anchors_own, anchors_other, like, offset=0):
+        # (sides: own's and other's rows as the exact cosines take them; groups: of equal rows)
+        launch = lse._grad_config(config, lse._held(D, own.scheme))
+        k = launch.kwargs
+        n = own.n
+        programs = blocks(n, k["BLOCK_N"]) * blocks(D, k["BLOCK_F"])
+        slices, chunk = lse._slices(programs, other.n, k["BLOCK_M"])
+        cap = _cap(own, other.n)
+        g = torch.empty(slices + 1, n, D, dtype=acc, device=like.device)
+        slot = torch.full((n, cap), NO_COL, dtype=torch.int64, device=like.device)
+        fill = torch.zeros(n, dtype=torch.int32, device=like.device)
+        ms_grad_kernel[(blocks(n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]), slices)](
+            *own.pointers,
+            *other.pointers,
+            own.labels,
+            other.labels,
+            own_groups,
+            other_groups,
+            planes,
+            slot,
+            fill,
+            g,
+            n,
+            other.n,
+            planes.shape[1],
+            D,
+            offset,
+            chunk,
+            cap,
+            float_bits(alpha),
+            float_bits(beta),
+            float_bits(base),
+            float_bits(lse._grad_scale(max(abs(alpha), abs(beta)), 4.0, own.hi.dtype)),
+            float_bits(slack),
+            SELF=pairs_self,
+            ANCHORS_OWN=anchors_own,
+            ANCHORS_OTHER=anchors_other,
+            MINING=mining,
+            BLOCK_D=lse._held(D, own.scheme),
+            **lse._launch_flags(own, acc),
+            **launch.launch,
+        )
+        if mining:
+            slot.copy_(slot.sort(dim=1).values)  # (the listed pairs in order: the same bits on every run)
+            own_side, other_side = sides
+            ms_pairs_grad_kernel[(n,)](
+                own_side.raw,
+                other_side.raw,
+                own_side.raw.stride(0),
+                other_side.raw.stride(0),
+                own_side.inv64,
+                other_side.inv64,
+                own.labels,
+                other.labels,
+                st,
+                planes,
+                slot,
+                fill,
+                g,
+                n,
+                other.n,
+                planes.shape[1],
+                D,
+                offset,
+                slices,
+                float_bits(alpha),
+                float_bits(beta),
+                float_bits(base),
+                float_bits(eps),
+                SELF=pairs_self,
+                ANCHORS_OWN=anchors_own,
+                ANCHORS_OTHER=anchors_other,
+                ONE_FEATURE=D == 1,
+                ACC=acc_tl(acc),
+                CAP=cap,
+                BLOCK_D=min(128, triton.next_power_of_2(D)),
+                **PAIRS_CONFIG.launch,
+            )
+        else:
+            g[slices].zero_()
+        out = torch.empty(n, D, dtype=like.dtype, device=like.device)
+        lse.jacobian_kernel[(blocks(n, row_config.kwargs["BLOCK_ROWS"]),)](
+            g,
+            own.raw,
+            own.exp,
+            own.inv,
+            own.clamped,
+            grad,
+            out,
+            n,
+            D,
+            slices + 1,
+            own.raw.stride(0),
+            ACC=acc_tl(acc),
+            IS64=acc == torch.float64,
+            **row_config.launch,
+        )
+        return out
+
+    if not mining:  # (no groups, no exact cosines: the labels stand in for the groups)
+        sa = sb = None
+        groups = (a.labels, b.labels)
+    if whole is not None:  # (a is b: the refs)
+        own = b.narrow(shard, N)
+        sides = (sb.narrow(shard, N), sb) if mining else None
+        own_groups = groups[0].narrow(0, shard, N)
+        ge = rows_grad(own, b, sides, own_groups, groups[1], True, True, embeddings, shard) if want_e else empty
+        return ge, _zeros(want_r, ref_embeddings, empty)
+    if self_:
+        return rows_grad(a, a, (sa, sa), *groups, True, True, embeddings), empty
+    ge = rows_grad(a, b, (sa, sb), *groups, True, False, embeddings) if want_e else empty
+    gr = rows_grad(b, a, (sb, sa), groups[1], groups[0], False, True, ref_embeddings) if want_r else empty
+    return ge, gr
+
+
 def compile_cases() -> list[CompileCase]:
     """This engine's kernels for tools/triton_check.py: ms_rows_kernel's passes with the TF32
     pair (every configuration of TERMS with the miner), bfloat16 and float64, rows of D = 128
     held where the scheme holds them; ms_exact_kernel's passes from float32, bfloat16 and
-    float64 inputs."""
-    ints = dict.fromkeys(("N", "M", "D", "OFFSET", "CHUNK", "CAP", "SLICES", "sa", "sb"), "i32")
+    float64 inputs; ms_grad_kernel's and ms_pairs_grad_kernel's passes (every configuration
+    of the first: the TF32 pair's, without refs, with the miner)."""
+    ints = ("N", "M", "D", "OFFSET", "CHUNK", "CAP", "SLICES", "sa", "sb", "N_OWN", "N_OTHER", "ANCHORS")
+    ints = dict.fromkeys((*ints, "s_own", "s_other"), "i32")
     # The headline launches' sizes (8,192 rows of 128 features, slices of whole tiles) are
     # divisible by 16, all but the slice count.
     case = functools.partial(CompileCase, divisible=tuple(k for k in ints if k != "SLICES"))
-    bits = dict.fromkeys(("ALPHA_BITS", "BETA_BITS", "BASE_BITS", "EPS_BITS"), "i64")
+    bits = dict.fromkeys(("ALPHA_BITS", "BETA_BITS", "BASE_BITS", "EPS_BITS", "G_SCALE_BITS", "SLACK_BITS"), "i64")
     # (name, input dtype, operand dtype, accumulation type, scheme)
     schemes = (
         ("fp32", "fp32", "fp32", "fp32", lse.TF32X3),
@@ -659,15 +1194,15 @@ def compile_cases() -> list[CompileCase]:
             **bits,
             **{
                 f"{side}_{part}": t
-                for side in ("a", "b")
+                for side in ("a", "b", "own", "other")
                 for part, t in (("hi", "*" + operand), ("lo", "*" + operand), ("f", "*" + acc), ("bad", "*i8"))
             },
-            **dict.fromkeys(("lab_ptr", "ref_lab_ptr"), "*i32"),
-            **dict.fromkeys(("grp_a_ptr", "grp_b_ptr", "slot_ptr"), "*i64"),
-            **dict.fromkeys(("row_ptr", "part_ptr"), "*" + acc),
+            **dict.fromkeys(("lab_ptr", "ref_lab_ptr", "own_lab_ptr", "other_lab_ptr"), "*i32"),
+            **dict.fromkeys(("grp_a_ptr", "grp_b_ptr", "grp_own_ptr", "grp_other_ptr", "slot_ptr"), "*i64"),
+            **dict.fromkeys(("row_ptr", "part_ptr", "anchor_ptr", "out_ptr"), "*" + acc),
             **dict.fromkeys(("count_ptr", "fill_ptr"), "*i32"),
-            **dict.fromkeys(("xa_ptr", "xb_ptr"), "*" + dtype),
-            **dict.fromkeys(("inv_a_ptr", "inv_b_ptr", "st_ptr"), "*fp64"),
+            **dict.fromkeys(("xa_ptr", "xb_ptr", "xo_ptr", "xt_ptr"), "*" + dtype),
+            **dict.fromkeys(("inv_a_ptr", "inv_b_ptr", "st_ptr", "inv_own_ptr", "inv_other_ptr", "stats_ptr"), "*fp64"),
         }
         held = lse._held(128, how.value)
         steps = ((EXTREMES, "extremes", True), (CANDIDATES, "candidates", True), (TERMS, "terms", True))
@@ -694,4 +1229,48 @@ def compile_cases() -> list[CompileCase]:
                     EXACT_CONFIGS if first else EXACT_CONFIGS[:1],
                 )
             )
+        default = lse._default(GRAD_CONFIGS, torch.float64 if is64 else torch.float32)
+        for self_, own, other in ((True, True, True), (False, True, False), (False, False, True)):
+            for mining in (True, False) if self_ else (True,):
+                what = (" self" if self_ else (" anchors" if own else " refs")) + ("" if mining else " all pairs")
+                cases.append(
+                    case(
+                        f"pair_losses.ms.grad {name}{what}",
+                        ms_grad_kernel,
+                        types,
+                        dict(
+                            SELF=self_,
+                            ANCHORS_OWN=own,
+                            ANCHORS_OTHER=other,
+                            MINING=mining,
+                            SCHEME=how,
+                            INTERPRET=False,
+                            BLOCK_D=held,
+                            **flags,
+                        ),
+                        tuple(
+                            lse._grad_config(c, held)
+                            for c in (GRAD_CONFIGS if first and self_ and mining else (default,))
+                        ),
+                        tensor_cores=not is64,
+                    )
+                )
+                if mining:
+                    cases.append(
+                        case(
+                            f"pair_losses.ms.pairs_grad {name}{what}",
+                            ms_pairs_grad_kernel,
+                            types,
+                            dict(
+                                SELF=self_,
+                                ANCHORS_OWN=own,
+                                ANCHORS_OTHER=other,
+                                ONE_FEATURE=False,
+                                ACC=flags["ACC"],
+                                CAP=CAPS[how.value],
+                                BLOCK_D=128,
+                            ),
+                            (PAIRS_CONFIG,),
+                        )
+                    )
     return cases
