@@ -699,7 +699,7 @@ def ms_pairs_grad_kernel(
     end = tl.where(whole, N_OTHER, 0)
     for j0 in range(-CAP, end, CAP):
         if j0 < 0:
-            mask = (slots < fill) & (whole == 0)
+            mask = slots < tl.where(whole, 0, fill)
             cols = tl.load(slot_ptr + row * CAP + slots, mask=mask, other=0)
         else:
             cols = j0 + slots.to(tl.int64)
