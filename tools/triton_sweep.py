@@ -145,7 +145,7 @@ def sweep_pair_losses(results: dict) -> None:
             rows.append(("multi_similarity.rows", i, repr(config), t))
         value, stats = kernels.multi_similarity_forward(e, labels, r, rl, *ms)
         args = (torch.ones_like(value), e, labels, r, rl, stats, *ms, [True, r is not None])
-        for i, config in enumerate(kernels.EXACT_GRAD_CONFIGS):
+        for i, config in enumerate(kernels.ms.GRAD_CONFIGS):
             t = milliseconds(lambda c=config, args=args: kernels.multi_similarity_backward(*args, config=c))
             rows.append(("multi_similarity.grad", i, repr(config), t))
         margins = (0.0, 1.0)
