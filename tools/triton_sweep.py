@@ -107,7 +107,7 @@ def sweep_bilinear_pool(results: dict) -> None:
             rows.append(("forward", i, repr(config), ms))
         out, norm = kernels.forward(x, y, 1e-5, 1e-12)
         args = (torch.randn_like(out), x, y, out, norm, 1e-5, 1e-12, [True, y is not None])
-        for i, config in enumerate(kernels.lse.GRAD_CONFIGS):
+        for i, config in enumerate(kernels.GRAD_CONFIGS):
             ms = milliseconds(lambda c=config, args=args: kernels.backward(*args, config=c))
             rows.append(("backward", i, repr(config), ms))
         report("bilinear_pool", name, rows, results)

@@ -101,8 +101,10 @@ ROWS_CONFIGS = (
     Config(BLOCK_N=128, BLOCK_M=32, BLOCK_K=16, num_warps=8, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),  # float64's
 )
+# grad_kernel's: feature blocks at most BLOCK_F wide (_grad_config), the first's as wide as
+# its accumulator fits in the registers (each block recomputes the tile).
 GRAD_CONFIGS = (
-    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=3),
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=256, num_warps=8, num_stages=3),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
 )
@@ -974,12 +976,16 @@ def _held(D: int, scheme: int) -> int:
     return block if block <= HELD[scheme] else 0
 
 
-def _grad_config(config: Config, held: int) -> Config:
-    """grad_kernel's launch of `config` for rows held whole (BLOCK_D = held > 0): one feature
-    block of the whole rows, whose tile the program then forms once, not once per block."""
-    if not held:
+def _grad_config(config: Config, D: int, scheme: int) -> Config:
+    """grad_kernel's launch of `config` for rows of D features: rows held whole (_held) are one
+    feature block, whose tile the program forms once; otherwise each block of features
+    recomputes the tile (its products over all D and its terms), so the blocks are as wide as
+    config's BLOCK_F allows (the registers' limit) and no wider than the rows."""
+    held = _held(D, scheme)
+    block_f = held or min(config.kwargs["BLOCK_F"], triton.next_power_of_2(max(D, 16)))
+    if block_f == config.kwargs["BLOCK_F"]:
         return config
-    kwargs = {**config.kwargs, "BLOCK_F": held}
+    kwargs = {**config.kwargs, "BLOCK_F": block_f}
     return Config(num_warps=config.num_warps, num_stages=config.num_stages, fp_fusion=config.fp_fusion, **kwargs)
 
 
@@ -1180,7 +1186,7 @@ def _grad(
     acc = own.f.dtype
     N, D = own.hi.shape
     held = _held(D, own.scheme)
-    config = _grad_config(config, held)
+    config = _grad_config(config, D, own.scheme)
     k = config.kwargs
     programs = blocks(N, k["BLOCK_N"]) * blocks(D, k["BLOCK_F"])
     slices, chunk = _slices(programs, other.n, k["BLOCK_M"])
@@ -1487,6 +1493,9 @@ def compile_cases() -> list[CompileCase]:
             for careful in (False, True) if first and loss == LOSS_PROXY and own else (False,):
                 for block_d in (held, 0) if held and loss == LOSS_SUPCON and self_ else (held,):
                     pass_ = " self" if self_ else (" anchors" if own else " refs")
+                    # The rows' width: the headline's (proxy-anchor's 512), and 512 for the D
+                    # loop of a scheme that holds 128.
+                    width = 512 if loss == LOSS_PROXY or (held and not block_d) else 128
                     flags_ = dict(CAREFUL=careful, BLOCK_D=block_d, **hot_flags)
                     cases.append(
                         case(
@@ -1496,7 +1505,7 @@ def compile_cases() -> list[CompileCase]:
                             types,
                             dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, LOSS=loss, **flags_),
                             tuple(
-                                _grad_config(c, block_d)
+                                _grad_config(c, width, how.value)
                                 for c in (
                                     GRAD_CONFIGS
                                     if first and self_ and loss == LOSS_SUPCON

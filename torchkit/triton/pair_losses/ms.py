@@ -1053,7 +1053,7 @@ def multi_similarity_backward(
 
     def rows_grad(own, other, sides, own_groups, other_groups, anchors_own, anchors_other, like, offset=0):
         # (sides: own's and other's rows as the exact cosines take them; groups: of equal rows)
-        launch = lse._grad_config(config, lse._held(D, own.scheme))
+        launch = lse._grad_config(config, D, own.scheme)
         k = launch.kwargs
         n = own.n
         programs = blocks(n, k["BLOCK_N"]) * blocks(D, k["BLOCK_F"])
@@ -1249,7 +1249,7 @@ def compile_cases() -> list[CompileCase]:
                             **flags,
                         ),
                         tuple(
-                            lse._grad_config(c, held)
+                            lse._grad_config(c, 128, how.value)
                             for c in (GRAD_CONFIGS if first and self_ and mining else (default,))
                         ),
                         tensor_cores=not is64,
