@@ -294,7 +294,7 @@ def test_the_log_sum_exp_engine_is_counted_split_as_at_its_headline_size():
         return launches
 
     runs = [(n, count(n)) for n in (192, 384, 576)]
-    rows = lse._default(lse.ROWS_CONFIGS, torch.float32).kwargs
+    rows = lse._rows_default(torch.float32, lse.scheme(torch.float32), lse._held(16, lse.scheme(torch.float32))).kwargs
     slices = lse._slices(8192 // rows["BLOCK_N"], 8192, rows["BLOCK_M"])[0]
     assert 1 < slices < 8192 // rows["BLOCK_M"]
     at = {launch.kernel: launch.counts for launch in gpu_model.extrapolate(runs, 8192)}

@@ -1430,6 +1430,43 @@ def test_triton_kernels_round_as_the_cpu_kernels():
     assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
 
 
+def test_triton_log_sum_exp_launches_are_compiled_for_their_architecture(monkeypatch):
+    """The log-sum-exp engine's default launches at the headline's 128 features, forward and
+    backward, for each scheme on sm_80 and sm_90 (the TF32 pair's rows held whole in the
+    backward on sm_90 only: they spill sm_80's registers) are among the compile check's cases
+    for that architecture, so that no launch a GPU makes went unchecked."""
+    lse = triton_module().lse
+    cases = lse.compile_cases()
+    cpu = torch.device("cpu")
+
+    def compiled(kernel, scheme, block_d, config, arch, **constexprs):
+        return any(
+            case.kernel is kernel
+            and arch in case.archs
+            and case.constexprs["SCHEME"].value == scheme
+            and case.constexprs["BLOCK_D"] == block_d
+            and all(case.constexprs[k] == v for k, v in constexprs.items())
+            and repr(config) in map(repr, case.configs)
+            for case in cases
+        )
+
+    held_on = {}
+    for arch in (80, 90):
+        monkeypatch.setattr(lse, "_arch", lambda device, arch=arch: arch)
+        for scheme in (lse.TF32X3.value, lse.TF32.value, lse.HALF.value):
+            held = lse._grad_held(128, scheme, cpu)
+            held_on[arch, scheme] = held
+            config = lse._grad_config(lse._grad_default(torch.float32, scheme, held), 128, held)
+            assert compiled(lse.grad_kernel, scheme, held, config, arch, LOSS=lse.LOSS_SUPCON, SELF=True), (
+                arch,
+                scheme,
+            )
+            block_d = lse._rows_held(128, scheme, lse.SUPCON)
+            rows = lse._rows_default(torch.float32, scheme, block_d)
+            assert compiled(lse.rows_kernel, scheme, block_d, rows, arch, MODE=lse.SUPCON, SELF=True), (arch, scheme)
+    assert held_on[90, lse.TF32X3.value] == 128 and held_on[80, lse.TF32X3.value] == 0
+
+
 @pytest.mark.triton("pair_losses", dispatch=False)
 @TRITON_DEVICE
 def test_triton_groups_of_equal_rows(device):

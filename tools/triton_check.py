@@ -114,7 +114,7 @@ def main() -> int:
     for op in triton_path.TRITON_KERNELS:
         module = f"torchkit.triton.{op}"
         for index, case in enumerate(importlib.import_module(module).compile_cases()):
-            jobs += [(module, index, c, arch) for c in range(len(case.configs)) for arch in ARCHS]
+            jobs += [(module, index, c, arch) for c in range(len(case.configs)) for arch in ARCHS if arch in case.archs]
     started = time.time()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         rows = list(pool.map(compile_one, jobs))

@@ -66,8 +66,9 @@ class CompileCase:
     """One kernel as tools/triton_check.py compiles it: its argument types as a launch would
     give them (pointers "*fp32", ints "i32"), its constexpr values, the configurations to
     compile, whether its products are meant for tensor cores (then the PTX must hold mma or
-    wgmma), and the int arguments its headline launch passes divisible by 16 (Triton's JIT
-    specialises them so, and the loads they index are then vectorised)."""
+    wgmma), the int arguments its headline launch passes divisible by 16 (Triton's JIT
+    specialises them so, and the loads they index are then vectorised), and the compute
+    capabilities that launch it so (a kernel may hold more on sm_90 than on sm_80)."""
 
     name: str
     kernel: object
@@ -76,6 +77,7 @@ class CompileCase:
     configs: tuple
     tensor_cores: bool = False
     divisible: tuple = ()
+    archs: tuple = (80, 90)
 
 
 def float_bits(value: float) -> int:

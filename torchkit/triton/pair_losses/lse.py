@@ -96,16 +96,19 @@ BASE2_SCALE = 2.0**64
 
 # Launch configurations; every one is run by the tests and compiled by tools/triton_check.py,
 # the first being the default.
+# rows_kernel's: the second the TF32 pair's default where its rows are held whole (two stages:
+# three pass sm_90's shared memory).
 ROWS_CONFIGS = (
     Config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=16, num_warps=8, num_stages=3),
-    Config(BLOCK_N=128, BLOCK_M=32, BLOCK_K=16, num_warps=8, num_stages=2),
+    Config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=16, num_warps=8, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),  # float64's
 )
 # grad_kernel's: feature blocks at most BLOCK_F wide (_grad_config), the first's as wide as
-# its accumulator fits in the registers (each block recomputes the tile).
+# its accumulator fits in the registers (each block recomputes the tile); the second the TF32
+# pair's default where its rows are held whole (eight warps spill them).
 GRAD_CONFIGS = (
     Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=256, num_warps=8, num_stages=3),
-    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=4, num_stages=2),
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=256, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
 )
 # The per-row kernels (prefix, merge, Jacobian); exact operations only (no FMA contraction),
@@ -965,23 +968,62 @@ def _slices(programs: int, columns: int, block: int) -> tuple[int, int]:
 
 
 # The widest rows whose operands a hot kernel holds whole (one product per tile: no loop over
-# the features, one round trip to memory per tile), by scheme; wider rows are multiplied a
-# BLOCK_K slice at a time.
-HELD = {FP64.value: 0, TF32X3.value: 64, TF32.value: 128, HALF.value: 128}
+# the features, one round trip to memory per tile; the backward's feature block is then the
+# whole row), by scheme; wider rows are multiplied a BLOCK_K slice at a time. HELD_NARROW:
+# the TF32 pair's to 64 features only, where more lives beside the rows and 128 spill the
+# registers: grad_kernel on sm_80, rows_kernel's NT-Xent positives and proxy-anchor passes,
+# multi-similarity's kernels (ms.py).
+HELD = {FP64.value: 0, TF32X3.value: 128, TF32.value: 128, HALF.value: 128}
+HELD_NARROW = {**HELD, TF32X3.value: 64}
 
 
-def _held(D: int, scheme: int) -> int:
+def _held(D: int, scheme: int, table: dict = HELD) -> int:
     """The hot kernels' BLOCK_D: D's power of two where the rows are held whole, else 0."""
     block = triton.next_power_of_2(max(D, 16))
-    return block if block <= HELD[scheme] else 0
+    return block if block <= table[scheme] else 0
 
 
-def _grad_config(config: Config, D: int, scheme: int) -> Config:
-    """grad_kernel's launch of `config` for rows of D features: rows held whole (_held) are one
-    feature block, whose tile the program forms once; otherwise each block of features
-    recomputes the tile (its products over all D and its terms), so the blocks are as wide as
-    config's BLOCK_F allows (the registers' limit) and no wider than the rows."""
-    held = _held(D, scheme)
+def _rows_held(D: int, scheme: int, mode) -> int:
+    """rows_kernel's BLOCK_D in `mode`."""
+    return _held(D, scheme, HELD if mode in (SUPCON, NTXENT_NEGATIVES) else HELD_NARROW)
+
+
+def _arch(device: torch.device) -> int:
+    """The compute capability the kernels compile for on `device` (major·10 + minor); the
+    interpreter's (a CPU tensor) is the headline GPU's, sm_90."""
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _grad_held(D: int, scheme: int, device: torch.device) -> int:
+    """grad_kernel's BLOCK_D on `device`."""
+    return _held(D, scheme, HELD if _arch(device) >= 90 else HELD_NARROW)
+
+
+def _rows_default(acc: torch.dtype, scheme: int, held: int) -> Config:
+    """rows_kernel's default configuration: float64's, the TF32 pair's rows held whole's, or
+    the first."""
+    if acc == torch.float64:
+        return ROWS_CONFIGS[-1]
+    return ROWS_CONFIGS[1] if scheme == TF32X3.value and held else ROWS_CONFIGS[0]
+
+
+def _grad_default(acc: torch.dtype, scheme: int, held: int) -> Config:
+    """grad_kernel's default configuration: float64's, the TF32 pair's rows held whole's, or
+    the first."""
+    if acc == torch.float64:
+        return GRAD_CONFIGS[-1]
+    return GRAD_CONFIGS[1] if scheme == TF32X3.value and held else GRAD_CONFIGS[0]
+
+
+def _grad_config(config: Config, D: int, held: int) -> Config:
+    """grad_kernel's launch of `config` for rows of D features, held whole when held > 0 (its
+    BLOCK_D): they are one feature block, whose tile the program forms once; otherwise each
+    block of features recomputes the tile (its products over all D and its terms), so the
+    blocks are as wide as config's BLOCK_F allows (the registers' limit) and no wider than the
+    rows."""
     block_f = held or min(config.kwargs["BLOCK_F"], triton.next_power_of_2(max(D, 16)))
     if block_f == config.kwargs["BLOCK_F"]:
         return config
@@ -1025,9 +1067,11 @@ def _rows(
 ):
     """rows_kernel over every anchor, its slices merged: (out, sum, positives, pairs) per
     anchor (self_: anchor i is b's row offset + i, not a pair; one: proxy-anchor's log-sums
-    hold the 1). SupCon's out is 0 without pairs."""
+    hold the 1; config None: the default). SupCon's out is 0 without pairs."""
     N, D = a.hi.shape
     dev = a.hi.device
+    held = _rows_held(D, a.scheme, mode)
+    config = config or _rows_default(acc, a.scheme, held)
     out = torch.empty(N, dtype=acc, device=dev)
     total = torch.empty(N, dtype=acc, device=dev)
     npos, npairs = _counts(a, b, self_)
@@ -1054,7 +1098,7 @@ def _rows(
         SELF=self_,
         MODE=mode,
         BASE2=mode in (SUPCON, NTXENT_NEGATIVES) and abs(scale) <= BASE2_SCALE,
-        BLOCK_D=_held(D, a.scheme),
+        BLOCK_D=held,
         **_launch_flags(a, acc),
         **config.launch,
     )
@@ -1095,9 +1139,7 @@ def supcon_forward(
     row_config = row_config or ROW_CONFIGS[0]
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     self_, offset = _self_pairs(ref_embeddings, shard)
-    lse, possum, npos, npairs = _rows(
-        a, b, SUPCON, self_, 1.0 / t, acc, config or _default(ROWS_CONFIGS, acc), row_config, offset=offset
-    )
+    lse, possum, npos, npairs = _rows(a, b, SUPCON, self_, 1.0 / t, acc, config, row_config, offset=offset)
     # Per anchor as supcon_forward (pair_losses_cpu.cpp), in float64.
     lse64 = lse.double()
     has = npos > 0
@@ -1123,7 +1165,6 @@ def ntxent_forward(
     op = "ntxent_loss"
     t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
     acc = acc_dtype(embeddings)
-    config = config or _default(ROWS_CONFIGS, acc)
     row_config = row_config or ROW_CONFIGS[0]
     self_, offset = _self_pairs(ref_embeddings, shard)
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
@@ -1182,11 +1223,11 @@ def _grad(
 ):
     """The gradient of the rows of `own` (in like's dtype): grad_kernel, x = c·scale, with the
     per-anchor (coef, shift, w, log_s) of `terms`, then jacobian_kernel (self_: own row i is
-    other's row offset + i; bound·|scale|: at most |∂loss/∂c|)."""
+    other's row offset + i; bound·|scale|: at most |∂loss/∂c|; config None: the default)."""
     acc = own.f.dtype
     N, D = own.hi.shape
-    held = _held(D, own.scheme)
-    config = _grad_config(config, D, own.scheme)
+    held = _grad_held(D, own.scheme, own.hi.device)
+    config = _grad_config(config or _grad_default(acc, own.scheme, held), D, held)
     k = config.kwargs
     programs = blocks(N, k["BLOCK_N"]) * blocks(D, k["BLOCK_F"])
     slices, chunk = _slices(programs, other.n, k["BLOCK_M"])
@@ -1262,7 +1303,6 @@ def _backward(
         return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
-    config = config or _default(GRAD_CONFIGS, acc)
     if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
         a = b = _Operands(ref_embeddings, *_label_ids(ref_labels), acc, row_config)
     else:
@@ -1354,7 +1394,6 @@ def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None,
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config)
-    config = config or _default(ROWS_CONFIGS, acc)
     ln, lp, npos, _ = _rows(a, b, PROXY, False, alpha, acc, config, row_config, shift=margin, one=shard is None)
     if shard is not None:
         parts = torch.stack([lp.double(), ln.double(), (npos > 0).double()], dim=1)
@@ -1388,7 +1427,6 @@ def proxy_anchor_backward(
         return _zeros(want_e, embeddings, empty), _zeros(want_p, proxies, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
-    config = config or _default(GRAD_CONFIGS, acc)
     a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config)
     # Per proxy (ProxyAnchorTerms in pair_losses_cpu.cpp), x = α·c: a negative's
     # α/C·exp(x − (Ln − α·margin)), a positive's −α/P·exp(−x − (Lp − α·margin)).
@@ -1466,7 +1504,12 @@ def compile_cases() -> list[CompileCase]:
         # multiplied a slice at a time (the first case of each kernel also so).
         held = _held(128, how.value)
         for mode, what, self_ in modes if name != "fp32 tf32" else modes[:1]:
-            for block_d in (held, 0) if held and what == "supcon" and self_ else (held,):
+            rows_held = _rows_held(128, how.value, mode)
+            for block_d in (rows_held, 0) if rows_held and what == "supcon" and self_ else (rows_held,):
+                rows_configs = (_rows_default(acc64, how.value, block_d),)
+                if first and mode == SUPCON and self_:  # (but the TF32 pair's rows held whole on three
+                    # stages: they pass sm_90's shared memory)
+                    rows_configs = ROWS_CONFIGS[1:] if block_d and how == TF32X3 else ROWS_CONFIGS
                 cases.append(
                     case(
                         f"pair_losses.lse.rows {what} {name}{' self' if self_ else ''}{'' if block_d else ' D loop'}",
@@ -1479,7 +1522,7 @@ def compile_cases() -> list[CompileCase]:
                             BLOCK_D=block_d,
                             **hot_flags,
                         ),
-                        ROWS_CONFIGS if first and mode == SUPCON and self_ else (_default(ROWS_CONFIGS, acc64),),
+                        rows_configs,
                         tensor_cores=not is64,
                     )
                 )
@@ -1491,11 +1534,20 @@ def compile_cases() -> list[CompileCase]:
         passes += [(LOSS_PROXY, "proxy", False, True, False), (LOSS_PROXY, "proxy", False, False, True)]
         for loss, what, self_, own, other in passes if first else passes[:1]:
             for careful in (False, True) if first and loss == LOSS_PROXY and own else (False,):
-                for block_d in (held, 0) if held and loss == LOSS_SUPCON and self_ else (held,):
+                # The rows held whole as sm_90 holds them (sm_80 too, but the TF32 pair's),
+                # and multiplied a slice at a time as wider rows are (and the TF32 pair's of
+                # 128 on sm_80): proxy-anchor's of the headline's 512 features.
+                gheld = _held(128, how.value, HELD_NARROW)
+                ways = [(held, (80, 90) if gheld else (90,))] if held else []
+                if not held or not gheld or (loss == LOSS_SUPCON and self_):
+                    ways.append((0, (80, 90)))
+                for block_d, archs in ways:
                     pass_ = " self" if self_ else (" anchors" if own else " refs")
-                    # The rows' width: the headline's (proxy-anchor's 512), and 512 for the D
-                    # loop of a scheme that holds 128.
-                    width = 512 if loss == LOSS_PROXY or (held and not block_d) else 128
+                    width = 512 if not block_d and (loss == LOSS_PROXY or gheld) else 128
+                    every = first and self_ and loss == LOSS_SUPCON
+                    configs = (_grad_default(acc64, how.value, block_d),)
+                    if every:  # (but the TF32 pair's rows held whole on eight warps: they spill)
+                        configs = GRAD_CONFIGS[1:] if block_d and how == TF32X3 else GRAD_CONFIGS
                     flags_ = dict(CAREFUL=careful, BLOCK_D=block_d, **hot_flags)
                     cases.append(
                         case(
@@ -1504,15 +1556,9 @@ def compile_cases() -> list[CompileCase]:
                             grad_kernel,
                             types,
                             dict(SELF=self_, ANCHORS_OWN=own, ANCHORS_OTHER=other, LOSS=loss, **flags_),
-                            tuple(
-                                _grad_config(c, width, how.value)
-                                for c in (
-                                    GRAD_CONFIGS
-                                    if first and self_ and loss == LOSS_SUPCON
-                                    else (_default(GRAD_CONFIGS, acc64),)
-                                )
-                            ),
+                            tuple(_grad_config(c, width, block_d) for c in configs),
                             tensor_cores=not is64,
+                            archs=archs,
                         )
                     )
         if name == "fp32 tf32":

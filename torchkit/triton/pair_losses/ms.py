@@ -70,10 +70,11 @@ ROWS_CONFIGS = (
     Config(BLOCK_N=128, BLOCK_M=32, BLOCK_K=16, num_warps=8, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
 )
-# ms_exact_kernel: float64 cosines summed in feature order (as the CPU kernel's), no FMA.
+# ms_exact_kernel: float64 cosines summed in feature order (as the CPU kernel's), no FMA;
+# BLOCK_K features loaded at once (_exact).
 EXACT_CONFIGS = (
-    Config(BLOCK_ROWS=16, num_warps=4, num_stages=2, fp_fusion=False),
-    Config(BLOCK_ROWS=4, num_warps=2, num_stages=2, fp_fusion=False),
+    Config(BLOCK_ROWS=16, BLOCK_K=8, num_warps=4, num_stages=2, fp_fusion=False),
+    Config(BLOCK_ROWS=4, BLOCK_K=4, num_warps=2, num_stages=2, fp_fusion=False),
 )
 # ms_grad_kernel: lse.grad_kernel's tiles with more per-anchor numbers (the second spills past
 # 512 bytes on sm_80 with bfloat16 rows held: the first is every dtype's default).
@@ -83,7 +84,7 @@ GRAD_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
 )
 # ms_pairs_grad_kernel: a program per row (its listed pairs), exact cosines as the others.
-PAIRS_CONFIG = Config(num_warps=4, num_stages=2, fp_fusion=False)
+PAIRS_CONFIG = Config(BLOCK_K=8, num_warps=4, num_stages=2, fp_fusion=False)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -290,15 +291,45 @@ def ms_rows_kernel(
 
 
 @triton.jit
-def _exact(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b_ptr, rows, row_mask, cols, mask, D, ONE_FEATURE: tl.constexpr):
+def _exact(
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a,
+    inv_b_ptr,
+    rows,
+    row_mask,
+    cols,
+    mask,
+    D,
+    ONE_FEATURE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The exact cosines of anchors `rows` with refs `cols` (2-D, per anchor), as the CPU
-    kernel's exact_cos: Σ_k (x_ik·inv_i)(y_jk·inv_j) in float64, in feature order."""
+    kernel's exact_cos: Σ_k (x_ik·inv_i)(y_jk·inv_j) in float64, in feature order. The
+    features come BLOCK_K at a time, loaded at once (one round trip to memory, not one per
+    feature), and are summed one after another: feature k taken out of the block as the sum
+    of it and −0s, which is it exactly."""
     inv_b = tl.load(inv_b_ptr + cols, mask=mask, other=0.0)
     out = tl.zeros(cols.shape, tl.float64)
-    for k in range(0, D):
-        a = _unit(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64), inv_a, ONE_FEATURE)
-        b = _unit(tl.load(xb_ptr + cols * sb + k, mask=mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
-        out += a[:, None] * b
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, D, BLOCK_K):
+        k_mask = k0 + ks < D
+        xa = tl.load(
+            xa_ptr + rows[:, None] * sa + (k0 + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        xb = tl.load(
+            xb_ptr + cols[:, :, None] * sb + (k0 + ks)[None, None, :],
+            mask=mask[:, :, None] & k_mask[None, None, :],
+            other=0.0,
+        )
+        for kk in tl.static_range(BLOCK_K):
+            a = tl.sum(tl.where(ks[None, :] == kk, xa, -0.0), axis=1)
+            b = tl.sum(tl.where(ks[None, None, :] == kk, xb, -0.0), axis=2)
+            a = _unit(a.to(tl.float64), inv_a, ONE_FEATURE)
+            b = _unit(b.to(tl.float64), inv_b, ONE_FEATURE)
+            out = tl.where(k0 + kk < D, out + a[:, None] * b, out)
     return out
 
 
@@ -342,6 +373,7 @@ def ms_exact_kernel(
     ACC: tl.constexpr,
     CAP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """The listed pairs of a block of anchors on their exact cosines (an anchor whose list
     outgrew CAP: every pair of it, a CAP at a time), st: the stats (N, 5) float64.
@@ -389,7 +421,7 @@ def ms_exact_kernel(
         if SELF:
             mask = mask & (cols != (rows + OFFSET)[:, None])
         if tl.max(tl.max(mask.to(tl.int32), axis=1), axis=0) > 0:
-            e = _exact(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b_ptr, rows, row_mask, cols, mask, D, ONE_FEATURE)
+            e = _exact(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b_ptr, rows, row_mask, cols, mask, D, ONE_FEATURE, BLOCK_K)
             ref_lab = tl.load(ref_lab_ptr + cols, mask=mask, other=0)
             pos = mask & (ref_lab == lab[:, None])
             neg = mask & (ref_lab != lab[:, None])
@@ -662,6 +694,7 @@ def ms_pairs_grad_kernel(
     ACC: tl.constexpr,
     CAP: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Own row program_id(0)'s listed pairs on their exact cosines (an own row whose list
     outgrew CAP: every pair of it, its slices of ms_grad_kernel's output cleared): the
@@ -710,7 +743,19 @@ def ms_pairs_grad_kernel(
             cols2 = cols[None, :]
             mask2 = mask[None, :]
             e = _exact(
-                xo_ptr, xt_ptr, s_own, s_other, inv_a, inv_other_ptr, rows, row_mask, cols2, mask2, D, ONE_FEATURE
+                xo_ptr,
+                xt_ptr,
+                s_own,
+                s_other,
+                inv_a,
+                inv_other_ptr,
+                rows,
+                row_mask,
+                cols2,
+                mask2,
+                D,
+                ONE_FEATURE,
+                BLOCK_K,
             )
             same_lab = lab[:, None] == tl.load(other_lab_ptr + cols2, mask=mask2, other=-1)
             pos = mask2 & same_lab
@@ -897,7 +942,7 @@ def multi_similarity_forward(
                 SELF=self_,
                 PASS=step,
                 MINING=mining,
-                BLOCK_D=lse._held(D, a.scheme),
+                BLOCK_D=lse._held(D, a.scheme, lse.HELD_NARROW),
                 **lse._launch_flags(a, acc),
                 **config.launch,
             )
@@ -1053,7 +1098,8 @@ def multi_similarity_backward(
 
     def rows_grad(own, other, sides, own_groups, other_groups, anchors_own, anchors_other, like, offset=0):
         # (sides: own's and other's rows as the exact cosines take them; groups: of equal rows)
-        launch = lse._grad_config(config, D, own.scheme)
+        held = lse._held(D, own.scheme, lse.HELD_NARROW)
+        launch = lse._grad_config(config, D, held)
         k = launch.kwargs
         n = own.n
         programs = blocks(n, k["BLOCK_N"]) * blocks(D, k["BLOCK_F"])
@@ -1089,7 +1135,7 @@ def multi_similarity_backward(
             ANCHORS_OWN=anchors_own,
             ANCHORS_OTHER=anchors_other,
             MINING=mining,
-            BLOCK_D=lse._held(D, own.scheme),
+            BLOCK_D=held,
             **lse._launch_flags(own, acc),
             **launch.launch,
         )
@@ -1204,7 +1250,7 @@ def compile_cases() -> list[CompileCase]:
             **dict.fromkeys(("xa_ptr", "xb_ptr", "xo_ptr", "xt_ptr"), "*" + dtype),
             **dict.fromkeys(("inv_a_ptr", "inv_b_ptr", "st_ptr", "inv_own_ptr", "inv_other_ptr", "stats_ptr"), "*fp64"),
         }
-        held = lse._held(128, how.value)
+        held = lse._held(128, how.value, lse.HELD_NARROW)
         steps = ((EXTREMES, "extremes", True), (CANDIDATES, "candidates", True), (TERMS, "terms", True))
         steps += ((TERMS, "terms all pairs", False),)
         for step, what, mining in steps:
@@ -1249,7 +1295,7 @@ def compile_cases() -> list[CompileCase]:
                             **flags,
                         ),
                         tuple(
-                            lse._grad_config(c, 128, how.value)
+                            lse._grad_config(c, 128, held)
                             for c in (GRAD_CONFIGS if first and self_ and mining else (default,))
                         ),
                         tensor_cores=not is64,
