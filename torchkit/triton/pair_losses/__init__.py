@@ -78,7 +78,17 @@ from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_para
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse, ms
-from torchkit.triton.pair_losses._common import NORM_EPS, _parts, _self_pairs, _shard, _unit, _whole_rows, _zeros
+from torchkit.triton.pair_losses._common import (
+    NORM_EPS,
+    ORDERED_BLOCK,
+    _feature,
+    _parts,
+    _self_pairs,
+    _shard,
+    _unit,
+    _whole_rows,
+    _zeros,
+)
 from torchkit.triton.pair_losses.lse import (  # noqa: F401 (the ops' kernels: torchkit.triton.TRITON_KERNELS)
     ntxent_backward,
     ntxent_forward,
@@ -310,20 +320,26 @@ def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BL
     e = tl.where(special, 0, tm.ilogb(tl.where(special, 1.0, top), True) + 1)
     total = tl.zeros((BLOCK_ROWS,), tl.float64)
     s = 0 - e
-    if tl.min(s, axis=0) >= -1022:
-        # x·2^s as ldexp rounds it, by normal powers of two: one (rounding once) down, two
-        # (exact) up.
-        half = tl.where(s >= 0, s // 2, s)
-        f1 = tm.pow2(half, True)
-        f2 = tm.pow2(s - half, True)
-        for k in range(0, D):
-            v = tl.load(x_ptr + rows * stride_row + k, mask=row_mask, other=0.0).to(tl.float64) * f1 * f2
-            total += v * v
-    else:  # a row of entries near the largest finite float: 2^s is subnormal
-        for k in range(0, D):
-            v = tl.load(x_ptr + rows * stride_row + k, mask=row_mask, other=0.0).to(tl.float64)
-            v = tm.ldexp(v, s, True)
-            total += v * v
+    # x·2^s as ldexp rounds it: by normal powers of two, one (rounding once) down, two (exact)
+    # up; or, for a row of entries near the largest finite float (2^s subnormal), by ldexp.
+    normal = tl.min(s, axis=0) >= -1022
+    half = tl.where(s >= 0, s // 2, s)
+    f1 = tm.pow2(tl.where(normal, half, 0), True)
+    f2 = tm.pow2(tl.where(normal, s - half, 0), True)
+    ks = tl.arange(0, ORDERED_BLOCK)
+    for k0 in range(0, D, ORDERED_BLOCK):
+        block = tl.load(
+            x_ptr + rows[:, None] * stride_row + (k0 + ks)[None, :],
+            mask=row_mask[:, None] & (k0 + ks < D)[None, :],
+            other=0.0,
+        )
+        for kk in tl.static_range(ORDERED_BLOCK):  # (in feature order: _feature)
+            v = _feature(block, ks, kk).to(tl.float64)
+            if normal:
+                v = v * f1 * f2
+            else:
+                v = tm.ldexp(v, s, True)
+            total = tl.where(k0 + kk < D, total + v * v, total)
     norm = tl.where(special, top, tm.ldexp(tl.sqrt(total), e, True))
     eps = tl.full((BLOCK_ROWS,), NORM_EPS, tl.float64)
     inv = 1.0 / tl.where(norm < eps, eps, norm)  # NaN stays NaN
@@ -387,10 +403,17 @@ def self_cos_kernel(x_ptr, inv_ptr, out_ptr, N, D, stride_row, BLOCK_ROWS: tl.co
     row_mask = rows < N
     inv = tl.load(inv_ptr + rows, mask=row_mask, other=0.0)
     out = tl.zeros((BLOCK_ROWS,), tl.float64)
-    for k in range(0, D):
-        a = tl.load(x_ptr + rows * stride_row + k, mask=row_mask, other=0.0).to(tl.float64)
-        a = tl.where(D == 1, _unit(a, inv, True), a * inv)
-        out += a * a
+    ks = tl.arange(0, ORDERED_BLOCK)
+    for k0 in range(0, D, ORDERED_BLOCK):
+        block = tl.load(
+            x_ptr + rows[:, None] * stride_row + (k0 + ks)[None, :],
+            mask=row_mask[:, None] & (k0 + ks < D)[None, :],
+            other=0.0,
+        )
+        for kk in tl.static_range(ORDERED_BLOCK):  # (in feature order: _feature)
+            a = _feature(block, ks, kk).to(tl.float64)
+            a = tl.where(D == 1, _unit(a, inv, True), a * inv)
+            out = tl.where(k0 + kk < D, out + a * a, out)
     tl.store(out_ptr + rows, out, mask=row_mask)
 
 

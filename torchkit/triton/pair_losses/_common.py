@@ -15,6 +15,18 @@ from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
 
+# The features the feature-order sums of the exact kernels load at once (one round trip to
+# memory per block, not per feature), then take out one by one (_feature).
+ORDERED_BLOCK = tl.constexpr(8)
+
+
+@triton.jit
+def _feature(block, ks, kk):
+    """Feature kk of a block of rows' features (2-D; ks: the features' indices along its
+    second axis) exactly: the sum of it and −0s, as x + (−0) is x for every x."""
+    return tl.sum(tl.where(ks[None, :] == kk, block, -0.0), axis=1)
+
+
 @triton.jit
 def _unit(x, inv, ONE_FEATURE: tl.constexpr):
     """F.normalize's rows x / max(‖x‖, eps) in float64 from x (float64) and its float64 1/norm,

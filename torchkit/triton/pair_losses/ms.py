@@ -51,7 +51,7 @@ from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_para
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse
-from torchkit.triton.pair_losses._common import _parts, _self_pairs, _shard, _unit, _whole_rows, _zeros
+from torchkit.triton.pair_losses._common import _feature, _parts, _self_pairs, _shard, _unit, _whole_rows, _zeros
 
 # ms_rows_kernel's passes.
 EXTREMES = tl.constexpr(0)
@@ -309,8 +309,7 @@ def _exact(
     """The exact cosines of anchors `rows` with refs `cols` (2-D, per anchor), as the CPU
     kernel's exact_cos: Σ_k (x_ik·inv_i)(y_jk·inv_j) in float64, in feature order. The
     features come BLOCK_K at a time, loaded at once (one round trip to memory, not one per
-    feature), and are summed one after another: feature k taken out of the block as the sum
-    of it and −0s, which is it exactly."""
+    feature), and are summed one after another (_feature)."""
     inv_b = tl.load(inv_b_ptr + cols, mask=mask, other=0.0)
     out = tl.zeros(cols.shape, tl.float64)
     ks = tl.arange(0, BLOCK_K)
@@ -325,8 +324,8 @@ def _exact(
             other=0.0,
         )
         for kk in tl.static_range(BLOCK_K):
-            a = tl.sum(tl.where(ks[None, :] == kk, xa, -0.0), axis=1)
-            b = tl.sum(tl.where(ks[None, None, :] == kk, xb, -0.0), axis=2)
+            a = _feature(xa, ks, kk)
+            b = tl.sum(tl.where(ks[None, None, :] == kk, xb, -0.0), axis=2)  # (_feature's, in 3-D)
             a = _unit(a.to(tl.float64), inv_a, ONE_FEATURE)
             b = _unit(b.to(tl.float64), inv_b, ONE_FEATURE)
             out = tl.where(k0 + kk < D, out + a[:, None] * b, out)
