@@ -99,7 +99,7 @@ BASE2_SCALE = 2.0**64
 # rows_kernel's: the second the TF32 pair's default where its rows are held whole (two stages:
 # three pass sm_90's shared memory).
 ROWS_CONFIGS = (
-    Config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=16, num_warps=8, num_stages=3),
+    Config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=3),
     Config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=16, num_warps=8, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),  # float64's
 )
