@@ -1419,13 +1419,16 @@ def test_triton_kernels_round_as_the_cpu_kernels():
     them with -ffp-contract=off): with it, a zero row's exact distances to normalised rows
     (all 1 within an ulp) round otherwise, and batch_hard chose another nearest negative than
     the CPU kernel on an H200. The tensor-core tile kernels (their contract is a bound against
-    float64, with which multi-similarity's decides on exact cosines near a threshold) may fuse;
+    float64, with which multi-similarity and contrastive_loss decide on exact values near a
+    threshold) may fuse;
     the per-row kernels, which form the norms as the CPU kernels do, and the exact cosines may
     not."""
     tp = triton_module()
     configs = [c for name in dir(tp) if name.endswith("_CONFIGS") for c in getattr(tp, name)]
-    configs += (*tp.lse.ROW_CONFIGS, *tp.ms.EXACT_CONFIGS, tp.ms.PAIRS_CONFIG)
+    configs += (*tp.lse.ROW_CONFIGS, *tp.ms.EXACT_CONFIGS, tp.ms.PAIRS_CONFIG, *tp.euclid.EXACT_CONFIGS)
+    configs += (tp.euclid.PAIRS_CONFIG,)
     fused = (tp.lse.rows_kernel, tp.lse.grad_kernel, tp.ms.ms_rows_kernel, tp.ms.ms_grad_kernel)
+    fused += (tp.euclid.contrastive_rows_kernel, tp.euclid.contrastive_grad_kernel)
     configs += [c for case in tp.compile_cases() if case.kernel not in fused for c in case.configs]
     assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
 
@@ -1605,12 +1608,12 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     exact = loss != "supcon_loss" and loss != "ntxent_loss"  # float64 tiles beside ACC's
     hard = params[-1] == "batch_hard"
     triplets = loss == "triplet_margin_loss" and not hard  # all, semi_hard
-    ms = loss == "multi_similarity_loss"
+    engine = {"multi_similarity_loss": tp.ms, "contrastive_loss": tp.euclid}.get(loss)
     rows = pick(
         tp.TRIPLET_ROWS_CONFIGS
         if triplets
-        else tp.ms.ROWS_CONFIGS
-        if ms
+        else engine.ROWS_CONFIGS
+        if engine
         else tp.EXACT_ROWS_CONFIGS
         if exact
         else tp.lse.ROWS_CONFIGS
@@ -1618,15 +1621,15 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     grad = pick(
         tp.HARD_GRAD_CONFIGS
         if hard
-        else tp.ms.GRAD_CONFIGS
-        if ms
+        else engine.GRAD_CONFIGS
+        if engine
         else tp.EXACT_GRAD_CONFIGS
         if exact
         else tp.lse.GRAD_CONFIGS
     )
     row = pick(tp.ROW_CONFIGS if exact else tp.lse.ROW_CONFIGS)
     more = dict(rows_config=rows) if triplets else {}
-    forward_more = dict(exact_config=pick(tp.ms.EXACT_CONFIGS)) if ms else {}
+    forward_more = dict(exact_config=pick(engine.EXACT_CONFIGS)) if engine else {}
     for e, labels, ref, ref_labels in triton_problems():
         value, stats = op(e, labels, ref, ref_labels, *params)
         inputs = on(device, e, labels, ref, ref_labels)
@@ -2380,6 +2383,84 @@ def _check_ms_choices(dtype, setting, tol, device):
             else:  # (total, anchors, kept negatives, kept positives)
                 assert torch.equal(got[1:].cpu(), value[1:]), (name, dtype, setting)
                 torch.testing.assert_close(got[0].cpu(), value[0], rtol=0, atol=(2 * tol + 1e-5) * e.shape[0])
+
+
+def contrastive_problems(dtype):
+    """(name, embeddings, labels, refs, ref labels, margins) on which contrastive_loss's terms
+    meet the tiles' error: random rows (several blocks, ragged); rows of two directions
+    jittered by about an ulp of float32 (near-duplicates: their expansions cancel, lists past
+    the test's 16 slots, anchors taken whole; equal rows in bfloat16 and float16) beside random
+    ones, with margins at the float64 distances of a positive and a negative pair (terms that
+    tie their margin) and at 0 and 1 (a near-duplicate positive counts, a tie does not); a
+    collapsed batch (one row repeated, and a zero row: at distance exactly 1 from the others,
+    a tie with neg_margin = 1)."""
+    e, labels = make((90, 19), seed=41), make_labels(90, 9, seed=41)
+    ref, ref_labels = make((70, 19), seed=42), make_labels(70, 9, seed=42)
+    yield "random", e.to(dtype), labels, ref.to(dtype), ref_labels, (0.3, 1.2)
+    directions = make((2, 19), seed=43)
+    e, ref = make((64, 19), seed=44), make((56, 19), seed=45)
+    e[:50] = directions[torch.arange(50) % 2] + 1e-7 * e[:50]
+    ref[:40] = directions[torch.arange(40) % 2] + 1e-7 * ref[:40]
+    e, ref = e.to(dtype), ref.to(dtype)
+    e_labels, ref_labels = make_labels(64, 4, seed=44), make_labels(56, 4, seed=45)
+    x = torch.nn.functional.normalize(e.double(), dim=1)
+    pos = next(j for j in range(51, 64) if e_labels[j] == e_labels[50])
+    neg = next(j for j in range(51, 64) if e_labels[j] != e_labels[50])
+    margins = ((x[50] - x[pos]).norm().item(), (x[50] - x[neg]).norm().item())
+    yield "ties", e, e_labels, ref, ref_labels, margins
+    yield "near-duplicates", e, e_labels, ref, ref_labels, (0.0, 1.0)
+    e = directions[:1].expand(40, 19).clone()
+    e[7] = 0
+    ref_labels = make_labels(30, 3, seed=47)
+    yield "collapsed", e.to(dtype), make_labels(40, 3, seed=46), e[:30].to(dtype), ref_labels, (0.0, 1.0)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+def test_triton_contrastive_counts_as_float64_on_tensor_core_tiles(monkeypatch, device):
+    """contrastive_loss's tiles under every product scheme, its terms counted on exact
+    distances where they lie within the tiles' error of their margin: the stats (1/terms of
+    each kind) are the CPU kernel's to the bit, and a shard's counts, without refs and with;
+    the loss within the scheme's error of a distance (each term moves by at most that; and
+    the output's rounding), a shard's sums within it per term; the gradients within a few
+    times it (w = 1/d moves with d) and the output's rounding."""
+    tp = triton_module()
+    monkeypatch.setattr(tp.ms, "CAPS", dict.fromkeys(tp.ms.CAPS, 16))  # (smaller problems pass it)
+    monkeypatch.setattr(tp.ms, "CAP_ROUNDED", 16)
+    op, backward = raw("contrastive_loss")
+    before = torch.get_float32_matmul_precision()
+    # (float16 rows' points are float32, as bfloat16 rows': one of them)
+    for dtype, setting, tol in [scheme for scheme in MS_SCHEMES if scheme[0] != torch.float16]:
+        rounding = torch.finfo(dtype).eps
+        for name, e, labels, ref, ref_labels, margins in contrastive_problems(dtype):
+            for r, r_lab, shard in ((None, None, None), (ref, ref_labels, -1)):
+                extra = () if shard is None else (shard,)
+                value, stats = op(e, labels, r, r_lab, *margins, *extra)  # (IEEE products)
+                g, want = torch.ones((), dtype=value.dtype), [True, r is not None]
+                inputs = on(device, e, labels, r, r_lab)
+                grads = ()
+                try:
+                    torch.set_float32_matmul_precision(setting)
+                    got, got_stats = tp.contrastive_forward(*inputs, *margins, *extra)
+                    if shard is None:
+                        grads = tp.contrastive_backward(*on(device, g), *inputs, *on(device, stats), *margins, want)
+                finally:
+                    torch.set_float32_matmul_precision(before)
+                where = (name, dtype, setting, shard)
+                assert torch.equal(got_stats.cpu(), stats), where
+                if shard is None:
+                    atol = 2 * tol + 2 * rounding * value.abs().item()
+                    torch.testing.assert_close(got.cpu().double(), value.double(), rtol=0, atol=atol)
+                    exp = backward(g, e, labels, r, r_lab, stats, *margins, want)
+                    for a, b in zip(grads, exp, strict=True):
+                        scale = b.double().abs().amax().item() if b.numel() else 0.0
+                        atol = (4 * tol + 2 * rounding) * scale
+                        torch.testing.assert_close(a.cpu().double(), b.double(), rtol=0, atol=atol)
+                else:  # (positive sum, terms, negative sum, terms, pairs of each kind)
+                    assert torch.equal(got[1::2].cpu(), value[1::2]), where
+                    for k in (0, 2):
+                        atol = (tol + 1e-6) * value[k + 1].item()
+                        torch.testing.assert_close(got[k].cpu(), value[k], rtol=0, atol=atol)
 
 
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)

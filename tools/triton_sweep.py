@@ -149,13 +149,13 @@ def sweep_pair_losses(results: dict) -> None:
             t = milliseconds(lambda c=config, args=args: kernels.multi_similarity_backward(*args, config=c))
             rows.append(("multi_similarity.grad", i, repr(config), t))
         margins = (0.0, 1.0)
-        for i, config in enumerate(kernels.EXACT_ROWS_CONFIGS):
+        for i, config in enumerate(kernels.euclid.ROWS_CONFIGS):
             args = (e, labels, r, rl, *margins)
             t = milliseconds(lambda c=config, args=args: kernels.contrastive_forward(*args, config=c))
             rows.append(("contrastive.rows", i, repr(config), t))
         value, stats = kernels.contrastive_forward(e, labels, r, rl, *margins)
         args = (torch.ones_like(value), e, labels, r, rl, stats, *margins, [True, r is not None])
-        for i, config in enumerate(kernels.EXACT_GRAD_CONFIGS):
+        for i, config in enumerate(kernels.euclid.GRAD_CONFIGS):
             t = milliseconds(lambda c=config, args=args: kernels.contrastive_backward(*args, config=c))
             rows.append(("contrastive.grad", i, repr(config), t))
         for i, config in enumerate(kernels.EXACT_ROWS_CONFIGS):

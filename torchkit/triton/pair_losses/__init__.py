@@ -2,8 +2,10 @@
 triplet_margin_loss, multi_similarity_loss, proxy_anchor_loss): their CUDA kernels where
 torchkit.triton selects them. One engine per module: lse.py (supcon_loss, ntxent_loss and
 proxy_anchor_loss: tensor-core tiles and log-sum-exps, under the CUDA precision contract);
-ms.py (multi_similarity_loss: the same tiles, its choices exact); this module holds
-the others, which keep the CPU kernels' exact decisions on IEEE float32 or float64 tiles.
+ms.py (multi_similarity_loss: the same tiles, its choices exact); euclid.py
+(contrastive_loss: tensor-core distance tiles, its choices exact); this module holds the
+triplets, which keep the CPU kernels' exact decisions on IEEE float32 or float64 tiles, and
+what the engines share of the exact machinery.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
 csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either backward takes
@@ -17,14 +19,13 @@ either forward's stats. Nothing N×M exists:
   through the normalisation, times the loss's gradient read on the device).
 - Exact cosines (multi_similarity_loss's, ms.py): float64 inverse norms (norm64_kernel), the
   cosine of a row with an equal one (self_cos_kernel).
-- contrastive_loss (Euclidean distances of the normalised rows): the rows centred on the
-  float64 mean of the finite ones of both sides, rounded once (centre_sums_kernel,
-  points_kernel); each tile's distances from the expansion |c_i|² + |c_j|² − 2c_i·c_j, and
-  where it cancelled (near-duplicates) or a term's margin is within the tile's error bound of
-  the distance, the exact distance from the inputs in float64 (as the CPU kernel's
-  Points::direct), a tile at a time and only for tiles that have such an entry. The backward
-  recomputes the same distances and decisions; its directly computed entries take their
-  gradient from the inputs' float64 differences.
+- Euclidean distances of the normalised rows (the triplets', and contrastive_loss's points):
+  the rows centred on the float64 mean of the finite ones of both sides, rounded once
+  (centre_sums_kernel, points_kernel: _points); each tile's distances from the expansion
+  |c_i|² + |c_j|² − 2c_i·c_j, and where it cancelled (near-duplicates) or a choice is within
+  the tile's error bound of its threshold, the exact distance from the inputs in float64 (as
+  the CPU kernel's Points::direct), a tile at a time and only for tiles that have such an
+  entry.
 - Equal rows (_equal_rows: the rows sorted by a key and compared with their neighbour, as
   the CPU kernels' equal_rows groups them): a pair of equal rows is at distance 0 and has
   one exact cosine (self_cos_kernel's), taken without a computation, so that a collapsed
@@ -45,8 +46,8 @@ either forward's stats. Nothing N×M exists:
   anchors a band at a time (BAND_PAIRS): triplet_rows_kernel writes each pair's ∂loss/∂d·C
   (a negative: minus its counted positives; a positive: its counted triplets; the refs split
   into slices across programs, as a band has too few anchors to fill the GPU), then
-  euclidean_grad_kernel (contrastive_loss's backward, reading the band) adds the band's
-  gradient to the anchors' and the refs' rows, bands in order.
+  triplet_grad_kernel (reading the band) adds the band's gradient to the anchors' and the
+  refs' rows, bands in order.
 
 - A shard (the losses across ranks; csrc/pair_losses.h) of supcon_loss, ntxent_loss,
   contrastive_loss and multi_similarity_loss: the forward is the one with refs, anchor i's
@@ -54,7 +55,7 @@ either forward's stats. Nothing N×M exists:
   on the device like the loss. The backward of a shard of the rows takes the whole problem's
   stats and is the refs' own problem (without refs) restricted to the anchors' rows: own
   rows [shard, shard + N) against every row, as anchor and as ref (lse.grad_kernel's and
-  ms_grad_kernel's OFFSET, euclidean_grad_kernel's OWN0 and OUT0). proxy_anchor_loss's shard
+  ms_grad_kernel's and euclid's OFFSET). proxy_anchor_loss's shard
   (one rank's embeddings) is its forward's per-proxy log-sums without the 1.
   triplet_margin_loss's shard is its forward with refs, hard_rows_kernel and
   triplet_rows_kernel leaving out anchor i's pair with ref row OFFSET + i, returning the
@@ -77,18 +78,21 @@ from torchkit.ops._common import acc_dtype, check_scalars
 from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
-from torchkit.triton.pair_losses import lse, ms
+from torchkit.triton.pair_losses import euclid, lse, ms
 from torchkit.triton.pair_losses._common import (
     NORM_EPS,
     ORDERED_BLOCK,
     _feature,
+    _pair_exact,
     _parts,
     _self_pairs,
     _shard,
     _unit,
-    _whole_rows,
+    _unit_row,
+    _zero_rows,
     _zeros,
 )
+from torchkit.triton.pair_losses.euclid import contrastive_backward, contrastive_forward  # noqa: F401 (as below)
 from torchkit.triton.pair_losses.lse import (  # noqa: F401 (the ops' kernels: torchkit.triton.TRITON_KERNELS)
     ntxent_backward,
     ntxent_forward,
@@ -109,11 +113,6 @@ FLOAT64_DECISIONS = (
     "decide (Inputs::clear, MultiSimilarity::mined); not yet a float32 bound with a sparse float64 recheck"
 )
 
-# euclidean_grad_kernel's sources of ∂loss/∂d: contrastive_loss's terms, a band of
-# triplet_rows_kernel's coefficients.
-CONTRASTIVE_TERMS = tl.constexpr(0)
-BAND_TERMS = tl.constexpr(1)
-
 
 def _config(**kwargs) -> Config:
     """A launch configuration of this module's kernels, none of which lets the compiler fuse a
@@ -126,9 +125,8 @@ def _config(**kwargs) -> Config:
 
 # Launch configurations. Each is run by the tests (every masking path) and compiled by
 # tools/triton_check.py; `config` arguments pick one, the default being the first.
-# The kernels that carry float64 tiles beside the float32 ones (multi-similarity's exact
-# cosines, the Euclidean losses' exact distances and float64 terms): smaller tiles keep them
-# within the registers.
+# The kernels that carry float64 tiles beside the float32 ones (the triplets' exact distances
+# and float64 terms): smaller tiles keep them within the registers.
 EXACT_ROWS_CONFIGS = (
     _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
     _config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=2),
@@ -501,33 +499,6 @@ def _exact_dist(
 
 
 @triton.jit
-def _unit_row(inv):
-    """Whether a row's normalised norm is 1 in exact arithmetic (Points::unit): its norm finite
-    and above eps (1/norm in (0, 1/eps); NaN fails)."""
-    return (inv > 0.0) & (inv < 1.0 / tl.full(inv.shape, NORM_EPS, tl.float64))
-
-
-@triton.jit
-def _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, cols, row_mask, col_mask, D):
-    """Which rows of either side (cols: a vector, or a 2-D block of ref rows) are all zero:
-    F.normalize leaves them 0, at distance exactly 1 from every unit row (Points::zero). Read
-    only where a row is clamped (1/norm >= 1/eps: a zero row is), which is rare."""
-    zero_a = tl.zeros(rows.shape, tl.int1)
-    zero_b = tl.zeros(cols.shape, tl.int1)
-    big = 1.0 / tl.full((), NORM_EPS, tl.float64)
-    clamped = tl.max((inv_a >= big).to(tl.int32), axis=0) + tl.max(tl.ravel((inv_b >= big).to(tl.int32)), axis=0)
-    if clamped > 0:
-        size_a = tl.zeros(rows.shape, tl.float64)
-        size_b = tl.zeros(cols.shape, tl.float64)
-        for k in range(0, D):
-            size_a += tl.abs(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64))
-            size_b += tl.abs(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64))
-        zero_a = size_a == 0.0
-        zero_b = size_b == 0.0
-    return zero_a, zero_b
-
-
-@triton.jit
 def _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K):
     """A tile's distances from the centred points' expansion, √(|c_i|² + |c_j|² − 2c_i·c_j)
     (correctly rounded root), and which entries cancelled (d² ≤ (|c_i|² + |c_j|²)/16, a
@@ -539,109 +510,9 @@ def _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, AC
     return d, (d * d * 16.0 > total) == 0
 
 
-@triton.jit
-def _clear(d, t, sq_a, sq_b, err, unit):
-    """Whether a choice against threshold t can be made on the tile's d (float64): where
-    |d − t|·d > (D + 4)·u·(|c_i|² + |c_j|²) + 4u·d² leaves it on the exact distance's side of
-    t (Inputs::clear), or d is NaN; elsewhere it is made on the exact distance."""
-    e = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64))
-    return (tl.abs(d - t) * d > e + 4.0 * unit * d * d) | (d != d)
-
-
 @hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
 @triton.jit
-def contrastive_rows_kernel(
-    ca_ptr,
-    cb_ptr,
-    sq_a_ptr,
-    sq_b_ptr,
-    xa_ptr,
-    xb_ptr,
-    sa,
-    sb,
-    inv_a_ptr,
-    inv_b_ptr,
-    grp_a_ptr,
-    grp_b_ptr,
-    lab_ptr,
-    ref_lab_ptr,
-    sums_ptr,
-    count_ptr,
-    N,
-    M,
-    D,
-    OFFSET,
-    POS_BITS,
-    NEG_BITS,
-    ERR_BITS,
-    UNIT_BITS,
-    SELF: tl.constexpr,
-    ONE_FEATURE: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Per anchor, over every ref (SELF: anchor i is ref OFFSET + i, not a pair): the counted
-    terms' sums (sums: (N, 2) float64, negative then positive) and counts, and the pairs of
-    each kind (count: (N, 4) int32: negative and positive terms, negative and positive pairs).
-    A positive pair's term d − pos_margin, a negative's neg_margin − d, counted where not <= 0
-    (NaN counts); d the tile's, or exact where it cancelled or is too near its margin to tell
-    (contrastive_forward)."""
-    pos_margin = tm.f64(POS_BITS)
-    neg_margin = tm.f64(NEG_BITS)
-    err = tm.f64(ERR_BITS)
-    unit = tm.f64(UNIT_BITS)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
-    sq_a = tl.load(sq_a_ptr + rows, mask=row_mask, other=0.0)
-    sum_neg = tl.zeros((BLOCK_N,), tl.float64)
-    sum_pos = tl.zeros((BLOCK_N,), tl.float64)
-    terms_neg = tl.zeros((BLOCK_N,), tl.int32)
-    terms_pos = tl.zeros((BLOCK_N,), tl.int32)
-    pairs_neg = tl.zeros((BLOCK_N,), tl.int32)
-    pairs_pos = tl.zeros((BLOCK_N,), tl.int32)
-    for j0 in range(0, M, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-        col_mask = cols < M
-        ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
-        sq_b = tl.load(sq_b_ptr + cols, mask=col_mask, other=0.0)
-        d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
-        valid = row_mask[:, None] & col_mask[None, :]
-        if SELF:
-            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
-        pos = valid & (lab[:, None] == ref_lab[None, :])
-        d64 = d.to(tl.float64)
-        clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_a, sq_b, err, unit)
-        same = _same(grp_a_ptr, grp_b_ptr, rows, cols, row_mask, col_mask)
-        exact = d64
-        if _any(valid & (direct | (clear == 0)) & (same == 0)):
-            exact = _exact_dist(
-                xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
-            )
-        exact = tl.where(same, 0.0, exact)
-        dd = tl.where(direct, exact.to(ACC).to(tl.float64), tl.where(clear, d64, exact))
-        v = tl.where(pos, dd - pos_margin, neg_margin - dd)
-        counted = valid & ((v <= 0) == 0)
-        sum_pos += tl.sum(tl.where(counted & pos, v, 0.0), axis=1)
-        sum_neg += tl.sum(tl.where(counted & (pos == 0), v, 0.0), axis=1)
-        terms_pos += tl.sum((counted & pos).to(tl.int32), axis=1)
-        terms_neg += tl.sum((counted & (pos == 0)).to(tl.int32), axis=1)
-        pairs_pos += tl.sum(pos.to(tl.int32), axis=1)
-        pairs_neg += tl.sum((valid & (pos == 0)).to(tl.int32), axis=1)
-    tl.store(sums_ptr + rows * 2, sum_neg, mask=row_mask)
-    tl.store(sums_ptr + rows * 2 + 1, sum_pos, mask=row_mask)
-    tl.store(count_ptr + rows * 4, terms_neg, mask=row_mask)
-    tl.store(count_ptr + rows * 4 + 1, terms_pos, mask=row_mask)
-    tl.store(count_ptr + rows * 4 + 2, pairs_neg, mask=row_mask)
-    tl.store(count_ptr + rows * 4 + 3, pairs_pos, mask=row_mask)
-
-
-@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
-@triton.jit
-def euclidean_grad_kernel(
+def triplet_grad_kernel(
     c_own_ptr,
     c_other_ptr,
     sq_own_ptr,
@@ -654,8 +525,6 @@ def euclidean_grad_kernel(
     inv_other_ptr,
     grp_own_ptr,
     grp_other_ptr,
-    own_lab_ptr,
-    other_lab_ptr,
     st_ptr,
     band_ptr,
     out_ptr,
@@ -667,14 +536,7 @@ def euclidean_grad_kernel(
     BAND0,
     BAND_STRIDE,
     D,
-    POS_BITS,
-    NEG_BITS,
-    ERR_BITS,
-    UNIT_BITS,
-    TERMS: tl.constexpr,
-    SELF: tl.constexpr,
     ANCHORS_OWN: tl.constexpr,
-    ADD: tl.constexpr,
     ONE_FEATURE: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
@@ -683,36 +545,19 @@ def euclidean_grad_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    """out[own rows [OWN0, N_OWN) (out's row 0: own row OUT0), feature block] (ADD: +=) =
-    ∂loss/∂(own's normalised rows)
-    from the pairs with the other side's rows [OTHER0, N_OTHER): per pair w = ∂loss/∂d / d
-    (0 at d = 0), Σ_j w_ij (c_i − c_j) as rowsum(w)·c_i − w·C per tile; entries the tiles
-    computed directly take w_ij (e_i − e_j) from the float64 differences of the inputs instead
-    (rows_grad in the CPU kernel). ∂loss/∂d by TERMS:
-    - CONTRASTIVE_TERMS: 1/(positive terms) for a counted positive term, −1/(negative terms)
-      for a counted negative one (st: the stats' first row), twice that without refs (SELF),
-      where the pair is in the loss from both its rows; its distance and decisions as
-      contrastive_rows_kernel's.
-    - BAND_TERMS: band[a − BAND0, r]·st[0] for anchor a and ref row r (triplet_rows_kernel's
-      band; ANCHORS_OWN: the own rows are the anchors), for a range of anchors at a time; a
-      tile whose entries are all 0 is skipped."""
-    pos_margin = tm.f64(POS_BITS)
-    neg_margin = tm.f64(NEG_BITS)
-    err = tm.f64(ERR_BITS)
-    unit = tm.f64(UNIT_BITS)
-    w_pos = tl.load(st_ptr).to(tl.float64)
-    w_neg = w_pos
-    if TERMS == CONTRASTIVE_TERMS:
-        w_neg = tl.load(st_ptr + 1).to(tl.float64)
-    if SELF:
-        w_pos = 2.0 * w_pos
-        w_neg = 2.0 * w_neg
+    """out[own rows [OWN0, N_OWN) (out's row 0: own row OUT0), feature block] +=
+    ∂loss/∂(own's normalised rows) from a band of triplet_rows_kernel's coefficients: for
+    anchor a and ref row r, ∂loss/∂d = band[a − BAND0, r]·st[0] (ANCHORS_OWN: the own rows are
+    the anchors; the other side's rows [OTHER0, N_OTHER)), per pair w = ∂loss/∂d / d (0 at
+    d = 0), Σ_j w_ij (c_i − c_j) as rowsum(w)·c_i − w·C per tile, a tile whose entries are all
+    0 skipped; entries the tiles computed directly take w_ij (e_i − e_j) from the float64
+    differences of the inputs instead (rows_grad in the CPU kernel)."""
+    scale = tl.load(st_ptr).to(tl.float64)
     rows = OWN0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
     row_mask = rows < N_OWN
     f_mask = fs < D
     own_f = row_mask[:, None] & f_mask[None, :]
-    lab = tl.load(own_lab_ptr + rows, mask=row_mask, other=0)
     sq_i = tl.load(sq_own_ptr + rows, mask=row_mask, other=0.0)
     c_i = tl.load(c_own_ptr + rows[:, None] * D + fs[None, :], mask=own_f, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
@@ -720,19 +565,12 @@ def euclidean_grad_kernel(
         cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
         col_mask = cols < N_OTHER
         valid = row_mask[:, None] & col_mask[None, :]
-        if SELF:
-            valid = valid & (rows[:, None] != cols[None, :])
-        if TERMS == BAND_TERMS:
-            if ANCHORS_OWN:
-                at = band_ptr + (rows - BAND0)[:, None] * BAND_STRIDE + cols[None, :]
-            else:
-                at = band_ptr + (cols - BAND0)[None, :] * BAND_STRIDE + rows[:, None]
-            g = tl.load(at, mask=valid, other=0).to(tl.float64) * w_pos
-            live = _any(g != 0)
+        if ANCHORS_OWN:
+            at = band_ptr + (rows - BAND0)[:, None] * BAND_STRIDE + cols[None, :]
         else:
-            live = True
-        if live:
-            other_lab = tl.load(other_lab_ptr + cols, mask=col_mask, other=0)
+            at = band_ptr + (cols - BAND0)[None, :] * BAND_STRIDE + rows[:, None]
+        g = tl.load(at, mask=valid, other=0).to(tl.float64) * scale
+        if _any(g != 0):
             sq_j = tl.load(sq_other_ptr + cols, mask=col_mask, other=0.0)
             d, direct = _distances(
                 c_own_ptr, c_other_ptr, sq_i, sq_j, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K
@@ -759,29 +597,6 @@ def euclidean_grad_kernel(
             exact = tl.where(same, 0.0, exact)
             d = tl.where(direct, exact.to(ACC), d)
             d64 = d.to(tl.float64)
-            if TERMS == CONTRASTIVE_TERMS:
-                pos = valid & (lab[:, None] == other_lab[None, :])
-                clear = _clear(d64, tl.where(pos, pos_margin, neg_margin), sq_i, sq_j, err, unit)
-                if _any(valid & (clear == 0) & (same == 0)) & (have_exact == 0):
-                    exact = _exact_dist(
-                        x_own_ptr,
-                        x_other_ptr,
-                        s_own,
-                        s_other,
-                        inv_own_ptr,
-                        inv_other_ptr,
-                        rows,
-                        cols,
-                        row_mask,
-                        col_mask,
-                        D,
-                        ONE_FEATURE,
-                    )
-                    exact = tl.where(same, 0.0, exact)
-                dd = tl.where(clear, d64, exact)
-                v = tl.where(pos, dd - pos_margin, neg_margin - dd)
-                counted = valid & ((v <= 0) == 0)
-                g = tl.where(counted, tl.where(pos, w_pos, 0.0 - w_neg), 0.0)
             w = tl.where((g == 0) | (d64 == 0), 0.0, g / tl.where(d64 == 0, 1.0, d64))
             if _any(direct & (w != 0)):
                 # Σ_j w_ij (e_i − e_j) over the directly computed entries, per pair from the
@@ -813,8 +628,7 @@ def euclidean_grad_kernel(
             # would spoil every gradient the row meets)
             acc = _product(0.0 - w, tl.trans(tl.where(f != f, 0.0, f)), acc, IS64)
     out = out_ptr + (rows - OUT0)[:, None] * D + fs[None, :]
-    if ADD:
-        acc += tl.load(out, mask=own_f, other=0.0)
+    acc += tl.load(out, mask=own_f, other=0.0)
     tl.store(out, acc, mask=own_f)
 
 
@@ -1101,26 +915,6 @@ def hard_grad_kernel(
 
 
 # --------------------------------------------------------------------------- Euclidean (all and semi-hard triplets)
-
-
-@triton.jit
-def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, mask, D, ONE_FEATURE: tl.constexpr):
-    """Exact distances (Points::direct: float64, feature order; 1 between a zero row and a unit
-    one) of anchor rows[i] and ref rows js[i, p]."""
-    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
-    inv_b = tl.load(inv_b_ptr + js, mask=mask, other=0.0)
-    out = tl.zeros(js.shape, tl.float64)
-    for k in range(0, D):
-        a = _unit(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64), inv_a, ONE_FEATURE)
-        b = _unit(tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
-        v = a[:, None] - b
-        out += v * v
-    out = tl.sqrt(out)
-    if not ONE_FEATURE:  # (_exact_dist's)
-        zero_a, zero_b = _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, js, row_mask, mask, D)
-        one = (zero_a[:, None] & _unit_row(inv_b)) | (_unit_row(inv_a)[:, None] & zero_b)
-        out = tl.where(one, 1.0, out)
-    return out
 
 
 @hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
@@ -1454,172 +1248,11 @@ def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
     return [(*points, group) for points, group in zip(out * (2 if a is b else 1), groups, strict=True)]
 
 
-def _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard) -> tuple:
-    op = "contrastive_loss"
-    check_scalars(op, ("float", "pos_margin", pos_margin), ("float", "neg_margin", neg_margin))
-    _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
-    shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
-    params = (float(pos_margin), float(neg_margin))
-    _check_params(op, params)
-    return params, shard
-
-
 def _euclidean_bits(margins: tuple, D: int, acc: torch.dtype) -> tuple:
     """The margins, the tiles' error scale (D + 4)·u and u (the accumulation type's unit
     roundoff) as float64 bits (Inputs::clear's bound)."""
     unit = torch.finfo(acc).eps / 2
     return tuple(float_bits(v) for v in (*margins, (D + 4) * unit, unit))
-
-
-def contrastive_forward(
-    embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard=None, *, config=None, row_config=None
-):
-    """torchkit::contrastive_loss's CUDA kernel (any device under the interpreter)."""
-    margins, shard = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard)
-    acc = acc_dtype(embeddings)
-    config = config or EXACT_ROWS_CONFIGS[0]
-    row_config = row_config or ROW_CONFIGS[0]
-    self_, offset = _self_pairs(ref_embeddings, shard)
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
-    N, D = embeddings.shape
-    sums = torch.zeros(N, 2, dtype=torch.float64, device=embeddings.device)
-    counts = torch.zeros(N, 4, dtype=torch.int32, device=embeddings.device)
-    if N > 0 and b.n > 0:
-        (ca, sq_a, ga), (cb, sq_b, gb) = _points(a, b, acc, row_config)
-        contrastive_rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
-            ca,
-            cb,
-            sq_a,
-            sq_b,
-            a.raw,
-            b.raw,
-            a.raw.stride(0),
-            b.raw.stride(0),
-            a.inv64,
-            b.inv64,
-            ga,
-            gb,
-            a.labels,
-            b.labels,
-            sums,
-            counts,
-            N,
-            b.n,
-            D,
-            offset,
-            *_euclidean_bits(margins, D, acc),
-            ONE_FEATURE=D == 1,
-            SELF=self_,
-            ACC=acc_tl(acc),
-            IS64=acc == torch.float64,
-            **config.launch,
-        )
-    # contrastive_forward (pair_losses_euclidean_cpu.cpp): each kind's mean of its counted terms
-    # (negative, positive), nothing when each kind has at most one pair (a shard's stats as if
-    # the rule held: its caller decides on the whole problem's parts).
-    terms = counts[:, :2].sum(0, dtype=torch.int64)
-    pairs = counts[:, 2:].sum(0, dtype=torch.int64)
-    if shard is not None:
-        share = torch.where(terms > 0, 1.0 / terms.clamp(min=1).double(), 0.0).to(acc)
-        sums = sums.sum(0)
-        parts = _parts(sums[1], terms[1], sums[0], terms[0], pairs[1], pairs[0])
-        return parts, share.flip(0).expand(N, 2).contiguous()
-    use = (pairs > 1).any()
-    part = torch.where(terms > 0, sums.sum(0) / terms.clamp(min=1), 0.0)
-    total = torch.where(use, part[0] + part[1], 0.0)
-    share = torch.where(use & (terms > 0), 1.0 / terms.clamp(min=1).double(), 0.0).to(acc)
-    stats = share.flip(0).expand(N, 2).contiguous()  # positive, negative
-    return total.to(embeddings.dtype), stats
-
-
-def contrastive_backward(
-    grad,
-    embeddings,
-    labels,
-    ref_embeddings,
-    ref_labels,
-    stats,
-    pos_margin,
-    neg_margin,
-    output_mask,
-    shard=None,
-    *,
-    config=None,
-    row_config=None,
-):
-    """torchkit::_contrastive_loss_backward's CUDA kernel."""
-    op = "contrastive_loss"
-    margins, shard = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard)
-    whole = _whole_rows(shard, ref_embeddings)
-    _check_backward(op, grad, embeddings, stats, 2, shard=shard, whole=whole)
-    self_ = ref_embeddings is None
-    want_e = bool(output_mask[0])
-    want_r = not self_ and bool(output_mask[1])
-    empty = embeddings.new_empty(0)
-    N, D = embeddings.shape
-    M = N if self_ else ref_embeddings.shape[0]
-    if N == 0 or M == 0 or D == 0 or not (want_e or want_r):
-        return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
-    acc = acc_dtype(embeddings)
-    row_config = row_config or ROW_CONFIGS[0]
-    config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
-    a, b = _backward_sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, whole)
-    pa, pb = _points(a, b, acc, row_config)
-    st = stats.contiguous()
-    live = (st[0] != 0).any()  # a zero loss (PML's rule): zero gradients, NaN rows included
-    bits = _euclidean_bits(margins, D, acc)
-    first = 0 if whole is None else shard
-
-    def rows_grad(own: _Side, own_points, other: _Side, other_points, like: Tensor) -> Tensor:
-        # (own's rows [first, first + N) of like's N)
-        n = like.shape[0]
-        g = torch.empty(n, D, dtype=acc, device=like.device)
-        k = config.kwargs
-        euclidean_grad_kernel[(blocks(n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
-            own_points[0],
-            other_points[0],
-            own_points[1],
-            other_points[1],
-            own.raw,
-            other.raw,
-            own.raw.stride(0),
-            other.raw.stride(0),
-            own.inv64,
-            other.inv64,
-            own_points[2],
-            other_points[2],
-            own.labels,
-            other.labels,
-            st,
-            st,
-            g,
-            first,
-            first + n,
-            first,
-            0,
-            other.n,
-            0,
-            0,
-            D,
-            *bits,
-            ONE_FEATURE=D == 1,
-            TERMS=CONTRASTIVE_TERMS,
-            SELF=a is b,
-            ANCHORS_OWN=True,
-            ADD=False,
-            ACC=acc_tl(acc),
-            IS64=acc == torch.float64,
-            **config.launch,
-        )
-        return torch.where(live, _jacobian(own.narrow(first, n), g, grad, like, row_config), 0.0)
-
-    if whole is not None:
-        return (rows_grad(b, pb, b, pb, embeddings) if want_e else empty), _zeros(want_r, ref_embeddings, empty)
-    if self_:
-        return rows_grad(a, pa, a, pa, embeddings), empty
-    ge = rows_grad(a, pa, b, pb, embeddings) if want_e else empty
-    gr = rows_grad(b, pb, a, pa, ref_embeddings) if want_r else empty
-    return ge, gr
 
 
 def _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard) -> tuple:
@@ -1840,7 +1473,7 @@ def _triplet_band_backward(
 ):
     """mining="all" / "semi_hard"'s backward (triplet_backward in the CPU kernel), a band of
     anchors at a time: triplet_rows_kernel writes ∂loss/∂d·C of the band's pairs, then
-    euclidean_grad_kernel adds their gradient to the anchors' rows and to the refs' rows (in
+    triplet_grad_kernel adds their gradient to the anchors' rows and to the refs' rows (in
     band order: the same bits on every run); then the normalisation's Jacobian. pairs:
     _self_pairs's (a shard's anchors are rows of the refs apart from a)."""
     acc = a.e.dtype
@@ -1855,13 +1488,12 @@ def _triplet_band_backward(
     width = min(N, max(step, BAND_PAIRS // M // step * step))
     band = torch.empty(width, M, dtype=torch.int32, device=a.e.device)
     scale = (1.0 / count.clamp(min=1).double()).reshape(1)
-    bits = _euclidean_bits((0.0, 0.0), D, acc)
     ge = torch.zeros(N, D, dtype=acc, device=a.e.device) if want_e or self_ else None
     gr = torch.zeros(M, D, dtype=acc, device=a.e.device) if want_r else None
     k = config.kwargs
 
     def add(out, own, own_points, other, other_points, own0, own_end, other0, other_end, row0, anchors_own):
-        euclidean_grad_kernel[(blocks(own_end - own0, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
+        triplet_grad_kernel[(blocks(own_end - own0, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
             own_points[0],
             other_points[0],
             own_points[1],
@@ -1874,8 +1506,6 @@ def _triplet_band_backward(
             other.inv64,
             own_points[2],
             other_points[2],
-            own.labels,
-            other.labels,
             scale,
             band,
             out,
@@ -1887,12 +1517,8 @@ def _triplet_band_backward(
             row0,
             M,
             D,
-            *bits,
-            ONE_FEATURE=D == 1,
-            TERMS=BAND_TERMS,
-            SELF=False,
             ANCHORS_OWN=anchors_own,
-            ADD=True,
+            ONE_FEATURE=D == 1,
             ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             **config.launch,
@@ -1933,7 +1559,7 @@ def triplet_margin_backward(
     rows_config=None,
 ):
     """torchkit::_triplet_margin_loss_backward's CUDA kernel (config: hard_grad_kernel's for
-    batch_hard, euclidean_grad_kernel's for all and semi_hard, with triplet_rows_kernel's
+    batch_hard, triplet_grad_kernel's for all and semi_hard, with triplet_rows_kernel's
     rows_config). A shard's takes its own stats and gives the refs' gradient from its anchors
     (csrc/pair_losses.h)."""
     op = "triplet_margin_loss"
@@ -2014,7 +1640,7 @@ def compile_cases() -> list[CompileCase]:
     """Every kernel for tools/triton_check.py: each configuration in float32, float64 with the
     first; the log-sum-exp and multi-similarity engines' (lse.compile_cases, ms.compile_cases)
     first."""
-    cases = lse.compile_cases() + ms.compile_cases()
+    cases = lse.compile_cases() + ms.compile_cases() + euclid.compile_cases()
     for dtype, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
         is64 = acc == "fp64"
         every = dtype == "fp32"
@@ -2074,37 +1700,18 @@ def compile_cases() -> list[CompileCase]:
                 "st_ptr": "*" + acc,
                 "sums_ptr": "*fp64",
             }
-            for self_ in (True, False):
-                cases.append(
-                    CompileCase(
-                        f"pair_losses.contrastive_rows {dtype}{' self' if self_ else ''}",
-                        contrastive_rows_kernel,
-                        euclidean,
-                        dict(SELF=self_, **flags),
-                        EXACT_ROWS_CONFIGS if every and self_ else EXACT_ROWS_CONFIGS[:1],
-                    )
-                )
-                cases.append(
-                    CompileCase(
-                        f"pair_losses.euclidean_grad contrastive {dtype}{' self' if self_ else ''}",
-                        euclidean_grad_kernel,
-                        {**euclidean, "band_ptr": "*" + acc},
-                        dict(TERMS=CONTRASTIVE_TERMS, SELF=self_, ANCHORS_OWN=True, ADD=False, **flags),
-                        EXACT_GRAD_CONFIGS
-                        if every and self_
-                        else EXACT_GRAD_CONFIGS[-1:]
-                        if is64
-                        else EXACT_GRAD_CONFIGS[:1],
-                    )
-                )
             for anchors_own in (True, False):
                 cases.append(
                     CompileCase(
-                        f"pair_losses.euclidean_grad band {dtype}{' anchors' if anchors_own else ' refs'}",
-                        euclidean_grad_kernel,
+                        f"pair_losses.triplet_grad {dtype}{' anchors' if anchors_own else ' refs'}",
+                        triplet_grad_kernel,
                         {**euclidean, "st_ptr": "*fp64", "band_ptr": "*i32"},
-                        dict(TERMS=BAND_TERMS, SELF=False, ANCHORS_OWN=anchors_own, ADD=True, **flags),
-                        EXACT_GRAD_CONFIGS[-1:] if is64 else EXACT_GRAD_CONFIGS[:1],
+                        dict(ANCHORS_OWN=anchors_own, **flags),
+                        EXACT_GRAD_CONFIGS
+                        if every and anchors_own
+                        else EXACT_GRAD_CONFIGS[-1:]
+                        if is64
+                        else EXACT_GRAD_CONFIGS[:1],
                     )
                 )
             segments = {**euclidean, **dict.fromkeys(("order_ptr", "lo_ptr", "hi_ptr"), "*i64")}
@@ -2236,8 +1843,7 @@ def compile_cases() -> list[CompileCase]:
     # The kernels of exact distances: each case as a launch with D > 1 compiles it, and the
     # first in float32 also as one with D = 1.
     one_feature = {
-        contrastive_rows_kernel,
-        euclidean_grad_kernel,
+        triplet_grad_kernel,
         hard_rows_kernel,
         triplet_rows_kernel,
         hard_grad_kernel,

@@ -1,6 +1,7 @@
 """What the pair losses' Triton engines share: the CPU kernels' checks of the arguments in their
 order (csrc/pair_losses.cpp), the shard's, PML's batch rule, the shapes of a backward's
-outputs, and F.normalize's rows in float64 (_unit) as the exact recomputations take them."""
+outputs, F.normalize's rows in float64 (_unit) as the exact recomputations take them, and the
+exact distances of pairs (_pair_exact)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,53 @@ def _unit(x, inv, ONE_FEATURE: tl.constexpr):
         out = x / tl.where(a < eps, eps, a)  # NaN stays NaN, ±∞ gives NaN as ∞/∞
     else:
         out = x * inv
+    return out
+
+
+@triton.jit
+def _unit_row(inv):
+    """Whether a row's normalised norm is 1 in exact arithmetic (Points::unit): its norm finite
+    and above eps (1/norm in (0, 1/eps); NaN fails)."""
+    return (inv > 0.0) & (inv < 1.0 / tl.full(inv.shape, NORM_EPS, tl.float64))
+
+
+@triton.jit
+def _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, cols, row_mask, col_mask, D):
+    """Which rows of either side (cols: a vector, or a 2-D block of ref rows) are all zero:
+    F.normalize leaves them 0, at distance exactly 1 from every unit row (Points::zero). Read
+    only where a row is clamped (1/norm >= 1/eps: a zero row is), which is rare."""
+    zero_a = tl.zeros(rows.shape, tl.int1)
+    zero_b = tl.zeros(cols.shape, tl.int1)
+    big = 1.0 / tl.full((), NORM_EPS, tl.float64)
+    clamped = tl.max((inv_a >= big).to(tl.int32), axis=0) + tl.max(tl.ravel((inv_b >= big).to(tl.int32)), axis=0)
+    if clamped > 0:
+        size_a = tl.zeros(rows.shape, tl.float64)
+        size_b = tl.zeros(cols.shape, tl.float64)
+        for k in range(0, D):
+            size_a += tl.abs(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64))
+            size_b += tl.abs(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64))
+        zero_a = size_a == 0.0
+        zero_b = size_b == 0.0
+    return zero_a, zero_b
+
+
+@triton.jit
+def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, mask, D, ONE_FEATURE: tl.constexpr):
+    """Exact distances (Points::direct: float64, feature order; 1 between a zero row and a unit
+    one) of anchor rows[i] and ref rows js[i, p]."""
+    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
+    inv_b = tl.load(inv_b_ptr + js, mask=mask, other=0.0)
+    out = tl.zeros(js.shape, tl.float64)
+    for k in range(0, D):
+        a = _unit(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64), inv_a, ONE_FEATURE)
+        b = _unit(tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
+        v = a[:, None] - b
+        out += v * v
+    out = tl.sqrt(out)
+    if not ONE_FEATURE:  # (one feature: |±1 − 0| is 1 exactly already)
+        zero_a, zero_b = _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, js, row_mask, mask, D)
+        one = (zero_a[:, None] & _unit_row(inv_b)) | (_unit_row(inv_a)[:, None] & zero_b)
+        out = tl.where(one, 1.0, out)
     return out
 
 
