@@ -425,14 +425,18 @@ def _same(ga_ptr, gb_ptr, rows, cols, row_mask, col_mask):
 
 
 @triton.jit
-def centre_sums_kernel(x_ptr, inv_ptr, sums_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Per block of features: Σ over the finite rows of x·inv (F.normalize's rows, float64
-    from the float64 inverse norms: norm64_kernel's, > 0 and finite exactly for a row of
-    finite values whose norm is finite), added in row order."""
+def centre_sums_kernel(
+    x_ptr, inv_ptr, sums_ptr, N, D, stride_row, CHUNK, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Per block of features and chunk of CHUNK rows (program_id(1)): Σ over the chunk's finite
+    rows of x·inv (F.normalize's rows, float64 from the float64 inverse norms: norm64_kernel's,
+    > 0 and finite exactly for a row of finite values whose norm is finite), added in row
+    order, into sums[chunk]."""
     ks = tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     k_mask = ks < D
+    first = tl.program_id(1).to(tl.int64) * CHUNK
     total = tl.zeros((BLOCK_D,), tl.float64)
-    for r0 in range(0, N, BLOCK_ROWS):
+    for r0 in range(first, tl.minimum(first + CHUNK, N), BLOCK_ROWS):
         rows = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         row_mask = rows < N
         inv = tl.load(inv_ptr + rows, mask=row_mask, other=0.0)
@@ -440,7 +444,7 @@ def centre_sums_kernel(x_ptr, inv_ptr, sums_ptr, N, D, stride_row, BLOCK_ROWS: t
         mask = keep[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(tl.float64)
         total += tl.sum(tl.where(mask, x * inv[:, None], 0.0), axis=0)
-    tl.store(sums_ptr + ks, total, mask=k_mask)
+    tl.store(sums_ptr + tl.program_id(1).to(tl.int64) * D + ks, total, mask=k_mask)
 
 
 @triton.jit
@@ -1216,6 +1220,9 @@ def _self_cos(side: _Side, config: Config) -> Tensor:
     return out
 
 
+CENTRE_ROWS = 16  # centre_sums_kernel's chunks: blocks of rows each
+
+
 def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
     """The rows as the distance tiles take them (the CPU kernel's make_points): F.normalize's
     rows centred on the mean of the finite ones of both sides (float64), rounded once to
@@ -1228,11 +1235,14 @@ def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
     count = torch.zeros((), dtype=torch.int64, device=device)
     for side in sides:
         if side.n > 0 and D > 0:
-            part = torch.empty(D, dtype=torch.float64, device=device)
-            centre_sums_kernel[(blocks(D, k["BLOCK_D"]),)](
-                side.raw, side.inv64, part, side.n, D, side.raw.stride(0), **config.launch
+            # (chunks of rows across programs, their sums added in chunk order: one program
+            # per block of features would take every row in turn)
+            chunk = CENTRE_ROWS * k["BLOCK_ROWS"]
+            part = torch.empty(blocks(side.n, chunk), D, dtype=torch.float64, device=device)
+            centre_sums_kernel[(blocks(D, k["BLOCK_D"]), part.shape[0])](
+                side.raw, side.inv64, part, side.n, D, side.raw.stride(0), chunk, **config.launch
             )
-            sums += part
+            sums += part.sum(0)
             count += ((side.inv64 > 0) & (side.inv64 < float("inf"))).sum()
     mean = sums / count.clamp(min=1)
     out = []
@@ -1815,7 +1825,7 @@ def compile_cases() -> list[CompileCase]:
                     CompileCase(
                         "pair_losses.centre_sums fp32",
                         centre_sums_kernel,
-                        {**types, "inv_ptr": "*fp64", "sums_ptr": "*fp64"},
+                        {**types, "inv_ptr": "*fp64", "sums_ptr": "*fp64", "CHUNK": "i32"},
                         {},
                         ROW_CONFIGS,
                     )

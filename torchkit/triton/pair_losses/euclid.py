@@ -53,13 +53,14 @@ from torchkit.triton.pair_losses._common import _pair_exact, _parts, _self_pairs
 # Launch configurations (every one run by the tests and compiled by tools/triton_check.py; the
 # first is the default, the last float64's).
 ROWS_CONFIGS = (
-    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=3),
-    Config(BLOCK_N=128, BLOCK_M=32, BLOCK_K=16, num_warps=8, num_stages=2),
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=3),
+    Config(BLOCK_N=64, BLOCK_M=64, BLOCK_K=16, num_warps=8, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
 )
+# contrastive_grad_kernel's: feature blocks of up to 128 (each block recomputes the tile).
 GRAD_CONFIGS = (
-    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=4, num_stages=2),
-    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=128, num_warps=8, num_stages=3),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=128, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
 )
 # The exact kernels: float64 distances summed in feature order (Points::direct's), no FMA.
@@ -136,25 +137,28 @@ def _dots(
 
 @triton.jit
 def _decisions(v, sq_a, sq_b, valid, pos, same, pm, nm, same_p, same_n, err, IS64: tl.constexpr):
-    """A tile's distances d, its terms x (d − pos_margin for a positive pair, neg_margin − d for
-    a negative one, in the accumulation type), the pairs listed (valid, not of equal rows, and
-    cancelled: d² <= (|c_i|² + |c_j|²)/16, a NaN norm included; or within their bound of their
-    margin t: |d − t|·d <= err·(|c_i|² + |c_j|²) + u·(8d² + 4|t|·d), the tile's error e over d,
-    the root's rounding and the margin's to the accumulation type), and the counted ones
-    (x > 0 or NaN, a pair of equal rows at d = 0 by same_p, same_n: the float64 margins')."""
+    """A tile's squared distances d² and distances d, its terms x (d − pos_margin for a
+    positive pair, neg_margin − d for a negative one, in the accumulation type), the pairs
+    listed (valid, not of equal rows, and cancelled: d² <= (|c_i|² + |c_j|²)/16, a NaN norm
+    included; or within their bound of their margin t: |d − t|·d <= err·(|c_i|² + |c_j|²) +
+    u·(8d² + 4|t|·d): the tile's error e over d, the root's (the GPU's approximate float32 root,
+    within 2u·d) and the bound's own roundings, the margin's to the accumulation type), and the
+    counted ones (x > 0 or NaN, a pair of equal rows at d = 0 by same_p, same_n: the float64
+    margins')."""
     if IS64:
         u = 2.0**-53
     else:
         u = 2.0**-24
     total = sq_a[:, None] + sq_b[None, :]
-    d = tm.sqrt_rn(tl.maximum(total - 2.0 * v, 0.0), IS64)
+    d2 = tl.maximum(total - 2.0 * v, 0.0)
+    d = tl.sqrt(d2)
     t = tl.where(pos, pm, nm)
     near = (tl.abs(d - t) * d > err * total + u * (8.0 * d * d + 4.0 * tl.abs(t) * d)) == 0
     listed = valid & (((d * d * 16.0 > total) == 0) | near) & (same == 0)
     d = tl.where(same, 0.0, d)
     x = tl.where(pos, d - pm, nm - d)
     counted = tl.where(same, tl.where(pos, same_p, same_n), (x <= 0) == 0)
-    return d, x, listed, valid & (listed == 0) & counted
+    return d2, d, x, listed, valid & (listed == 0) & counted
 
 
 @hot()
@@ -238,7 +242,7 @@ def contrastive_rows_kernel(
             valid = valid & (me[:, None] != cols[None, :])
         pos = lab[:, None] == ref_lab[None, :]
         same = grp[:, None] == grp_b[None, :]
-        _, x, listed, counted = _decisions(v, sq_a, sq_b, valid, pos, same, pm, nm, pm64 < 0, nm64 > 0, err, IS64)
+        _, _, x, listed, counted = _decisions(v, sq_a, sq_b, valid, pos, same, pm, nm, pm64 < 0, nm64 > 0, err, IS64)
         if lse._any(listed):
             ms._append(listed, rows, cols, fill_ptr, slot_ptr, CAP)
         sum_p += tl.sum(tl.where(counted & pos, x, 0.0), axis=1).to(tl.float64)
@@ -439,13 +443,15 @@ def contrastive_grad_kernel(
             valid = valid & (me[:, None] != cols[None, :])
         pos = lab[:, None] == other_lab[None, :]
         same = grp[:, None] == grp_b[None, :]
-        d, _, listed, counted = _decisions(v, sq_i, sq_j, valid, pos, same, pm, nm, pm64 < 0, nm64 > 0, err, IS64)
+        d2, d, _, listed, counted = _decisions(v, sq_i, sq_j, valid, pos, same, pm, nm, pm64 < 0, nm64 > 0, err, IS64)
         if lse._any(listed):
             if tl.program_id(1) == 0:  # (once per pair: the first feature block lists it)
                 ms._append(listed, rows, cols, fill_ptr, slot_ptr, CAP)
         # (d > 0 where a pair counts and is not listed or of equal rows; at d = 0, cdist's
-        # subgradient 0)
-        w = tl.where(counted & (d > 0), tl.where(pos, w_pos, 0.0 - w_neg) / tl.where(d > 0, d, 1.0), 0.0)
+        # subgradient 0; 1/d as the GPU's approximate reciprocal root of d², within a few u)
+        w = tl.where(
+            counted & (d > 0), tl.where(pos, w_pos, 0.0 - w_neg) * tl.math.rsqrt(tl.where(d > 0, d2, 1.0)), 0.0
+        )
         row_sum += tl.sum(w, axis=1)
         acc = lse._grad_product(
             0.0 - w, ones, bh, bl, other_hi, other_lo, cols, col_mask, fs, f_mask, D, 1.0, acc, SCHEME, INTERPRET,
