@@ -153,7 +153,8 @@ def _decisions(v, sq_a, sq_b, valid, pos, same, pm, nm, same_p, same_n, err, IS6
     d2 = tl.maximum(total - 2.0 * v, 0.0)
     d = tl.sqrt(d2)
     t = tl.where(pos, pm, nm)
-    near = (tl.abs(d - t) * d > err * total + u * (8.0 * d * d + 4.0 * tl.abs(t) * d)) == 0
+    e = (err * sq_a)[:, None] + (err * sq_b)[None, :]
+    near = (tl.abs(d - t) * d > e + d * (8.0 * u * d + tl.where(pos, 4.0 * u * tl.abs(pm), 4.0 * u * tl.abs(nm)))) == 0
     listed = valid & (((d * d * 16.0 > total) == 0) | near) & (same == 0)
     d = tl.where(same, 0.0, d)
     x = tl.where(pos, d - pm, nm - d)
@@ -247,8 +248,10 @@ def contrastive_rows_kernel(
             ms._append(listed, rows, cols, fill_ptr, slot_ptr, CAP)
         sum_p += tl.sum(tl.where(counted & pos, x, 0.0), axis=1).to(tl.float64)
         sum_n += tl.sum(tl.where(counted & (pos == 0), x, 0.0), axis=1).to(tl.float64)
-        n_p += tl.sum((counted & pos).to(tl.int32), axis=1)
-        n_n += tl.sum((counted & (pos == 0)).to(tl.int32), axis=1)
+        # (both counts in one sum: a tile's row holds at most BLOCK_M < 2^16 pairs)
+        both = tl.sum(tl.where(counted, tl.where(pos, 65536, 1), 0), axis=1)
+        n_p += both >> 16
+        n_n += both & 65535
     at = (tl.program_id(1).to(tl.int64) * N + rows) * 2
     tl.store(sums_ptr + at, sum_n, mask=row_mask)
     tl.store(sums_ptr + at + 1, sum_p, mask=row_mask)
@@ -560,7 +563,8 @@ class _Points:
 
     def __init__(self, side, c: Tensor, sq: Tensor, group: Tensor, labels: Tensor, row_config: Config):
         N, D = c.shape
-        self.n, self.side, self.c, self.sq, self.group, self.labels = N, side, c, sq, group, labels
+        self.n, self.side, self.c, self.sq, self.labels = N, side, c, sq, labels
+        self.group = group.to(torch.int32)  # (int32 compares in the tiles, as the labels' ids)
         self.scheme = lse.scheme(c.dtype)
         operand = {lse.FP64.value: torch.float64, lse.TF32X3.value: torch.float32, lse.TF32.value: torch.float32}
         self.hi = torch.empty(N, D, dtype=operand.get(self.scheme, torch.bfloat16), device=c.device)
@@ -916,7 +920,8 @@ def compile_cases() -> list[CompileCase]:
             **dict.fromkeys(("c_ptr", "c_own_ptr", "sq_a_ptr", "sq_b_ptr", "sq_own_ptr", "sq_other_ptr"), "*" + acc),
             **dict.fromkeys(("st_ptr", "out_ptr"), "*" + acc),
             **dict.fromkeys(("lab_ptr", "ref_lab_ptr", "own_lab_ptr", "other_lab_ptr"), "*i32"),
-            **dict.fromkeys(("grp_a_ptr", "grp_b_ptr", "grp_own_ptr", "grp_other_ptr", "slot_ptr"), "*i64"),
+            **dict.fromkeys(("grp_a_ptr", "grp_b_ptr", "grp_own_ptr", "grp_other_ptr"), "*i32"),
+            "slot_ptr": "*i64",
             **dict.fromkeys(("count_ptr", "fill_ptr"), "*i32"),
             "sums_ptr": "*fp64",
             **dict.fromkeys(("xa_ptr", "xb_ptr", "xo_ptr", "xt_ptr"), "*" + dtype),
