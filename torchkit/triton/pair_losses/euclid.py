@@ -139,23 +139,26 @@ def _dots(
 def _decisions(v, sq_a, sq_b, valid, pos, same, pm, nm, same_p, same_n, err, IS64: tl.constexpr):
     """A tile's squared distances d² and distances d, its terms x (d − pos_margin for a
     positive pair, neg_margin − d for a negative one, in the accumulation type), the pairs
-    listed (valid, not of equal rows, and cancelled: d² <= (|c_i|² + |c_j|²)/16, a NaN norm
-    included; or within their bound of their margin t: |d − t|·d <= err·(|c_i|² + |c_j|²) +
+    listed (valid, not of equal rows, and cancelled: d² <= (|c_i|² + |c_j|²)/16 or subnormal, a
+    NaN norm included; or within their bound of their margin t: |d − t|·d <= err·(|c_i|² + |c_j|²) +
     u·(8d² + 4|t|·d): the tile's error e over d, the root's (the GPU's approximate float32 root,
     within 2u·d) and the bound's own roundings, the margin's to the accumulation type), and the
     counted ones (x > 0 or NaN, a pair of equal rows at d = 0 by same_p, same_n: the float64
     margins')."""
     if IS64:
         u = 2.0**-53
+        TINY = 2.0**-1022
     else:
         u = 2.0**-24
+        TINY = 2.0**-126
     total = sq_a[:, None] + sq_b[None, :]
     d2 = tl.maximum(total - 2.0 * v, 0.0)
     d = tl.sqrt(d2)
     t = tl.where(pos, pm, nm)
     e = (err * sq_a)[:, None] + (err * sq_b)[None, :]
     near = (tl.abs(d - t) * d > e + d * (8.0 * u * d + tl.where(pos, 4.0 * u * tl.abs(pm), 4.0 * u * tl.abs(nm)))) == 0
-    listed = valid & (((d * d * 16.0 > total) == 0) | near) & (same == 0)
+    # (a d² below the smallest normal is cancelled too: the GPU's float32 roots flush it to 0)
+    listed = valid & (((d2 * 16.0 > total) == 0) | (d2 < TINY) | near) & (same == 0)
     d = tl.where(same, 0.0, d)
     x = tl.where(pos, d - pm, nm - d)
     counted = tl.where(same, tl.where(pos, same_p, same_n), (x <= 0) == 0)
