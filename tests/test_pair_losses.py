@@ -1419,16 +1419,16 @@ def test_triton_kernels_round_as_the_cpu_kernels():
     them with -ffp-contract=off): with it, a zero row's exact distances to normalised rows
     (all 1 within an ulp) round otherwise, and batch_hard chose another nearest negative than
     the CPU kernel on an H200. The tensor-core tile kernels (their contract is a bound against
-    float64, with which multi-similarity and contrastive_loss decide on exact values near a
-    threshold) may fuse;
+    float64, with which multi-similarity, contrastive_loss and batch_hard decide on exact values
+    near a threshold or a tie) may fuse;
     the per-row kernels, which form the norms as the CPU kernels do, and the exact cosines may
     not."""
     tp = triton_module()
     configs = [c for name in dir(tp) if name.endswith("_CONFIGS") for c in getattr(tp, name)]
     configs += (*tp.lse.ROW_CONFIGS, *tp.ms.EXACT_CONFIGS, tp.ms.PAIRS_CONFIG, *tp.euclid.EXACT_CONFIGS)
-    configs += (tp.euclid.PAIRS_CONFIG,)
+    configs += (tp.euclid.PAIRS_CONFIG, *tp.triplets.EXACT_CONFIGS)
     fused = (tp.lse.rows_kernel, tp.lse.grad_kernel, tp.ms.ms_rows_kernel, tp.ms.ms_grad_kernel)
-    fused += (tp.euclid.contrastive_rows_kernel, tp.euclid.contrastive_grad_kernel)
+    fused += (tp.euclid.contrastive_rows_kernel, tp.euclid.contrastive_grad_kernel, tp.triplets.hard_rows_kernel)
     configs += [c for case in tp.compile_cases() if case.kernel not in fused for c in case.configs]
     assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
 
@@ -1608,16 +1608,8 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     exact = loss != "supcon_loss" and loss != "ntxent_loss"  # float64 tiles beside ACC's
     hard = params[-1] == "batch_hard"
     triplets = loss == "triplet_margin_loss" and not hard  # all, semi_hard
-    engine = {"multi_similarity_loss": tp.ms, "contrastive_loss": tp.euclid}.get(loss)
-    rows = pick(
-        tp.TRIPLET_ROWS_CONFIGS
-        if triplets
-        else engine.ROWS_CONFIGS
-        if engine
-        else tp.EXACT_ROWS_CONFIGS
-        if exact
-        else tp.lse.ROWS_CONFIGS
-    )
+    engine = {"multi_similarity_loss": tp.ms, "contrastive_loss": tp.euclid}.get(loss, tp.triplets if hard else None)
+    rows = pick(tp.TRIPLET_ROWS_CONFIGS if triplets else engine.ROWS_CONFIGS if engine else tp.lse.ROWS_CONFIGS)
     grad = pick(
         tp.HARD_GRAD_CONFIGS
         if hard
@@ -2462,6 +2454,58 @@ def test_triton_contrastive_counts_as_float64_on_tensor_core_tiles(monkeypatch, 
                     for k in (0, 2):
                         atol = (tol + 1e-6) * value[k + 1].item()
                         torch.testing.assert_close(got[k].cpu(), value[k], rtol=0, atol=atol)
+
+
+def batch_hard_problems(dtype):
+    """(name, embeddings, labels, refs, ref labels) on which batch_hard's choices meet the
+    tiles' error: contrastive_problems' rows (random; near-duplicates, whose lists pass the
+    test's 16 slots: anchors taken whole; a collapsed batch with a zero row); and rows whose
+    features past the first are permutations of one of three rows, beside anchors along the
+    first axis: each such anchor's pairs with a family tie in exact arithmetic, and the float64
+    sums in feature order break the ties by an ulp or leave them (to the lower row)."""
+    problems = {
+        name: (e, labels, ref, ref_labels) for name, e, labels, ref, ref_labels, _ in contrastive_problems(dtype)
+    }
+    yield "random", *problems["random"]
+    yield "near-duplicates", *problems["near-duplicates"]
+    yield "collapsed", *problems["collapsed"]
+    base = make((3, 19), seed=48)
+    perms = torch.stack([torch.randperm(18, generator=torch.Generator().manual_seed(k)) + 1 for k in range(60)])
+    x = base[torch.arange(60) % 3]
+    x[:, 1:] = torch.gather(x[:, 1:], 1, perms - 1)
+    axis = torch.zeros(6, 19)
+    axis[:, 0] = torch.tensor([1.0, 2.0, 3.0, 0.5, 7.0, 1e-3])
+    e, labels = torch.cat([axis, x[:30]]), torch.cat([torch.arange(6) % 2, make_labels(30, 2, seed=49)])
+    yield "permutations", e.to(dtype), labels, x[30:].to(dtype), make_labels(30, 2, seed=50)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+def test_triton_batch_hard_chooses_as_float64_on_tensor_core_tiles(monkeypatch, device):
+    """batch_hard's tiles under every product scheme, its choices on exact distances wherever
+    the tiles' bounds leave more than one pair: the stats (each anchor's farthest positive and
+    nearest negative) are the CPU kernel's to the bit, without refs and with, and so is the
+    loss (from the chosen pairs' exact distances), a shard's parts included."""
+    tp = triton_module()
+    monkeypatch.setattr(tp.ms, "CAPS", dict.fromkeys(tp.ms.CAPS, 16))  # (smaller problems pass it)
+    monkeypatch.setattr(tp.ms, "CAP_ROUNDED", 16)
+    op, _ = raw("triplet_margin_loss")
+    before = torch.get_float32_matmul_precision()
+    for dtype, setting, _ in [scheme for scheme in MS_SCHEMES if scheme[0] != torch.float16]:
+        for name, e, labels, ref, ref_labels in batch_hard_problems(dtype):
+            for r, r_lab, shard in ((None, None, None), (ref, ref_labels, -1)):
+                extra = () if shard is None else (shard,)
+                value, stats = op(e, labels, r, r_lab, 0.05, "batch_hard", *extra)
+                try:
+                    torch.set_float32_matmul_precision(setting)
+                    got, got_stats = tp.triplet_margin_forward(
+                        *on(device, e, labels, r, r_lab), 0.05, "batch_hard", *extra
+                    )
+                finally:
+                    torch.set_float32_matmul_precision(before)
+                where = (name, dtype, setting, shard)
+                assert torch.equal(got_stats.cpu(), stats), where
+                torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=0, equal_nan=True, msg=str(where))
 
 
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)

@@ -1012,9 +1012,10 @@ def cases() -> list[Case]:
                 if loss == "triplet_margin_loss":
                     case += f" {params['mining']}"
                 run = _pair_loss(loss, params, dtype)
-                # The sliced engines' (lse.py's, ms.py's, euclid.py's) at sizes whose tiles split
-                # as the headline's (headline_slices).
+                # The sliced engines' (lse.py's, ms.py's, euclid.py's, triplets.py's) at sizes whose
+                # tiles split as the headline's (headline_slices).
                 sliced = loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss", "contrastive_loss")
+                sliced = sliced or params.get("mining") == "batch_hard"
                 sizes = (192, 384, 576) if sliced else (128, 256, 512)
                 out.append(Case(loss, case, pass_, run, sizes, 8192, 8192**2))
             if dtype == torch.float32:  # the benchmark's proxy case: Stanford Online Products' classes

@@ -158,7 +158,7 @@ def sweep_pair_losses(results: dict) -> None:
         for i, config in enumerate(kernels.euclid.GRAD_CONFIGS):
             t = milliseconds(lambda c=config, args=args: kernels.contrastive_backward(*args, config=c))
             rows.append(("contrastive.grad", i, repr(config), t))
-        for i, config in enumerate(kernels.EXACT_ROWS_CONFIGS):
+        for i, config in enumerate(kernels.triplets.ROWS_CONFIGS):
             args = (e, labels, r, rl, 0.05, "batch_hard")
             t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_forward(*args, config=c))
             rows.append(("triplet_batch_hard.rows", i, repr(config), t))

@@ -3,8 +3,9 @@ triplet_margin_loss, multi_similarity_loss, proxy_anchor_loss): their CUDA kerne
 torchkit.triton selects them. One engine per module: lse.py (supcon_loss, ntxent_loss and
 proxy_anchor_loss: tensor-core tiles and log-sum-exps, under the CUDA precision contract);
 ms.py (multi_similarity_loss: the same tiles, its choices exact); euclid.py
-(contrastive_loss: tensor-core distance tiles, its choices exact); this module holds the
-triplets, which keep the CPU kernels' exact decisions on IEEE float32 or float64 tiles, and
+(contrastive_loss: tensor-core distance tiles, its choices exact); triplets.py
+(triplet_margin_loss's batch_hard: the same tiles, its choices exact); this module holds the
+other triplets, which keep the CPU kernels' exact decisions on IEEE float32 or float64 tiles, and
 what the engines share of the exact machinery.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
@@ -31,11 +32,10 @@ either forward's stats. Nothing N×M exists:
   one exact cosine (self_cos_kernel's), taken without a computation, so that a collapsed
   batch (every row one point, or 0: every pair cancelled, every choice a tie) costs what a
   random one does rather than an exact recomputation per pair.
-- triplet_margin_loss, batch_hard (hard_rows_kernel): each anchor's farthest positive and
-  nearest negative from the same tiles, each distance known within its error bound: where
-  one leads past every other's bound it is the answer, otherwise a second pass decides
-  between those the bounds leave on exact distances. The loss and the backward take the
-  chosen pairs' exact distances (pair_dist_kernel); the backward gathers each row's pairs
+- triplet_margin_loss, batch_hard: each anchor's farthest positive and nearest negative
+  (triplets.py: contrastive_loss's tensor-core tiles, the choices exact) with their exact
+  distances; the backward takes the chosen pairs' exact distances (pair_dist_kernel) and
+  gathers each row's pairs
   (as anchor, and as a chosen positive or negative through the pairs sorted by row), in
   float64 from the inputs' differences, without atomics.
 - triplet_margin_loss, all and semi_hard (triplet_rows_kernel): the CPU kernel sorts each
@@ -57,7 +57,7 @@ either forward's stats. Nothing N×M exists:
   rows [shard, shard + N) against every row, as anchor and as ref (lse.grad_kernel's and
   ms_grad_kernel's and euclid's OFFSET). proxy_anchor_loss's shard
   (one rank's embeddings) is its forward's per-proxy log-sums without the 1.
-  triplet_margin_loss's shard is its forward with refs, hard_rows_kernel and
+  triplet_margin_loss's shard is its forward with refs, triplets.hard_rows_kernel and
   triplet_rows_kernel leaving out anchor i's pair with ref row OFFSET + i, returning the
   mean's sum and count; its backward takes the shard's own stats (a float64 grad scaled by
   the caller) and gives the refs' gradient from the shard's anchors, as the CPU kernel's.
@@ -78,7 +78,7 @@ from torchkit.ops._common import acc_dtype, check_scalars
 from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
-from torchkit.triton.pair_losses import euclid, lse, ms
+from torchkit.triton.pair_losses import euclid, lse, ms, triplets
 from torchkit.triton.pair_losses._common import (
     NORM_EPS,
     ORDERED_BLOCK,
@@ -127,10 +127,6 @@ def _config(**kwargs) -> Config:
 # tools/triton_check.py; `config` arguments pick one, the default being the first.
 # The kernels that carry float64 tiles beside the float32 ones (the triplets' exact distances
 # and float64 terms): smaller tiles keep them within the registers.
-EXACT_ROWS_CONFIGS = (
-    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
-    _config(BLOCK_N=32, BLOCK_M=64, BLOCK_K=32, num_warps=8, num_stages=2),
-)
 EXACT_GRAD_CONFIGS = (
     _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
     _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
@@ -638,178 +634,6 @@ def triplet_grad_kernel(
 
 # --------------------------------------------------------------------------- Euclidean (batch-hard triplets)
 
-NO_INDEX = tl.constexpr(2**62)  # above any row index: a reduction's "none"
-
-
-@triton.jit
-def _slack(d, sq_a, sq_b, err, unit):
-    """How far the exact distance may be from the tile's d (float64; Inputs::slack: ∞ near 0)."""
-    e = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64))
-    return tl.where(d * d > e, e / tl.where(d == 0, 1.0, d) + 4.0 * unit * d, float("inf"))
-
-
-@triton.jit
-def _first(mask, cols):
-    """Per row, the lowest column where mask holds (NO_INDEX for none)."""
-    return tl.min(tl.where(mask, cols[None, :], NO_INDEX), axis=1)
-
-
-@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
-@triton.jit
-def hard_rows_kernel(
-    ca_ptr,
-    cb_ptr,
-    sq_a_ptr,
-    sq_b_ptr,
-    xa_ptr,
-    xb_ptr,
-    sa,
-    sb,
-    inv_a_ptr,
-    inv_b_ptr,
-    grp_a_ptr,
-    grp_b_ptr,
-    lab_ptr,
-    ref_lab_ptr,
-    idx_ptr,
-    bound_ptr,
-    N,
-    M,
-    D,
-    OFFSET,
-    ERR_BITS,
-    UNIT_BITS,
-    SELF: tl.constexpr,
-    PASS: tl.constexpr,
-    ONE_FEATURE: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """batch_hard's triplet per anchor: its farthest positive and nearest negative by exact
-    distance, ties to the lower index, the first at a NaN distance winning (batch_hard and
-    Extreme in the CPU kernels, where a directly computed entry's distance is the tile's,
-    rounded to ACC; SELF: anchor i is ref row OFFSET + i, not a pair). idx: (N, 2) int64,
-    positive then negative (−1 without one); bound: (N, 2) float64.
-    PASS 0: each distance is known within its slack (0 for direct entries): the leader (the
-    largest lower bound of a positive, the smallest upper bound of a negative; the lowest
-    index among equals) is the answer unless another entry's bound reaches it; then its bound
-    goes to `bound` and the index is left −2 (open).
-    PASS 1, for the open ones only: every entry whose bound reaches the leader's, by its
-    exact distance."""
-    err = tm.f64(ERR_BITS)
-    unit = tm.f64(UNIT_BITS)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
-    sq_a = tl.load(sq_a_ptr + rows, mask=row_mask, other=0.0)
-    # Per kind (_p: positives, the largest; _n: negatives, the smallest).
-    idx_p = tl.full((BLOCK_N,), -1, tl.int64)
-    idx_n = tl.full((BLOCK_N,), -1, tl.int64)
-    if PASS == 0:
-        open_p = row_mask
-        open_n = row_mask
-        lead_p = tl.full((BLOCK_N,), float("-inf"), tl.float64)  # the leader's bound
-        lead_n = tl.full((BLOCK_N,), float("inf"), tl.float64)
-        far_p = tl.full((BLOCK_N,), float("-inf"), tl.float64)  # the leader's other bound
-        far_n = tl.full((BLOCK_N,), float("inf"), tl.float64)
-        rest_p = tl.full((BLOCK_N,), float("-inf"), tl.float64)  # every other entry's, at best
-        rest_n = tl.full((BLOCK_N,), float("inf"), tl.float64)
-        nan_p = tl.full((BLOCK_N,), NO_INDEX, tl.int64)
-        nan_n = tl.full((BLOCK_N,), NO_INDEX, tl.int64)
-    else:
-        open_p = row_mask & (tl.load(idx_ptr + rows * 2, mask=row_mask, other=0) == -2)
-        open_n = row_mask & (tl.load(idx_ptr + rows * 2 + 1, mask=row_mask, other=0) == -2)
-        lead_p = tl.load(bound_ptr + rows * 2, mask=open_p, other=0.0)
-        lead_n = tl.load(bound_ptr + rows * 2 + 1, mask=open_n, other=0.0)
-        best_p = tl.full((BLOCK_N,), float("-inf"), tl.float64)
-        best_n = tl.full((BLOCK_N,), float("inf"), tl.float64)
-    live = open_p | open_n
-    M_live = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, M, 0)  # PASS 1: most blocks have none
-    for j0 in range(0, M_live, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-        col_mask = cols < M
-        ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
-        sq_b = tl.load(sq_b_ptr + cols, mask=col_mask, other=0.0)
-        d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
-        valid = row_mask[:, None] & col_mask[None, :]
-        if SELF:
-            valid = valid & (rows[:, None] != (cols - OFFSET)[None, :])
-        pos = valid & (lab[:, None] == ref_lab[None, :]) & open_p[:, None]
-        neg = valid & (lab[:, None] != ref_lab[None, :]) & open_n[:, None]
-        direct = direct & (pos | neg)
-        d64 = d.to(tl.float64)
-        s = tl.where(direct, 0.0, _slack(d64, sq_a, sq_b, err, unit))
-        exact = d64
-        same = _same(grp_a_ptr, grp_b_ptr, rows, cols, row_mask, col_mask)
-        have_exact = _any(direct & (same == 0))
-        if have_exact:
-            exact = _exact_dist(
-                xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
-            )
-        exact = tl.where(same, 0.0, exact)
-        d64 = tl.where(direct, exact.to(ACC).to(tl.float64), d64)
-        nan = d64 != d64  # (only a direct entry's)
-        lo = d64 - s
-        hi = d64 + s
-        if PASS == 0:
-            nan_p = tl.minimum(nan_p, _first(pos & nan, cols))
-            nan_n = tl.minimum(nan_n, _first(neg & nan, cols))
-            ok = pos & (nan == 0)
-            t_lead = tl.max(tl.where(ok, lo, float("-inf")), axis=1)
-            t_idx = _first(ok & (lo == t_lead[:, None]), cols)
-            t_far = tl.max(tl.where(ok & (cols[None, :] == t_idx[:, None]), hi, float("-inf")), axis=1)
-            t_rest = tl.max(tl.where(ok & (cols[None, :] != t_idx[:, None]), hi, float("-inf")), axis=1)
-            better = (t_idx < NO_INDEX) & ((t_lead > lead_p) | (idx_p < 0))
-            rest_p = tl.maximum(tl.maximum(rest_p, t_rest), tl.where(better, far_p, t_far))
-            lead_p = tl.where(better, t_lead, lead_p)
-            far_p = tl.where(better, t_far, far_p)
-            idx_p = tl.where(better, t_idx, idx_p)
-            ok = neg & (nan == 0)
-            t_lead = tl.min(tl.where(ok, hi, float("inf")), axis=1)
-            t_idx = _first(ok & (hi == t_lead[:, None]), cols)
-            t_far = tl.min(tl.where(ok & (cols[None, :] == t_idx[:, None]), lo, float("inf")), axis=1)
-            t_rest = tl.min(tl.where(ok & (cols[None, :] != t_idx[:, None]), lo, float("inf")), axis=1)
-            better = (t_idx < NO_INDEX) & ((t_lead < lead_n) | (idx_n < 0))
-            rest_n = tl.minimum(tl.minimum(rest_n, t_rest), tl.where(better, far_n, t_far))
-            lead_n = tl.where(better, t_lead, lead_n)
-            far_n = tl.where(better, t_far, far_n)
-            idx_n = tl.where(better, t_idx, idx_n)
-        else:
-            cand_p = pos & (nan == 0) & (hi >= lead_p[:, None])
-            cand_n = neg & (nan == 0) & (lo <= lead_n[:, None])
-            if _any((cand_p | cand_n) & (direct == 0) & (same == 0)) & (have_exact == 0):
-                exact = _exact_dist(
-                    xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
-                )
-                exact = tl.where(same, 0.0, exact)
-            key = tl.where(direct, d64, exact)
-            t_best = tl.max(tl.where(cand_p, key, float("-inf")), axis=1)
-            t_idx = _first(cand_p & (key == t_best[:, None]), cols)
-            better = (t_idx < NO_INDEX) & ((t_best > best_p) | (idx_p < 0))
-            best_p = tl.where(better, t_best, best_p)
-            idx_p = tl.where(better, t_idx, idx_p)
-            t_best = tl.min(tl.where(cand_n, key, float("inf")), axis=1)
-            t_idx = _first(cand_n & (key == t_best[:, None]), cols)
-            better = (t_idx < NO_INDEX) & ((t_best < best_n) | (idx_n < 0))
-            best_n = tl.where(better, t_best, best_n)
-            idx_n = tl.where(better, t_idx, idx_n)
-    if PASS == 0:
-        # Settled: a NaN (the first), none, or a leader no other entry's bound reaches.
-        settled_p = (nan_p < NO_INDEX) | (idx_p < 0) | (rest_p < lead_p)
-        settled_n = (nan_n < NO_INDEX) | (idx_n < 0) | (rest_n > lead_n)
-        idx_p = tl.where(nan_p < NO_INDEX, nan_p, tl.where(settled_p, idx_p, -2))
-        idx_n = tl.where(nan_n < NO_INDEX, nan_n, tl.where(settled_n, idx_n, -2))
-        tl.store(idx_ptr + rows * 2, idx_p, mask=row_mask)
-        tl.store(idx_ptr + rows * 2 + 1, idx_n, mask=row_mask)
-        tl.store(bound_ptr + rows * 2, lead_p, mask=row_mask)
-        tl.store(bound_ptr + rows * 2 + 1, lead_n, mask=row_mask)
-    else:
-        tl.store(idx_ptr + rows * 2, idx_p, mask=open_p)
-        tl.store(idx_ptr + rows * 2 + 1, idx_n, mask=open_n)
-
 
 @triton.jit
 def pair_dist_kernel(
@@ -828,21 +652,16 @@ def pair_dist_kernel(
     ONE_FEATURE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
-    """out[a, k] = the exact distance (Points::direct: float64, feature order) of anchor a and
-    ref row idx[a, k], for each of its K pairs; NaN where idx is outside [0, M)."""
+    """out[a, k] = the exact distance (_pair_exact) of anchor a and ref row idx[a, k], for each
+    of its K pairs (K a power of two); NaN where idx is outside [0, M)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
-    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
-    for k in range(0, K):
-        j = tl.load(idx_ptr + rows * K + k, mask=row_mask, other=-1)
-        ok = row_mask & (j >= 0) & (j < M)
-        inv_b = tl.load(inv_b_ptr + j, mask=ok, other=0.0)
-        total = tl.zeros((BLOCK_ROWS,), tl.float64)
-        for f in range(0, D):
-            a = _unit(tl.load(xa_ptr + rows * sa + f, mask=ok, other=0.0).to(tl.float64), inv_a, ONE_FEATURE)
-            b = _unit(tl.load(xb_ptr + j * sb + f, mask=ok, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
-            total += (a - b) * (a - b)
-        tl.store(out_ptr + rows * K + k, tl.where(ok, tl.sqrt(total), float("nan")), mask=row_mask)
+    ks = tl.arange(0, K)[None, :]
+    at = rows[:, None] * K + ks
+    js = tl.load(idx_ptr + at, mask=row_mask[:, None] & (ks < K), other=-1)
+    ok = row_mask[:, None] & (js >= 0) & (js < M)
+    d = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, ok, D, ONE_FEATURE)
+    tl.store(out_ptr + at, tl.where(ok, d, float("nan")), mask=row_mask[:, None] & (ks < K))
 
 
 @triton.jit
@@ -1394,20 +1213,28 @@ def _triplet_rows(
 
 
 def triplet_margin_forward(
-    embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard=None, *, config=None, row_config=None
+    embeddings,
+    labels,
+    ref_embeddings,
+    ref_labels,
+    margin,
+    mining,
+    shard=None,
+    *,
+    config=None,
+    row_config=None,
+    exact_config=None,
 ):
-    """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter)."""
+    """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter; config:
+    triplet_rows_kernel's, or batch_hard's triplets.hard_rows_kernel's with exact_config its
+    hard_pick_kernel's)."""
     (margin, mining), shard = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard)
     self_, offset = _self_pairs(ref_embeddings, shard)
     acc = acc_dtype(embeddings)
     hard = mining == "batch_hard"
-    if hard:
-        config = config or EXACT_ROWS_CONFIGS[0]
-    else:
-        config = config or TRIPLET_ROWS_CONFIGS[-1 if acc == torch.float64 else 0]
     row_config = row_config or ROW_CONFIGS[0]
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
-    N, D = embeddings.shape
+    N = embeddings.shape[0]
+    M = N if ref_embeddings is None else ref_embeddings.shape[0]
     idx = torch.full((N, 2), -1, dtype=torch.int64, device=embeddings.device)
 
     def result(total: Tensor, count: Tensor, stats: Tensor) -> tuple[Tensor, Tensor]:
@@ -1416,61 +1243,34 @@ def triplet_margin_forward(
             return _parts(total, count), stats
         return torch.where(count > 0, total / count.clamp(min=1), 0.0).to(embeddings.dtype), stats
 
-    if N == 0 or b.n == 0:
+    if N == 0 or M == 0:
         zero = idx.new_zeros(())
         return result(zero.double(), zero, torch.cat([idx, torch.zeros_like(idx[:, :1])], 1))
+    if hard:
+        config = config or lse._default(triplets.ROWS_CONFIGS, acc)
+        exact_config = exact_config or triplets.EXACT_CONFIGS[0]
+        pa, pb = euclid._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+        idx, dist = triplets.batch_hard(pa, pb, self_, offset, acc, config, exact_config)
+        # triplet_forward (pair_losses_euclidean_cpu.cpp): per anchor with both, its triplet's
+        # d_ap − d_an + margin from the exact distances; the mean of those > 0 (or NaN).
+        per = dist[:, 0] - dist[:, 1] + margin
+        counted = (idx >= 0).all(1) & ~(per <= 0)
+        stats = torch.cat([idx, counted[:, None].long()], 1)
+        return result(torch.where(counted, per, 0.0).sum(), counted.sum(), stats)
+    # triplet_forward (pair_losses_euclidean_cpu.cpp): Σ over the counted triplets of
+    # d_ap − d_an + margin over their number; NaN where a counted triplet has a positive at
+    # a NaN distance.
+    config = config or TRIPLET_ROWS_CONFIGS[-1 if acc == torch.float64 else 0]
+    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
     points = _points(a, b, acc, row_config)
-    if not hard:
-        # triplet_forward (pair_losses_euclidean_cpu.cpp): Σ over the counted triplets of
-        # d_ap − d_an + margin over their number; NaN where a counted triplet has a positive at
-        # a NaN distance.
-        sums = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
-        count = torch.empty(N, 2, dtype=torch.int64, device=embeddings.device)
-        segments = _label_segments(a, b)
-        semi = mining == "semi_hard"
-        _triplet_rows(a, b, points, segments, margin, semi, acc, config, self_, offset, sums, count, end=N)
-        per = sums[:, 0] - sums[:, 1]
-        per = torch.where((count[:, 0] > 0) & (count[:, 1] > 0), float("nan"), per)
-        return result(per.sum(), count[:, 0].sum(), torch.cat([idx, count[:, :1]], 1))
-    (ca, sq_a, ga), (cb, sq_b, gb) = points
-    bound = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
-    for step in (0, 1):
-        hard_rows_kernel[(blocks(N, config.kwargs["BLOCK_N"]),)](
-            ca,
-            cb,
-            sq_a,
-            sq_b,
-            a.raw,
-            b.raw,
-            a.raw.stride(0),
-            b.raw.stride(0),
-            a.inv64,
-            b.inv64,
-            ga,
-            gb,
-            a.labels,
-            b.labels,
-            idx,
-            bound,
-            N,
-            b.n,
-            D,
-            offset,
-            *_euclidean_bits((), D, acc),
-            ONE_FEATURE=D == 1,
-            SELF=self_,
-            PASS=step,
-            ACC=acc_tl(acc),
-            IS64=acc == torch.float64,
-            **config.launch,
-        )
-    # triplet_forward (pair_losses_euclidean_cpu.cpp): per anchor with both, its triplet's
-    # d_ap − d_an + margin from the exact distances; the mean of those > 0 (or NaN).
-    dist = _pair_dists(a, b, idx, row_config)
-    per = dist[:, 0] - dist[:, 1] + margin
-    counted = (idx >= 0).all(1) & ~(per <= 0)
-    stats = torch.cat([idx, counted[:, None].long()], 1)
-    return result(torch.where(counted, per, 0.0).sum(), counted.sum(), stats)
+    sums = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
+    count = torch.empty(N, 2, dtype=torch.int64, device=embeddings.device)
+    segments = _label_segments(a, b)
+    semi = mining == "semi_hard"
+    _triplet_rows(a, b, points, segments, margin, semi, acc, config, self_, offset, sums, count, end=N)
+    per = sums[:, 0] - sums[:, 1]
+    per = torch.where((count[:, 0] > 0) & (count[:, 1] > 0), float("nan"), per)
+    return result(per.sum(), count[:, 0].sum(), torch.cat([idx, count[:, :1]], 1))
 
 
 # The anchors of one band of the triplet backward: at most this many (anchor, ref) pairs' int32
@@ -1650,7 +1450,7 @@ def compile_cases() -> list[CompileCase]:
     """Every kernel for tools/triton_check.py: each configuration in float32, float64 with the
     first; the log-sum-exp and multi-similarity engines' (lse.compile_cases, ms.compile_cases)
     first."""
-    cases = lse.compile_cases() + ms.compile_cases() + euclid.compile_cases()
+    cases = lse.compile_cases() + ms.compile_cases() + euclid.compile_cases() + triplets.compile_cases()
     for dtype, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
         is64 = acc == "fp64"
         every = dtype == "fp32"
@@ -1747,17 +1547,6 @@ def compile_cases() -> list[CompileCase]:
                                 else TRIPLET_ROWS_CONFIGS[:1],
                             )
                         )
-            for self_ in (True, False):
-                for step in (0, 1):
-                    cases.append(
-                        CompileCase(
-                            f"pair_losses.hard_rows {step} {dtype}{' self' if self_ else ''}",
-                            hard_rows_kernel,
-                            {**euclidean, "idx_ptr": "*i64", "bound_ptr": "*fp64"},
-                            dict(SELF=self_, PASS=step, **flags),
-                            EXACT_ROWS_CONFIGS if every and self_ else EXACT_ROWS_CONFIGS[:1],
-                        )
-                    )
             hard = {
                 **ms_types,
                 **dict.fromkeys(("x_b_ptr", "x_a_ptr"), "*" + dtype),
@@ -1854,7 +1643,6 @@ def compile_cases() -> list[CompileCase]:
     # first in float32 also as one with D = 1.
     one_feature = {
         triplet_grad_kernel,
-        hard_rows_kernel,
         triplet_rows_kernel,
         hard_grad_kernel,
         pair_dist_kernel,
