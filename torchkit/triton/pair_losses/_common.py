@@ -73,26 +73,22 @@ def _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, cols, row_mask, col_m
 @triton.jit
 def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, mask, D, ONE_FEATURE: tl.constexpr):
     """Exact distances (Points::direct: float64, feature order; 1 between a zero row and a unit
-    one) of anchor rows[i] and ref rows js[i, p] (2-D): ORDERED_BLOCK features of each row
-    loaded at once and summed one by one (_feature; the features past D add (0 − 0)² = 0)."""
+    one) of anchor rows[i] and ref rows js[i, p] (2-D): ORDERED_BLOCK features at a time,
+    unrolled, so that their loads are in flight together (the features past D add 0)."""
     inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
     inv_b = tl.load(inv_b_ptr + js, mask=mask, other=0.0)
     out = tl.zeros(js.shape, tl.float64)
-    ks = tl.arange(0, ORDERED_BLOCK)
     for k0 in range(0, D, ORDERED_BLOCK):
-        k_mask = k0 + ks < D
-        xa = tl.load(
-            xa_ptr + rows[:, None] * sa + (k0 + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        xb = tl.load(
-            xb_ptr + js[:, :, None] * sb + (k0 + ks)[None, None, :],
-            mask=mask[:, :, None] & k_mask[None, None, :],
-            other=0.0,
-        )
         for kk in tl.static_range(ORDERED_BLOCK):
-            a = _unit(_feature(xa, ks, kk).to(tl.float64), inv_a, ONE_FEATURE)
-            b = _unit(tl.sum(tl.where(ks[None, None, :] == kk, xb, -0.0), axis=2).to(tl.float64), inv_b, ONE_FEATURE)
-            v = a[:, None] - b
+            # (past D: feature D − 1 read again and taken as 0, rather than a masked lane: the
+            # interpreter gives a one-row tensor's masked lane no `other`)
+            k = tl.minimum(k0 + kk, D - 1)
+            past = k0 + kk >= D
+            a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64)
+            b = tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64)
+            v = _unit(tl.where(past, 0.0, a), inv_a, ONE_FEATURE)[:, None] - _unit(
+                tl.where(past, 0.0, b), inv_b, ONE_FEATURE
+            )
             out += v * v
     out = tl.sqrt(out)
     if not ONE_FEATURE:  # (one feature: |±1 − 0| is 1 exactly already)
