@@ -187,12 +187,18 @@ def test_the_whole_finite_range(device, dtype, scale, layout, self_, squared):
 
 @pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)
 @pytest.mark.parametrize("dtype,exponent", [(torch.float32, -130), (torch.float64, -1060)])
-def test_gradient_at_subnormal_distances(device, dtype, exponent):
-    """(a - b)/d is a unit vector at any distance (testing.subnormal_points)."""
+def test_gradient_at_subnormal_distances(device, dtype, exponent, request):
+    """(a - b)/d is a unit vector at any distance (testing.subnormal_points): exactly, but for
+    the Triton kernels' float32 products on tensor cores (three TF32 products per product,
+    whose operands keep 22 of float32's 24 bits: within 2^-20 of it)."""
     x, y, expected_x, expected_y = subnormal_points(device, dtype, exponent)
     d = ops.cdist(x, y)
     gx, gy = torch.autograd.grad(d, (x, y), torch.ones_like(d))
-    assert gx.tolist() == expected_x and gy.tolist() == expected_y
+    if request.node.get_closest_marker("triton") and dtype == torch.float32:
+        for got, expected in ((gx, expected_x), (gy, expected_y)):
+            torch.testing.assert_close(got.cpu(), torch.tensor(expected, dtype=dtype), rtol=0, atol=2**-20)
+    else:
+        assert gx.tolist() == expected_x and gy.tolist() == expected_y
 
 
 @pytest.mark.parametrize("device", DEVICES_SCALED_TRITON)

@@ -263,6 +263,47 @@ def test_cdist_backward_in_every_configuration(dtype, scale, gemm, self_):
             torch.testing.assert_close(a.cpu(), b, rtol=1e-5 if dtype == torch.float32 else 1e-10, atol=1e-4)
 
 
+# The largest error against float64 of cdist's float32 products under each fp32-matmul setting,
+# relative to the rows' magnitude (the distances and the gradients alike), and how much smaller
+# the default's must be than "medium"'s (so that the setting reaches the kernels).
+CDIST_SCHEMES = [("highest", 2e-6), ("high", 3e-3), ("medium", 3e-2)]
+
+
+@pytest.mark.triton("cdist", dispatch=False)  # (the ops: the C++ kernels)
+@needs_triton
+def test_cdist_float32_products_follow_the_fp32_matmul_setting():
+    """float32 inputs on tensor cores by PyTorch's fp32-matmul setting, read at each call: the
+    default as accurate as IEEE float32 products, "high" TF32, "medium" bfloat16; forward and
+    backward within each scheme's error of float64's, the default's far smaller than
+    "medium"'s; near-duplicates (refined exactly) included."""
+    from torchkit.triton import cdist as kernels
+
+    x = _points((37, 64), torch.float32, 6, offset=3.0)
+    y = _points((51, 64), torch.float32, 7, offset=3.0)
+    y[5] = x[3] + 1e-3
+    exact = torch.cdist(x.double(), y.double())
+    grad = _points(exact.shape, torch.float32, 8)
+    expected = torch.ops.torchkit._cdist_backward(grad.double(), x.double(), y.double(), exact, False, [True, True])
+    scale = x.double().abs().amax().item()
+    before = torch.get_float32_matmul_precision()
+    errors = {}
+    to = _device()
+    for setting, tol in CDIST_SCHEMES:
+        try:
+            torch.set_float32_matmul_precision(setting)
+            got = kernels.forward(x.to(to), y.to(to), False).cpu()
+            grads = kernels.backward(grad.to(to), x.to(to), y.to(to), got.to(to), False, [True, True])
+        finally:
+            torch.set_float32_matmul_precision(before)
+        errors[setting] = (got.double() - exact).abs().amax().item() / scale
+        assert errors[setting] <= tol, (setting, errors[setting])
+        assert (got.double() - exact)[3, 5].abs() <= 1e-6 * exact[3, 5]  # (refined: exact)
+        for a, b in zip(grads, expected, strict=True):
+            g_scale = b.abs().amax().item()
+            assert (a.cpu().double() - b).abs().amax().item() <= 4 * tol * g_scale, setting
+    assert errors["highest"] * 100 < errors["medium"], errors
+
+
 # --------------------------------------------------------------------------- bilinear_pool, every configuration
 
 

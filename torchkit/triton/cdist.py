@@ -10,10 +10,13 @@ without any copy of the inputs in another type:
   sets after that scaling (column_sums_kernel: a NaN or ±inf row would make every distance of
   the element non-finite); each row's squared norm after scaling and centring (norms_kernel).
 - Forward (forward_kernel): one output tile per program. The centred, scaled rows are formed
-  from the raw inputs as they are loaded and multiplied by tl.dot (float32 and float64: IEEE
-  products; float16 and bfloat16: each centred value split into two bfloat16 halves, three
-  tensor-core products with float32 accumulation, which keeps ~16 bits where the inputs have 8
-  or 11). The epilogue forms d² = |a|² + |b|² - 2a·b, clamps, takes the correctly rounded root
+  from the raw inputs as they are loaded and multiplied on tensor cores under the CUDA
+  precision contract (docs/ops.md): float32 by PyTorch's fp32-matmul setting, read at each call
+  (the default: each value split into a TF32 pair hi + lo, three products hi·hi + hi·lo +
+  lo·hi, as accurate as IEEE float32 products; "high": TF32; "medium": bfloat16; lse.py's
+  schemes); float16 and bfloat16: each centred value split into two bfloat16 halves, three
+  products with float32 accumulation, which keeps ~16 bits where the inputs have 8 or 11;
+  float64 in float64. The epilogue forms d² = |a|² + |b|² - 2a·b, clamps, takes the correctly rounded root
   and multiplies by 2^e (2^2e squared) exactly. Entries where the expansion cancelled (d² <
   (|a|² + |b|²) / 16: near-duplicates), is NaN (a non-finite row) or may have underflowed are
   recomputed as Σ(a - b)² from the unscaled inputs, with the differences scaled by the power of
@@ -42,12 +45,7 @@ from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dt
 from torchkit.ops.cdist import check_distance_inputs
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, hot, interpreting
-
-# Why the distance GEMMs (@hot) multiply float32 with IEEE FMAs.
-IEEE_PRODUCTS = (
-    "float32 products as IEEE FMAs: PyTorch's default float32 matmul precision ('highest'); the "
-    "tensor-core scheme as accurate (GPU-PERF.md's CUDA precision contract) is not built yet"
-)
+from torchkit.triton.pair_losses import lse
 
 REFINE_RATIO = tl.constexpr(16.0)  # csrc/cdist.h's kRefineRatio
 
@@ -96,12 +94,15 @@ def _centred(x_ptr, rows, ks, row_mask, k_mask, stride_row, mean_ptr, f1, f2, AC
 
 
 @triton.jit
-def _mma(a, b, acc, IS64: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a·bᵀ. SPLIT (float16 and bfloat16 inputs): a and b are float32 values split into
-    bfloat16 hi + lo, three tensor-core products accumulated in float32 (lo·lo, 2^-16 of the
-    rest, dropped). bfloat16 × bfloat16 products are exact in float32, so the interpreter,
-    whose bfloat16 arithmetic works on the raw bits, multiplies the halves upcast to float32:
-    the same products, summed in another order."""
+def _mma(a, b, acc, IS64: tl.constexpr, SPLIT: tl.constexpr, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a·bᵀ on tensor cores. SPLIT (float16 and bfloat16 inputs): a and b are float32
+    values split into bfloat16 hi + lo, three products accumulated in float32 (lo·lo, 2^-16 of
+    the rest, dropped). Otherwise float32 values by SCHEME (lse's: TF32X3, TF32 or HALF:
+    bfloat16), float64 in float64. The operands are rounded here (lse._tf32: the tensor cores
+    take a TF32 value exactly), so the interpreter, whose dot ignores the precision, forms the
+    GPU's products; bfloat16 × bfloat16 products are exact in float32, so it multiplies those
+    upcast to float32 (its bfloat16 arithmetic works on the raw bits): the same products,
+    summed in another order."""
     bt = tl.trans(b)
     if SPLIT:
         a_hi = a.to(tl.bfloat16)
@@ -118,8 +119,19 @@ def _mma(a, b, acc, IS64: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.const
         acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
     elif IS64:
         acc = tl.dot(a, bt, acc, out_dtype=tl.float64)
+    elif SCHEME == lse.TF32X3:
+        a_hi = lse._tf32(a)
+        b_hi = lse._tf32(bt)
+        acc = lse._mma(a_hi, lse._tf32(a - a_hi), b_hi, lse._tf32(bt - b_hi), acc, SCHEME)
+    elif SCHEME == lse.TF32:
+        acc = lse._mma(lse._tf32(a), a, lse._tf32(bt), bt, acc, SCHEME)
     else:
-        acc = tl.dot(a, bt, acc, input_precision="ieee", out_dtype=tl.float32)
+        a_h = a.to(tl.bfloat16)
+        b_h = bt.to(tl.bfloat16)
+        if INTERPRET:
+            a_h = a_h.to(tl.float32)
+            b_h = b_h.to(tl.float32)
+        acc = tl.dot(a_h, b_h, acc, out_dtype=tl.float32)
     return acc
 
 
@@ -258,7 +270,7 @@ def _zero_diagonal(na, rows, cols, SELF: tl.constexpr):
         return tl.zeros((rows.shape[0], cols.shape[0]), tl.int1)
 
 
-@hot(ieee_dot=IEEE_PRODUCTS)
+@hot()
 @triton.jit
 def forward_kernel(
     x1_ptr,
@@ -283,6 +295,7 @@ def forward_kernel(
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     SPLIT: tl.constexpr,
+    SCHEME: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -307,7 +320,7 @@ def forward_kernel(
         k_mask = ks < M
         a = _centred(x1_ptr + b * s1b, rows, ks, row_mask, k_mask, s1p, mean, f1, f2, ACC)
         c = _centred(x2_ptr + b * s2b, cols, ks, col_mask, k_mask, s2r, mean, f1, f2, ACC)
-        acc = _mma(a, c, acc, IS64, SPLIT, INTERPRET)
+        acc = _mma(a, c, acc, IS64, SPLIT, SCHEME, INTERPRET)
 
     na = tl.load(n1_ptr + b * P + rows, mask=row_mask, other=0.0)
     nb = tl.load(n2_ptr + b * R + cols, mask=col_mask, other=0.0)
@@ -504,7 +517,7 @@ def grad_scale_kernel(
     tl.store(sums_ptr + b * N_OWN + rows, total, mask=row_mask)
 
 
-@hot(ieee_dot=IEEE_PRODUCTS)
+@hot()
 @triton.jit
 def grad_gemm_kernel(
     gp_ptr,
@@ -529,13 +542,16 @@ def grad_gemm_kernel(
     SQUARED: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
     BLOCK_OWN: tl.constexpr,
     BLOCK_OTHER: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[own rows, features] = s·(sums·own - G'·other) + direct over the scaled, centred rows,
     s = 2^e for squared distances of a scaled element, else 1 (the direct part is in the
-    inputs' units already)."""
+    inputs' units already); G'·other by the forward's products (_mma)."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // tiles
     tile = pid % tiles
@@ -556,10 +572,7 @@ def grad_gemm_kernel(
             other=0.0,
         )
         c = _centred(other_ptr + b * s_other_b, cols, ks, col_mask, k_mask, s_other_r, mean, f1, f2, ACC)
-        if IS64:
-            acc = tl.dot(g, c, acc, out_dtype=tl.float64)
-        else:
-            acc = tl.dot(g, c, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = _mma(g, tl.trans(c), acc, IS64, SPLIT, SCHEME, INTERPRET)
     own = _centred(own_ptr + b * s_own_b, rows, ks, row_mask, k_mask, s_own_r, mean, f1, f2, ACC)
     sums = tl.load(sums_ptr + b * N_OWN + rows, mask=row_mask, other=0.0)
     value = sums[:, None] * own - acc
@@ -653,6 +666,14 @@ def _problem(x1: Tensor, x2: Tensor | None):
     return batch, B
 
 
+def _products(x: Tensor) -> dict:
+    """The products' constexprs (_mma): SPLIT for float16 and bfloat16 inputs; else the scheme
+    of float32 inputs by PyTorch's fp32-matmul setting, read now (lse.scheme), or float64's."""
+    split = x.dtype in (torch.float16, torch.bfloat16)
+    scheme = lse.HALF.value if split else lse.scheme(acc_dtype(x))
+    return dict(SPLIT=split, SCHEME=scheme, INTERPRET=interpreting())
+
+
 def forward(
     x1: Tensor, x2: Tensor | None, squared, *, config: Config | None = None, prefix_config: Config | None = None
 ) -> Tensor:
@@ -688,8 +709,7 @@ def forward(
             flags,
             *common,
             **variant,
-            SPLIT=x1.dtype in (torch.float16, torch.bfloat16),
-            INTERPRET=interpreting(),
+            **_products(x1),
             **config.launch,
         )
         refine_kernel[(B * tiles,)](
@@ -823,6 +843,7 @@ def backward(
                 tiles_k,
                 tiles,
                 **flags,
+                **_products(x1),
                 **gm.launch,
             )
             return out
@@ -901,6 +922,10 @@ def compile_cases() -> list[CompileCase]:
             "*" + acc,
         )
         types = {**ints, **strides, **data, **accs, "exp_ptr": "*i32", "finite_ptr": "*i8", "flag_ptr": "*i8"}
+        # The products: float32's by each fp32-matmul setting (the default's with every
+        # configuration), the split halves', float64's.
+        scheme = lse.HALF if split else lse.FP64 if is64 else lse.TF32X3
+        products = dict(SPLIT=split, SCHEME=scheme, INTERPRET=False)
         for variant in ((False, False), (True, True)) if dtype == "fp32" else ((False, False),):
             self_, squared = variant
             cases.append(
@@ -908,11 +933,23 @@ def compile_cases() -> list[CompileCase]:
                     f"cdist.forward {dtype}{' self squared' if self_ else ''}",
                     forward_kernel,
                     types,
-                    dict(SELF=self_, SQUARED=squared, SPLIT=split, INTERPRET=False, **flags),
+                    dict(SELF=self_, SQUARED=squared, **products, **flags),
                     FORWARD_CONFIGS if every and not self_ else FORWARD_CONFIGS[:1],
-                    tensor_cores=split,
+                    tensor_cores=not is64,
                 )
             )
+        if dtype == "fp32":
+            for name, other in (("high", lse.TF32), ("medium", lse.HALF)):
+                cases.append(
+                    CompileCase(
+                        f"cdist.forward {dtype} {name}",
+                        forward_kernel,
+                        types,
+                        dict(SELF=False, SQUARED=False, **{**products, "SCHEME": other}, **flags),
+                        FORWARD_CONFIGS[:1],
+                        tensor_cores=True,
+                    )
+                )
         for self_, squared in ((False, False), (True, True)):
             block = FORWARD_CONFIGS[0].kwargs
             cases.append(
@@ -949,8 +986,9 @@ def compile_cases() -> list[CompileCase]:
                 f"cdist.grad_gemm {dtype}",
                 grad_gemm_kernel,
                 backward_types,
-                dict(SQUARED=True, **flags),
+                dict(SQUARED=True, **products, **flags),
                 GRAD_GEMM_CONFIGS if every else GRAD_GEMM_CONFIGS[:1],
+                tensor_cores=not is64,
             )
         )
         for kernel, extra in (
