@@ -6,6 +6,7 @@ the ranks disagree on."""
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import pytest
@@ -179,6 +180,32 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+# The cases the Triton kernels take through group= (under the interpreter, a few: a kernel
+# launch is slow there): each engine, with and without refs, and proxy_anchor_loss.
+TRITON_CASES = ("supcon", "contrastive_refs", "triplet_batch_hard", "triplet_semi_hard_refs", "multi_similarity")
+
+
+def triton_worker(rank: int, world: int, init_file: str, out_dir: str, device: str) -> None:
+    """worker's loss cases, TRITON_CASES and proxy_anchor, with the Triton kernels in the
+    dispatcher's slot for `device` (triton_testing.installed) and the tensors on it: on CUDA,
+    every rank on the one visible GPU, over gloo (which carries CUDA tensors)."""
+    import triton_testing
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    group = dist.group.WORLD
+    move = lambda spec: tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in spec)  # noqa: E731
+    home = lambda out: tuple(None if v is None else v.cpu() for v in out)  # noqa: E731
+    with triton_testing.installed("pair_losses", device):
+        results = {name: home(run(name, move(cases(world)[name]), rank, group)) for name in TRITON_CASES}
+        results["proxy_anchor"] = home(run_proxy(move(proxy_cases(world)["proxy_anchor"]), rank, group))
+    save(results, out_dir, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 WORLDS = [2, 3]
 
 
@@ -272,3 +299,33 @@ def test_group_must_be_a_process_group(group):
     x, y = data(5, 6, 3, 2)
     with pytest.raises(TypeError, match=r"^supcon_loss: group must be a torch\.distributed ProcessGroup or None"):
         ops.supcon_loss(x, y, group=group)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)  # (the ranks install them)
+@pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+def test_triton_kernels_across_ranks_equal_one_process(device):
+    """group= through the losses' Triton kernels (their shards: csrc/pair_losses.h), on CUDA
+    tensors where a GPU is visible, else under the interpreter: on 2 ranks, each loss and
+    gradient equal to one process's with the CPU kernels (float64)."""
+    import triton_testing
+
+    reason = triton_testing.available(interpreted=device == "cpu")
+    if reason:
+        pytest.skip(reason)
+    results = spawn(functools.partial(triton_worker, device=device), 2)
+    tol = dict(rtol=1e-9, atol=1e-12)
+    for name in TRITON_CASES:
+        expected, grad, ref_grad = one_process(cases(2)[name])
+        for rank in results:
+            torch.testing.assert_close(rank[name][0], expected, **tol)
+        torch.testing.assert_close(torch.cat([r[name][1] for r in results]), grad, **tol)
+        if ref_grad is not None:
+            torch.testing.assert_close(torch.cat([r[name][2] for r in results]), ref_grad, **tol)
+    x, y, proxies, _, kwargs = proxy_cases(2)["proxy_anchor"]
+    e, p = x.clone().requires_grad_(), proxies.clone().requires_grad_()
+    expected = ops.proxy_anchor_loss(e, y, p, **kwargs)
+    expected.backward()
+    for rank in results:
+        torch.testing.assert_close(rank["proxy_anchor"][0], expected.detach(), **tol)
+    torch.testing.assert_close(torch.cat([r["proxy_anchor"][1] for r in results]), e.grad, **tol)
+    torch.testing.assert_close(sum(r["proxy_anchor"][2] for r in results), p.grad, **tol)

@@ -54,7 +54,7 @@ def supcon_loss(
             batch and gets the loss of the ranks' batches concatenated in rank order (their
             ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
             gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
-            losses across ranks"). CPU tensors. Default: this process's batch alone.
+            losses across ranks"). Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype. 0 (with zero gradients) when the batch has no
@@ -101,7 +101,7 @@ def ntxent_loss(
             batch and gets the loss of the ranks' batches concatenated in rank order (their
             ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
             gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
-            losses across ranks"). CPU tensors. Default: this process's batch alone.
+            losses across ranks"). Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; 0 (with zero gradients) when the batch has no
@@ -150,7 +150,7 @@ def contrastive_loss(
             batch and gets the loss of the ranks' batches concatenated in rank order (their
             ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
             gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
-            losses across ranks"). CPU tensors. Default: this process's batch alone.
+            losses across ranks"). Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; a kind of pair with no term > 0 adds 0, and a batch
@@ -207,7 +207,7 @@ def triplet_margin_loss(
             batch and gets the loss of the ranks' batches concatenated in rank order (their
             ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
             gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
-            losses across ranks"). CPU tensors. Default: this process's batch alone.
+            losses across ranks"). Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; 0 (with zero gradients) when no triplet has a loss
@@ -260,7 +260,7 @@ def multi_similarity_loss(
             batch and gets the loss of the ranks' batches concatenated in rank order (their
             ``ref_embeddings`` likewise), each rank computing its own anchors' terms; the
             gradient of each rank's embeddings is theirs of that loss (docs/ops.md, "The pair
-            losses across ranks"). CPU tensors. Default: this process's batch alone.
+            losses across ranks"). Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; 0 (with zero gradients) when each kind of pair
@@ -313,7 +313,7 @@ def proxy_anchor_loss(
             batch and the same proxies, and gets the loss of the ranks' batches concatenated;
             the gradient of its embeddings is theirs of that loss, and the proxies' gradient
             its batch's share (summed over the ranks it is the proxies' gradient; docs/ops.md,
-            "The pair losses across ranks"). CPU tensors. Default: this process's batch alone.
+            "The pair losses across ranks"). Default: this process's batch alone.
 
     Returns:
         A scalar of ``embeddings``' dtype; 0 for an empty batch. A NaN embedding or proxy
