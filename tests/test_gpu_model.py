@@ -173,35 +173,46 @@ def test_the_rule_check_names_hot_kernels_without_a_reason():
 @needs_interpreter
 @pytest.mark.triton("cdist", dispatch=False)
 def test_a_benchmark_case_counts_its_product():
-    """cdist at P = R = M = 128 (its benchmark case's run, cases()): the forward multiplies
-    128³ in its main kernel, whatever else its launches do; the backward's two products (the
-    gradients of both inputs) twice that."""
+    """cdist at P = R = M = 128 (its benchmark case's run, cases()) at the default fp32-matmul
+    setting: the forward multiplies 128³ in its main kernel as three TF32 products each,
+    whatever else its launches do; the backward's two products (the gradients of both inputs)
+    twice that."""
     split = []
     with gpu_model.counting() as launches:
         gpu_model._cdist(torch.float32)(128, between=lambda: split.append(len(launches)))
 
     def macs(part):
-        return sum(v for launch in part for k, v in launch.counts.items() if k.startswith("dot:"))
+        return sum(v for launch in part for k, v in launch.counts.items() if k.startswith("dot:fp32-tf32:"))
 
     (forward,) = split
-    assert macs(launches[:forward]) == 128**3
-    assert macs(launches[forward:]) == 2 * 128**3
+    assert macs(launches[:forward]) == 3 * 128**3
+    assert macs(launches[forward:]) == 2 * 3 * 128**3
 
 
 @needs_interpreter
-@pytest.mark.triton("cdist", dispatch=False)
+@pytest.mark.triton("bilinear_pool", dispatch=False)
 def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
-    """cdist's float32 forward GEMM compiled for sm_90: its K loop multiplies with FFMA reading
-    shared memory (an IEEE tl.dot), and the counts and the SASS agree on what it executes."""
+    """bilinear_pool's float32 forward GEMM compiled for sm_90: its K loop multiplies with FFMA
+    reading shared memory (an IEEE tl.dot), and the counts and the SASS agree on what it
+    executes; cdist's float32 forward at the default setting on tensor cores (wgmma), agreeing
+    too."""
     monkeypatch.setattr(gpu_model, "CACHE", str(tmp_path))
     with gpu_model.counting() as launches:
+        gpu_model._bilinear_pool(torch.float32)(1, between=lambda: None)
         gpu_model._cdist(torch.float32)(128, between=lambda: None)
-    (gemm,) = [launch for launch in launches if launch.kernel == "forward_kernel"]
-    gpu_model.compile_launches([gemm])
+    (gemm,) = [
+        launch for launch in launches if "dot:fp32-ieee:fp32" in launch.counts and launch.kernel == "forward_kernel"
+    ]
+    (cdist,) = [
+        launch for launch in launches if "dot:fp32-tf32:fp32" in launch.counts and launch.kernel == "forward_kernel"
+    ]
+    gpu_model.compile_launches([gemm, cdist])
     loops = gemm.compiled["sass"]["loops"]
     assert loops["fp32"] >= 512 and loops["shared"] > 0 and "tensor" not in loops and "fp64" not in loops
     assert gemm.compiled["registers"] > 0 and gemm.compiled["mma"] == "fma" and gemm.compiled["fma_dots"]
     assert gpu_model.cross_check(gemm) == []
+    assert cdist.compiled["mma"] == "wgmma" and cdist.compiled["sass"]["loops"]["tensor"] > 0
+    assert gpu_model.cross_check(cdist) == []
     # Counts claiming float64 work the SASS does not have are named.
     gemm.counts["float:fmul:fp64"] = gemm.counts["dot:fp32-ieee:fp32"]
     assert [d.split(":")[0] for d in gpu_model.cross_check(gemm)] == ["fp64"]
