@@ -56,6 +56,7 @@ def _triton_kernels(request):
 
     if triton_testing.INTERPRETING:
         triton_testing.poison_masked_loads()
+        triton_testing.quick_helper_calls()
     if not marker.kwargs.get("dispatch", True):
         yield
         return

@@ -11,12 +11,16 @@ compiled on CUDA tensors where one is.
 - `poison_masked_loads()`: the interpreter reads 0 in the masked-off lanes of a tl.load without
   `other`, where a GPU reads whatever is there; patched to NaN (floats) or a sentinel (integers),
   so that a kernel relying on those lanes fails on the CPU too.
+- `quick_helper_calls()`: the interpreter re-patches triton.language on every call of a
+  @triton.jit helper; patched to do it once per launch (the same kernels and results, about a
+  quarter less time).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 
 import numpy as np
@@ -81,4 +85,68 @@ def poison_masked_loads() -> bool:
 
     create_masked_load._poisoned = True
     builder.create_masked_load = create_masked_load
+    return True
+
+
+def quick_helper_calls() -> bool:
+    """Patch the interpreter to patch triton.language once per launch for each set of
+    language modules a @triton.jit helper sees, not on every call; False where this
+    Triton's interpreter is not the one the patch knows (it then changes nothing).
+
+    A launch (GridExecutor.__call__) patches the modules its kernel sees (tl, tl.tensor,
+    tl.math) and undoes that when it returns. Every helper call (InterpretedFunction.__call__)
+    patches the modules the helper sees (tl.core as well, where its module imports it) by
+    inspect.getmembers over each, about 0.2 ms, and never undoes it: a second call within the
+    same launch finds them patched and sets only equivalents of what is set. Our kernels call
+    small helpers in their inner loops, so that took a quarter of the suite's interpreted
+    time. Outside a launch a call keeps the interpreter's own path."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    launch_class = getattr(interpreter, "GridExecutor", None)
+    helper_class = getattr(interpreter, "InterpretedFunction", None)
+    patch = getattr(interpreter, "_patch_lang", None)
+    error = getattr(interpreter, "InterpreterError", None)
+    if None in (launch_class, helper_class, patch, error) or not hasattr(helper_class, "rewrite"):
+        return False
+    launch, helper = launch_class.__call__, helper_class.__call__
+    if getattr(helper, "_quick", False):
+        return True
+    try:
+        source = inspect.getsource(helper)
+    except (OSError, TypeError):
+        return False
+    # (the body this replaces: patch the language, then call the rewritten function)
+    if "_patch_lang(self.fn)" not in source or "self.rewrite()" not in source:
+        return False
+    depth, patched, seen = [0], set(), {}
+
+    def launched(self, *args, **kwargs):
+        depth[0] += 1
+        if depth[0] == 1:
+            patched.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    def called(self, *args, **kwargs):
+        if not depth[0]:
+            return helper(self, *args, **kwargs)
+        langs = seen.get(self.fn)
+        if langs is None:  # (as _patch_lang finds them)
+            found = self.fn.__globals__.values()
+            langs = seen[self.fn] = frozenset(id(v) for v in found if inspect.ismodule(v) and v in (tl, tl.core))
+        if langs not in patched:
+            patch(self.fn)
+            patched.add(langs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # (as the interpreter reports it)
+            raise error(repr(e)) from e
+
+    called._quick = True
+    launch_class.__call__ = launched
+    helper_class.__call__ = called
     return True
