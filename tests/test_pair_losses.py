@@ -2311,10 +2311,10 @@ def ms_problems(dtype):
     ref, ref_labels = make((140, 19), seed=42), make_labels(140, 9, seed=42)
     yield "random", e.to(dtype), labels, ref.to(dtype), ref_labels, (2.0, 50.0, 0.5, 0.1)
     directions = make((2, 19), seed=43)
-    e, ref = make((64, 19), seed=44), make((56, 19), seed=45)
-    e[:50] = directions[torch.arange(50) % 2] + 1e-7 * e[:50]
-    ref[:40] = directions[torch.arange(40) % 2] + 1e-7 * ref[:40]
-    e_labels, ref_labels = make_labels(64, 4, seed=44), make_labels(56, 4, seed=45)
+    e, ref = make((48, 19), seed=44), make((44, 19), seed=45)
+    e[:40] = directions[torch.arange(40) % 2] + 1e-7 * e[:40]
+    ref[:34] = directions[torch.arange(34) % 2] + 1e-7 * ref[:34]
+    e_labels, ref_labels = make_labels(48, 4, seed=44), make_labels(44, 4, seed=45)
     yield "ties", e.to(dtype), e_labels, ref.to(dtype), ref_labels, (2.0, 50.0, 0.5, 0.0)
     e = directions[:1].expand(40, 19).clone()
     e[7] = 0
