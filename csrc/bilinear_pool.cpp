@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "autograd.h"
+#include "blas.h"
 #include "checks.h"
 #include "common.h"
 
@@ -97,14 +98,14 @@ std::tuple<at::Tensor, at::Tensor> input_grads(const Problem& p, const at::Tenso
     const int64_t C = input.size(1);
     if (p.channels_last) {  // (g·other)ᵀ = otherᵀ·gᵀ : (N, HW, C)
       at::Tensor out = empty({p.N, p.HW, C}, g.options());
-      at::bmm_out(out, other.transpose(1, 2), g.transpose(1, 2));
+      blas::bmm_out(out, other.transpose(1, 2), g.transpose(1, 2));
       if (scaled) scaled->unscale(out, which);
       return out.view({p.N, input.size(2), input.size(3), C})
           .permute({0, 3, 1, 2})
           .to(input.scalar_type());
     }
     at::Tensor out = empty({p.N, C, p.HW}, g.options());
-    at::bmm_out(out, g, other);
+    blas::bmm_out(out, g, other);
     if (scaled) scaled->unscale(out, which);
     return out.view(input.sizes()).to(input.scalar_type());
   };

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "autograd.h"
+#include "blas.h"
 #include "checks.h"
 #include "common.h"
 
@@ -167,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor> centre_aten(const Problem& p, const at::Tenso
 
 at::Tensor symmetric_product_bmm(const at::Tensor& A, const at::Tensor& B, double alpha,
                                  const at::Tensor& S, double beta, double gamma) {
-  Tensor C = S.defined() ? at::baddbmm(S, A, B, beta, alpha) : at::bmm(A, B);
+  Tensor C = S.defined() ? blas::baddbmm(S, A, B, beta, alpha) : blas::bmm(A, B);
   if (!S.defined() && alpha != 1.0) C.mul_(alpha);
   if (gamma != 0.0) C.diagonal(0, 1, 2).add_(gamma);
   return C;
@@ -183,20 +184,20 @@ std::tuple<at::Tensor, at::Tensor> sqrtm_backward_chain(const at::Tensor& A, con
   Tensor gY = Gf, gZ = at::zeros_like(Gf);
   if (n > 1) {
     const Tensor& Y = it.Y.back();
-    const Tensor gW = at::bmm(Y, Gf).mul_(-0.5);
-    gY = at::baddbmm(Gf, Gf, it.W, 1.5, -0.5).baddbmm_(it.Z.back(), gW);
-    gZ = at::bmm(gW, Y);
+    const Tensor gW = blas::bmm(Y, Gf).mul_(-0.5);
+    gY = blas::baddbmm_(blas::baddbmm(Gf, Gf, it.W, 1.5, -0.5), it.Z.back(), gW);
+    gZ = blas::bmm(gW, Y);
     for (int64_t i = n - 2; i >= 1; --i) {
       const Tensor &T = it.T[i - 1], &Yp = it.Y[i - 1], &Zp = it.Z[i - 1];
-      const Tensor gT = at::bmm(Yp, gY).baddbmm_(gZ, Zp);
-      Tensor gYp = at::bmm(gY, T).baddbmm_(Zp, gT, 1.0, -0.5);
-      gZ = at::bmm(T, gZ).baddbmm_(gT, Yp, 1.0, -0.5);
+      const Tensor gT = blas::baddbmm_(blas::bmm(Yp, gY), gZ, Zp);
+      Tensor gYp = blas::baddbmm_(blas::bmm(gY, T), Zp, gT, 1.0, -0.5);
+      gZ = blas::baddbmm_(blas::bmm(T, gZ), gT, Yp, 1.0, -0.5);
       gY = std::move(gYp);
     }
   }
   const Tensor T0 = shifted(A, -0.5, 1.5);
-  const Tensor gT0 = at::baddbmm(gZ, A, gY);
-  Tensor gA = at::bmm(gY, T0).add_(gT0, -0.5);
+  const Tensor gT0 = blas::baddbmm(gZ, A, gY);
+  Tensor gA = blas::bmm(gY, T0).add_(gT0, -0.5);
   return {gA, (Gf * F).sum({1, 2})};
 }
 
@@ -255,12 +256,12 @@ at::Tensor backward(const Problem& p, const at::Tensor& grad, const at::Tensor& 
   const Tensor xc = std::get<0>(backend.centre(p, x, scale));
   // Xc's rows sum to zero, so (gsym·Xc)'s do too: the gradient through the mean is zero.
   if (p.channels_last) {  // (gsym·X̃c)ᵀ = X̃cᵀ·gsym: (N, M, D) rows, as x is laid out
-    return at::bmm(xc.transpose(1, 2), gsym)
+    return blas::bmm(xc.transpose(1, 2), gsym)
         .view({p.N, x.size(2), x.size(3), p.D})
         .permute({0, 3, 1, 2})
         .to(x.scalar_type());
   }
-  return at::bmm(gsym, xc).view(x.sizes()).to(x.scalar_type());
+  return blas::bmm(gsym, xc).view(x.sizes()).to(x.scalar_type());
 }
 
 namespace {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bilinear_pool.h"
+#include "blas.h"
 #include "common.h"
 #include "cpu/memory.h"
 
@@ -249,7 +250,7 @@ std::vector<double> signed_sqrt_products(const Problem& p, const Tensor& a, cons
       const int64_t di = std::min(kTile, p.D - T.i0), dj = std::min(kTile, p.E - T.j0);
       const Tensor rows_a = a[T.n].narrow(0, T.i0, di), rows_b = b[T.n].narrow(0, T.j0, dj);
       Tensor z = scratch.narrow(0, 0, di).narrow(1, 0, dj);
-      at::mm_out(z, rows_a, rows_b.t());
+      blas::mm_out(z, rows_a, rows_b.t());
       if (seen && T.j0 == (p.self ? T.i0 : 0))
         seen->a[T.n * seen->blocks_a + T.i0 / kTile] = max_abs<acc_t>(rows_a);
       if (seen && !p.self && T.i0 == 0)

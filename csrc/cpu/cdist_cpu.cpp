@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "blas.h"
 #include "cdist.h"
 #include "common.h"
 #include "cpu/distance.h"
@@ -155,10 +156,10 @@ void forward_kernel(const Problem& p, const Centred& c, Tensor& out) {
       if (g > 1) {  // whole elements (n = P)
         Tensor tile =
             kDirect ? out.narrow(0, b0, g) : scratch.narrow(0, 0, g * p.P).view({g, p.P, p.R});
-        at::bmm_out(tile, c.x1.narrow(0, b0, g), c.x2.narrow(0, b0, g).transpose(1, 2));
+        blas::bmm_out(tile, c.x1.narrow(0, b0, g), c.x2.narrow(0, b0, g).transpose(1, 2));
       } else {
         Tensor tile = kDirect ? out[b0].narrow(0, i0, n) : scratch.narrow(0, 0, n);
-        at::mm_out(tile, c.x1[b0].narrow(0, i0, n), c.x2[b0].t());
+        blas::mm_out(tile, c.x1[b0].narrow(0, i0, n), c.x2[b0].t());
       }
       const acc_t* gm =
           kDirect ? out.const_data_ptr<acc_t>() + first * p.R : scratch.const_data_ptr<acc_t>();
@@ -360,7 +361,7 @@ template <typename acc_t>
 void grad_x1_rows(const Problem& p, const Centred& c, int64_t b, int64_t i0, int64_t n,
                   int scale_exp, const BackwardTile<acc_t>& t, Tensor& g1) {
   Tensor rows = g1[b].narrow(0, i0, n);
-  at::mm_out(rows, t.gp.narrow(0, 0, n), c.x2[b]);
+  blas::mm_out(rows, t.gp.narrow(0, 0, n), c.x2[b]);
   acc_t* out = rows.data_ptr<acc_t>();
   const acc_t* xc1 = c.x1[b].const_data_ptr<acc_t>();
   const acc_t* d1 = t.d1.template const_data_ptr<acc_t>();
@@ -436,9 +437,9 @@ void backward_kernel(const Problem& p, const Centred& c, const GradInput& grad, 
         Tensor g2b = g2[b];
         const Tensor G = t.gp.narrow(0, 0, n), xc = c.x1[b].narrow(0, i0, n);
         if (i0 == 0) {
-          at::mm_out(g2b, G.t(), xc);
+          blas::mm_out(g2b, G.t(), xc);
         } else {
-          g2b.addmm_(G.t(), xc);
+          blas::addmm_(g2b, G.t(), xc);
         }
       }
     }

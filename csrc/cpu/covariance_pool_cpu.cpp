@@ -22,6 +22,7 @@
 #include <cmath>
 #include <vector>
 
+#include "blas.h"
 #include "common.h"
 #include "covariance_pool.h"
 #include "cpu/memory.h"
@@ -199,9 +200,9 @@ Tensor symmetric_product_tiles(const Tensor& A, const Tensor& B, double alpha, c
       Tensor c = C[T.n].narrow(0, T.i0, di).narrow(1, T.j0, dj);
       const Tensor a = A[T.n].narrow(0, T.i0, di), b = B[T.n].narrow(1, T.j0, dj);
       if (S.defined()) {
-        at::addmm_out(c, S[T.n].narrow(0, T.i0, di).narrow(1, T.j0, dj), a, b, beta, alpha);
+        blas::addmm_out(c, S[T.n].narrow(0, T.i0, di).narrow(1, T.j0, dj), a, b, beta, alpha);
       } else {
-        at::addmm_out(c, c, a, b, 0.0, alpha);  // beta = 0: c's contents are not read
+        blas::addmm_out(c, c, a, b, 0.0, alpha);  // beta = 0: c's contents are not read
       }
       if (T.i0 == T.j0) {
         if (gamma != 0.0) c.diagonal().add_(gamma);
@@ -323,14 +324,14 @@ std::tuple<Tensor, Tensor> sqrtm_backward_spectral(const Tensor& A, const Tensor
     lambda.slice(0, begin, end).copy_(w);
     U.slice(0, begin, end).copy_(v);
   });
-  Tensor gbar = at::bmm(at::bmm(U.transpose(1, 2), Gf), U);
+  Tensor gbar = blas::bmm(blas::bmm(U.transpose(1, 2), Gf), U);
   const Tensor diag = gbar.diagonal(0, 1, 2).contiguous();
   Tensor dot = at::empty({A.size(0)}, A.options());
   AT_DISPATCH_FLOATING_TYPES(A.scalar_type(), "covariance_pool_backward", [&] {
     divided_differences<scalar_t>(gbar, lambda.contiguous(), n, diag.data_ptr<scalar_t>(),
                                   dot.data_ptr<scalar_t>());
   });
-  const Tensor gA = at::bmm(at::bmm(U, gbar), U.transpose(1, 2));
+  const Tensor gA = blas::bmm(blas::bmm(U, gbar), U.transpose(1, 2));
   return {at::where(finite, gA, at::full({}, NAN, A.options())), dot};
 }
 

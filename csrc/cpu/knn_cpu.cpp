@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "blas.h"
 #include "cdist.h"
 #include "cpu/distance.h"
 #include "knn.h"
@@ -331,7 +332,7 @@ void knn_self_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k
       for (int64_t bj = bi; bj < blocks; ++bj) {
         const int64_t j0 = bj * S, w = std::min(S, p.P - j0);
         Tensor t = tile.narrow(0, 0, n).narrow(1, 0, w);
-        at::mm_out(t, c.x1[b].narrow(0, i0, n), c.x1[b].narrow(0, j0, w).t());
+        blas::mm_out(t, c.x1[b].narrow(0, i0, n), c.x1[b].narrow(0, j0, w).t());
         const acc_t* g = t.const_data_ptr<acc_t>();
         const int64_t gs = t.stride(0);
         at::parallel_for(0, n, cpu::rows_per_task(w), [&](int64_t begin, int64_t end) {
@@ -386,7 +387,7 @@ void knn_kernel(const cdist::Problem& p, const cdist::Centred& c, int64_t k, Ten
       for (int64_t j0 = 0; j0 < p.R; j0 += chunk) {
         const int64_t w = std::min(chunk, p.R - j0);
         Tensor t = tile.narrow(0, 0, n).narrow(1, 0, w);
-        at::mm_out(t, c.x1[b].narrow(0, i0, n), c.x2[b].narrow(0, j0, w).t());
+        blas::mm_out(t, c.x1[b].narrow(0, i0, n), c.x2[b].narrow(0, j0, w).t());
         const acc_t* g = t.const_data_ptr<acc_t>();
         const int64_t gs = t.stride(0);
         at::parallel_for(0, n, cpu::rows_per_task(w), [&](int64_t begin, int64_t end) {

@@ -542,7 +542,7 @@ Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc
       }
     }
     Tensor dst = out.narrow(0, a0, di);
-    dst.addmm_(s, summed.rows.narrow(0, b0, dj));
+    blas::addmm_(dst, s, summed.rows.narrow(0, b0, dj));
     add_nonfinite<acc_t>(summed, dst, s, b0);
   });
   through_normalisation<acc_t>(out, own, grad, first);
@@ -791,7 +791,7 @@ Tensor rows_grad(const Problem& p, const Side& own, const Side& other, const Ten
       }
     }
     Tensor dst = out.narrow(0, a0, di);
-    dst.addmm_(s, summed.rows.narrow(0, b0, dj));
+    blas::addmm_(dst, s, summed.rows.narrow(0, b0, dj));
     add_nonfinite<acc_t>(summed, dst, s, b0);
   });
   through_normalisation<acc_t>(out, own, grad, first);

@@ -18,8 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "blas.h"
 #include "common.h"
-#include "cpu/sequential_blas.h"
 #include "pair_losses.h"
 
 namespace torchkit::pair_losses::cpu {
@@ -197,7 +197,7 @@ inline int64_t rows_per_task(int64_t A) {
 
 // Runs fn(s, a0, b0) for each tile s = a[a0:a0+di] · b[b0:b0+dj]ᵀ (di × dj, in a per-thread
 // scratch): a's blocks of rows_per_task are the tasks, b's blocks of kCols are taken in order.
-// Each task's GEMMs (the tiles' and fn's) are sequential (SequentialBlas): a task alone on its
+// Each task's GEMMs (the tiles' and fn's) are sequential (blas::Sequential): a task alone on its
 // thread would otherwise let MKL use every thread and round by their number.
 template <typename Fn>
 void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
@@ -209,14 +209,14 @@ void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
   const at::ThreadLocalState state;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(state);
-    const torchkit::cpu::SequentialBlas sequential;
+    const blas::Sequential sequential;
     Tensor scratch = at::empty({rows, kCols}, a.options());
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t a0 = blk * rows, di = std::min(rows, A - a0);
       for (int64_t b0 = 0; b0 < B; b0 += kCols) {
         const int64_t dj = std::min(kCols, B - b0);
         Tensor s = scratch.narrow(0, 0, di).narrow(1, 0, dj);
-        at::mm_out(s, a.narrow(0, a0, di), b.narrow(0, b0, dj).t());
+        blas::mm_out(s, a.narrow(0, a0, di), b.narrow(0, b0, dj).t());
         fn(s, a0, b0);
       }
     }

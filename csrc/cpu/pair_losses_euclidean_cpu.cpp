@@ -301,7 +301,7 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
       }
     }
     Tensor dst = out.narrow(0, a0, di);
-    dst.addmm_(s, summed.rows.narrow(0, b0, dj), 1, -1);
+    blas::addmm_(dst, s, summed.rows.narrow(0, b0, dj), 1, -1);
     add_nonfinite<acc_t>(summed, dst, s, b0);
   });
   extra(out);
