@@ -1,18 +1,24 @@
 """Compile every Triton kernel of torchkit for sm_80 and sm_90 without a GPU (make triton-check).
 
 For each kernel module of torchkit.triton (its compile_cases()), each case and configuration:
-triton.compile to PTX and cubin, ptxas -v for registers and spills, the shared memory the
-kernel asks for, and the matrix instruction its tl.dot became. Fails on a compile error, on
+triton.compile to PTX and cubin, registers and spills from the log of the ptxas -v run that
+made the cubin, the shared memory the kernel asks for, and the matrix instruction its tl.dot
+became. Fails on a compile error, on
 spills above --max-spill bytes, on shared memory past the architecture's limit, and where a
 case meant for tensor cores has no mma/wgmma. Prints a table. Compiled kernels are cached
-under build/triton-cache (TRITON_CACHE_DIR), so a rerun with nothing changed takes seconds.
+under build/triton-cache (TRITON_CACHE_DIR), their ptxas usage beside them (USAGE_DIR), so a
+rerun with nothing changed takes seconds.
 Must run without TRITON_INTERPRET (the interpreter replaces @triton.jit).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import importlib
+import io
+import json
 import os
 import re
 import subprocess
@@ -26,6 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ARCHS = (80, 90)
 # The most shared memory one block may use: 163 KB on sm_80 (A100), 227 KB on sm_90 (H100).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+# Registers and spills of each compiled PTX, by its hash, under the Triton cache: a cache hit
+# compiles nothing, so Triton's ptxas log is only there on the first compile.
+USAGE_DIR = "torchkit-ptxas-usage"
 
 
 def compile_one(job):
@@ -51,13 +60,18 @@ def compile_one(job):
                 attrs[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are 16-byte aligned
     row = dict(case=case.name, config=repr(config).removeprefix("Config(").removesuffix(")"), arch=f"sm_{arch}")
     started = time.time()
+    # Triton runs ptxas -v to make the cubin and prints its log where asked: the registers and
+    # spills of the very build a launch gets, without running ptxas a second time.
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    log = io.StringIO()
     try:
         source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(
-            source,
-            target=GPUTarget("cuda", arch, 32),
-            options=config.options,
-        )
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(
+                source,
+                target=GPUTarget("cuda", arch, 32),
+                options=config.options,
+            )
     except Exception as err:  # reported in the table, then fails the check
         row["error"] = f"{type(err).__name__}: {err}"
         return row
@@ -65,8 +79,31 @@ def compile_one(job):
     row["seconds"] = time.time() - started
     row["shared"] = int(compiled.metadata.shared)
     row["instruction"] = "wgmma" if "wgmma.mma_async" in ptx else ("mma" if re.search(r"\bmma\.sync", ptx) else "fma")
-    row.update(ptxas_usage(ptx, arch))
+    row.update(usage_of(ptx, arch, log.getvalue()))
     return row
+
+
+def usage_of(ptx: str, arch: int, log: str) -> dict:
+    """Registers and spills of `ptx`: from Triton's ptxas log where it compiled just now (kept
+    under USAGE_DIR), else as kept, else from a ptxas run of our own (a kernel Triton's cache
+    held before this check first ran)."""
+    kept = Path(os.environ["TRITON_CACHE_DIR"], USAGE_DIR, hashlib.sha256(f"{arch} {ptx}".encode()).hexdigest())
+    if "Used" in log:
+        usage = parse_ptxas_log(log)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}")
+        tmp.write_text(json.dumps(usage))
+        os.replace(tmp, kept)  # whole, whichever process writes it
+        return usage
+    if kept.exists():
+        return json.loads(kept.read_text())
+    return ptxas_usage(ptx, arch)
+
+
+def parse_ptxas_log(text: str) -> dict:
+    registers = max((int(m) for m in re.findall(r"Used (\d+) registers", text)), default=0)
+    spills = sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text))
+    return {"registers": registers, "spill": spills}
 
 
 def ptxas_usage(ptx: str, arch: int) -> dict:
@@ -88,10 +125,7 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
             text=True,
             check=True,
         )
-    text = out.stderr + out.stdout
-    registers = max((int(m) for m in re.findall(r"Used (\d+) registers", text)), default=0)
-    spills = sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text))
-    return {"registers": registers, "spill": spills}
+    return parse_ptxas_log(out.stderr + out.stdout)
 
 
 def main() -> int:
