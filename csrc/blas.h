@@ -91,6 +91,10 @@ inline void ieee_gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor
                       double alpha) {
   const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
   if (m == 0 || n == 0) return;
+  if (k == 0) {  // no products (and no operand BLAS could take: its strides are arbitrary)
+    beta == 0.0 ? c.zero_() : c.mul_(beta);
+    return;
+  }
   const Sgemm fn = sgemm();
   if (fn == nullptr || !fits_int(m) || !fits_int(n) || !fits_int(k)) {
     const at::Tensor a64 = a.to(at::kDouble), b64 = b.to(at::kDouble);
