@@ -7,8 +7,9 @@ without any copy of the inputs in another type:
   element the power-of-two exponent e that brings its largest finite magnitude into [1/2, 1)
   where it lies outside [2^-H, 2^H] (H = 32 for float32 accumulation, 256 for float64: past
   that |x|² and the products under- or overflow), else 0; the mean of the finite rows of both
-  sets after that scaling (column_sums_kernel: a NaN or ±inf row would make every distance of
-  the element non-finite); each row's squared norm after scaling and centring (norms_kernel).
+  sets after that scaling (column_sums_kernel, over chunks of rows added in chunk order; a
+  NaN or ±inf row would make every distance of the element non-finite); each row's squared
+  norm after scaling and centring (norms_kernel).
 - Forward (forward_kernel): one output tile per program. The centred, scaled rows are formed
   from the raw inputs as they are loaded and multiplied on tensor cores under the CUDA
   precision contract (docs/ops.md): float32 by PyTorch's fp32-matmul setting, read at each call
@@ -70,6 +71,7 @@ PREFIX_CONFIGS = (
     Config(BLOCK_ROWS=32, BLOCK_M=64, num_warps=4, num_stages=2),
     Config(BLOCK_ROWS=16, BLOCK_M=16, num_warps=2, num_stages=2),
 )
+SUM_BLOCKS = tl.constexpr(2)  # column_sums_kernel's chunks: blocks of BLOCK_ROWS rows each
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -97,12 +99,8 @@ def _centred(x_ptr, rows, ks, row_mask, k_mask, stride_row, mean_ptr, f1, f2, AC
 def _mma(a, b, acc, IS64: tl.constexpr, SPLIT: tl.constexpr, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a·bᵀ on tensor cores. SPLIT (float16 and bfloat16 inputs): a and b are float32
     values split into bfloat16 hi + lo, three products accumulated in float32 (lo·lo, 2^-16 of
-    the rest, dropped). Otherwise float32 values by SCHEME (lse's: TF32X3, TF32 or HALF:
-    bfloat16), float64 in float64. The operands are rounded here (lse._tf32: the tensor cores
-    take a TF32 value exactly), so the interpreter, whose dot ignores the precision, forms the
-    GPU's products; bfloat16 × bfloat16 products are exact in float32, so it multiplies those
-    upcast to float32 (its bfloat16 arithmetic works on the raw bits): the same products,
-    summed in another order."""
+    the rest, dropped). Otherwise float32 values by SCHEME (lse._split_mma: TF32X3, TF32 or
+    HALF: bfloat16), float64 in float64."""
     bt = tl.trans(b)
     if SPLIT:
         a_hi = a.to(tl.bfloat16)
@@ -119,19 +117,8 @@ def _mma(a, b, acc, IS64: tl.constexpr, SPLIT: tl.constexpr, SCHEME: tl.constexp
         acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
     elif IS64:
         acc = tl.dot(a, bt, acc, out_dtype=tl.float64)
-    elif SCHEME == lse.TF32X3:
-        a_hi = lse._tf32(a)
-        b_hi = lse._tf32(bt)
-        acc = lse._mma(a_hi, lse._tf32(a - a_hi), b_hi, lse._tf32(bt - b_hi), acc, SCHEME)
-    elif SCHEME == lse.TF32:
-        acc = lse._mma(lse._tf32(a), a, lse._tf32(bt), bt, acc, SCHEME)
     else:
-        a_h = a.to(tl.bfloat16)
-        b_h = bt.to(tl.bfloat16)
-        if INTERPRET:
-            a_h = a_h.to(tl.float32)
-            b_h = b_h.to(tl.float32)
-        acc = tl.dot(a_h, b_h, acc, out_dtype=tl.float32)
+        acc = lse._split_mma(a, bt, acc, SCHEME, INTERPRET)
     return acc
 
 
@@ -204,26 +191,34 @@ def column_sums_kernel(
     M,
     stride_batch,
     stride_row,
+    chunks,
+    first_chunk,
+    all_chunks,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Per (batch element, block of features): the sum over the element's finite rows of the
-    rows times 2^-e, added in row order (the same bits on any GPU)."""
-    b = tl.program_id(0).to(tl.int64)
+    """Per (batch element and chunk of SUM_BLOCKS blocks of rows, block of features): the sum
+    over the chunk's finite rows of the rows times 2^-e, added in row order, into
+    sums[b, first_chunk + chunk] of (B, all_chunks, M). The chunks spread a set's rows across
+    programs (one program per block of features would take every row in turn: a long chain of
+    loads on a handful of SMs); the caller adds them in chunk order."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // chunks
+    chunk = pid % chunks
     ks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_mask = ks < M
     f1, f2 = _scale_in(tl.load(exp_ptr + b), IS64)
     total = tl.zeros((BLOCK_M,), ACC)
-    for r0 in range(0, N, BLOCK_ROWS):
-        rows = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    for step in range(SUM_BLOCKS):
+        rows = (chunk * SUM_BLOCKS + step) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < N
         keep = tl.load(finite_ptr + b * N + rows, mask=row_mask, other=0) != 0
         mask = (row_mask & keep)[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + b * stride_batch + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
         total += tl.sum(tl.where(mask, x * f1 * f2, 0.0), axis=0)
-    tl.store(sums_ptr + b * M + ks, total, mask=k_mask)
+    tl.store(sums_ptr + (b * all_chunks + first_chunk + chunk) * M + ks, total, mask=k_mask)
 
 
 @triton.jit
@@ -617,11 +612,13 @@ class _Centring:
         top = torch.stack(largest).amax(0)
         outside = (top > 2.0**H) | ((top < 2.0**-H) & (top > 0))
         self.exponents = torch.where(outside, torch.frexp(top).exponent, 0).to(torch.int32)
-        sums = torch.zeros(B, M, dtype=acc, device=top.device)
-        count = torch.zeros(B, dtype=acc, device=top.device)
-        for x, fin in zip(sets, finite, strict=True):
-            part = torch.empty(B, M, dtype=acc, device=top.device)
-            column_sums_kernel[(B, blocks(M, config.kwargs["BLOCK_M"]))](
+        # Every set's chunks in one (B, chunks, M) array, added in chunk order.
+        chunk = SUM_BLOCKS * rows
+        chunks = [blocks(x.shape[1], chunk) for x in sets]
+        part = torch.empty(B, sum(chunks), M, dtype=acc, device=top.device)
+        first = 0
+        for x, fin, n in zip(sets, finite, chunks, strict=True):
+            column_sums_kernel[(B * n, blocks(M, config.kwargs["BLOCK_M"]))](
                 x,
                 fin,
                 self.exponents,
@@ -630,12 +627,16 @@ class _Centring:
                 M,
                 x.stride(0),
                 x.stride(1),
+                n,
+                first,
+                part.shape[1],
                 ACC=acc_tl(acc),
                 IS64=is64,
                 **config.launch,
             )
-            sums += part
-            count += fin.sum(1, dtype=acc)
+            first += n
+        sums = part.sum(1)
+        count = sum(fin.sum(1, dtype=acc) for fin in finite)
         self.mean = sums / count.clamp_min(1)[:, None]
         self.norms = []
         for x in sets:
@@ -879,7 +880,23 @@ def compile_cases() -> list[CompileCase]:
         split = dtype in ("bf16", "fp16")
         every = dtype in ("fp32", "bf16")
         flags = dict(ACC=tl.float64 if is64 else tl.float32, IS64=is64)
-        ints = dict.fromkeys(("P", "R", "M", "N", "N_OWN", "N_OTHER", "tiles", "tiles_r", "tiles_k"), "i32")
+        ints = dict.fromkeys(
+            (
+                "P",
+                "R",
+                "M",
+                "N",
+                "N_OWN",
+                "N_OTHER",
+                "tiles",
+                "tiles_r",
+                "tiles_k",
+                "chunks",
+                "first_chunk",
+                "all_chunks",
+            ),
+            "i32",
+        )
         strides = dict.fromkeys(
             (
                 "s1b",

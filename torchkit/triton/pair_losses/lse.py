@@ -175,6 +175,30 @@ def _mma(a_hi, a_lo, b_hi, b_lo, acc, SCHEME: tl.constexpr):
 
 
 @triton.jit
+def _split_mma(a, b, acc, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a·b for float32 tiles (a: (n, k), b: (k, m)) by a float32 scheme (TF32X3, TF32 or
+    HALF: bfloat16), the operands rounded or split here rather than stored so (cdist's and
+    bilinear_pool's GEMMs read the raw inputs). The tensor cores take a TF32 value exactly
+    (_tf32), so the interpreter, whose dot ignores the precision, forms the GPU's products;
+    bfloat16 × bfloat16 products are exact in float32, so it multiplies those upcast (its
+    bfloat16 arithmetic works on the raw bits): the same products, summed in another order."""
+    if SCHEME == TF32X3:
+        a_hi = _tf32(a)
+        b_hi = _tf32(b)
+        acc = _mma(a_hi, _tf32(a - a_hi), b_hi, _tf32(b - b_hi), acc, SCHEME)
+    elif SCHEME == TF32:
+        acc = _mma(_tf32(a), a, _tf32(b), b, acc, SCHEME)
+    else:
+        a_h = a.to(tl.bfloat16)
+        b_h = b.to(tl.bfloat16)
+        if INTERPRET:
+            a_h = a_h.to(tl.float32)
+            b_h = b_h.to(tl.float32)
+        acc = tl.dot(a_h, b_h, acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _cosines(
     a_hi,
     a_lo,
