@@ -190,32 +190,38 @@ def test_a_benchmark_case_counts_its_product():
 
 
 @needs_interpreter
+@pytest.mark.triton("triplet_margin_loss", dispatch=False)
 @pytest.mark.triton("bilinear_pool", dispatch=False)
 def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
-    """bilinear_pool's float32 forward GEMM compiled for sm_90: its K loop multiplies with FFMA
+    """All triplets' float32 rows kernel compiled for sm_90: its loop multiplies with FFMA
     reading shared memory (an IEEE tl.dot), and the counts and the SASS agree on what it
-    executes; cdist's float32 forward at the default setting on tensor cores (wgmma), agreeing
-    too."""
+    executes; bilinear_pool's float32 forward GEMM at the default setting on tensor cores
+    (wgmma), agreeing too."""
+    from torchkit.triton import bilinear_pool, pair_losses
+
     monkeypatch.setattr(gpu_model, "CACHE", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
     with gpu_model.counting() as launches:
-        gpu_model._bilinear_pool(torch.float32)(1, between=lambda: None)
-        gpu_model._cdist(torch.float32)(128, between=lambda: None)
+        e = torch.randn(32, 128, generator=g)
+        pair_losses.triplet_margin_forward(e, torch.arange(32) // 8, None, None, 0.05, "all")
+        bilinear_pool.forward(torch.randn(1, 64, 7, 7, generator=g).relu(), None, 1e-5, 1e-12)
+    (fma,) = [launch for launch in launches if launch.kernel == "triplet_rows_kernel"]
+    # (bilinear_pool's second forward launch, for scaled samples, has none to multiply here)
     (gemm,) = [
-        launch for launch in launches if "dot:fp32-ieee:fp32" in launch.counts and launch.kernel == "forward_kernel"
+        launch for launch in launches if launch.kernel == "forward_kernel" and launch.counts["dot:fp32-tf32:fp32"]
     ]
-    (cdist,) = [
-        launch for launch in launches if "dot:fp32-tf32:fp32" in launch.counts and launch.kernel == "forward_kernel"
-    ]
-    gpu_model.compile_launches([gemm, cdist])
-    loops = gemm.compiled["sass"]["loops"]
-    assert loops["fp32"] >= 512 and loops["shared"] > 0 and "tensor" not in loops and "fp64" not in loops
-    assert gemm.compiled["registers"] > 0 and gemm.compiled["mma"] == "fma" and gemm.compiled["fma_dots"]
+    assert fma.counts["dot:fp32-ieee:fp32"]
+    gpu_model.compile_launches([fma, gemm])
+    loops = fma.compiled["sass"]["loops"]
+    (dot,) = fma.compiled["fma_dots"]
+    assert loops["fp32"] >= dot["ffma"] and loops["shared"] > 0 and "tensor" not in loops  # a K step's FFMAs
+    assert fma.compiled["registers"] > 0 and fma.compiled["mma"] == "fma"
+    assert gpu_model.cross_check(fma) == []
+    assert gemm.compiled["mma"] == "wgmma" and gemm.compiled["sass"]["loops"]["tensor"] > 0
     assert gpu_model.cross_check(gemm) == []
-    assert cdist.compiled["mma"] == "wgmma" and cdist.compiled["sass"]["loops"]["tensor"] > 0
-    assert gpu_model.cross_check(cdist) == []
-    # Counts claiming float64 work the SASS does not have are named.
-    gemm.counts["float:fmul:fp64"] = gemm.counts["dot:fp32-ieee:fp32"]
-    assert [d.split(":")[0] for d in gpu_model.cross_check(gemm)] == ["fp64"]
+    # Counts claiming tensor-core work the SASS does not have are named.
+    fma.counts["dot:bf16-mma:fp32"] = fma.counts["dot:fp32-ieee:fp32"]
+    assert [d.split(":")[0] for d in gpu_model.cross_check(fma)] == ["tensor"]
 
 
 def _ttgir(b_order):

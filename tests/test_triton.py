@@ -399,6 +399,56 @@ def test_bilinear_pool_backward_in_every_configuration(dtype, scale, config, ele
                 assert err.max() <= _bilinear_tolerance(dtype)["rtol"] * 2, err.max()
 
 
+def _errors_against(exact, exact_grads, out, grads):
+    """The largest error of an output and of its gradients against float64's, each relative to
+    the largest float64 entry."""
+    value = (out.cpu().double() - exact).abs().amax().item() / exact.abs().amax().item()
+    pairs = [(a, b) for a, b in zip(grads, exact_grads, strict=True) if b.numel()]
+    return value, max((a.cpu().double() - b).abs().amax().item() / b.abs().amax().item() for a, b in pairs)
+
+
+@pytest.mark.triton("bilinear_pool", dispatch=False)  # (the ops: the C++ kernels)
+@needs_triton
+def test_bilinear_pool_float32_products_follow_the_fp32_matmul_setting():
+    """float32 features on tensor cores by PyTorch's fp32-matmul setting, read at each call: the
+    default as accurate as the CPU kernel's IEEE float32 products (within 4× its error against
+    float64, outputs and gradients; ReLU features and a two-stream pair of signed ones, whose
+    small Z entries the signed square root magnifies), "high" TF32, "medium" bfloat16 (within
+    their errors, the default's far smaller than "medium"'s: the setting reaches the kernels)."""
+    from torchkit.triton import bilinear_pool as kernels
+
+    g = torch.Generator().manual_seed(9)
+    relu = (0.5 + torch.randn(3, 37, 5, 7, generator=g, dtype=torch.float64)).relu()
+    signed = [torch.randn(3, c, 7, 7, generator=g, dtype=torch.float64) for c in (19, 23)]
+    before = torch.get_float32_matmul_precision()
+    to = _device()
+    # "high"'s and "medium"'s bounds (output, gradients): the signed pair's small Z entries
+    # take the rounding of the large ones through the square root's slope.
+    cases = ((relu, None, (1e-3, 1e-3), (1e-2, 1e-2)), (*signed, (1e-2, 1e-1), (1e-1, 1.0)))
+    for x, y, high, medium in cases:
+        mask = [True, y is not None]
+        exact, norm = torch.ops.torchkit.bilinear_pool(x, y, 1e-5, 1e-12)
+        grad = _points(exact.shape, torch.float64, 10)
+        exact_grads = torch.ops.torchkit._bilinear_pool_backward(grad, x, y, exact, norm, 1e-5, 1e-12, mask)
+        x32, y32, g32 = x.float(), None if y is None else y.float(), grad.float()
+        cpu_out, cpu_norm = torch.ops.torchkit.bilinear_pool(x32, y32, 1e-5, 1e-12)
+        cpu_grads = torch.ops.torchkit._bilinear_pool_backward(g32, x32, y32, cpu_out, cpu_norm, 1e-5, 1e-12, mask)
+        ieee = _errors_against(exact, exact_grads, cpu_out, cpu_grads)
+        found = {}
+        for setting, tol in (("highest", tuple(4 * e for e in ieee)), ("high", high), ("medium", medium)):
+            try:
+                torch.set_float32_matmul_precision(setting)
+                out, n = kernels.forward(x32.to(to), None if y is None else y32.to(to), 1e-5, 1e-12)
+                grads = kernels.backward(
+                    g32.to(to), x32.to(to), None if y is None else y32.to(to), out, n, 1e-5, 1e-12, mask
+                )
+            finally:
+                torch.set_float32_matmul_precision(before)
+            found[setting] = _errors_against(exact, exact_grads, out, grads)
+            assert all(e <= t for e, t in zip(found[setting], tol, strict=True)), (setting, found[setting], tol)
+        assert found["highest"][0] * 100 < found["medium"][0], found
+
+
 @needs_triton
 @interpreted
 def test_poisoned_lanes_catch_a_kernel_that_reads_them():

@@ -9,22 +9,25 @@ inputs as they lie in memory (no copy in another type; channels_last read in pla
   [2^-W, 2^W] (W = 32 for float32 accumulation, 256 for float64), or any sample when
   sqrt_eps > 2^2W, is computed at a power of two, a = x·2^ex and b = y·2^ey with the largest
   |entry| in [1/2, 1), and its epilogue forms s·2^h = sign(P)·sqrt(|P|·4^h/HW + sqrt_eps·4^h).
-- Forward (forward_kernel): one Z tile per program, the product on tensor cores for float16
-  and bfloat16 (exact products, float32 accumulation), IEEE float32 or float64 products
-  otherwise (never TF32); the epilogue takes the signed square root (correctly rounded) and
-  the tile's sum of squares. For y = None only the tiles on and above the diagonal are
-  computed and each is stored mirrored. The kernel is launched twice, once for the ordinary
-  samples and once for the scaled ones (each launch skips the other's samples), so that the
-  ordinary GEMM loop carries no scaling. norm_kernel sums each sample's tile sums in float64
-  in tile order (the same bits on any GPU) and forms 1 / max(‖s‖, l2_eps), for a scaled sample
-  by exponents (bilinear_pool_cpu.cpp's inverse_denominator); normalise_kernel multiplies.
-  The norm is stored negated for a scaled sample, as the CPU kernel does.
+- Forward (forward_kernel): one Z tile per program, the product on tensor cores under the
+  CUDA precision contract (docs/ops.md): float16 and bfloat16 as loaded (exact products,
+  float32 accumulation); float32 by PyTorch's fp32-matmul setting, read at each call (the
+  default: each value split into a TF32 pair, three products, as accurate as IEEE float32
+  products; "high": TF32; "medium": bfloat16; lse._split_mma); float64 in float64. The
+  epilogue takes the signed square root (correctly rounded) and the tile's sum of squares. For
+  y = None only the tiles on and above the diagonal are computed and each is stored mirrored.
+  The kernel is launched twice, once for the ordinary samples and once for the scaled ones
+  (each launch skips the other's samples), so that the ordinary GEMM loop carries no scaling.
+  norm_kernel sums each sample's tile sums in float64 in tile order (the same bits on any GPU)
+  and forms 1 / max(‖s‖, l2_eps), for a scaled sample by exponents (bilinear_pool_cpu.cpp's
+  inverse_denominator); normalise_kernel multiplies. The norm is stored negated for a scaled
+  sample, as the CPU kernel does.
 - Backward: dot_kernel's per-chunk partials of dot(out, grad), summed in float64 by
   coef_kernel, which forms each sample's coefficient of ∂L/∂Z (for a scaled sample as a
   mantissa and an exponent, so that it stays finite); grad_z_kernel forms ∂L/∂Z · 1/HW once,
   symmetrised for y = None (a program owns a pair of mirrored tiles: no atomics); grad_kernel
-  multiplies it into the other operand (∂L/∂Z in bfloat16 halves for reduced types, as the
-  forward's tensor cores), for a scaled sample from the scaled operand, multiplied back into
+  multiplies it into the other operand (∂L/∂Z in bfloat16 halves for reduced types; float32
+  by the forward's scheme), for a scaled sample from the scaled operand, multiplied back into
   the input's units in its epilogue, and writes the gradient in the input's dtype and memory
   format.
 
@@ -44,19 +47,15 @@ from torchkit.ops._common import acc_dtype, check_same_device, check_scalars, dt
 from torchkit.ops.bilinear_pool import _bilinear_channels_last, _bilinear_grad_like, _check_inputs
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot, interpreting
-
-# Why the pooling GEMMs (@hot) multiply float32 with IEEE FMAs.
-IEEE_PRODUCTS = (
-    "float32 products as IEEE FMAs: PyTorch's default float32 matmul precision ('highest'); the "
-    "tensor-core scheme as accurate (GPU-PERF.md's CUDA precision contract) is not built yet"
-)
+from torchkit.triton.pair_losses import lse
 
 # Launch configurations. Each is run by the tests and compiled by tools/triton_check.py;
 # `config` arguments pick one, the default being the first. Z tiles are square (BLOCK_C on
-# both sides) so that y = None can mirror them.
+# both sides) so that y = None can mirror them. The 128-wide tile takes 16 features a step:
+# with 32, a float32 TF32 pair's split operands spill 21 KB on sm_80.
 FORWARD_CONFIGS = (
     Config(BLOCK_C=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    Config(BLOCK_C=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    Config(BLOCK_C=128, BLOCK_K=16, num_warps=8, num_stages=2),
     Config(BLOCK_C=32, BLOCK_K=16, num_warps=4, num_stages=2),
 )
 GRAD_CONFIGS = (
@@ -73,7 +72,8 @@ ELEMENTWISE_CONFIGS = (
     Config(BLOCK=64, BLOCK_ROWS=16, BLOCK_N=16, num_warps=2, num_stages=2),
 )
 
-# dot() modes: IEEE float32, float64, and reduced types on tensor cores.
+# _dot's modes: float32 by a scheme of PyTorch's fp32-matmul setting (lse.scheme), float64,
+# and reduced types as loaded; all but float64 on tensor cores.
 DOT_FP32 = tl.constexpr(0)
 DOT_FP64 = tl.constexpr(1)
 DOT_REDUCED = tl.constexpr(2)
@@ -120,14 +120,24 @@ def _mm(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, DOT: tl.constexpr, SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a·b. DOT_REDUCED: tensor-core products with float32 accumulation; an operand with
-    SPLIT_* is float32 values taken as bfloat16 hi + lo (three products, lo·lo dropped: 2^-16 of
-    the rest), the other is float16 or bfloat16 as loaded."""
+def _dot(
+    a,
+    b,
+    acc,
+    DOT: tl.constexpr,
+    SPLIT_A: tl.constexpr,
+    SPLIT_B: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """acc + a·b. DOT_FP32: float32 tiles by SCHEME (lse._split_mma: a TF32 pair by default,
+    TF32 at "high", bfloat16 at "medium"). DOT_REDUCED: tensor-core products with float32
+    accumulation; an operand with SPLIT_* is float32 values taken as bfloat16 hi + lo (three
+    products, lo·lo dropped: 2^-16 of the rest), the other is float16 or bfloat16 as loaded."""
     if DOT == DOT_FP64:
         acc = tl.dot(a, b, acc, out_dtype=tl.float64)
     elif DOT == DOT_FP32:
-        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = lse._split_mma(a, b, acc, SCHEME, INTERPRET)
     elif SPLIT_A and SPLIT_B:
         a_hi, a_lo = _halves(a)
         b_hi, b_lo = _halves(b)
@@ -270,7 +280,7 @@ def scales_kernel(
 # --------------------------------------------------------------------------- forward
 
 
-@hot(ieee_dot=IEEE_PRODUCTS)
+@hot()
 @triton.jit
 def forward_kernel(
     a_ptr,
@@ -295,6 +305,7 @@ def forward_kernel(
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     DOT: tl.constexpr,
+    SCHEME: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -341,9 +352,9 @@ def forward_kernel(
                 if SCALED:
                     a = a.to(ACC) * fa1 * fa2
                     b = b.to(ACC) * fb1 * fb2
-                    acc = _dot(a, b, acc, DOT, True, True, INTERPRET)
+                    acc = _dot(a, b, acc, DOT, True, True, SCHEME, INTERPRET)
                 else:
-                    acc = _dot(a, b, acc, DOT, False, False, INTERPRET)
+                    acc = _dot(a, b, acc, DOT, False, False, SCHEME, INTERPRET)
             inv_hw = tm.div_rn(1.0, HW + tl.zeros((), ACC), IS64)
             eps64 = tm.f64(EPS_BITS)
             if SCALED:
@@ -529,7 +540,7 @@ def grad_z_kernel(
         tl.store(dz + here, v, mask=valid)
 
 
-@hot(ieee_dot=IEEE_PRODUCTS)
+@hot()
 @triton.jit
 def grad_kernel(
     dz_ptr,
@@ -557,6 +568,7 @@ def grad_kernel(
     IS64: tl.constexpr,
     DOT: tl.constexpr,
     SPLIT_OTHER: tl.constexpr,
+    SCHEME: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_OWN: tl.constexpr,
     BLOCK_HW: tl.constexpr,
@@ -594,11 +606,11 @@ def grad_kernel(
             )
             if SCALED:
                 o = o.to(ACC) * f1 * f2
-                acc = _dot(dz, o, acc, DOT, True, True, INTERPRET)
+                acc = _dot(dz, o, acc, DOT, True, True, SCHEME, INTERPRET)
             elif SPLIT_OTHER:
-                acc = _dot(dz, o.to(ACC), acc, DOT, True, True, INTERPRET)
+                acc = _dot(dz, o.to(ACC), acc, DOT, True, True, SCHEME, INTERPRET)
             else:
-                acc = _dot(dz, o, acc, DOT, True, False, INTERPRET)
+                acc = _dot(dz, o, acc, DOT, True, False, SCHEME, INTERPRET)
         if SCALED:
             h = tl.load(scale_ptr + n * 4 + 2)
             acc = tm.ldexp(acc, 2 * h - e_other + tl.load(exp_ptr + n), IS64)
@@ -622,8 +634,12 @@ def _flat(t: Tensor) -> Tensor:
     return t.reshape(N, C, H * W)
 
 
-def _dot_mode(dtype: torch.dtype):
-    return {torch.float64: DOT_FP64, torch.float32: DOT_FP32}.get(dtype, DOT_REDUCED)
+def _products(dtype: torch.dtype) -> dict:
+    """The GEMM kernels' product constexprs: DOT by the inputs' dtype, and for float32 the
+    scheme of PyTorch's fp32-matmul setting, read now (lse.scheme)."""
+    dot = {torch.float64: DOT_FP64, torch.float32: DOT_FP32}.get(dtype, DOT_REDUCED)
+    scheme = lse.scheme(dtype) if dtype == torch.float32 else lse.HALF.value
+    return dict(DOT=dot, SCHEME=scheme, INTERPRET=interpreting())
 
 
 def _scales(a: Tensor, b: Tensor, self_: bool, norm: Tensor | None, sqrt_eps: float, acc, config: Config) -> Tensor:
@@ -733,8 +749,7 @@ def forward(
             SCALED=scaled,
             ACC=acc_tl(acc),
             IS64=acc == torch.float64,
-            DOT=_dot_mode(x.dtype),
-            INTERPRET=interpreting(),
+            **_products(x.dtype),
             **config.launch,
         )
     norm = torch.empty(N, dtype=acc, device=x.device)
@@ -879,9 +894,8 @@ def backward(
                 SCALED=scaled,
                 ACC=acc_tl(acc),
                 IS64=is64,
-                DOT=_dot_mode(x.dtype),
                 SPLIT_OTHER=x.dtype == torch.float16,
-                INTERPRET=interpreting(),
+                **_products(x.dtype),
                 **conf.launch,
             )
 
@@ -966,7 +980,12 @@ def compile_cases() -> list[CompileCase]:
             "EPS_BITS": "i64",
             "L2_BITS": "i64",
         }
-        dot = _dot_mode(torch_dtype)
+        # The products: float32's by the default fp32-matmul setting's scheme (every
+        # configuration), and by "high"'s and "medium"'s with the first.
+        products = {**_products(torch_dtype), "INTERPRET": False}
+        if dtype == "fp32":
+            products["SCHEME"] = lse.TF32X3
+        tensor_cores = not is64
         for self_, scaled in ((False, False), (True, False), (False, True)):
             plain = not self_ and not scaled
             cases.append(
@@ -974,9 +993,9 @@ def compile_cases() -> list[CompileCase]:
                     f"bilinear_pool.forward {dtype}{' self' if self_ else ''}{' scaled' if scaled else ''}",
                     forward_kernel,
                     types,
-                    dict(SELF=self_, SCALED=scaled, DOT=dot, INTERPRET=False, **flags),
+                    dict(SELF=self_, SCALED=scaled, **products, **flags),
                     FORWARD_CONFIGS if every and plain else FORWARD_CONFIGS[:1],
-                    tensor_cores=reduced,
+                    tensor_cores=tensor_cores,
                 )
             )
         for scaled in (False, True):
@@ -985,18 +1004,34 @@ def compile_cases() -> list[CompileCase]:
                     f"bilinear_pool.grad {dtype}{' scaled' if scaled else ''}",
                     grad_kernel,
                     types,
-                    dict(
-                        WHICH=0,
-                        SCALED=scaled,
-                        DOT=dot,
-                        SPLIT_OTHER=dtype == "fp16",
-                        INTERPRET=False,
-                        **flags,
-                    ),
+                    dict(WHICH=0, SCALED=scaled, SPLIT_OTHER=dtype == "fp16", **products, **flags),
                     (SCALED_GRAD_CONFIG,) if scaled else (GRAD_CONFIGS if every else GRAD_CONFIGS[:1]),
-                    tensor_cores=reduced,
+                    tensor_cores=tensor_cores,
                 )
             )
+        if dtype == "fp32":
+            for name, other in (("high", lse.TF32), ("medium", lse.HALF)):
+                scheme = {**products, "SCHEME": other}
+                cases.append(
+                    CompileCase(
+                        f"bilinear_pool.forward {dtype} {name}",
+                        forward_kernel,
+                        types,
+                        dict(SELF=False, SCALED=False, **scheme, **flags),
+                        FORWARD_CONFIGS[:1],
+                        tensor_cores=True,
+                    )
+                )
+                cases.append(
+                    CompileCase(
+                        f"bilinear_pool.grad {dtype} {name}",
+                        grad_kernel,
+                        types,
+                        dict(WHICH=0, SCALED=False, SPLIT_OTHER=False, **scheme, **flags),
+                        GRAD_CONFIGS[:1],
+                        tensor_cores=True,
+                    )
+                )
         if dtype == "fp16":
             continue  # the other kernels do not depend on float16 against bfloat16
         block_c = GRAD_Z_BLOCK
