@@ -76,18 +76,13 @@ def sweep_cdist(results: dict) -> None:
             )
         d = kernels.forward(a, b, False)
         grad = torch.randn_like(d)
-        for kernel, configs, option in (
-            ("grad_scale", kernels.GRAD_SCALE_CONFIGS, "scale_config"),
-            ("grad_gemm", kernels.GRAD_GEMM_CONFIGS, "gemm_config"),
-        ):
-            for i, config in enumerate(configs):
-                options = {option: config}
-                ms = milliseconds(
-                    lambda a=a, b=b, d=d, grad=grad, o=options: kernels.backward(
-                        grad, a, b, d, False, [True, True], **o
-                    )
+        for i, config in enumerate(kernels.GRAD_CONFIGS):
+            ms = milliseconds(
+                lambda a=a, b=b, d=d, grad=grad, c=config: kernels.backward(
+                    grad, a, b, d, False, [True, True], config=c
                 )
-                rows.append((kernel, i, repr(config), ms))
+            )
+            rows.append(("grad", i, repr(config), ms))
         report("cdist", name, rows, results)
 
 

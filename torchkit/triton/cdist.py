@@ -1,7 +1,8 @@
 """cdist's Triton kernels: the op's CUDA kernel where torchkit.triton selects it.
 
-The semantics are the CPU kernel's (csrc/cdist.h, csrc/cpu/cdist_cpu.cpp), computed in tiles
-without any copy of the inputs in another type:
+The semantics are the CPU kernel's (csrc/cdist.h, csrc/cpu/cdist_cpu.cpp), computed in tiles;
+besides the output and per-row statistics, the only arrays formed are the centred rows as the
+products take them (O(rows·M), like the inputs):
 
 - Prefix: each row's finiteness and largest finite magnitude (row_stats_kernel); per batch
   element the power-of-two exponent e that brings its largest finite magnitude into [1/2, 1)
@@ -9,28 +10,31 @@ without any copy of the inputs in another type:
   that |x|² and the products under- or overflow), else 0; the mean of the finite rows of both
   sets after that scaling (column_sums_kernel, over chunks of rows added in chunk order; a
   NaN or ±inf row would make every distance of the element non-finite); each row's squared
-  norm after scaling and centring (norms_kernel).
-- Forward (forward_kernel): one output tile per program. The centred, scaled rows are formed
-  from the raw inputs as they are loaded and multiplied on tensor cores under the CUDA
-  precision contract (docs/ops.md): float32 by PyTorch's fp32-matmul setting, read at each call
-  (the default: each value split into a TF32 pair hi + lo, three products hi·hi + hi·lo +
-  lo·hi, as accurate as IEEE float32 products; "high": TF32; "medium": bfloat16; lse.py's
+  norm after scaling and centring, and the centred, scaled rows as the tensor cores take them
+  (operands_kernel), formed once rather than by every tile that reads them, under the CUDA
+  precision contract (docs/ops.md): float32 by PyTorch's fp32-matmul setting, read at each
+  call (the default: each value split into a TF32 pair hi + lo, three products hi·hi + hi·lo
+  + lo·hi, as accurate as IEEE float32 products; "high": TF32; "medium": bfloat16; lse.py's
   schemes); float16 and bfloat16: each centred value split into two bfloat16 halves, three
   products with float32 accumulation, which keeps ~16 bits where the inputs have 8 or 11;
-  float64 in float64. The epilogue forms d² = |a|² + |b|² - 2a·b, clamps, takes the correctly rounded root
-  and multiplies by 2^e (2^2e squared) exactly. Entries where the expansion cancelled (d² <
+  float64 in float64.
+- Forward (forward_kernel): one output tile per program, multiplying the operands. The
+  epilogue forms d² = |a|² + |b|² - 2a·b, clamps, takes the correctly rounded root and
+  multiplies by 2^e (2^2e squared) exactly. Entries where the expansion cancelled (d² <
   (|a|² + |b|²) / 16: near-duplicates), is NaN (a non-finite row) or may have underflowed are
   recomputed as Σ(a - b)² from the unscaled inputs, with the differences scaled by the power of
   two nearest their largest, so that a distance whose square leaves the type's range is still
   exact: by refine_kernel, over the tiles forward_kernel flagged (the GEMM kernel then carries
   none of that path's registers), deciding per entry from the output as the backward does.
   The diagonal of x2=None is exactly 0 (NaN for a non-finite row).
-- Backward: grad_scale_kernel forms G' = grad / dist (2·grad squared; 0 at distance 0) once,
-  with its row sums and, in a second pass over columns, its column sums (each program owns its
-  rows or columns: deterministic, no atomics). The entries the forward recomputed directly take
-  their gradient directly, G'·(a - b) from the unscaled inputs, and are left out of G'. Then
-  grad_gemm_kernel: grad_x1 = rowsum(G')·x1 - G'·x2 and grad_x2 = colsum(G')·x2 - G'ᵀ·x1 over
-  the centred, scaled rows (times 2^e for squared distances), plus the direct entries.
+- Backward (grad_kernel, one launch per input): grad_x1 = rowsum(G')·x1 - G'·x2 and grad_x2 =
+  colsum(G')·x2 - G'ᵀ·x1 over the centred, scaled rows (times 2^e for squared distances), with
+  G' = grad / dist (2·grad squared; 0 at distance 0) formed tile by tile as the product takes
+  it, never stored, and its sums along the way; the other rows split into slices across
+  programs where the rows alone would not fill the GPU (each program owns its rows, features
+  and slice, whose parts are added in order: deterministic, no atomics). The entries the
+  forward recomputed directly take their gradient directly, G'·(a - b) from the unscaled
+  inputs, and are left out of G'.
 
 Kernels never index past what the wrapper checked; offsets are int64.
 """
@@ -53,19 +57,18 @@ REFINE_RATIO = tl.constexpr(16.0)  # csrc/cdist.h's kRefineRatio
 # Launch configurations. Each is run by the tests (every masking path) and compiled by
 # tools/triton_check.py; `config` arguments pick one, the default being the first.
 FORWARD_CONFIGS = (
-    Config(BLOCK_P=64, BLOCK_R=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    Config(BLOCK_P=128, BLOCK_R=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    Config(BLOCK_P=64, BLOCK_R=64, BLOCK_K=16, num_warps=4, num_stages=3),
+    Config(BLOCK_P=128, BLOCK_R=64, BLOCK_K=16, num_warps=8, num_stages=3),
     Config(BLOCK_P=32, BLOCK_R=32, BLOCK_K=16, num_warps=4, num_stages=2),
 )
 # refine_kernel recomputes a flagged tile in REFINE_SUB × REFINE_SUB pieces.
 REFINE_SUB = 32
-GRAD_SCALE_CONFIGS = (
-    Config(BLOCK_OWN=16, BLOCK_OTHER=64, num_warps=4, num_stages=2),
-    Config(BLOCK_OWN=16, BLOCK_OTHER=32, num_warps=4, num_stages=2),
-)
-GRAD_GEMM_CONFIGS = (
-    Config(BLOCK_OWN=64, BLOCK_OTHER=32, BLOCK_K=32, num_warps=4, num_stages=2),
-    Config(BLOCK_OWN=32, BLOCK_OTHER=16, BLOCK_K=32, num_warps=4, num_stages=2),
+# grad_kernel's: BLOCK_K is the widest block of features a program takes (narrower where M
+# is: _grad_block); each block of features forms G' again. One stage: with two, the squared
+# variant spills 596 bytes on sm_80 (its rare recomputation of overflowed squares).
+GRAD_CONFIGS = (
+    Config(BLOCK_OWN=64, BLOCK_OTHER=16, BLOCK_K=128, num_warps=8, num_stages=1),
+    Config(BLOCK_OWN=32, BLOCK_OTHER=16, BLOCK_K=16, num_warps=4, num_stages=2),
 )
 PREFIX_CONFIGS = (
     Config(BLOCK_ROWS=32, BLOCK_M=64, num_warps=4, num_stages=2),
@@ -96,30 +99,61 @@ def _centred(x_ptr, rows, ks, row_mask, k_mask, stride_row, mean_ptr, f1, f2, AC
 
 
 @triton.jit
-def _mma(a, b, acc, IS64: tl.constexpr, SPLIT: tl.constexpr, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a·bᵀ on tensor cores. SPLIT (float16 and bfloat16 inputs): a and b are float32
-    values split into bfloat16 hi + lo, three products accumulated in float32 (lo·lo, 2^-16 of
-    the rest, dropped). Otherwise float32 values by SCHEME (lse._split_mma: TF32X3, TF32 or
-    HALF: bfloat16), float64 in float64."""
-    bt = tl.trans(b)
+def _split(x, SPLIT: tl.constexpr, SCHEME: tl.constexpr):
+    """A tile of ACC values as the products take them, (hi, lo): for float16 and bfloat16 inputs
+    (SPLIT) two bfloat16 halves (16 of float32's 24 bits; lo·lo, 2^-16 of the rest, is never
+    taken); float32 by SCHEME (lse's: a TF32 pair, TF32, or bfloat16; lse._tf32: the tensor
+    cores take a TF32 value exactly); float64 as it is. lo is hi where the scheme has none."""
     if SPLIT:
-        a_hi = a.to(tl.bfloat16)
-        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        b_hi = bt.to(tl.bfloat16)
-        b_lo = (bt - b_hi.to(tl.float32)).to(tl.bfloat16)
+        hi = x.to(tl.bfloat16)
+        lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    elif SCHEME == lse.TF32X3:
+        hi = lse._tf32(x)
+        lo = lse._tf32(x - hi)
+    elif SCHEME == lse.TF32:
+        hi = lse._tf32(x)
+        lo = hi
+    elif SCHEME == lse.HALF:
+        hi = x.to(tl.bfloat16)
+        lo = hi
+    else:
+        hi = x
+        lo = x
+    return hi, lo
+
+
+@triton.jit
+def _operand(hi_ptr, lo_ptr, offsets, mask, SPLIT: tl.constexpr, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
+    """A tile of operands_kernel's operands, (hi, lo), 0 in masked lanes; bfloat16 upcast under
+    the interpreter, whose bfloat16 arithmetic works on the raw bits (their products are exact
+    in float32: the GPU's products, summed in another order)."""
+    hi = tl.load(hi_ptr + offsets, mask=mask, other=0.0)
+    lo = hi
+    if SPLIT or SCHEME == lse.TF32X3:
+        lo = tl.load(lo_ptr + offsets, mask=mask, other=0.0)
+    if INTERPRET:
+        if SPLIT or SCHEME == lse.HALF:
+            hi = hi.to(tl.float32)
+            lo = lo.to(tl.float32)
+    return hi, lo
+
+
+@triton.jit
+def _mma(a_hi, a_lo, b_hi, b_lo, acc, SPLIT: tl.constexpr, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a·b (a: (n, k), b: (k, m)) on tensor cores (float64: in float64) from _split's
+    halves: three products where there are two halves, the small ones first."""
+    if SPLIT:
         if INTERPRET:
             a_hi = a_hi.to(tl.float32)
             a_lo = a_lo.to(tl.float32)
-            b_hi = b_hi.to(tl.float32)
-            b_lo = b_lo.to(tl.float32)
-        acc = tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
-        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
         acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
-    elif IS64:
-        acc = tl.dot(a, bt, acc, out_dtype=tl.float64)
+        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+        return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
     else:
-        acc = lse._split_mma(a, bt, acc, SCHEME, INTERPRET)
-    return acc
+        if INTERPRET:
+            if SCHEME == lse.HALF:
+                a_hi = a_hi.to(tl.float32)
+        return lse._mma(a_hi, a_lo, b_hi, b_lo, acc, SCHEME)
 
 
 @triton.jit
@@ -222,11 +256,13 @@ def column_sums_kernel(
 
 
 @triton.jit
-def norms_kernel(
+def operands_kernel(
     x_ptr,
     exp_ptr,
     mean_ptr,
     norms_ptr,
+    hi_ptr,
+    lo_ptr,
     N,
     M,
     stride_batch,
@@ -234,10 +270,16 @@ def norms_kernel(
     tiles,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCHEME: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Squared norms of the scaled, centred rows: Σ_k (x·2^-e - mean)²."""
+    """The scaled, centred rows c = x·2^-e - mean as the products take them (_split: hi and
+    lo, (B, N, M) contiguous; a non-finite value stays one, so that its products are NaN
+    where the forward recomputes them directly and the gradients it reaches NaN, as the CPU
+    kernel's) and their squared norms Σ_k c² in ACC. Formed once, rather than by every tile
+    that reads a row."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // tiles
     rows = (pid % tiles) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -246,8 +288,15 @@ def norms_kernel(
     total = tl.zeros((BLOCK_ROWS,), ACC)
     for k0 in range(0, M, BLOCK_M):
         ks = k0 + tl.arange(0, BLOCK_M)
-        c = _centred(x_ptr + b * stride_batch, rows, ks, row_mask, ks < M, stride_row, mean_ptr + b * M, f1, f2, ACC)
+        k_mask = ks < M
+        c = _centred(x_ptr + b * stride_batch, rows, ks, row_mask, k_mask, stride_row, mean_ptr + b * M, f1, f2, ACC)
         total += tl.sum(c * c, axis=1)
+        hi, lo = _split(c, SPLIT, SCHEME)
+        offsets = (b * N + rows[:, None]) * M + ks[None, :]
+        mask = row_mask[:, None] & k_mask[None, :]
+        tl.store(hi_ptr + offsets, hi.to(hi_ptr.dtype.element_ty), mask=mask)
+        if SPLIT or SCHEME == lse.TF32X3:
+            tl.store(lo_ptr + offsets, lo.to(lo_ptr.dtype.element_ty), mask=mask)
     tl.store(norms_ptr + b * N + rows, total, mask=row_mask)
 
 
@@ -268,9 +317,10 @@ def _zero_diagonal(na, rows, cols, SELF: tl.constexpr):
 @hot()
 @triton.jit
 def forward_kernel(
-    x1_ptr,
-    x2_ptr,
-    mean_ptr,
+    a_hi_ptr,
+    a_lo_ptr,
+    b_hi_ptr,
+    b_lo_ptr,
     n1_ptr,
     n2_ptr,
     exp_ptr,
@@ -279,10 +329,6 @@ def forward_kernel(
     P,
     R,
     M,
-    s1b,
-    s1p,
-    s2b,
-    s2r,
     tiles_r,
     tiles,
     SELF: tl.constexpr,
@@ -296,8 +342,9 @@ def forward_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One output tile from the expansion; flag[tile] = 1 where an entry of it is to be
-    recomputed (refine_kernel), so that this kernel carries none of that path's registers."""
+    """One output tile from the expansion over operands_kernel's operands; flag[tile] = 1 where
+    an entry of it is to be recomputed (refine_kernel), so that this kernel carries none of
+    that path's registers."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // tiles
     tile = pid % tiles
@@ -307,15 +354,19 @@ def forward_kernel(
     row_mask = rows < P
     col_mask = cols < R
     e = tl.load(exp_ptr + b)
-    f1, f2 = _scale_in(e, IS64)
-    mean = mean_ptr + b * M
     acc = tl.zeros((BLOCK_P, BLOCK_R), ACC)
     for k0 in range(0, M, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < M
-        a = _centred(x1_ptr + b * s1b, rows, ks, row_mask, k_mask, s1p, mean, f1, f2, ACC)
-        c = _centred(x2_ptr + b * s2b, cols, ks, col_mask, k_mask, s2r, mean, f1, f2, ACC)
-        acc = _mma(a, c, acc, IS64, SPLIT, SCHEME, INTERPRET)
+        a_offsets = (b * P + rows[:, None]) * M + ks[None, :]
+        a_hi, a_lo = _operand(
+            a_hi_ptr, a_lo_ptr, a_offsets, row_mask[:, None] & k_mask[None, :], SPLIT, SCHEME, INTERPRET
+        )
+        b_offsets = (b * R + cols[None, :]) * M + ks[:, None]  # (BLOCK_K, BLOCK_R): bᵀ as loaded
+        b_hi, b_lo = _operand(
+            b_hi_ptr, b_lo_ptr, b_offsets, k_mask[:, None] & col_mask[None, :], SPLIT, SCHEME, INTERPRET
+        )
+        acc = _mma(a_hi, a_lo, b_hi, b_lo, acc, SPLIT, SCHEME, INTERPRET)
 
     na = tl.load(n1_ptr + b * P + rows, mask=row_mask, other=0.0)
     nb = tl.load(n2_ptr + b * R + cols, mask=col_mask, other=0.0)
@@ -407,18 +458,20 @@ def refine_kernel(
 
 
 @hot()
+@hot()
 @triton.jit
-def grad_scale_kernel(
+def grad_kernel(
     grad_ptr,
     dist_ptr,
     own_ptr,
     other_ptr,
     n_own_ptr,
     n_other_ptr,
+    hi_ptr,
+    lo_ptr,
+    mean_ptr,
     exp_ptr,
-    gp_ptr,
-    sums_ptr,
-    direct_ptr,
+    out_ptr,
     N_OWN,
     N_OTHER,
     M,
@@ -432,42 +485,60 @@ def grad_scale_kernel(
     sd_b,
     sd_own,
     sd_other,
-    sgp_own,
-    sgp_other,
+    tiles_k,
     tiles,
+    chunk,
     SQUARED: tl.constexpr,
-    WRITE_GP: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
     BLOCK_OWN: tl.constexpr,
     BLOCK_OTHER: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """For a block of `own` rows (x1's rows with grad and dist as they are, or x2's rows with
-    them transposed through the strides), across all `other` rows: G' = grad / dist (2·grad
-    squared), with the entries the forward recomputed directly taken out (0 in G'); G''s sums
-    along `other` into sums; the direct entries' gradient Σ g·((own - other) / d) into direct
-    (own's rows, zero-filled by the caller); G' itself into gp when WRITE_GP."""
+    """One (BLOCK_OWN × BLOCK_K) tile of an input's gradient: x1's (`own` x1's rows, grad and
+    dist as they are) or x2's (`own` x2's rows, grad and dist transposed through the strides),
+    the part of it from the slice of `chunk` other rows program_id(1) takes, into out[slice]
+    (the caller adds the slices' parts in order). Across the slice, a block at a time: G' =
+    grad / dist (2·grad squared; 0 at distance 0), the entries the forward recomputed directly
+    taken out (decided as the forward did, from the output; where a squared output
+    overflowed, from the rows); G''s row sums; G'·other by the forward's products (_mma) over
+    the other rows' operands (operands_kernel's); and the direct entries' gradient
+    Σ g·((own - other) / d) (d = 1 and 2·grad squared) from the unscaled inputs. out =
+    s·(rowsum(G')·own - G'·other) + direct over the slice, s = 2^e for squared distances of a
+    scaled element, else 1 (a power of two: the slices' parts add up to the whole's)."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // tiles
-    rows = (pid % tiles) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
+    tile = pid % tiles
+    rows = (tile // tiles_k) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
+    k0 = (tile % tiles_k) * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
     row_mask = rows < N_OWN
+    k_mask = ks < M
     tiny = tm.tiny_norms(M, IS64)
     e = tl.load(exp_ptr + b)
+    f1, f2 = _scale_in(e, IS64)
+    mean = mean_ptr + b * M
     n_own = tl.load(n_own_ptr + b * N_OWN + rows, mask=row_mask, other=0.0)
     own = own_ptr + b * s_own_b
     other = other_ptr + b * s_other_b
+    acc = tl.zeros((BLOCK_OWN, BLOCK_K), ACC)
     total = tl.zeros((BLOCK_OWN,), ACC)
-    for c0 in range(0, N_OTHER, BLOCK_OTHER):
+    first = tl.program_id(1).to(tl.int64) * chunk
+    for c0 in range(first, tl.minimum(first + chunk, N_OTHER), BLOCK_OTHER):
         cols = (c0 + tl.arange(0, BLOCK_OTHER)).to(tl.int64)
         col_mask = cols < N_OTHER
         valid = row_mask[:, None] & col_mask[None, :]
-        g = tl.load(grad_ptr + b * sg_b + rows[:, None] * sg_own + cols[None, :] * sg_other, mask=valid, other=0.0).to(
-            ACC
-        )
-        d = tl.load(dist_ptr + b * sd_b + rows[:, None] * sd_own + cols[None, :] * sd_other, mask=valid, other=1.0).to(
-            ACC
-        )
+        # Every load of the step issued before any is used: one round trip to memory a step.
+        g = tl.load(grad_ptr + b * sg_b + rows[:, None] * sg_own + cols[None, :] * sg_other, mask=valid, other=0.0)
+        d = tl.load(dist_ptr + b * sd_b + rows[:, None] * sd_own + cols[None, :] * sd_other, mask=valid, other=1.0)
         n_other = tl.load(n_other_ptr + b * N_OTHER + cols, mask=col_mask, other=0.0)
+        offsets = (b * N_OTHER + cols[:, None]) * M + ks[None, :]
+        c_hi, c_lo = _operand(hi_ptr, lo_ptr, offsets, col_mask[:, None] & k_mask[None, :], SPLIT, SCHEME, INTERPRET)
+        g = g.to(ACC)
+        d = d.to(ACC)
         norms = n_own[:, None] + n_other[None, :]
         # The forward's refinement test on d² in the scaled rows' units, from the output; where
         # a squared output overflowed, from the rows themselves.
@@ -489,9 +560,9 @@ def grad_scale_kernel(
         refined = ((ds2 * REFINE_RATIO < norms) | (norms < tiny)) & valid
         v = tl.where(refined | ~valid, 0.0, v)
         total += tl.sum(v, axis=1)
-        if WRITE_GP:
-            tl.store(gp_ptr + b * N_OWN * N_OTHER + rows[:, None] * sgp_own + cols[None, :] * sgp_other, v, mask=valid)
-        # Direct entries: g·((own - other) / d), d = 1 and 2·grad for squared; none at d = 0.
+        v_hi, v_lo = _split(v, SPLIT, SCHEME)
+        acc = _mma(v_hi, v_lo, c_hi, c_lo, acc, SPLIT, SCHEME, INTERPRET)
+        # Direct entries (rare: near-duplicates, non-finite rows): none at d = 0.
         if SQUARED:
             take = refined
         else:
@@ -503,81 +574,24 @@ def grad_scale_kernel(
             else:
                 gd = tl.where(take, g, 0.0)
                 dd = tl.where(take, d, 1.0)
-            for k in range(0, M):
+            for k in range(k0, tl.minimum(k0 + BLOCK_K, M)):
                 a = tl.load(own + rows * s_own_r + k, mask=row_mask, other=0.0).to(ACC)
-                c = tl.load(other + cols * s_other_r + k, mask=col_mask, other=0.0).to(ACC)
-                term = tl.where(take, gd * tm.div_rn(a[:, None] - c[None, :], dd, IS64), 0.0)
-                slot = direct_ptr + (b * N_OWN + rows) * M + k
-                tl.store(slot, tl.load(slot, mask=row_mask, other=0.0) + tl.sum(term, axis=1), mask=row_mask)
-    tl.store(sums_ptr + b * N_OWN + rows, total, mask=row_mask)
-
-
-@hot()
-@triton.jit
-def grad_gemm_kernel(
-    gp_ptr,
-    own_ptr,
-    other_ptr,
-    mean_ptr,
-    exp_ptr,
-    sums_ptr,
-    direct_ptr,
-    out_ptr,
-    N_OWN,
-    N_OTHER,
-    M,
-    s_own_b,
-    s_own_r,
-    s_other_b,
-    s_other_r,
-    sgp_own,
-    sgp_other,
-    tiles_k,
-    tiles,
-    SQUARED: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    SPLIT: tl.constexpr,
-    SCHEME: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    BLOCK_OWN: tl.constexpr,
-    BLOCK_OTHER: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """out[own rows, features] = s·(sums·own - G'·other) + direct over the scaled, centred rows,
-    s = 2^e for squared distances of a scaled element, else 1 (the direct part is in the
-    inputs' units already); G'·other by the forward's products (_mma)."""
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // tiles
-    tile = pid % tiles
-    rows = (tile // tiles_k) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
-    ks = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_mask = rows < N_OWN
-    k_mask = ks < M
-    e = tl.load(exp_ptr + b)
-    f1, f2 = _scale_in(e, IS64)
-    mean = mean_ptr + b * M
-    acc = tl.zeros((BLOCK_OWN, BLOCK_K), ACC)
-    for c0 in range(0, N_OTHER, BLOCK_OTHER):
-        cols = (c0 + tl.arange(0, BLOCK_OTHER)).to(tl.int64)
-        col_mask = cols < N_OTHER
-        g = tl.load(
-            gp_ptr + b * N_OWN * N_OTHER + rows[:, None] * sgp_own + cols[None, :] * sgp_other,
-            mask=row_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        c = _centred(other_ptr + b * s_other_b, cols, ks, col_mask, k_mask, s_other_r, mean, f1, f2, ACC)
-        acc = _mma(g, tl.trans(c), acc, IS64, SPLIT, SCHEME, INTERPRET)
-    own = _centred(own_ptr + b * s_own_b, rows, ks, row_mask, k_mask, s_own_r, mean, f1, f2, ACC)
-    sums = tl.load(sums_ptr + b * N_OWN + rows, mask=row_mask, other=0.0)
-    value = sums[:, None] * own - acc
+                x = tl.load(other + cols * s_other_r + k, mask=col_mask, other=0.0).to(ACC)
+                term = tl.sum(tl.where(take, gd * tm.div_rn(a[:, None] - x[None, :], dd, IS64), 0.0), axis=1)
+                if SQUARED:
+                    if e != 0:  # into the scaled rows' units, which the epilogue leaves: exact
+                        term = tm.ldexp(term, 0 - e, IS64)
+                # Subtracted from G'·other (out = s·(rowsum·own - acc)): no accumulator of
+                # its own held across the loop for what is rare.
+                acc -= tl.where(ks[None, :] == k, term[:, None], 0.0)
+    value = total[:, None] * _centred(own, rows, ks, row_mask, k_mask, s_own_r, mean, f1, f2, ACC) - acc
     if SQUARED:
         if e != 0:
             value = tm.ldexp(value, e, IS64)
     mask = row_mask[:, None] & k_mask[None, :]
-    offsets = (b * N_OWN + rows[:, None]) * M + ks[None, :]
-    value += tl.load(direct_ptr + offsets, mask=mask, other=0.0)
-    tl.store(out_ptr + offsets, value, mask=mask)
+    batches = tl.num_programs(0) // tiles
+    part = out_ptr + tl.program_id(1).to(tl.int64) * batches * N_OWN * M
+    tl.store(part + (b * N_OWN + rows[:, None]) * M + ks[None, :], value, mask=mask)
 
 
 # --------------------------------------------------------------------------- the op's kernels
@@ -592,9 +606,10 @@ def _batched(x: Tensor, batch: tuple, B: int) -> Tensor:
 
 class _Centring:
     """The prefix: per batch element the exponent (int32, (B,)) and the mean (ACC, (B, M));
-    per row the squared norm of the scaled, centred row."""
+    per row the squared norm of the scaled, centred row, and per set those rows as the
+    products (_products' constexprs) take them, (hi, lo)."""
 
-    def __init__(self, sets: list[Tensor], B: int, M: int, acc: torch.dtype, config: Config):
+    def __init__(self, sets: list[Tensor], B: int, M: int, acc: torch.dtype, products: dict, config: Config):
         is64 = acc == torch.float64
         H = 256 if is64 else 32
         rows = config.kwargs["BLOCK_ROWS"]
@@ -638,25 +653,37 @@ class _Centring:
         sums = part.sum(1)
         count = sum(fin.sum(1, dtype=acc) for fin in finite)
         self.mean = sums / count.clamp_min(1)[:, None]
-        self.norms = []
+        # The operands: bfloat16 halves or a TF32 pair of float32 (two arrays), one array of
+        # TF32, bfloat16 or float64 values otherwise.
+        split, scheme = products["SPLIT"], products["SCHEME"]
+        operand = torch.bfloat16 if split or scheme == lse.HALF.value else acc
+        self.norms, self.operands = [], []
         for x in sets:
-            n = torch.empty(B, x.shape[1], dtype=acc, device=x.device)
-            tiles = blocks(x.shape[1], rows)
-            norms_kernel[(B * tiles,)](
+            N = x.shape[1]
+            n = torch.empty(B, N, dtype=acc, device=x.device)
+            hi = torch.empty(B, N, M, dtype=operand, device=x.device)
+            lo = torch.empty_like(hi) if split or scheme == lse.TF32X3.value else hi
+            tiles = blocks(N, rows)
+            operands_kernel[(B * tiles,)](
                 x,
                 self.exponents,
                 self.mean,
                 n,
-                x.shape[1],
+                hi,
+                lo,
+                N,
                 M,
                 x.stride(0),
                 x.stride(1),
                 tiles,
                 ACC=acc_tl(acc),
                 IS64=is64,
+                SPLIT=split,
+                SCHEME=scheme,
                 **config.launch,
             )
             self.norms.append(n)
+            self.operands.append((hi, lo))
 
 
 def _problem(x1: Tensor, x2: Tensor | None):
@@ -690,29 +717,33 @@ def forward(
         acc = acc_dtype(x1)
         a = _batched(x1, batch, B)
         c = a if x2 is None else _batched(x2, batch, B)
-        pre = _Centring([a] if x2 is None else [a, c], B, M, acc, prefix_config or PREFIX_CONFIGS[0])
+        products = _products(x1)
+        pre = _Centring([a] if x2 is None else [a, c], B, M, acc, products, prefix_config or PREFIX_CONFIGS[0])
         n1 = pre.norms[0]
         n2 = n1 if x2 is None else pre.norms[1]
         k = config.kwargs
         tiles_r = blocks(R, k["BLOCK_R"])
         tiles = blocks(P, k["BLOCK_P"]) * tiles_r
         flags = torch.empty(B * tiles, dtype=torch.int8, device=x1.device)
-        common = (P, R, M, a.stride(0), a.stride(1), c.stride(0), c.stride(1), tiles_r, tiles)
         variant = dict(SELF=x2 is None, SQUARED=bool(squared), ACC=acc_tl(acc), IS64=acc == torch.float64)
         forward_kernel[(B * tiles,)](
-            a,
-            c,
-            pre.mean,
+            *pre.operands[0],
+            *pre.operands[-1],
             n1,
             n2,
             pre.exponents,
             out,
             flags,
-            *common,
+            P,
+            R,
+            M,
+            tiles_r,
+            tiles,
             **variant,
-            **_products(x1),
+            **products,
             **config.launch,
         )
+        common = (P, R, M, a.stride(0), a.stride(1), c.stride(0), c.stride(1), tiles_r, tiles)
         refine_kernel[(B * tiles,)](
             a,
             c,
@@ -746,6 +777,12 @@ def _check_backward(x1: Tensor, x2: Tensor | None, grad: Tensor, dist: Tensor, s
     check_same_device("cdist", x1=x1, grad=grad, dist=dist)
 
 
+def _grad_block(M: int, config: Config) -> int:
+    """grad_kernel's block of features: the configuration's, or the power of two (at least 16,
+    tl.dot's smallest) that holds M where that is narrower."""
+    return min(config.kwargs["BLOCK_K"], max(16, triton.next_power_of_2(M)))
+
+
 def backward(
     grad: Tensor,
     x1: Tensor,
@@ -754,8 +791,7 @@ def backward(
     squared,
     output_mask,
     *,
-    scale_config: Config | None = None,
-    gemm_config: Config | None = None,
+    config: Config | None = None,
     prefix_config: Config | None = None,
 ) -> tuple[Tensor, Tensor]:
     """torchkit::_cdist_backward's CUDA kernel."""
@@ -771,37 +807,38 @@ def backward(
     acc = acc_dtype(x1)
     g1 = g2 = None
     if (want1 or want2) and B * P * R * M > 0:
-        is64 = acc == torch.float64
         a = _batched(x1, batch, B)
         c = a if self_ else _batched(x2, batch, B)
-        pre = _Centring([a] if self_ else [a, c], B, M, acc, prefix_config or PREFIX_CONFIGS[0])
+        products = _products(x1)
+        pre = _Centring([a] if self_ else [a, c], B, M, acc, products, prefix_config or PREFIX_CONFIGS[0])
         n1 = pre.norms[0]
         n2 = n1 if self_ else pre.norms[1]
         g = grad.expand(*batch, P, R).reshape(B, P, R)
         d = dist.reshape(B, P, R)
-        gp = torch.empty(B, P, R, dtype=acc, device=x1.device)
-        sc = scale_config or GRAD_SCALE_CONFIGS[0]
-        gm = gemm_config or GRAD_GEMM_CONFIGS[0]
-        flags = dict(SQUARED=bool(squared), ACC=acc_tl(acc), IS64=is64)
+        config = config or GRAD_CONFIGS[0]
+        block_k = _grad_block(M, config)
+        launch = {**config.launch, "BLOCK_K": block_k}
+        flags = dict(SQUARED=bool(squared), ACC=acc_tl(acc), IS64=acc == torch.float64, **products)
 
-        def scale(own, other, n_own, n_other, N_own, N_other, transposed, write_gp):
-            sums = torch.empty(B, N_own, dtype=acc, device=x1.device)
-            direct = torch.zeros(B, N_own, M, dtype=acc, device=x1.device)
+        def gradient(own, other, n_own, n_other, operands, N_own, N_other, transposed):
             sg = (g.stride(0), g.stride(2), g.stride(1)) if transposed else g.stride()
             sd = (d.stride(0), d.stride(2), d.stride(1)) if transposed else d.stride()
-            sgp = (1, R) if transposed else (R, 1)
-            tiles = blocks(N_own, sc.kwargs["BLOCK_OWN"])
-            grad_scale_kernel[(B * tiles,)](
+            tiles_k = blocks(M, block_k)
+            tiles = blocks(N_own, config.kwargs["BLOCK_OWN"]) * tiles_k
+            # The other rows split into slices until the programs fill the GPU (lse.FILL).
+            slices, chunk = lse._slices(B * tiles, N_other, config.kwargs["BLOCK_OTHER"])
+            out = torch.empty(slices, B, N_own, M, dtype=acc, device=x1.device)
+            grad_kernel[(B * tiles, slices)](
                 g,
                 d,
                 own,
                 other,
                 n_own,
                 n_other,
+                *operands,
+                pre.mean,
                 pre.exponents,
-                gp,
-                sums,
-                direct,
+                out,
                 N_own,
                 N_other,
                 M,
@@ -811,51 +848,18 @@ def backward(
                 other.stride(1),
                 *sg,
                 *sd,
-                *sgp,
-                tiles,
-                WRITE_GP=write_gp,
-                **flags,
-                **sc.launch,
-            )
-            return sums, direct
-
-        def gemm(own, other, sums, direct, N_own, N_other, transposed):
-            out = torch.empty(B, N_own, M, dtype=acc, device=x1.device)
-            tiles_k = blocks(M, gm.kwargs["BLOCK_K"])
-            tiles = blocks(N_own, gm.kwargs["BLOCK_OWN"]) * tiles_k
-            sgp = (1, R) if transposed else (R, 1)
-            grad_gemm_kernel[(B * tiles,)](
-                gp,
-                own,
-                other,
-                pre.mean,
-                pre.exponents,
-                sums,
-                direct,
-                out,
-                N_own,
-                N_other,
-                M,
-                own.stride(0),
-                own.stride(1),
-                other.stride(0),
-                other.stride(1),
-                *sgp,
                 tiles_k,
                 tiles,
+                chunk,
                 **flags,
-                **_products(x1),
-                **gm.launch,
+                **launch,
             )
-            return out
+            return out[0] if slices == 1 else out.sum(0)
 
-        rows = scale(a, c, n1, n2, P, R, False, True)
-        if want2:
-            columns = scale(c, a, n2, n1, R, P, True, False)
         if want1:
-            g1 = gemm(a, c, *rows, P, R, False)
+            g1 = gradient(a, c, n1, n2, pre.operands[-1], P, R, False)
         if want2:
-            g2 = gemm(c, a, *columns, R, P, True)
+            g2 = gradient(c, a, n2, n1, pre.operands[0], R, P, True)
     elif want1 or want2:
         g1 = torch.zeros(B, P, M, dtype=acc, device=x1.device) if want1 else None
         g2 = torch.zeros(B, R, M, dtype=acc, device=x1.device) if want2 else None
@@ -891,6 +895,7 @@ def compile_cases() -> list[CompileCase]:
                 "tiles",
                 "tiles_r",
                 "tiles_k",
+                "chunk",
                 "chunks",
                 "first_chunk",
                 "all_chunks",
@@ -915,8 +920,6 @@ def compile_cases() -> list[CompileCase]:
                 "sd_b",
                 "sd_own",
                 "sd_other",
-                "sgp_own",
-                "sgp_other",
             ),
             "i32",
         )
@@ -933,16 +936,20 @@ def compile_cases() -> list[CompileCase]:
                 "norms_ptr",
                 "n_own_ptr",
                 "n_other_ptr",
-                "gp_ptr",
-                "direct_ptr",
             ),
             "*" + acc,
         )
-        types = {**ints, **strides, **data, **accs, "exp_ptr": "*i32", "finite_ptr": "*i8", "flag_ptr": "*i8"}
         # The products: float32's by each fp32-matmul setting (the default's with every
-        # configuration), the split halves', float64's.
+        # configuration), the split halves', float64's; operands_kernel's arrays by them.
         scheme = lse.HALF if split else lse.FP64 if is64 else lse.TF32X3
         products = dict(SPLIT=split, SCHEME=scheme, INTERPRET=False)
+
+        def operands(scheme, split=split, acc=acc):
+            kind = "*bf16" if split or scheme is lse.HALF else "*" + acc
+            return dict.fromkeys(("a_hi_ptr", "a_lo_ptr", "b_hi_ptr", "b_lo_ptr", "hi_ptr", "lo_ptr"), kind)
+
+        types = {**ints, **strides, **data, **accs, "exp_ptr": "*i32", "finite_ptr": "*i8", "flag_ptr": "*i8"}
+        types.update(operands(scheme))
         for variant in ((False, False), (True, True)) if dtype == "fp32" else ((False, False),):
             self_, squared = variant
             cases.append(
@@ -961,7 +968,7 @@ def compile_cases() -> list[CompileCase]:
                     CompileCase(
                         f"cdist.forward {dtype} {name}",
                         forward_kernel,
-                        types,
+                        {**types, **operands(other)},
                         dict(SELF=False, SQUARED=False, **{**products, "SCHEME": other}, **flags),
                         FORWARD_CONFIGS[:1],
                         tensor_cores=True,
@@ -991,27 +998,30 @@ def compile_cases() -> list[CompileCase]:
         for squared in (False, True) if not is64 else (False,):
             cases.append(
                 CompileCase(
-                    f"cdist.grad_scale {dtype}{' squared' if squared else ''}",
-                    grad_scale_kernel,
+                    f"cdist.grad {dtype}{' squared' if squared else ''}",
+                    grad_kernel,
                     backward_types,
-                    dict(SQUARED=squared, WRITE_GP=True, **flags),
-                    GRAD_SCALE_CONFIGS if every and not squared else GRAD_SCALE_CONFIGS[:1],
+                    dict(SQUARED=squared, **products, **flags),
+                    GRAD_CONFIGS if every else GRAD_CONFIGS[:1],
+                    tensor_cores=not is64,
                 )
             )
-        cases.append(
-            CompileCase(
-                f"cdist.grad_gemm {dtype}",
-                grad_gemm_kernel,
-                backward_types,
-                dict(SQUARED=True, **products, **flags),
-                GRAD_GEMM_CONFIGS if every else GRAD_GEMM_CONFIGS[:1],
-                tensor_cores=not is64,
-            )
-        )
+        if dtype == "fp32":
+            for name, other in (("high", lse.TF32), ("medium", lse.HALF)):
+                cases.append(
+                    CompileCase(
+                        f"cdist.grad {dtype} {name}",
+                        grad_kernel,
+                        {**backward_types, **operands(other)},
+                        dict(SQUARED=False, **{**products, "SCHEME": other}, **flags),
+                        GRAD_CONFIGS[:1],
+                        tensor_cores=True,
+                    )
+                )
         for kernel, extra in (
             (row_stats_kernel, {}),
             (column_sums_kernel, {"IS64": is64}),
-            (norms_kernel, {"IS64": is64}),
+            (operands_kernel, {"IS64": is64, "SPLIT": split, "SCHEME": scheme}),
         ):
             cases.append(
                 CompileCase(
