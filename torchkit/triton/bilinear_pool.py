@@ -18,7 +18,7 @@ inputs as they lie in memory (no copy in another type; channels_last read in pla
   y = None only the tiles on and above the diagonal are computed and each is stored mirrored.
   The kernel is launched twice, once for the ordinary samples and once for the scaled ones
   (each launch skips the other's samples), so that the ordinary GEMM loop carries no scaling.
-  norm_kernel sums each sample's tile sums in float64 in tile order (the same bits on any GPU)
+  norm_kernel sums each sample's tile sums in float64 (_sum_partials: the same bits on every run)
   and forms 1 / max(‖s‖, l2_eps), for a scaled sample by exponents (bilinear_pool_cpu.cpp's
   inverse_denominator); normalise_kernel multiplies. The norm is stored negated for a scaled
   sample, as the CPU kernel does.
@@ -66,10 +66,13 @@ GRAD_CONFIGS = (
 # the registers where a 64 × 64 float32 tile's spills (tools/triton_check.py).
 SCALED_GRAD_CONFIG = GRAD_CONFIGS[-1]
 GRAD_Z_BLOCK = 32  # grad_z_kernel's square tiles
-# Elementwise and per-sample kernels: BLOCK entries (or channels) per program, BLOCK_N samples.
+# Elementwise and per-sample kernels: BLOCK entries (or channels) per program; BLOCK_N samples
+# per program of the per-sample kernels, which read their samples' partials BLOCK_P at a time
+# (one round trip to memory per BLOCK_P partials: a loop of one load per partial took 256
+# round trips, 0.18 ms, for the backward's dot at D = 512).
 ELEMENTWISE_CONFIGS = (
-    Config(BLOCK=1024, BLOCK_ROWS=32, BLOCK_N=128, num_warps=4, num_stages=2),
-    Config(BLOCK=64, BLOCK_ROWS=16, BLOCK_N=16, num_warps=2, num_stages=2),
+    Config(BLOCK=1024, BLOCK_ROWS=32, BLOCK_N=16, BLOCK_P=128, num_warps=4, num_stages=2),
+    Config(BLOCK=64, BLOCK_ROWS=16, BLOCK_N=16, BLOCK_P=2, num_warps=2, num_stages=2),
 )
 
 # _dot's modes: float32 by a scheme of PyTorch's fp32-matmul setting (lse.scheme), float64,
@@ -177,6 +180,37 @@ def _inverse_denominator(v, l2, h):
     return passes, m, e
 
 
+@triton.jit
+def _partials(partial_ptr, n, mask, count, p0, BLOCK_P: tl.constexpr):
+    """partial[n, p0 : p0 + BLOCK_P] of the samples n (rows of `count` partials), 0 where masked
+    or past the row: one load for BLOCK_N × BLOCK_P partials."""
+    p = p0 + tl.arange(0, BLOCK_P)
+    return tl.load(partial_ptr + n[:, None] * count + p[None, :], mask=mask[:, None] & (p < count)[None, :], other=0.0)
+
+
+@triton.jit
+def _sum_partials(partial_ptr, n, mask, count, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Σ partial[n, :count] per sample, in float64 (0 where masked): in a fixed order for a
+    configuration, the same bits on every run."""
+    total = tl.zeros((BLOCK_N,), tl.float64)
+    for p0 in range(0, count, BLOCK_P):
+        total += tl.sum(_partials(partial_ptr, n, mask, count, p0, BLOCK_P).to(tl.float64), axis=1)
+    return total
+
+
+@triton.jit
+def _max_partials(partial_ptr, n, mask, count, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
+    """max partial[n, :count] per sample of non-negative partials, NaN if one is (0 where
+    masked). tl.max drops NaN on the GPU: NaN is reduced separately."""
+    top = tl.zeros((BLOCK_N,), ACC)
+    nan = tl.zeros((BLOCK_N,), tl.int32)
+    for p0 in range(0, count, BLOCK_P):
+        v = _partials(partial_ptr, n, mask, count, p0, BLOCK_P)
+        top = tl.maximum(top, tl.max(v, axis=1))
+        nan = tl.maximum(nan, tl.max((v != v).to(tl.int32), axis=1))
+    return tl.where(nan > 0, float("nan"), top)
+
+
 # --------------------------------------------------------------------------- prefix
 
 
@@ -236,6 +270,7 @@ def scales_kernel(
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     """Each sample's scale (bilinear_pool_cpu.cpp's sample_scale) into scale[n] = (ex, ey, h,
     scaled), int32: none for a NaN, infinite or all-zero operand; else, where the largest
@@ -250,17 +285,11 @@ def scales_kernel(
     need = n < N
     if ONLY_SCALED:
         need = need & (tl.load(norm_ptr + n, mask=need, other=0.0) < 0)
-    ax = tl.zeros((BLOCK_N,), ACC)
-    for c in range(0, chunks_a):
-        ax = tl.maximum(ax, tl.load(pa_ptr + n * chunks_a + c, mask=need, other=0.0), propagate_nan=tl.PropagateNan.ALL)
+    ax = _max_partials(pa_ptr, n, need, chunks_a, ACC, BLOCK_N, BLOCK_P)
     if SELF:
         ay = ax
     else:
-        ay = tl.zeros((BLOCK_N,), ACC)
-        for c in range(0, chunks_b):
-            ay = tl.maximum(
-                ay, tl.load(pb_ptr + n * chunks_b + c, mask=need, other=0.0), propagate_nan=tl.PropagateNan.ALL
-            )
+        ay = _max_partials(pb_ptr, n, need, chunks_b, ACC, BLOCK_N, BLOCK_P)
     ok = need & (ax > 0) & (ax != float("inf")) & (ay > 0) & (ay != float("inf"))  # NaN fails ax > 0
     fx = tl.where(ok, tm.ilogb(tl.where(ok, ax, 1.0), IS64) + 1, 0)
     fy = tl.where(ok, tm.ilogb(tl.where(ok, ay, 1.0), IS64) + 1, 0)
@@ -390,15 +419,13 @@ def norm_kernel(
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
-    """Per sample v = sqrt(Σ tiles' Σ s²) (float64, in tile order), norm = v (−v for a scaled
+    """Per sample v = sqrt(Σ tiles' Σ s²) (float64, _sum_partials), norm = v (−v for a scaled
     sample) and inv = 1 / max(v, l2_eps) (by exponents for a scaled sample; NaN stays NaN)."""
     n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask = n < N
-    total = tl.zeros((BLOCK_N,), tl.float64)
-    for t in range(0, tiles):
-        total += tl.load(partial_ptr + n * tiles + t, mask=mask, other=0.0).to(tl.float64)
-    v = tl.sqrt(total).to(ACC)
+    v = tl.sqrt(_sum_partials(partial_ptr, n, mask, tiles, BLOCK_N, BLOCK_P)).to(ACC)
     scaled = tl.load(scale_ptr + n * 4 + 3, mask=mask, other=0) != 0
     h = tl.load(scale_ptr + n * 4 + 2, mask=mask, other=0)
     l2 = tm.f64(L2_BITS)
@@ -452,10 +479,11 @@ def coef_kernel(
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     """Per sample what ∂L/∂Z·1/HW = (g − o·dot)·coef/|o| needs (bilinear_pool_cpu.cpp's
     sample_coefficients): dot(out, grad) where ‖s‖ passes l2_eps (F.normalize's clamp passes the
-    gradient there), else 0, summed in float64 in chunk order; coef = 1 / (2·HW·max(‖s‖,
+    gradient there), else 0, summed in float64 (_sum_partials); coef = 1 / (2·HW·max(‖s‖,
     l2_eps)²), for a scaled sample as coef·2^exp with coef = m·2^-(max_exponent/2)."""
     if IS64:
         SHIFT: tl.constexpr = 512
@@ -470,9 +498,7 @@ def coef_kernel(
     l2_acc = l2.to(ACC)
     passes_s, m, e = _inverse_denominator(0.0 - nrm.to(tl.float64), l2, h)
     passes = tl.where(scaled, passes_s, nrm >= l2_acc)
-    total = tl.zeros((BLOCK_N,), tl.float64)
-    for c in range(0, chunks):
-        total += tl.load(partial_ptr + n * chunks + c, mask=mask & passes, other=0.0).to(tl.float64)
+    total = _sum_partials(partial_ptr, n, mask & passes, chunks, BLOCK_N, BLOCK_P)
     hw = HW + tl.zeros((), ACC)
     inv_hw = tm.div_rn(1.0, hw, IS64)
     denom = tl.where(passes, nrm, l2_acc)
@@ -674,7 +700,7 @@ def _scales(a: Tensor, b: Tensor, self_: bool, norm: Tensor | None, sqrt_eps: fl
     # sqrt_eps·4^h must stay below 2^2W: h <= floor((2W - fe)/2), fe its frexp exponent.
     h_cap = (2 * W - math.frexp(sqrt_eps)[1]) // 2 if sqrt_eps > 0 else 1 << 20
     scale = torch.empty(N, 4, dtype=torch.int32, device=a.device)
-    block_n = config.kwargs["BLOCK_N"]
+    block_n, block_p = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_P"]
     scales_kernel[(blocks(N, block_n),)](
         pa,
         pb,
@@ -690,6 +716,7 @@ def _scales(a: Tensor, b: Tensor, self_: bool, norm: Tensor | None, sqrt_eps: fl
         ACC=acc_tl(acc),
         IS64=acc == torch.float64,
         BLOCK_N=block_n,
+        BLOCK_P=block_p,
         num_warps=config.num_warps,
     )
     return scale
@@ -754,7 +781,7 @@ def forward(
         )
     norm = torch.empty(N, dtype=acc, device=x.device)
     inv = torch.empty(N, dtype=acc, device=x.device)
-    block_n = ew.kwargs["BLOCK_N"]
+    block_n, block_p = ew.kwargs["BLOCK_N"], ew.kwargs["BLOCK_P"]
     norm_kernel[(blocks(N, block_n),)](
         partial,
         scale,
@@ -766,6 +793,7 @@ def forward(
         ACC=acc_tl(acc),
         IS64=acc == torch.float64,
         BLOCK_N=block_n,
+        BLOCK_P=block_p,
         num_warps=ew.num_warps,
     )
     chunks = blocks(D * E, ew.kwargs["BLOCK"])
@@ -843,7 +871,7 @@ def backward(
     dot = torch.empty(N, dtype=acc, device=x.device)
     coef = torch.empty(N, dtype=acc, device=x.device)
     coef_exp = torch.empty(N, dtype=torch.int32, device=x.device)
-    block_n = ew.kwargs["BLOCK_N"]
+    block_n, block_p = ew.kwargs["BLOCK_N"], ew.kwargs["BLOCK_P"]
     coef_kernel[(blocks(N, block_n),)](
         partial,
         nrm,
@@ -858,6 +886,7 @@ def backward(
         ACC=acc_tl(acc),
         IS64=is64,
         BLOCK_N=block_n,
+        BLOCK_P=block_p,
         num_warps=ew.num_warps,
     )
     dz = torch.empty(N, D, E, dtype=acc, device=x.device)
@@ -1038,11 +1067,11 @@ def compile_cases() -> list[CompileCase]:
         configs = ELEMENTWISE_CONFIGS if every else ELEMENTWISE_CONFIGS[:1]
         for kernel, constexprs, block_args in (
             (max_abs_kernel, dict(ONLY_SCALED=True, ACC=flags["ACC"]), ("BLOCK_ROWS", "BLOCK")),
-            (scales_kernel, dict(SELF=False, ONLY_SCALED=True, **flags), ("BLOCK_N",)),
-            (norm_kernel, flags, ("BLOCK_N",)),
+            (scales_kernel, dict(SELF=False, ONLY_SCALED=True, **flags), ("BLOCK_N", "BLOCK_P")),
+            (norm_kernel, flags, ("BLOCK_N", "BLOCK_P")),
             (normalise_kernel, {}, ("BLOCK",)),
             (dot_kernel, dict(ACC=flags["ACC"]), ("BLOCK",)),
-            (coef_kernel, flags, ("BLOCK_N",)),
+            (coef_kernel, flags, ("BLOCK_N", "BLOCK_P")),
             (grad_z_kernel, dict(SELF=True, ACC=flags["ACC"], BLOCK_C=block_c), ()),
         ):
             chosen = tuple(
