@@ -43,6 +43,12 @@ if triton_testing.INTERPRETING and triton_testing.available() is None:
             d = tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
         tl.store(out_ptr + offsets, tl.exp2(d), mask=mask)
 
+    @triton.jit
+    def _gather_kernel(x_ptr, out_ptr, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+        """out[i] = x[i·STRIDE]: a gather (one element per access) and a contiguous store."""
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(x_ptr + i * STRIDE))
+
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,6 +72,35 @@ def test_counts_of_a_kernel_whose_work_is_known(dtype):
     assert c[f"load-lanes:{t}"] == programs * 2 * B * B  # every lane issues
     assert c["store:fp32"] == programs * N * B * 4
     assert c["touched"] == programs * (N * B * size + B * B * size + N * B * 4)
+    # Every integer operation forms addresses or the mask: a GPU does it once per vector
+    # access of 16 bytes (its rows are contiguous and aligned), 4 float32 or 8 bfloat16 elements.
+    assert not any(k.startswith("int:") and v for k, v in c.items())
+    vec = 16 // size
+    assert c["addr:addptr:ptr"] == programs * (2 * B * B // vec + B * B // 4)  # a, b; out (float32)
+    assert sum(v for k, v in c.items() if k.startswith("addr:and:")) == programs * B * B // vec  # a's mask
+
+
+@needs_interpreter
+def test_a_gather_forms_each_address_alone():
+    x = torch.randn(64 * 3)
+    out = torch.empty(64)
+    with gpu_model.counting() as launches:
+        _gather_kernel[(1,)](x, out, STRIDE=3, BLOCK=64)
+    c = launches[0].counts
+    assert c["addr:addptr:ptr"] == 64 + 64 // 4  # the gather per element, the store per 4
+    assert c["addr:mul:i32"] == 64 and not any(k.startswith("int:") and v for k, v in c.items())
+
+
+def test_vector_width_of_addresses():
+    base = 1 << 20
+    rows = base + 4 * (np.arange(4)[:, None] * 16 + np.arange(16)[None, :])  # float32, rows of 16
+    assert gpu_model._vector_width(rows, 4) == 4  # 16 bytes at most
+    assert gpu_model._vector_width(rows.T, 4) == 4  # contiguous along the other axis
+    assert gpu_model._vector_width(rows + 8, 4) == 2  # aligned to 8 bytes only
+    assert gpu_model._vector_width(rows + 4, 4) == 1
+    assert gpu_model._vector_width(base + 12 * np.arange(16), 4) == 1  # strided
+    assert gpu_model._vector_width(base + 2 * np.arange(64), 2) == 8  # bfloat16
+    assert gpu_model._vector_width(np.array(base), 4) == 1  # a scalar access
 
 
 def test_extrapolation_is_exact_for_polynomial_work_and_refuses_different_launches():

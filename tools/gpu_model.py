@@ -26,9 +26,11 @@ PIPES: per-SM rates and peaks, with sources) and takes the largest: tensor cores
 FP64, integer and conversion pipes, the special-function unit (MUFU), instruction issue,
 shared-memory wavefronts, L2 and DRAM bytes, and latency (waits per program and wave of
 resident programs); a grid smaller than the GPU's SMs runs on fewer. Software math counts as
-the instructions it compiles to (COSTS). Per case: the predicted time beside the recorded GPU
-run's, the launch and resource that bound it, and with --launches every launch's largest
-terms: what to fix first. Counts include masked-off lanes (a GPU executes whole tiles) except
+the instructions it compiles to (COSTS); integer work that only forms a load's or store's
+addresses and mask counts once per vector access its addresses allow, as compiled code forms
+them (Counter_.addresses), not per element as the interpreter does. Per case: the predicted
+time beside the recorded GPU run's, the launch and resource that bound it, and with
+--launches every launch's largest terms: what to fix first. Counts include masked-off lanes (a GPU executes whole tiles) except
 bytes, which count active lanes.
 
 Calibration (fit(), EFFICIENCY): the share of its peak each resource reaches, fitted to the
@@ -92,7 +94,9 @@ def _type(handle_or_type) -> str:
 class Launch:
     """One kernel launch's counts, summed over its programs. Keys are "class:op:type":
     dot:<operand type>-<precision>:<accumulator type> (multiply-adds), float:<op>:<type>,
-    int:<op>:<type>, math:<op>:<type>, convert:<from>-<to>, reduce:<type> (elements reduced),
+    int:<op>:<type>, addr:<op>:<type> (integer work that only forms a load's or store's
+    addresses and mask, per vector access), math:<op>:<type>, convert:<from>-<to>,
+    reduce:<type> (elements reduced),
     load:<type> / store:<type> (bytes of active lanes), atomic:<type> (elements),
     touched (distinct bytes loaded or stored), programs."""
 
@@ -136,6 +140,49 @@ class Counter_:
     def add(self, key: str, n) -> None:
         if self.current is not None:
             self.current.counts[key] += int(n)
+
+    def addresses(self, ptrs, mask, itemsize: int) -> None:
+        """A GPU forms a load's or store's addresses and mask once per vector access (up to 16
+        bytes of consecutive, aligned elements), not per element as the interpreter does: the
+        integer work whose results only reach this access's pointers or mask (through other
+        integer and layout operations) moves from int: to addr:, divided by the vector width
+        its addresses allow. Counted once, by the first access that reaches it."""
+        if self.current is None:
+            return
+        vec = _vector_width(ptrs.data, itemsize)
+        todo, seen = [ptrs, mask], set()
+        while todo:
+            h = todo.pop()
+            if h is None or id(h) in seen:
+                continue
+            seen.add(id(h))
+            todo.extend(getattr(h, "model_prev", ()))
+            h.model_prev = ()  # every operation behind it is taken now: keep no chain alive
+            work = getattr(h, "model_int", None)
+            if work is not None:
+                key, n = work
+                h.model_int = None
+                self.add(key, -n)
+                self.add("addr:" + key.removeprefix("int:"), -(-n // vec))
+
+
+def _vector_width(ptrs: np.ndarray, itemsize: int) -> int:
+    """The widest vector access (1, 2, 4, ... elements, at most 16 bytes) that the addresses
+    allow along one axis: groups of that many consecutive elements, the first aligned to the
+    vector's size."""
+    ptrs = np.asarray(ptrs, dtype=np.int64)
+    best = 1
+    for axis in range(ptrs.ndim):
+        along = np.moveaxis(ptrs, axis, -1)
+        v = 16 // itemsize
+        while v > best:
+            if along.shape[-1] % v == 0:
+                groups = along.reshape(-1, v)
+                if np.all(np.diff(groups, axis=1) == itemsize) and np.all(groups[:, 0] % (v * itemsize) == 0):
+                    best = v
+                    break
+            v //= 2
+    return best
 
 
 TORCH_TYPES = {"float32": "fp32", "float64": "fp64", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
@@ -198,6 +245,10 @@ def counting():
         patched.append((owner, name, original))
         setattr(owner, name, wrapper(original))
 
+    def integer(out, key, n, args):  # for Counter_.addresses: what an access may take back
+        out.model_int = (key, n)
+        out.model_prev = args
+
     def elementwise(op, cls):
         def wrap(original):
             def method(self, *args):
@@ -205,7 +256,10 @@ def counting():
                 out = original(self, *args)
                 data = getattr(out, "data", None)
                 if data is not None:
-                    counter.add(f"{cls}:{op}:{_type(out)}", np.size(data))
+                    key = f"{cls}:{op}:{_type(out)}"
+                    counter.add(key, np.size(data))
+                    if cls == "int":
+                        integer(out, key, np.size(data), args)
                 return out
 
             return method
@@ -218,7 +272,10 @@ def counting():
                 counter.use(lhs, rhs)
                 out = original(self, lhs, rhs)
                 cls = "float" if op.startswith("fcmp") else "int"
-                counter.add(f"{cls}:{op}:{_type(lhs)}", np.size(out.data))
+                key = f"{cls}:{op}:{_type(lhs)}"
+                counter.add(key, np.size(out.data))
+                if cls == "int":
+                    integer(out, key, np.size(out.data), (lhs, rhs))
                 return out
 
             return method
@@ -253,6 +310,7 @@ def counting():
             for tag in ("model_origin", "model_load"):
                 if hasattr(arg, tag):
                     setattr(out, tag, getattr(arg, tag))
+            out.model_prev = (arg,)
             return out
 
         return method
@@ -263,6 +321,7 @@ def counting():
             out.model_splat = True
             if hasattr(args[-1], "model_load"):
                 out.model_load = args[-1].model_load
+            out.model_prev = (args[-1],)
             return out
 
         return method
@@ -304,6 +363,7 @@ def counting():
                 active = ptrs.data[mask.data] if mask is not None else ptrs.data
                 counter.add(f"{kind}:{_type(element)}", active.size * itemsize)
                 counter.add(f"{kind}-lanes:{_type(element)}", np.size(ptrs.data))
+                counter.addresses(ptrs, mask, itemsize)
                 if counter.current is not None:
                     counter.current.touch(active, itemsize)
                 return out
@@ -710,7 +770,7 @@ def lane_work(counts: Counter) -> tuple[Counter, dict]:
                 pipes["alu"] += n
             else:
                 pipes["fp32"] += n
-        elif cls == "int":
+        elif cls in ("int", "addr"):
             pipes["alu"] += 2 * n if t in WIDE else n
         elif cls == "math":
             for pipe, per in COSTS.get((op, t), {"fp32" if t != "fp64" else "fp64": 1}).items():
@@ -1103,7 +1163,7 @@ def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
 
     import triton
 
-    sources = _digest(counting, Counter_, Launch, extrapolate, headline_slices, count_case)
+    sources = _digest(counting, Counter_, _vector_width, Launch, extrapolate, headline_slices, count_case)
     every = cases()
     first = {}  # the index count_case runs for each counted (op, case)
     for i, c in enumerate(every):
