@@ -30,8 +30,8 @@ the instructions it compiles to (COSTS); integer work that only forms a load's o
 addresses and mask counts once per vector access its addresses allow, as compiled code forms
 them (Counter_.addresses), not per element as the interpreter does. Per case: the predicted
 time beside the recorded GPU run's, the launch and resource that bound it, and with
---launches every launch's largest terms: what to fix first. Counts include masked-off lanes (a GPU executes whole tiles) except
-bytes, which count active lanes.
+--launches every launch's largest terms: what to fix first. Counts include masked-off lanes
+(a GPU executes whole tiles) except bytes, which count active lanes.
 
 Calibration (fit(), EFFICIENCY): the share of its peak each resource reaches, fitted to the
 recorded GPU run where the data supports it, and each case predicted again with itself left
@@ -149,8 +149,7 @@ class Counter_:
         its addresses allow. Counted once, by the first access that reaches it."""
         if self.current is None:
             return
-        vec = _vector_width(ptrs.data, itemsize)
-        todo, seen = [ptrs, mask], set()
+        todo, seen, taken = [ptrs, mask], set(), []
         while todo:
             h = todo.pop()
             if h is None or id(h) in seen:
@@ -158,10 +157,12 @@ class Counter_:
             seen.add(id(h))
             todo.extend(getattr(h, "model_prev", ()))
             h.model_prev = ()  # every operation behind it is taken now: keep no chain alive
-            work = getattr(h, "model_int", None)
-            if work is not None:
-                key, n = work
+            if getattr(h, "model_int", None) is not None:
+                taken.append(h.model_int)
                 h.model_int = None
+        if taken:  # (addresses formed before a loop: nothing left to take in its later steps)
+            vec = _vector_width(ptrs.data, itemsize)
+            for key, n in taken:
                 self.add(key, -n)
                 self.add("addr:" + key.removeprefix("int:"), -(-n // vec))
 
@@ -172,7 +173,7 @@ def _vector_width(ptrs: np.ndarray, itemsize: int) -> int:
     vector's size."""
     ptrs = np.asarray(ptrs, dtype=np.int64)
     best = 1
-    for axis in range(ptrs.ndim):
+    for axis in reversed(range(ptrs.ndim)):  # the last first: where tiles are most often contiguous
         along = np.moveaxis(ptrs, axis, -1)
         v = 16 // itemsize
         while v > best:
@@ -182,6 +183,8 @@ def _vector_width(ptrs: np.ndarray, itemsize: int) -> int:
                     best = v
                     break
             v //= 2
+        if best == 16 // itemsize:
+            break
     return best
 
 
