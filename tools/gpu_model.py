@@ -105,18 +105,22 @@ class Launch:
     spec: dict | None = None  # what the kernel compiles with (specialisation())
     compiled: dict | None = None  # compile_spec()'s facts, from compile_launches()
     _addresses: dict = dataclasses.field(default_factory=dict, repr=False)
+    _pending: Counter = dataclasses.field(default_factory=Counter, repr=False)  # addresses per itemsize
 
     def touch(self, ptrs: np.ndarray, itemsize: int) -> None:
         batch = self._addresses.setdefault(itemsize, [])
         batch.append(ptrs.ravel())
-        if sum(len(a) for a in batch) > 1 << 22:  # keep the pending addresses small
+        self._pending[itemsize] += ptrs.size
+        if self._pending[itemsize] > 1 << 22:  # keep the pending addresses small
             self._addresses[itemsize] = [np.unique(np.concatenate(batch))]
+            self._pending[itemsize] = self._addresses[itemsize][0].size
 
     def close(self) -> None:
         self.counts["touched"] = sum(
             len(np.unique(np.concatenate(batch))) * size for size, batch in self._addresses.items() if batch
         )
         self._addresses.clear()
+        self._pending.clear()
 
 
 class Counter_:
