@@ -202,13 +202,17 @@ def _device():
 @pytest.mark.parametrize("config", range(3))
 @pytest.mark.parametrize("prefix", range(2))
 def test_cdist_forward_in_every_configuration(dtype, config, prefix):
-    """Ragged shapes (37 × 51 × 19 covers every edge of each block size), a NaN row, a
-    near-duplicate pair far from the origin, x2=None and squared, against the C++ kernels."""
+    """Ragged shapes (37 × 51 × 19 covers every edge of each block size), a NaN row,
+    near-duplicate pairs far from the origin (in the first tile and in the last, ragged one,
+    which forward_kernel must flag for recomputation; x[20] and x[36] for x2=None), x2=None
+    and squared, against the C++ kernels."""
     from torchkit.triton import cdist as kernels
 
     x = _points((37, 19), dtype, 1, offset=30.0)
     y = _points((51, 19), dtype, 2, offset=30.0)
     y[5] = x[3] + 1e-3
+    y[50] = x[36] + 1e-3
+    x[20] = x[36] + 1e-3
     x[10, 4] = float("nan")
     tol = dict(rtol=2e-2, atol=0.25) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
     for x2, squared in ((y, False), (None, True)):
@@ -218,10 +222,49 @@ def test_cdist_forward_in_every_configuration(dtype, config, prefix):
             squared,
             config=kernels.FORWARD_CONFIGS[config],
             prefix_config=kernels.PREFIX_CONFIGS[prefix],
+            fused_prefix=False,
         ).cpu()
         expected = torch.ops.torchkit.cdist(x, x2, squared)
         torch.testing.assert_close(got, expected, equal_nan=True, **tol)
         assert torch.equal(got.isnan(), expected.isnan())
+
+
+@pytest.mark.triton("cdist", dispatch=False)
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("config", range(3))
+def test_cdist_fused_prefix_in_every_configuration(dtype, config):
+    """prefix_kernel (one launch per batch element) forms what the per-set kernels do: the
+    same exponents, finite rows' means, norms and operands, for one set and two, over ragged
+    rows and features, a NaN row and an ±inf one, and batch elements at ordinary, huge and
+    tiny magnitudes (scaled by a power of two) and all non-finite."""
+    from torchkit.triton import cdist as kernels
+
+    big = 1e200 if dtype == torch.float64 else 1e30
+    x = torch.stack(
+        [_points((37, 19), torch.float64, 6 + i, offset=3.0) * s for i, s in enumerate((1, big, 1 / big, 1))]
+    )
+    y = torch.stack([_points((51, 19), torch.float64, 9 + i) * s for i, s in enumerate((1, big, 1 / big, 1))])
+    x[0, 10, 4], y[0, 7, 0] = float("nan"), float("-inf")
+    x[3], y[3] = float("nan"), float("inf")
+    x, y = x.to(dtype).to(_device()), y.to(dtype).to(_device())
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    products = kernels._products(x)
+    for sets in ([x], [x, y]):
+        split = kernels._Centring(sets, 4, 19, acc, products, kernels.PREFIX_CONFIGS[0], fused=False)
+        fused = kernels._Centring(sets, 4, 19, acc, products, kernels.FUSED_PREFIX_CONFIGS[config], fused=True)
+        assert torch.equal(fused.exponents, split.exponents)
+        assert fused.exponents.tolist()[1:3] != [0, 0]
+        for got, expected in ((fused.mean, split.mean), *zip(fused.norms, split.norms, strict=True)):
+            torch.testing.assert_close(
+                got, expected, equal_nan=True, rtol=1e-12 if acc == torch.float64 else 1e-5, atol=0
+            )
+        for (hi, lo), (hi_, lo_) in zip(fused.operands, split.operands, strict=True):
+            # The means differ in the order of their sums (an ulp of the mean), which may move
+            # a value's split between hi and lo: their sums are compared.
+            got = hi.double() + (lo.double() if lo is not hi else 0)
+            expected = hi_.double() + (lo_.double() if lo_ is not hi_ else 0)
+            torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=1e-6)
 
 
 @pytest.mark.triton("cdist", dispatch=False)  # (the ops: the C++ kernels)

@@ -17,10 +17,12 @@ products take them (O(rows·M), like the inputs):
   + lo·hi, as accurate as IEEE float32 products; "high": TF32; "medium": bfloat16; lse.py's
   schemes); float16 and bfloat16: each centred value split into two bfloat16 halves, three
   products with float32 accumulation, which keeps ~16 bits where the inputs have 8 or 11;
-  float64 in float64.
+  float64 in float64. A small batch element (a loss's batch: FUSED_PREFIX_VALUES) takes all
+  of it in one program of one launch (prefix_kernel), where the per-set kernels and the torch
+  operations between them would launch some twenty times.
 - Forward (forward_kernel): one output tile per program, multiplying the operands. The
-  epilogue forms d² = |a|² + |b|² - 2a·b, clamps, takes the correctly rounded root and
-  multiplies by 2^e (2^2e squared) exactly. Entries where the expansion cancelled (d² <
+  epilogue forms d² = |a|² + |b|² - 2a·b, clamps, takes the root (correctly rounded but for
+  16-bit outputs) and multiplies by 2^e (2^2e squared) exactly. Entries where the expansion cancelled (d² <
   (|a|² + |b|²) / 16: near-duplicates), is NaN (a non-finite row) or may have underflowed are
   recomputed as Σ(a - b)² from the unscaled inputs, with the differences scaled by the power of
   two nearest their largest, so that a distance whose square leaves the type's range is still
@@ -40,6 +42,8 @@ Kernels never index past what the wrapper checked; offsets are int64.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -76,6 +80,17 @@ PREFIX_CONFIGS = (
     Config(BLOCK_ROWS=32, BLOCK_M=64, num_warps=4, num_stages=2),
     Config(BLOCK_ROWS=16, BLOCK_M=16, num_warps=2, num_stages=2),
 )
+# prefix_kernel's: one program per batch element walks its rows three times, so it takes
+# large blocks (fewer round trips to memory one after another); the last is float64's (128 ×
+# 128 spills 2 KB there).
+FUSED_PREFIX_CONFIGS = (
+    Config(BLOCK_ROWS=128, BLOCK_M=128, num_warps=16, num_stages=1),
+    Config(BLOCK_ROWS=16, BLOCK_M=16, num_warps=2, num_stages=1),
+    Config(BLOCK_ROWS=64, BLOCK_M=64, num_warps=8, num_stages=1),
+)
+# A batch element of at most this many values (both sets' rows times M) takes the fused prefix:
+# P = R = 256, M = 128, a metric-learning batch, is 2^16.
+FUSED_PREFIX_VALUES = 1 << 17
 SUM_BLOCKS = tl.constexpr(2)  # column_sums_kernel's chunks: blocks of BLOCK_ROWS rows each
 
 
@@ -125,29 +140,28 @@ def _split(x, SPLIT: tl.constexpr, SCHEME: tl.constexpr):
 
 
 @triton.jit
-def _operand(hi_ptr, lo_ptr, offsets, mask, SPLIT: tl.constexpr, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
-    """A tile of operands_kernel's operands, (hi, lo), 0 in masked lanes; bfloat16 upcast under
-    the interpreter, whose bfloat16 arithmetic works on the raw bits (their products are exact
-    in float32: the GPU's products, summed in another order)."""
+def _operand(hi_ptr, lo_ptr, offsets, mask, SPLIT: tl.constexpr, SCHEME: tl.constexpr):
+    """A tile of operands_kernel's operands, (hi, lo), 0 in masked lanes, as stored (_mma
+    upcasts bfloat16 under the interpreter: after every load of a step, as the GPU uses them)."""
     hi = tl.load(hi_ptr + offsets, mask=mask, other=0.0)
     lo = hi
     if SPLIT or SCHEME == lse.TF32X3:
         lo = tl.load(lo_ptr + offsets, mask=mask, other=0.0)
-    if INTERPRET:
-        if SPLIT or SCHEME == lse.HALF:
-            hi = hi.to(tl.float32)
-            lo = lo.to(tl.float32)
     return hi, lo
 
 
 @triton.jit
 def _mma(a_hi, a_lo, b_hi, b_lo, acc, SPLIT: tl.constexpr, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a·b (a: (n, k), b: (k, m)) on tensor cores (float64: in float64) from _split's
-    halves: three products where there are two halves, the small ones first."""
+    halves: three products where there are two halves, the small ones first. bfloat16 halves
+    are upcast under the interpreter, whose bfloat16 arithmetic works on the raw bits (their
+    products are exact in float32: the GPU's products, summed in another order)."""
     if SPLIT:
         if INTERPRET:
             a_hi = a_hi.to(tl.float32)
             a_lo = a_lo.to(tl.float32)
+            b_hi = b_hi.to(tl.float32)
+            b_lo = b_lo.to(tl.float32)
         acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
         acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
         return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
@@ -155,6 +169,7 @@ def _mma(a_hi, a_lo, b_hi, b_lo, acc, SPLIT: tl.constexpr, SCHEME: tl.constexpr,
         if INTERPRET:
             if SCHEME == lse.HALF:
                 a_hi = a_hi.to(tl.float32)
+                b_hi = b_hi.to(tl.float32)
         return lse._mma(a_hi, a_lo, b_hi, b_lo, acc, SCHEME)
 
 
@@ -185,6 +200,87 @@ def _direct_sq(
 
 
 @triton.jit
+def _row_block_stats(x, rows, N, M, stride_row, ACC: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Of rows `rows` of one set (x: its batch element's first row): whether every value is
+    finite (int32) and the largest finite magnitude (ACC), each (BLOCK_ROWS,)."""
+    row_mask = rows < N
+    finite = tl.full((rows.shape[0],), 1, tl.int32)
+    largest = tl.zeros((rows.shape[0],), ACC)
+    for k0 in range(0, M, BLOCK_M):
+        ks = k0 + tl.arange(0, BLOCK_M)
+        mask = row_mask[:, None] & (ks < M)[None, :]
+        v = tl.load(x + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+        ok = (v == v) & (tl.abs(v) != float("inf"))
+        finite = finite & tl.min(tl.where(mask, ok.to(tl.int32), 1), axis=1)
+        largest = tl.maximum(largest, tl.max(tl.where(ok & mask, tl.abs(v), 0.0), axis=1))
+    return finite, largest
+
+
+@triton.jit
+def _column_block_sums(x, finite_ptr, rows, ks, N, stride_row, k_mask, f1, f2, ACC: tl.constexpr):
+    """Of rows `rows` of one set, features `ks`: the sum over the finite rows of the values
+    times f1·f2 = 2^-e, (BLOCK_M,), and how many rows are finite."""
+    row_mask = rows < N
+    keep = (tl.load(finite_ptr + rows, mask=row_mask, other=0) != 0) & row_mask
+    mask = keep[:, None] & k_mask[None, :]
+    v = tl.load(x + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
+    return tl.sum(tl.where(mask, v * f1 * f2, 0.0), axis=0), tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _operand_rows(
+    x,
+    mean,
+    norms_ptr,
+    hi_ptr,
+    lo_ptr,
+    rows,
+    N,
+    M,
+    stride_row,
+    f1,
+    f2,
+    ACC: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCHEME: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Rows `rows` of one set scaled, centred and stored as the products take them (_split:
+    hi and lo, (rows, M) contiguous from hi_ptr and lo_ptr; a non-finite value stays one, so
+    that its products are NaN where the forward recomputes them directly and the gradients it
+    reaches NaN, as the CPU kernel's), and their squared norms Σ_k c² in ACC at norms_ptr."""
+    row_mask = rows < N
+    total = tl.zeros((rows.shape[0],), ACC)
+    for k0 in range(0, M, BLOCK_M):
+        ks = k0 + tl.arange(0, BLOCK_M)
+        k_mask = ks < M
+        c = _centred(x, rows, ks, row_mask, k_mask, stride_row, mean, f1, f2, ACC)
+        total += tl.sum(c * c, axis=1)
+        hi, lo = _split(c, SPLIT, SCHEME)
+        offsets = rows[:, None] * M + ks[None, :]
+        mask = row_mask[:, None] & k_mask[None, :]
+        tl.store(hi_ptr + offsets, hi.to(hi_ptr.dtype.element_ty), mask=mask)
+        if SPLIT or SCHEME == lse.TF32X3:
+            tl.store(lo_ptr + offsets, lo.to(lo_ptr.dtype.element_ty), mask=mask)
+    tl.store(norms_ptr + rows, total, mask=row_mask)
+
+
+@triton.jit
+def _exponent(top, IS64: tl.constexpr):
+    """The power-of-two exponent e that brings the largest finite magnitude `top` into
+    [1/2, 1) where it lies outside [2^-H, 2^H] (H = 256 for float64, 32 otherwise; frexp's),
+    else 0."""
+    if IS64:
+        H: tl.constexpr = 256
+    else:
+        H: tl.constexpr = 32
+    outside = (top > tm.pow2(tl.full((), H, tl.int32), IS64)) | (
+        (top < tm.pow2(tl.full((), -H, tl.int32), IS64)) & (top > 0)
+    )
+    return tl.where(outside, tm.ilogb(tl.where(outside, top, 1.0), IS64) + 1, 0)
+
+
+@triton.jit
 def row_stats_kernel(
     x_ptr,
     finite_ptr,
@@ -203,18 +299,9 @@ def row_stats_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b = pid // tiles
     rows = (pid % tiles) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < N
-    finite = tl.full((BLOCK_ROWS,), 1, tl.int32)
-    largest = tl.zeros((BLOCK_ROWS,), ACC)
-    for k0 in range(0, M, BLOCK_M):
-        ks = k0 + tl.arange(0, BLOCK_M)
-        mask = row_mask[:, None] & (ks < M)[None, :]
-        x = tl.load(x_ptr + b * stride_batch + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
-        ok = (x == x) & (tl.abs(x) != float("inf"))
-        finite = finite & tl.min(tl.where(mask, ok.to(tl.int32), 1), axis=1)
-        largest = tl.maximum(largest, tl.max(tl.where(ok & mask, tl.abs(x), 0.0), axis=1))
-    tl.store(finite_ptr + b * N + rows, finite.to(tl.int8), mask=row_mask)
-    tl.store(largest_ptr + b * N + rows, largest, mask=row_mask)
+    finite, largest = _row_block_stats(x_ptr + b * stride_batch, rows, N, M, stride_row, ACC, BLOCK_M)
+    tl.store(finite_ptr + b * N + rows, finite.to(tl.int8), mask=rows < N)
+    tl.store(largest_ptr + b * N + rows, largest, mask=rows < N)
 
 
 @triton.jit
@@ -249,11 +336,10 @@ def column_sums_kernel(
     total = tl.zeros((BLOCK_M,), ACC)
     for step in range(SUM_BLOCKS):
         rows = (chunk * SUM_BLOCKS + step) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < N
-        keep = tl.load(finite_ptr + b * N + rows, mask=row_mask, other=0) != 0
-        mask = (row_mask & keep)[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + b * stride_batch + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
-        total += tl.sum(tl.where(mask, x * f1 * f2, 0.0), axis=0)
+        part, _ = _column_block_sums(
+            x_ptr + b * stride_batch, finite_ptr + b * N, rows, ks, N, stride_row, k_mask, f1, f2, ACC
+        )
+        total += part
     tl.store(sums_ptr + (b * all_chunks + first_chunk + chunk) * M + ks, total, mask=k_mask)
 
 
@@ -277,43 +363,125 @@ def operands_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """The scaled, centred rows c = x·2^-e - mean as the products take them (_split: hi and
-    lo, (B, N, M) contiguous; a non-finite value stays one, so that its products are NaN
-    where the forward recomputes them directly and the gradients it reaches NaN, as the CPU
-    kernel's) and their squared norms Σ_k c² in ACC. Formed once, rather than by every tile
-    that reads a row."""
+    """The scaled, centred rows of a (B, N, M) set as the products take them, (B, N, M)
+    contiguous, and their squared norms (_operand_rows). Formed once, rather than by every
+    tile that reads a row."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // tiles
     rows = (pid % tiles) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < N
     f1, f2 = _scale_in(tl.load(exp_ptr + b), IS64)
-    total = tl.zeros((BLOCK_ROWS,), ACC)
+    _operand_rows(
+        x_ptr + b * stride_batch, mean_ptr + b * M, norms_ptr + b * N, hi_ptr + b * N * M, lo_ptr + b * N * M,
+        rows, N, M, stride_row, f1, f2, ACC, SPLIT, SCHEME, BLOCK_M,
+    )  # fmt: skip
+
+
+@triton.jit
+def prefix_kernel(
+    x1_ptr,
+    x2_ptr,
+    finite1_ptr,
+    finite2_ptr,
+    exp_ptr,
+    mean_ptr,
+    n1_ptr,
+    n2_ptr,
+    hi1_ptr,
+    lo1_ptr,
+    hi2_ptr,
+    lo2_ptr,
+    N1,
+    N2,
+    M,
+    s1b,
+    s1r,
+    s2b,
+    s2r,
+    TWO: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCHEME: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The whole prefix of one batch element (of one or TWO sets) in one program, for small
+    problems, where the other kernels' launches (three per set, with the torch operations
+    between them) would cost more than their work: the rows' finiteness (into finite*_ptr,
+    (B, N) int8) and the largest finite magnitude, the exponent (exp_ptr), the mean of the
+    finite rows after scaling (mean_ptr, (B, M), summed in row order), then the operands and
+    norms as operands_kernel's. Each phase reads what the previous one stored, after a barrier."""
+    b = tl.program_id(0).to(tl.int64)
+    x1, finite1, n1 = x1_ptr + b * s1b, finite1_ptr + b * N1, n1_ptr + b * N1
+    x2, finite2, n2 = x2_ptr + b * s2b, finite2_ptr + b * N2, n2_ptr + b * N2
+    top = _set_stats(x1, finite1, N1, M, s1r, ACC, BLOCK_ROWS, BLOCK_M)
+    if TWO:
+        top = tl.maximum(top, _set_stats(x2, finite2, N2, M, s2r, ACC, BLOCK_ROWS, BLOCK_M))
+    e = _exponent(top, IS64)
+    tl.store(exp_ptr + b, e)
+    f1, f2 = _scale_in(e, IS64)
+    tl.debug_barrier()  # the finiteness stored above, read by other threads below
     for k0 in range(0, M, BLOCK_M):
         ks = k0 + tl.arange(0, BLOCK_M)
-        k_mask = ks < M
-        c = _centred(x_ptr + b * stride_batch, rows, ks, row_mask, k_mask, stride_row, mean_ptr + b * M, f1, f2, ACC)
-        total += tl.sum(c * c, axis=1)
-        hi, lo = _split(c, SPLIT, SCHEME)
-        offsets = (b * N + rows[:, None]) * M + ks[None, :]
-        mask = row_mask[:, None] & k_mask[None, :]
-        tl.store(hi_ptr + offsets, hi.to(hi_ptr.dtype.element_ty), mask=mask)
-        if SPLIT or SCHEME == lse.TF32X3:
-            tl.store(lo_ptr + offsets, lo.to(lo_ptr.dtype.element_ty), mask=mask)
-    tl.store(norms_ptr + b * N + rows, total, mask=row_mask)
+        total, count = _set_sums(x1, finite1, ks, N1, M, s1r, f1, f2, ACC, BLOCK_ROWS)
+        if TWO:
+            more, n = _set_sums(x2, finite2, ks, N2, M, s2r, f1, f2, ACC, BLOCK_ROWS)
+            total += more
+            count += n
+        tl.store(mean_ptr + b * M + ks, tm.div_rn(total, tl.maximum(count, 1).to(ACC), IS64), mask=ks < M)
+    tl.debug_barrier()  # the mean stored above, read by other threads below
+    mean = mean_ptr + b * M
+    for r0 in range(0, N1, BLOCK_ROWS):
+        rows = r0 + tl.arange(0, BLOCK_ROWS)
+        _operand_rows(
+            x1, mean, n1, hi1_ptr + b * N1 * M, lo1_ptr + b * N1 * M, rows, N1, M, s1r, f1, f2, ACC, SPLIT, SCHEME,
+            BLOCK_M,
+        )  # fmt: skip
+    if TWO:
+        for r0 in range(0, N2, BLOCK_ROWS):
+            rows = r0 + tl.arange(0, BLOCK_ROWS)
+            _operand_rows(
+                x2, mean, n2, hi2_ptr + b * N2 * M, lo2_ptr + b * N2 * M, rows, N2, M, s2r, f1, f2, ACC, SPLIT,
+                SCHEME, BLOCK_M,
+            )  # fmt: skip
+
+
+@triton.jit
+def _set_stats(x, finite_ptr, N, M, stride_row, ACC: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """prefix_kernel's first phase for one set: each row's finiteness stored (int8), and the
+    largest finite magnitude returned."""
+    top = tl.zeros((), ACC)
+    for r0 in range(0, N, BLOCK_ROWS):
+        rows = r0 + tl.arange(0, BLOCK_ROWS)
+        finite, largest = _row_block_stats(x, rows, N, M, stride_row, ACC, BLOCK_M)
+        tl.store(finite_ptr + rows, finite.to(tl.int8), mask=rows < N)
+        top = tl.maximum(top, tl.max(largest))
+    return top
+
+
+@triton.jit
+def _set_sums(x, finite_ptr, ks, N, M, stride_row, f1, f2, ACC: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """prefix_kernel's second phase for one set: the sum over its finite rows, in row order, of
+    features `ks` times 2^-e, and how many rows are finite."""
+    total = tl.zeros((ks.shape[0],), ACC)
+    count = tl.zeros((), tl.int32)
+    for r0 in range(0, N, BLOCK_ROWS):
+        rows = r0 + tl.arange(0, BLOCK_ROWS)
+        part, n = _column_block_sums(x, finite_ptr, rows, ks, N, stride_row, ks < M, f1, f2, ACC)
+        total += part
+        count += n
+    return total, count
 
 
 # --------------------------------------------------------------------------- forward
 
 
 @triton.jit
-def _zero_diagonal(na, rows, cols, SELF: tl.constexpr):
+def _zero_diagonal(na, rows, cols):
     """x2=None: where a finite row meets itself (its distance is exactly 0; a non-finite row's
     is Σ(a - a)² = NaN, recomputed)."""
-    if SELF:
-        finite_row = (na == na) & (na != float("inf"))
-        return (rows[:, None] == cols[None, :]) & finite_row[:, None]
-    else:
-        return tl.zeros((rows.shape[0], cols.shape[0]), tl.int1)
+    finite_row = (na == na) & (na != float("inf"))
+    return (rows[:, None] == cols[None, :]) & finite_row[:, None]
 
 
 @hot()
@@ -350,7 +518,7 @@ def forward_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b = pid // tiles
     tile = pid % tiles
-    tiny = tm.tiny_norms(M, IS64)
+    tiny_norms = tm.tiny_norms(M, IS64)
     rows = (tile // tiles_r) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = (tile % tiles_r) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < P
@@ -361,31 +529,45 @@ def forward_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < M
         a_offsets = (b * P + rows[:, None]) * M + ks[None, :]
-        a_hi, a_lo = _operand(
-            a_hi_ptr, a_lo_ptr, a_offsets, row_mask[:, None] & k_mask[None, :], SPLIT, SCHEME, INTERPRET
-        )
+        a_hi, a_lo = _operand(a_hi_ptr, a_lo_ptr, a_offsets, row_mask[:, None] & k_mask[None, :], SPLIT, SCHEME)
         b_offsets = (b * R + cols[None, :]) * M + ks[:, None]  # (BLOCK_K, BLOCK_R): bᵀ as loaded
-        b_hi, b_lo = _operand(
-            b_hi_ptr, b_lo_ptr, b_offsets, k_mask[:, None] & col_mask[None, :], SPLIT, SCHEME, INTERPRET
-        )
+        b_hi, b_lo = _operand(b_hi_ptr, b_lo_ptr, b_offsets, k_mask[:, None] & col_mask[None, :], SPLIT, SCHEME)
         acc = _mma(a_hi, a_lo, b_hi, b_lo, acc, SPLIT, SCHEME, INTERPRET)
 
     na = tl.load(n1_ptr + b * P + rows, mask=row_mask, other=0.0)
     nb = tl.load(n2_ptr + b * R + cols, mask=col_mask, other=0.0)
     norms = na[:, None] + nb[None, :]
     d2 = norms - 2.0 * acc
-    valid = row_mask[:, None] & col_mask[None, :]
-    zero_diagonal = _zero_diagonal(na, rows, cols, SELF)
-    refine = (~(d2 * REFINE_RATIO >= norms) | ~(norms >= tiny)) & valid & ~zero_diagonal
+    # The tile is flagged where an entry's expansion cancelled (d2·RATIO < norms; d2·RATIO is
+    # exact, so the rounded difference has the comparison's sign) or is NaN: the sum of
+    # min(difference, 0), NaN kept, is then negative or NaN, and 0 otherwise. Two operations an
+    # entry, where comparing each entry took ten. Masked lanes need no mask: their operands and
+    # norms load as 0 (a difference of 0 or 15·norm), or NaN only beside a valid NaN entry. A
+    # squared norm below tiny_norms is decided per row and column: the smallest norms of the tile
+    # are the smallest valid row's plus the smallest valid column's.
+    short = d2 * REFINE_RATIO - norms
+    if SELF:
+        short = tl.where(_zero_diagonal(na, rows, cols), 0.0, short)
+    cancelled = tl.sum(tl.minimum(short, 0.0, propagate_nan=tl.PropagateNan.ALL))
+    smallest = tl.min(tl.where(row_mask, na, float("inf"))) + tl.min(tl.where(col_mask, nb, float("inf")))
+    refine = ~(cancelled >= 0) | ~(smallest >= tiny_norms)
     value = tl.maximum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN kept: refine_kernel sees it
     if not SQUARED:
-        value = tm.sqrt_rn(value, IS64)
+        if out_ptr.dtype.element_ty.primitive_bitwidth == 16:
+            # Rounded to 16 bits next: the approximate root (one MUFU operation, a float32 ulp
+            # or so) rounds as the correctly rounded one but within its error of a halfway
+            # point (then a 16-bit ulp apart); the correctly rounded root is ~30 operations.
+            # (A subnormal d2 is never rounded here: the tile is flagged, d2·RATIO < norms.)
+            value = tl.sqrt(value)
+        else:
+            value = tm.sqrt_rn(value, IS64)
     if e != 0:
         value = tm.ldexp(value, e if not SQUARED else 2 * e, IS64)
-    value = tl.where(zero_diagonal, 0.0, value)
+    if SELF:
+        value = tl.where(_zero_diagonal(na, rows, cols), 0.0, value)
     out = out_ptr + (b * P + rows[:, None]) * R + cols[None, :]
-    tl.store(out, value.to(out_ptr.dtype.element_ty), mask=valid)
-    tl.store(flag_ptr + pid, tl.max(refine.to(tl.int8)))
+    tl.store(out, value.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(flag_ptr + pid, refine.to(tl.int8))
 
 
 @triton.jit
@@ -444,7 +626,9 @@ def refine_kernel(
                 # An infinite output too: an expansion that cancelled can come out large enough
                 # that times 2^e it overflows (rows scaled down far beside much larger ones).
                 refine = ~(d2 * REFINE_RATIO >= norms) | ~(norms >= tiny) | (d == float("inf"))
-                refine = refine & valid & ~_zero_diagonal(na, rows, cols, SELF)
+                refine = refine & valid
+                if SELF:
+                    refine = refine & ~_zero_diagonal(na, rows, cols)
                 if tl.max(refine.to(tl.int32)) > 0:
                     m, E = _direct_sq(
                         x1_ptr + b * s1b, x2_ptr + b * s2b, rows, cols, row_mask, col_mask, s1p, s2r, M, ACC, IS64
@@ -459,7 +643,6 @@ def refine_kernel(
 # --------------------------------------------------------------------------- backward
 
 
-@hot()
 @hot()
 @triton.jit
 def grad_kernel(
@@ -538,7 +721,7 @@ def grad_kernel(
         d = tl.load(dist_ptr + b * sd_b + rows[:, None] * sd_own + cols[None, :] * sd_other, mask=valid, other=1.0)
         n_other = tl.load(n_other_ptr + b * N_OTHER + cols, mask=col_mask, other=0.0)
         offsets = (b * N_OTHER + cols[:, None]) * M + ks[None, :]
-        c_hi, c_lo = _operand(hi_ptr, lo_ptr, offsets, col_mask[:, None] & k_mask[None, :], SPLIT, SCHEME, INTERPRET)
+        c_hi, c_lo = _operand(hi_ptr, lo_ptr, offsets, col_mask[:, None] & k_mask[None, :], SPLIT, SCHEME)
         g = g.to(ACC)
         d = d.to(ACC)
         norms = n_own[:, None] + n_other[None, :]
@@ -609,22 +792,50 @@ def _batched(x: Tensor, batch: tuple, B: int) -> Tensor:
 class _Centring:
     """The prefix: per batch element the exponent (int32, (B,)) and the mean (ACC, (B, M));
     per row the squared norm of the scaled, centred row, and per set those rows as the
-    products (_products' constexprs) take them, (hi, lo)."""
+    products (_products' constexprs) take them, (hi, lo). `fused`: by prefix_kernel, one
+    launch (None: where a batch element holds at most FUSED_PREFIX_VALUES values), else by
+    row_stats_kernel, column_sums_kernel and operands_kernel, per set, with the torch
+    operations between them; `config` from FUSED_PREFIX_CONFIGS or PREFIX_CONFIGS to match."""
 
-    def __init__(self, sets: list[Tensor], B: int, M: int, acc: torch.dtype, products: dict, config: Config):
+    def __init__(
+        self, sets: list[Tensor], B: int, M: int, acc: torch.dtype, products: dict, config: Config | None, fused=None
+    ):
+        if fused is None:
+            fused = sum(x.shape[1] for x in sets) * M <= FUSED_PREFIX_VALUES
+        config = config or (lse._default(FUSED_PREFIX_CONFIGS, acc) if fused else PREFIX_CONFIGS[0])
         is64 = acc == torch.float64
+        # The operands: bfloat16 halves or a TF32 pair of float32 (two arrays), one array of
+        # TF32, bfloat16 or float64 values otherwise.
+        split, scheme = products["SPLIT"], products["SCHEME"]
+        operand = torch.bfloat16 if split or scheme == lse.HALF.value else acc
+        device = sets[0].device
+        self.norms = [torch.empty(B, x.shape[1], dtype=acc, device=device) for x in sets]
+        self.operands = []
+        for x in sets:
+            hi = torch.empty(B, x.shape[1], M, dtype=operand, device=device)
+            self.operands.append((hi, torch.empty_like(hi) if split or scheme == lse.TF32X3.value else hi))
+        finite = [torch.empty(B, x.shape[1], dtype=torch.int8, device=device) for x in sets]
+        if fused:
+            self.exponents = torch.empty(B, dtype=torch.int32, device=device)
+            self.mean = torch.empty(B, M, dtype=acc, device=device)
+            a, c = sets[0], sets[-1]
+            prefix_kernel[(B,)](
+                a, c, finite[0], finite[-1], self.exponents, self.mean, self.norms[0], self.norms[-1],
+                *self.operands[0], *self.operands[-1], a.shape[1], c.shape[1], M,
+                a.stride(0), a.stride(1), c.stride(0), c.stride(1),
+                TWO=len(sets) == 2, ACC=acc_tl(acc), IS64=is64, SPLIT=split, SCHEME=scheme, **config.launch,
+            )  # fmt: skip
+            return
         H = 256 if is64 else 32
         rows = config.kwargs["BLOCK_ROWS"]
-        finite, largest = [], []
-        for x in sets:
+        largest = []
+        for x, fin in zip(sets, finite, strict=True):
             N = x.shape[1]
-            fin = torch.empty(B, N, dtype=torch.int8, device=x.device)
             big = torch.empty(B, N, dtype=acc, device=x.device)
             tiles = blocks(N, rows)
             row_stats_kernel[(B * tiles,)](
                 x, fin, big, N, M, x.stride(0), x.stride(1), tiles, ACC=acc_tl(acc), **config.launch
             )
-            finite.append(fin)
             largest.append(big.amax(1))  # N > 0: the kernels run only where there is output
         top = torch.stack(largest).amax(0)
         outside = (top > 2.0**H) | ((top < 2.0**-H) & (top > 0))
@@ -655,16 +866,8 @@ class _Centring:
         sums = part.sum(1)
         count = sum(fin.sum(1, dtype=acc) for fin in finite)
         self.mean = sums / count.clamp_min(1)[:, None]
-        # The operands: bfloat16 halves or a TF32 pair of float32 (two arrays), one array of
-        # TF32, bfloat16 or float64 values otherwise.
-        split, scheme = products["SPLIT"], products["SCHEME"]
-        operand = torch.bfloat16 if split or scheme == lse.HALF.value else acc
-        self.norms, self.operands = [], []
-        for x in sets:
+        for x, n, (hi, lo) in zip(sets, self.norms, self.operands, strict=True):
             N = x.shape[1]
-            n = torch.empty(B, N, dtype=acc, device=x.device)
-            hi = torch.empty(B, N, M, dtype=operand, device=x.device)
-            lo = torch.empty_like(hi) if split or scheme == lse.TF32X3.value else hi
             tiles = blocks(N, rows)
             operands_kernel[(B * tiles,)](
                 x,
@@ -684,8 +887,6 @@ class _Centring:
                 SCHEME=scheme,
                 **config.launch,
             )
-            self.norms.append(n)
-            self.operands.append((hi, lo))
 
 
 def _problem(x1: Tensor, x2: Tensor | None):
@@ -705,9 +906,16 @@ def _products(x: Tensor) -> dict:
 
 
 def forward(
-    x1: Tensor, x2: Tensor | None, squared, *, config: Config | None = None, prefix_config: Config | None = None
+    x1: Tensor,
+    x2: Tensor | None,
+    squared,
+    *,
+    config: Config | None = None,
+    prefix_config: Config | None = None,
+    fused_prefix: bool | None = None,
 ) -> Tensor:
-    """torchkit::cdist's CUDA kernel (any device under the interpreter)."""
+    """torchkit::cdist's CUDA kernel (any device under the interpreter). `prefix_config` and
+    `fused_prefix`: the prefix's (_Centring)."""
     check_scalars("cdist", ("bool", "squared", squared))
     check_distance_inputs("cdist", "x1", x1, "x2", x2)
     config = config or FORWARD_CONFIGS[0]
@@ -720,7 +928,7 @@ def forward(
         a = _batched(x1, batch, B)
         c = a if x2 is None else _batched(x2, batch, B)
         products = _products(x1)
-        pre = _Centring([a] if x2 is None else [a, c], B, M, acc, products, prefix_config or PREFIX_CONFIGS[0])
+        pre = _Centring([a] if x2 is None else [a, c], B, M, acc, products, prefix_config, fused_prefix)
         n1 = pre.norms[0]
         n2 = n1 if x2 is None else pre.norms[1]
         k = config.kwargs
@@ -795,6 +1003,7 @@ def backward(
     *,
     config: Config | None = None,
     prefix_config: Config | None = None,
+    fused_prefix: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """torchkit::_cdist_backward's CUDA kernel."""
     check_scalars("cdist", ("bool", "squared", squared))
@@ -812,7 +1021,7 @@ def backward(
         a = _batched(x1, batch, B)
         c = a if self_ else _batched(x2, batch, B)
         products = _products(x1)
-        pre = _Centring([a] if self_ else [a, c], B, M, acc, products, prefix_config or PREFIX_CONFIGS[0])
+        pre = _Centring([a] if self_ else [a, c], B, M, acc, products, prefix_config, fused_prefix)
         n1 = pre.norms[0]
         n2 = n1 if self_ else pre.norms[1]
         g = grad.expand(*batch, P, R).reshape(B, P, R)
@@ -892,6 +1101,8 @@ def compile_cases() -> list[CompileCase]:
                 "R",
                 "M",
                 "N",
+                "N1",
+                "N2",
                 "N_OWN",
                 "N_OTHER",
                 "tiles",
@@ -908,6 +1119,7 @@ def compile_cases() -> list[CompileCase]:
             (
                 "s1b",
                 "s1p",
+                "s1r",
                 "s2b",
                 "s2r",
                 "stride_batch",
@@ -951,11 +1163,16 @@ def compile_cases() -> list[CompileCase]:
             return dict.fromkeys(("a_hi_ptr", "a_lo_ptr", "b_hi_ptr", "b_lo_ptr", "hi_ptr", "lo_ptr"), kind)
 
         types = {**ints, **strides, **data, **accs, "exp_ptr": "*i32", "finite_ptr": "*i8", "flag_ptr": "*i8"}
+        # As the headline launch (B = 1, P = R = 8,192, M = 128: tools/gpu_model.py) specialises
+        # them: its ints and strides divisible by 16 (so that the operand loads vectorise and
+        # pipeline as they do there), but the backward's unit strides and single feature block.
+        ones = dict(sg_other=1, sd_other=1, tiles_k=1)
+        case = functools.partial(CompileCase, divisible=tuple(k for k in (*ints, *strides) if k not in ones))
         types.update(operands(scheme))
         for variant in ((False, False), (True, True)) if dtype == "fp32" else ((False, False),):
             self_, squared = variant
             cases.append(
-                CompileCase(
+                case(
                     f"cdist.forward {dtype}{' self squared' if self_ else ''}",
                     forward_kernel,
                     types,
@@ -967,7 +1184,7 @@ def compile_cases() -> list[CompileCase]:
         if dtype == "fp32":
             for name, other in (("high", lse.TF32), ("medium", lse.HALF)):
                 cases.append(
-                    CompileCase(
+                    case(
                         f"cdist.forward {dtype} {name}",
                         forward_kernel,
                         {**types, **operands(other)},
@@ -979,7 +1196,7 @@ def compile_cases() -> list[CompileCase]:
         for self_, squared in ((False, False), (True, True)):
             block = FORWARD_CONFIGS[0].kwargs
             cases.append(
-                CompileCase(
+                case(
                     f"cdist.refine {dtype}{' self squared' if self_ else ''}",
                     refine_kernel,
                     types,
@@ -999,11 +1216,11 @@ def compile_cases() -> list[CompileCase]:
         backward_types = {**types, "out_ptr": "*" + acc}
         for squared in (False, True) if not is64 else (False,):
             cases.append(
-                CompileCase(
+                case(
                     f"cdist.grad {dtype}{' squared' if squared else ''}",
                     grad_kernel,
                     backward_types,
-                    dict(SQUARED=squared, **products, **flags),
+                    dict(SQUARED=squared, **products, **flags, **ones),
                     GRAD_CONFIGS if every else GRAD_CONFIGS[:1],
                     tensor_cores=not is64,
                 )
@@ -1011,11 +1228,11 @@ def compile_cases() -> list[CompileCase]:
         if dtype == "fp32":
             for name, other in (("high", lse.TF32), ("medium", lse.HALF)):
                 cases.append(
-                    CompileCase(
+                    case(
                         f"cdist.grad {dtype} {name}",
                         grad_kernel,
                         {**backward_types, **operands(other)},
-                        dict(SQUARED=False, **{**products, "SCHEME": other}, **flags),
+                        dict(SQUARED=False, **{**products, "SCHEME": other}, **flags, **ones),
                         GRAD_CONFIGS[:1],
                         tensor_cores=True,
                     )
@@ -1026,12 +1243,23 @@ def compile_cases() -> list[CompileCase]:
             (operands_kernel, {"IS64": is64, "SPLIT": split, "SCHEME": scheme}),
         ):
             cases.append(
-                CompileCase(
+                case(
                     f"cdist.{kernel.fn.__name__.removesuffix('_kernel')} {dtype}",
                     kernel,
                     types,
                     {"ACC": flags["ACC"], **extra},
                     PREFIX_CONFIGS if every else PREFIX_CONFIGS[:1],
+                )
+            )
+        for two in (True, False):
+            cases.append(
+                case(
+                    f"cdist.prefix {dtype}{'' if two else ' self'}",
+                    prefix_kernel,
+                    {**types, "finite1_ptr": "*i8", "finite2_ptr": "*i8"}
+                    | {f"{h}{i}_ptr": types["hi_ptr"] for h in ("hi", "lo") for i in (1, 2)},
+                    dict(TWO=two, **flags, SPLIT=split, SCHEME=scheme),
+                    FUSED_PREFIX_CONFIGS if every and two else (FUSED_PREFIX_CONFIGS[-1 if is64 else 0],),
                 )
             )
     return cases
