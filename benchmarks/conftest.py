@@ -7,7 +7,6 @@ import torch
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "headline: a headline case of an op (README; make bench QUICK=1)")
     config.addinivalue_line("markers", "cuda: a GPU case, skipped without a CUDA device")
 
 

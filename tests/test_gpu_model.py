@@ -4,6 +4,7 @@ kernels whose work is known, its extrapolation and the bound its prediction pick
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -188,7 +189,7 @@ def test_the_rule_check_names_hot_kernels_without_a_reason():
     the mark's reasons excuse them; per-row float64 breaks none; an unmarked kernel whose
     products are per pair must be marked."""
     pairs = 1 << 20
-    case = gpu_model.Case("op", "case", "forward", None, (), 1024, pairs)
+    case = gpu_model.Case("op", "case", "forward", None, (), 1024, pairs, ())
     per_pair = Counter({"float:fadd:fp64": pairs, "dot:fp32-ieee:fp32": 128 * pairs})
     per_row = Counter({"float:fadd:fp64": 8 * 1024, "dot:bf16-mma:fp32": 128 * pairs})
 
@@ -214,7 +215,7 @@ def test_a_benchmark_case_counts_its_product():
     twice that."""
     split = []
     with gpu_model.counting() as launches:
-        gpu_model._cdist(torch.float32)(128, between=lambda: split.append(len(launches)))
+        gpu_model._cdist(torch.float32, 8192)(128, between=lambda: split.append(len(launches)))
 
     def macs(part):
         return sum(v for launch in part for k, v in launch.counts.items() if k.startswith("dot:fp32-tf32:"))
@@ -314,19 +315,51 @@ def test_a_prediction_past_the_committed_one_fails(tmp_path):
     assert not failed and "Not compared" in lines[-1]
 
 
-def test_the_cache_key_reads_the_kernel_packages_too(tmp_path, monkeypatch):
-    """A kernel module inside a family's package (torchkit/triton/pair_losses/lse.py) keys
-    the cached counts as a module beside it does: changing either recounts."""
-    package = tmp_path / "torchkit" / "triton" / "family"
+def test_the_cache_key_reads_what_a_module_imports_and_nothing_else(tmp_path, monkeypatch):
+    """The cached counts and compiled facts of a kernel module (here family/engine.py) are
+    keyed by its source and every torchkit.triton module it imports by name, at the top or
+    lazily in a function, inside a package or beside it: changing any of them recounts it, and
+    changing another op's module (or a package's __init__.py it does not import) does not."""
+    triton_dir = tmp_path / "torchkit" / "triton"
+    package = triton_dir / "family"
     package.mkdir(parents=True)
-    (package.parent / "single.py").write_text("a = 1\n")
-    (package / "engine.py").write_text("b = 1\n")
+    files = {
+        "family/__init__.py": "from torchkit.triton.family import engine\n",
+        "family/engine.py": "from torchkit.triton import shared\n\ndef f():\n    from torchkit.triton.family.lazy import x\n",
+        "family/lazy.py": "x = 1\n",
+        "shared.py": "from torchkit.triton.family import lazy\n",
+        "other.py": "from torchkit.triton.family import engine, name_in_the_package\n",
+    }
+    for name, text in files.items():
+        (triton_dir / name).write_text(text)
     monkeypatch.setattr(gpu_model, "ROOT", str(tmp_path))
-    before = gpu_model._digest()
-    (package / "engine.py").write_text("b = 2\n")
-    assert gpu_model._digest() != before
-    (package / "engine.py").write_text("b = 1\n")
-    assert gpu_model._digest() == before
+    read = {os.path.relpath(p, triton_dir) for p in gpu_model._sources(["torchkit.triton.family.engine"])}
+    assert read == {"family/engine.py", "family/lazy.py", "shared.py"}
+    other = {os.path.relpath(p, triton_dir) for p in gpu_model._sources(["torchkit.triton.other"])}
+    assert other == read | {"other.py", "family/__init__.py"}
+    before = gpu_model._digest(["torchkit.triton.family.engine"])
+    for name, text in files.items():
+        (triton_dir / name).write_text(text + "y = 2\n")
+        changed = gpu_model._digest(["torchkit.triton.family.engine"]) != before
+        assert changed == (name in read), name
+        (triton_dir / name).write_text(text)
+    assert gpu_model._digest(["torchkit.triton.family.engine"]) == before
+
+
+def test_each_case_is_keyed_by_its_own_op_s_modules():
+    """cdist's and bilinear_pool's cases read their own module and the helpers they import,
+    never the other's; the log-sum-exp losses' read lse.py and not the other engines."""
+    read = {}
+    for case in gpu_model.cases():
+        read[case.op] = {os.path.relpath(p, gpu_model.ROOT) for p in gpu_model._sources(case.modules)}
+    assert "torchkit/triton/cdist.py" in read["cdist"] and "torchkit/triton/bilinear_pool.py" not in read["cdist"]
+    assert (
+        "torchkit/triton/bilinear_pool.py" in read["bilinear_pool"]
+        and "torchkit/triton/cdist.py" not in read["bilinear_pool"]
+    )
+    assert "torchkit/triton/pair_losses/lse.py" in read["supcon_loss"]
+    assert "torchkit/triton/pair_losses/triplets.py" not in read["supcon_loss"]
+    assert "torchkit/triton/pair_losses/triplets.py" in read["triplet_margin_loss"]
 
 
 @needs_interpreter

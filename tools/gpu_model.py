@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import glob
 import os
 import re
 import sys
@@ -661,17 +660,54 @@ def _dump(value, path: str) -> None:
         pickle.dump(value, f)
 
 
-def _digest(*parts) -> str:
-    """A digest of the Triton kernels' sources (torchkit/triton/**/*.py, packages included)
-    and of `parts`' (the model's functions that draw facts from them): what a cache of those
-    facts is keyed by."""
+def _module_file(name: str) -> str | None:
+    """The source file of the torchkit.triton module `name`, or None where it is none."""
+    path = os.path.join(ROOT, *name.split("."))
+    for candidate in (path + ".py", os.path.join(path, "__init__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _sources(modules) -> list[str]:
+    """The source files of the torchkit.triton modules `modules` and of every torchkit.triton
+    module they import, by name, anywhere in their code (a function's lazy import too): what
+    their kernels and wrappers can execute. `from package import module` reads the module's
+    file, `from package import name` the package's; a package's __init__.py is not read for
+    its submodules' sake alone (Python runs it on import, but its code is not theirs)."""
+    import ast
+
+    todo = [f for f in (_module_file(m) for m in modules if m.startswith("torchkit.triton")) if f]
+    seen = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" if _module_file(f"{node.module}.{a.name}") else node.module
+                         for a in node.names]  # fmt: skip
+            else:
+                continue
+            todo += [f for f in (_module_file(n) for n in names if n.startswith("torchkit.triton")) if f]
+    return sorted(seen)
+
+
+def _digest(modules, *parts) -> str:
+    """A digest of the Triton modules `modules`' sources with what they import (_sources) and
+    of `parts`' (the model's functions that draw facts from them): what a cache of those facts
+    is keyed by, so that changing one op's kernels recounts that op's cases alone."""
     import hashlib
     import inspect
 
     digest = hashlib.sha256()
-    folder = os.path.join(ROOT, "torchkit", "triton")
-    for path in sorted(glob.glob(os.path.join(folder, "**", "*.py"), recursive=True)):
-        digest.update(os.path.relpath(path, folder).encode())
+    for path in _sources(modules):
+        digest.update(os.path.relpath(path, ROOT).encode())
         with open(path, "rb") as f:
             digest.update(f.read())
     for part in parts:
@@ -691,8 +727,9 @@ def compile_launches(launches: list[Launch]) -> None:
     os.makedirs(CACHE, exist_ok=True)
     path = os.path.join(CACHE, f"compiled-{triton.__version__}.pkl")
     cache = _load(path) if os.path.exists(path) else {}
-    source = _digest(compile_spec, sass_mix, fma_dots, _operand_wavefronts)
-    keys = {id(x): hashlib.sha256((source + repr(x.spec)).encode()).hexdigest() for x in launches}
+    parts = (compile_spec, sass_mix, fma_dots, _operand_wavefronts)
+    source = {m: _digest([m], *parts) for m in {x.spec["module"] for x in launches}}
+    keys = {id(x): hashlib.sha256((source[x.spec["module"]] + repr(x.spec)).encode()).hexdigest() for x in launches}
     todo = {keys[id(x)]: x.spec for x in launches if keys[id(x)] not in cache}
     if todo:
         with tempfile.TemporaryDirectory() as tmp:
@@ -944,6 +981,9 @@ def extrapolate(runs: list[tuple], size) -> list[Launch]:
 # --------------------------------------------------------------------------- cases
 
 
+PASSES = ("forward", "backward")  # each op's Triton functions: {op}_forward, {op}_backward
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A benchmark case (its name in benchmarks/results/<gpu>/gpu.json: op, case, pass) whose
@@ -951,7 +991,8 @@ class Case:
     forward, between(), then the backward. Counted once for both passes (the forward's
     launches are the first ones) at `sizes` and extrapolated to `size` (extrapolate(); a size
     of several variables is a tuple). `pairs`: the elements of the product its hot kernels
-    stream at `size` (N², N·C, P·R, N·D²), what the rule check counts float64 work per."""
+    stream at `size` (N², N·C, P·R, N·D²), what the rule check counts float64 work per.
+    `calls`: the torchkit.triton functions run calls, whose modules key its cached counts."""
 
     op: str
     case: str
@@ -960,6 +1001,18 @@ class Case:
     sizes: tuple
     size: int | tuple
     pairs: int
+    calls: tuple[str, ...]
+
+    @property
+    def modules(self) -> list[str]:
+        """The modules that define `calls` (a package may re-export an engine's function)."""
+        import importlib
+
+        out = []
+        for call in self.calls:
+            module, name = call.rsplit(".", 1)
+            out.append(getattr(importlib.import_module(module), name).__module__)
+        return out
 
     @property
     def name(self) -> str:
@@ -1003,17 +1056,21 @@ def _proxy_anchor(n: int, classes: int, between: Callable[[], None]) -> None:
     kernels.proxy_anchor_backward(torch.ones((), dtype=value.dtype), e, labels, proxies, stats, 0.1, 32.0, [True, True])
 
 
-def _cdist(dtype) -> Callable[..., None]:
+def _cdist(dtype, headline: int) -> Callable[..., None]:
+    """cdist of two n x 128 sets, with the prefix the headline's n takes (the fused one for
+    small problems: _Centring)."""
+
     def run(n: int, between: Callable[[], None]) -> None:
         import torch
 
         from torchkit.triton import cdist as kernels
 
+        fused = 2 * headline * 128 <= kernels.FUSED_PREFIX_VALUES
         g = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, 128, generator=g).to(dtype) for _ in range(2))
-        d = kernels.forward(a, b, False)
+        d = kernels.forward(a, b, False, fused_prefix=fused)
         between()
-        kernels.backward(torch.ones_like(d), a, b, d, False, [True, True])
+        kernels.backward(torch.ones_like(d), a, b, d, False, [True, True], fused_prefix=fused)
 
     return run
 
@@ -1064,8 +1121,9 @@ def flash_supcon(n: int = 8192, d: int = 128, block: int = 64) -> dict[str, list
 
 def cases() -> list[Case]:
     """The GPU benchmarks' headline Triton cases: the pair losses at N = 8,192, D = 128, 8 per
-    class (each triplet mining), cdist at P = R = 8,192, M = 128, bilinear_pool at N = 32,
-    D = 512, 28 x 28; float32 and bfloat16, forward and forward+backward."""
+    class (each triplet mining), cdist at P = R = 8,192, M = 128 (and a batch's 256 x 256 in
+    float32), bilinear_pool at N = 32, D = 512, 28 x 28; float32 and bfloat16, forward and
+    forward+backward."""
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -1084,16 +1142,25 @@ def cases() -> list[Case]:
                 sliced = loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss", "contrastive_loss")
                 sliced = sliced or params.get("mining") == "batch_hard"
                 sizes = (192, 384, 576) if sliced else (128, 256, 512)
-                out.append(Case(loss, case, pass_, run, sizes, 8192, 8192**2))
+                calls = tuple(f"torchkit.triton.pair_losses.{loss.removesuffix('_loss')}_{p}" for p in PASSES)
+                out.append(Case(loss, case, pass_, run, sizes, 8192, 8192**2, calls))
             if dtype == torch.float32:  # the benchmark's proxy case: Stanford Online Products' classes
                 # Its work is per (embedding, proxy) pair: counted at two sizes of each.
                 corners = tuple((n, c) for n in (128, 256) for c in (192, 320))
+                calls = tuple(f"torchkit.triton.pair_losses.proxy_anchor_{p}" for p in PASSES)
                 out.append(Case("proxy_anchor_loss", "N=8192 D=512 C=11318 fp32", pass_, _proxy_anchor,
-                                corners, (8192, 11318), 8192 * 11318))  # fmt: skip
-            run = _cdist(dtype)
-            out.append(Case("cdist", f"P=R=8192 M=128 {tname}", pass_, run, (128, 256, 512), 8192, 8192**2))
-            run = _bilinear_pool(dtype)
-            out.append(Case("bilinear_pool", f"N=32 D=512 28x28 {tname}", pass_, run, (1, 2, 3), 32, 32 * 512**2))
+                                corners, (8192, 11318), 8192 * 11318, calls))  # fmt: skip
+            calls = tuple(f"torchkit.triton.cdist.{p}" for p in PASSES)
+            out.append(
+                Case("cdist", f"P=R=8192 M=128 {tname}", pass_, _cdist(dtype, 8192), (128, 256, 512), 8192, 8192**2,
+                     calls)
+            )  # fmt: skip
+            if dtype == torch.float32:  # a loss's batch, where the launches count: counted as it is
+                out.append(Case("cdist", "batch P=R=256 M=128 fp32", pass_, _cdist(dtype, 256), (256,), 256, 256**2,
+                                calls))  # fmt: skip
+            run, calls = _bilinear_pool(dtype), tuple(f"torchkit.triton.bilinear_pool.{p}" for p in PASSES)
+            out.append(Case("bilinear_pool", f"N=32 D=512 28x28 {tname}", pass_, run, (1, 2, 3), 32, 32 * 512**2,
+                            calls))  # fmt: skip
     return out
 
 
@@ -1161,8 +1228,9 @@ def count_case(index: int) -> tuple[list[Launch], int]:
 def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
     """The launches of each chosen case (count_case: the forward's are the first of both
     passes', counted once for both), on `jobs` processes, cached in build/gpu-model by the
-    Triton kernels' sources (torchkit/triton/**/*.py) and how they are counted: a rerun with no
-    kernel changed costs nothing."""
+    sources of the Triton modules the case runs (Case.modules, with what they import: _sources)
+    and how they are counted: a rerun with none of them changed costs nothing, and a change to
+    one op's module recounts that op's cases alone."""
     import hashlib
     import inspect
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -1170,7 +1238,7 @@ def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
 
     import triton
 
-    sources = _digest(counting, Counter_, _vector_width, Launch, extrapolate, headline_slices, count_case)
+    parts = (counting, Counter_, _vector_width, Launch, extrapolate, headline_slices, count_case)
     every = cases()
     first = {}  # the index count_case runs for each counted (op, case)
     for i, c in enumerate(every):
@@ -1179,7 +1247,7 @@ def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
     for i in chosen:
         c = every[i]
         case = f"{c.counted} {c.sizes} {c.size} {inspect.getsource(c.run)}"
-        keys[i] = hashlib.sha256(f"{sources} {case}".encode()).hexdigest()
+        keys[i] = hashlib.sha256(f"{_digest(c.modules, *parts)} {case}".encode()).hexdigest()
     os.makedirs(CACHE, exist_ok=True)
     path = os.path.join(CACHE, f"counts-{triton.__version__}.pkl")
     cache = _load(path) if os.path.exists(path) else {}
