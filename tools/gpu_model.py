@@ -774,8 +774,12 @@ def macs_all(counts: Counter) -> float:
 
 # Lane-instructions per element by pipe for math that compiles to more than one instruction
 # (sm_90 SASS of one-op kernels against a copy kernel, GPU-MODEL-STUDY.md): fp32 exp2, log2,
-# sqrt and rsqrt are one MUFU op; fp32 tl.log is a software logf; div_rn and sqrt_rn are
-# correctly rounded software sequences; every float64 transcendental is software.
+# sqrt and rsqrt are one MUFU op; fp32 tl.log is a software logf; every float64
+# transcendental is software. Correctly rounded division and square roots (fp32 div_rn and
+# sqrt_rn, float64's / and sqrt) are a reciprocal or reciprocal root and a few FMAs, then a
+# check that branches to a called slow path only for subnormal, huge or special operands
+# (FCHK, an exponent compare): what is counted is the fast path, the instructions ordinary
+# operands execute (the whole static sequence, slow path included, overstated div_rn 13-fold).
 COSTS = {
     ("exp", "fp32"): {"mufu": 1, "fp32": 4},
     ("exp2", "fp32"): {"mufu": 1},
@@ -783,18 +787,18 @@ COSTS = {
     ("log2", "fp32"): {"mufu": 1},
     ("sqrt", "fp32"): {"mufu": 1},
     ("rsqrt", "fp32"): {"mufu": 1},
-    ("precise_sqrt", "fp32"): {"mufu": 1, "fp32": 15, "alu": 14},
-    ("fdiv", "fp32"): {"mufu": 1, "fp32": 7, "alu": 1},
-    ("precise_divf", "fp32"): {"mufu": 1, "fp32": 60, "alu": 56},
+    ("precise_sqrt", "fp32"): {"mufu": 1, "fp32": 4, "alu": 3},
+    ("fdiv", "fp32"): {"mufu": 1, "fp32": 5, "alu": 2},
+    ("precise_divf", "fp32"): {"mufu": 1, "fp32": 5, "alu": 3},
     ("exp", "fp64"): {"fp64": 18, "alu": 47},
     ("exp2", "fp64"): {"fp64": 18, "alu": 47},
     ("log", "fp64"): {"fp64": 30, "mufu": 1, "alu": 56},
     ("log2", "fp64"): {"fp64": 30, "mufu": 1, "alu": 56},
-    ("sqrt", "fp64"): {"fp64": 22, "mufu": 2, "alu": 31},
-    ("precise_sqrt", "fp64"): {"fp64": 22, "mufu": 2, "alu": 31},
+    ("sqrt", "fp64"): {"fp64": 8, "mufu": 1, "alu": 8},
+    ("precise_sqrt", "fp64"): {"fp64": 8, "mufu": 1, "alu": 8},
     ("rsqrt", "fp64"): {"fp64": 22, "mufu": 2, "alu": 31},
-    ("fdiv", "fp64"): {"fp64": 24, "mufu": 2, "alu": 85},
-    ("precise_divf", "fp64"): {"fp64": 24, "mufu": 2, "alu": 85},
+    ("fdiv", "fp64"): {"fp64": 8, "mufu": 1, "fp32": 1, "alu": 5},
+    ("precise_divf", "fp64"): {"fp64": 8, "mufu": 1, "fp32": 1, "alu": 5},
 }
 WIDE = {"fp64": "fp64", "i64": "alu", "ptr": "alu"}  # 64-bit integer operations issue twice
 
