@@ -247,7 +247,7 @@ def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
         launch for launch in launches if launch.kernel == "forward_kernel" and launch.counts["dot:fp32-tf32:fp32"]
     ]
     assert fma.counts["dot:fp32-ieee:fp32"]
-    gpu_model.compile_launches([fma, gemm])
+    gpu_model.compile_launches([fma, gemm], 1)
     loops = fma.compiled["sass"]["loops"]
     (dot,) = fma.compiled["fma_dots"]
     assert loops["fp32"] >= dot["ffma"] and loops["shared"] > 0 and "tensor" not in loops  # a K step's FFMAs
@@ -388,3 +388,37 @@ def test_the_log_sum_exp_engine_is_counted_split_as_at_its_headline_size():
     assert at["merge_kernel"]["load:fp32"] == pytest.approx(3 * slices * 8192 * 4)
     with pytest.raises(ValueError, match="headline's 3 slices"):
         count(256)
+
+
+def test_committed_counts_seed_the_cache_and_a_changed_case_is_counted_again(tmp_path, monkeypatch):
+    """model-counts.json round-trips a launch (a Triton dtype among its constexprs, whole
+    counts kept whole); a fresh clone's count_cases takes a case whose key it holds without
+    counting it, and counts a case whose key changed (its kernels edited since)."""
+    import triton.language as tl
+
+    counted = []
+
+    def count_case(index):
+        counted.append(index)
+        return [gpu_model.Launch("fresh")], 0
+
+    monkeypatch.setattr(gpu_model, "count_case", count_case)  # (before the keys, which read its source)
+    every = gpu_model.cases()
+    chosen = [i for i, c in enumerate(every) if c.counted == every[0].counted]
+    keys = gpu_model.count_keys(chosen)
+    spec = {"module": "m", "kernel": "k", "constexprs": {"ACC": tl.float32, "BLOCK": 64}, "divisible": ["x"]}
+    launch = gpu_model.Launch("k", Counter({"programs": 64.00000000001, "load:fp32": 0.5, "waits": 0.0}), spec)
+    path = tmp_path / "model-counts.json"
+    gpu_model.write_counts(str(path), {every[0].counted: (keys[chosen[0]], ([launch], 1))})
+    ((back, forward),) = gpu_model.read_counts(str(path)).values()
+    assert forward == 1 and back[0].kernel == "k" and back[0].spec == spec
+    assert back[0].counts == {"programs": 64, "load:fp32": 0.5} and type(back[0].counts["programs"]) is int
+
+    monkeypatch.setattr(gpu_model, "COMMITTED_COUNTS", str(path))
+    monkeypatch.setattr(gpu_model, "CACHE", str(tmp_path / "cache"))  # (a fresh clone's: empty)
+    out = gpu_model.count_cases(chosen, jobs=0)
+    assert counted == [] and all(out[i][0][0].kernel == "k" for i in chosen)
+    # Another key (what an edited kernel gives): counted, not taken from the committed file.
+    monkeypatch.setattr(gpu_model, "count_keys", lambda chosen: {i: "edited" for i in chosen})
+    assert [x.kernel for x in gpu_model.count_cases(chosen, jobs=0)[chosen[0]][0]] == ["fresh"]
+    assert counted == [chosen[0]]

@@ -5,7 +5,7 @@ code, and the time each GPU resource needs (make gpu-model).
         [--output F.md] [--check F.json]
 
 Each case (cases(): the GPU benchmarks' headline Triton shapes, benchmarks/bench_*.py) runs
-its Triton kernels under Triton's interpreter at three small sizes, counting what every
+its Triton kernels under Triton's interpreter at two or three small sizes, counting what every
 launch executes (counting(); Launch's keys): tl.dot multiply-adds by operand type and
 precision, element operations by type, transcendentals, conversions, reductions, bytes loaded
 and stored and the distinct bytes touched, atomics, programs, and the waits for memory a
@@ -14,7 +14,9 @@ evaluated at the headline size (extrapolate(): exact where the work per tile is 
 quadratic in the rows for the pair losses and cdist, linear in the batch for bilinear_pool),
 so that a case costs seconds, not the hours the interpreter would take there. Launches whose
 work depends on the data (exact rechecks taken only where values are close) extrapolate only
-as far as that share stays constant.
+as far as that share stays constant. The counts are cached by what they depend on
+(count_keys) and committed for every case (COMMITTED_COUNTS, written with --output), so that a
+fresh clone counts only the cases whose kernels changed since.
 
 Each launch is compiled for sm_90 as the GPU would compile it (compile_spec(): its
 specialisation, in a process without the interpreter, cached in build/gpu-model): registers,
@@ -212,7 +214,8 @@ def specialisation(fn, constexpr_names, args, kwargs) -> dict:
         value = bound.get(name)
         if name in constexpr_names:
             signature[name] = "constexpr"
-            constexprs[name] = False if name == "INTERPRET" else value
+            # (a tl.constexpr's value: what triton.compile takes, and what model-counts.json keeps)
+            constexprs[name] = False if name == "INTERPRET" else getattr(value, "value", value)
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TORCH_TYPES[str(value.dtype).removeprefix("torch.")]
             divisible.append(name)  # torch's allocations are 16-byte aligned
@@ -456,6 +459,9 @@ def counting():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(ROOT, "build", "gpu-model")
+# Every case's extrapolated counts as make gpu-model-table last counted them, keyed as the
+# cache is (count_cases): a fresh clone recounts only the cases whose kernels changed since.
+COMMITTED_COUNTS = os.path.join(ROOT, "benchmarks", "results", "model-counts.json")
 MAX_REGISTERS, MAX_SHARED, MAX_WARPS, MAX_CTAS = 65536, 228 * 1024, 64, 32  # per SM, sm_90
 
 _ALIAS = re.compile(r"^(#\w+) = #ttg\.(\w+)<\{(.*)\}>", re.M)
@@ -660,6 +666,83 @@ def _dump(value, path: str) -> None:
         pickle.dump(value, f)
 
 
+def _to_json(value):
+    """A launch's spec as JSON: a Triton dtype (a constexpr's value) tagged by its name."""
+    import triton.language as tl
+
+    if isinstance(value, tl.dtype):
+        return {"tl.dtype": value.name}
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(value):
+    import triton.language as tl
+
+    if isinstance(value, dict):
+        if set(value) == {"tl.dtype"}:
+            return tl.dtype(value["tl.dtype"])
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def read_counts(path: str) -> dict[str, tuple[list[Launch], int]]:
+    """The committed counts (COMMITTED_COUNTS) as count_cases caches them: by key, each case's
+    launches and how many of them are the forward's."""
+    import json
+
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        cases = json.load(f)["cases"]
+    return {
+        entry["key"]: ([Launch(x["kernel"], Counter(x["counts"]), _from_json(x["spec"])) for x in entry["launches"]],
+                       entry["forward"])
+        for entry in cases.values()
+    }  # fmt: skip
+
+
+def write_counts(path: str, counted: dict[str, tuple[str, tuple[list[Launch], int]]]) -> None:
+    """Write `counted` ({case: (key, (launches, forward))}) into the committed counts, keeping
+    the entries of the other cases that still exist: one line per launch, so that a kernel's
+    change shows as its own lines."""
+    import json
+
+    every = {c.counted for c in cases()}
+    entries = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            entries = {k: v for k, v in json.load(f)["cases"].items() if k in every}
+
+    def whole(v: float) -> float | int:  # (a count extrapolated exactly, less the fit's rounding)
+        return round(v) if abs(v - round(v)) <= 1e-9 * max(1.0, abs(v)) else v
+
+    for name, (key, (launches, forward)) in counted.items():
+        rows = [{"kernel": x.kernel, "spec": _to_json(x.spec),
+                 "counts": {k: whole(v) for k, v in sorted(x.counts.items()) if v}} for x in launches]  # fmt: skip
+        entries[name] = {"key": key, "forward": forward, "launches": rows}
+    lines = [
+        "{",
+        ' "written by": "make gpu-model-table (tools/gpu_model.py: count_cases, write_counts)",',
+        ' "cases": {',
+    ]
+    for n, name in enumerate(sorted(entries)):
+        entry = entries[name]
+        lines.append(f'  {json.dumps(name)}: {{"key": {json.dumps(entry["key"])}, "forward": {entry["forward"]}, ')
+        lines.append('   "launches": [')
+        lines += [f"    {json.dumps(row)}{',' if j < len(entry['launches']) - 1 else ''}"
+                  for j, row in enumerate(entry["launches"])]  # fmt: skip
+        lines.append(f"   ]}}{',' if n < len(entries) - 1 else ''}")
+    lines += [" }", "}"]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def _module_file(name: str) -> str | None:
     """The source file of the torchkit.triton module `name`, or None where it is none."""
     path = os.path.join(ROOT, *name.split("."))
@@ -715,9 +798,9 @@ def _digest(modules, *parts) -> str:
     return digest.hexdigest()
 
 
-def compile_launches(launches: list[Launch]) -> None:
+def compile_launches(launches: list[Launch], jobs: int) -> None:
     """Attach each launch's compiled facts (compile_spec) as launch.compiled, compiling each
-    distinct specialisation once, in a process without the interpreter; cached in
+    distinct specialisation once, on `jobs` processes without the interpreter; cached in
     build/gpu-model by the kernels' sources, how the facts are drawn, and the specialisation."""
     import hashlib
     import subprocess
@@ -737,7 +820,8 @@ def compile_launches(launches: list[Launch]) -> None:
             _dump(todo, src)
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
             env.setdefault("TRITON_CACHE_DIR", os.path.join(ROOT, "build", "triton-cache"))
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--compile", src, dst], env=env, check=True)
+            command = [sys.executable, os.path.abspath(__file__), "--compile", src, dst, "--jobs", str(max(1, jobs))]
+            subprocess.run(command, env=env, check=True)
             cache.update(_load(dst))
         _dump(cache, path)
     for launch in launches:
@@ -1163,7 +1247,8 @@ def cases() -> list[Case]:
                 out.append(Case("cdist", "batch P=R=256 M=128 fp32", pass_, _cdist(dtype, 256), (256,), 256, 256**2,
                                 calls))  # fmt: skip
             run, calls = _bilinear_pool(dtype), tuple(f"torchkit.triton.bilinear_pool.{p}" for p in PASSES)
-            out.append(Case("bilinear_pool", f"N=32 D=512 28x28 {tname}", pass_, run, (1, 2, 3), 32, 32 * 512**2,
+            # Its work is per sample (programs of the same work each): linear from two batches.
+            out.append(Case("bilinear_pool", f"N=32 D=512 28x28 {tname}", pass_, run, (1, 2), 32, 32 * 512**2,
                             calls))  # fmt: skip
     return out
 
@@ -1229,44 +1314,53 @@ def count_case(index: int) -> tuple[list[Launch], int]:
     return extrapolate(runs, case.size), forward.pop()
 
 
-def count_cases(chosen: list[int], jobs: int) -> dict[int, list[Launch]]:
-    """The launches of each chosen case (count_case: the forward's are the first of both
-    passes', counted once for both), on `jobs` processes, cached in build/gpu-model by the
-    sources of the Triton modules the case runs (Case.modules, with what they import: _sources)
-    and how they are counted: a rerun with none of them changed costs nothing, and a change to
-    one op's module recounts that op's cases alone."""
+def count_keys(chosen: list[int]) -> dict[int, str]:
+    """What each chosen case's counts are keyed by: the sources of the Triton modules it runs
+    (Case.modules, with what they import: _sources), how they are counted, and the case's
+    sizes and run. Not Triton's version: the counts are of the kernels' operations as written
+    (Triton's language), not of what a compiler makes of them (compile_launches)."""
     import hashlib
     import inspect
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
 
-    import triton
-
-    parts = (counting, Counter_, _vector_width, Launch, extrapolate, headline_slices, count_case)
+    parts = (counting, Counter_, _vector_width, specialisation, Launch, extrapolate, headline_slices, count_case)
     every = cases()
-    first = {}  # the index count_case runs for each counted (op, case)
-    for i, c in enumerate(every):
-        first.setdefault(c.counted, i)
     keys = {}
     for i in chosen:
         c = every[i]
         case = f"{c.counted} {c.sizes} {c.size} {inspect.getsource(c.run)}"
         keys[i] = hashlib.sha256(f"{_digest(c.modules, *parts)} {case}".encode()).hexdigest()
+    return keys
+
+
+def count_cases(chosen: list[int], jobs: int) -> dict[int, tuple[list[Launch], int]]:
+    """The launches of each chosen case and how many are the forward's (count_case: both
+    passes counted once), on `jobs` processes, cached in build/gpu-model by count_keys: a
+    rerun with nothing changed costs nothing, and a change to one op's module recounts that
+    op's cases alone. The committed counts (COMMITTED_COUNTS) seed the cache, so that a fresh
+    clone counts only what changed since make gpu-model-table."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    every = cases()
+    first = {}  # the index count_case runs for each counted (op, case)
+    for i, c in enumerate(every):
+        first.setdefault(c.counted, i)
+    keys = count_keys(chosen)
     os.makedirs(CACHE, exist_ok=True)
-    path = os.path.join(CACHE, f"counts-{triton.__version__}.pkl")
-    cache = _load(path) if os.path.exists(path) else {}
+    path = os.path.join(CACHE, "counts.pkl")
+    cache = {**read_counts(COMMITTED_COUNTS), **(_load(path) if os.path.exists(path) else {})}
     todo = {keys[i]: first[every[i].counted] for i in chosen if keys[i] not in cache}
-    if todo:
+    if todo and jobs == 0:  # (in this process: for a profiler or a debugger)
+        for key, index in todo.items():
+            cache[key] = count_case(index)
+            _dump(cache, path)
+    elif todo:
         with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=get_context("spawn")) as pool:
             futures = {pool.submit(count_case, index): key for key, index in todo.items()}
             for future in as_completed(futures):
                 cache[futures[future]] = future.result()
                 _dump(cache, path)  # each case as it completes
-    out = {}
-    for i in chosen:
-        launches, forward = cache[keys[i]]
-        out[i] = launches[:forward] if every[i].pass_ == "forward" else launches
-    return out
+    return {i: cache[keys[i]] for i in chosen}
 
 
 def recorded(gpu: str) -> tuple[dict[str, float], dict[str, tuple[str, float]]]:
@@ -1385,7 +1479,12 @@ def main(argv=None) -> int:
     parser.add_argument("cases", nargs="*", help="substrings of case names (default: all)")
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     parser.add_argument("--launches", action="store_true", help="a line per launch: its time by resource")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes counting cases")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes counting cases and compiling launches (0: count in this process)",
+    )
     parser.add_argument("--output", help="also write the table, with its summary, to this markdown file, and "
                         "the predictions to the .json beside it")  # fmt: skip
     parser.add_argument("--check", metavar="JSON", help=f"fail where a prediction exceeds this file's by {REGRESSION}x")
@@ -1393,7 +1492,11 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", nargs=2, metavar=("SPECS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compile:  # compile_launches' worker, without the interpreter
-        _dump({key: compile_spec(spec) for key, spec in _load(args.compile[0]).items()}, args.compile[1])
+        from concurrent.futures import ProcessPoolExecutor
+
+        specs = _load(args.compile[0])
+        with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(specs)))) as pool:
+            _dump(dict(zip(specs, pool.map(compile_spec, specs.values()), strict=True)), args.compile[1])
         return 0
     if args.flash:
         for pass_, launches in flash_supcon().items():
@@ -1405,9 +1508,12 @@ def main(argv=None) -> int:
         parser.error("run with TRITON_INTERPRET=1: the counts come from Triton's interpreter")
     every = cases()
     chosen = [i for i, c in enumerate(every) if not args.cases or any(s in c.name for s in args.cases)]
-    counted = count_cases(chosen, args.jobs)
+    both = count_cases(chosen, args.jobs)
+    counted = {
+        i: launches[:forward] if every[i].pass_ == "forward" else launches for i, (launches, forward) in both.items()
+    }
     ours, goals = recorded(args.gpu)
-    compile_launches([launch for i in chosen for launch in counted[i]])
+    compile_launches([launch for i in chosen for launch in counted[i]], args.jobs)
     peak = {i: predict(counted[i], args.gpu) for i in chosen}
     seen = {i: ours[every[i].name] for i in chosen if every[i].name in ours}
     samples = {i: (peak[i]["launches"], seen[i]) for i in seen}
@@ -1511,6 +1617,8 @@ def main(argv=None) -> int:
         with open(os.path.splitext(args.output)[0] + ".json", "w") as f:
             json.dump({"gpu": args.gpu, "triton": triton.__version__, "cases": predicted}, f, indent=1)
             f.write("\n")
+        keys = count_keys(chosen)
+        write_counts(COMMITTED_COUNTS, {every[i].counted: (keys[i], both[i]) for i in chosen})
     return 1 if failed else 0
 
 
