@@ -2313,8 +2313,8 @@ def ms_problems(dtype):
     bfloat16 and float16) beside random ones (chosen on the tiles), with ε = 0 (each positive
     against a threshold its exact cosine may tie); a collapsed batch (one row repeated, and a
     zero row: equal rows, never listed)."""
-    e, labels = make((150, 19), seed=41), make_labels(150, 9, seed=41)
-    ref, ref_labels = make((140, 19), seed=42), make_labels(140, 9, seed=42)
+    e, labels = make((90, 19), seed=41), make_labels(90, 9, seed=41)
+    ref, ref_labels = make((70, 19), seed=42), make_labels(70, 9, seed=42)
     yield "random", e.to(dtype), labels, ref.to(dtype), ref_labels, (2.0, 50.0, 0.5, 0.1)
     directions = make((2, 19), seed=43)
     e, ref = make((48, 19), seed=44), make((44, 19), seed=45)
