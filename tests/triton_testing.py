@@ -13,7 +13,8 @@ compiled on CUDA tensors where one is.
   so that a kernel relying on those lanes fails on the CPU too.
 - `quick_helper_calls()`: the interpreter re-patches triton.language on every call of a
   @triton.jit helper; patched to do it once per launch (the same kernels and results, about a
-  quarter less time).
+  quarter less time). It also makes the interpreter's Triton-to-NumPy type lookup a table
+  lookup (quick_np_dtypes).
 """
 
 from __future__ import annotations
@@ -149,4 +150,35 @@ def quick_helper_calls() -> bool:
     called._quick = True
     launch_class.__call__ = launched
     helper_class.__call__ = called
+    quick_np_dtypes()
+    return True
+
+
+def quick_np_dtypes() -> bool:
+    """Patch the interpreter's _get_np_dtype, which builds a dictionary of every Triton scalar
+    type (hashing each) on each of its calls, one or more per element operation (about a tenth
+    of an interpreted kernel's time), into a lookup by the scalar type's name in the table the
+    original gives. False where this Triton has no such function (nothing changes)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or getattr(original, "_quick", False):
+        return original is not None
+    table = {}
+    for value in vars(tl).values():
+        if isinstance(value, tl.dtype) and not isinstance(value, tl.pointer_type | tl.block_type):
+            with contextlib.suppress(KeyError):
+                table[value.name] = original(value)
+    pointer = original(tl.pointer_type(tl.int8))
+
+    def lookup(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return pointer
+        found = table.get(getattr(scalar, "name", None))
+        return found if found is not None else original(tt_dtype)
+
+    lookup._quick = True
+    interpreter._get_np_dtype = lookup
     return True
