@@ -69,25 +69,31 @@ IMPLS = {
     ROOFLINE: gemm_roofline,
 }
 
-# (case, x1 shape, x2 shape or None for self-distances, offset, dtype, device)
+# (case, x1 shape, x2 shape or None for self-distances, offset, dtype, device, float32 matmul
+# precision: "highest", PyTorch's default, or "high", TF32 allowed, for every implementation)
 CPU_CASES = [
-    pytest.param("P=R=4096 M=128", (4096, 128), (4096, 128), 0.0, torch.float32, "cpu", marks=pytest.mark.headline),
-    pytest.param("P=R=1024 M=512", (1024, 512), (1024, 512), 0.0, torch.float32, "cpu"),
-    pytest.param("B=16 P=R=512 M=64", (16, 512, 64), (16, 512, 64), 0.0, torch.float32, "cpu"),
-    pytest.param("self P=4096 M=128", (4096, 128), None, 0.0, torch.float32, "cpu"),
+    pytest.param(
+        "P=R=4096 M=128", (4096, 128), (4096, 128), 0.0, torch.float32, "cpu", "highest", marks=pytest.mark.headline
+    ),
+    pytest.param("P=R=1024 M=512", (1024, 512), (1024, 512), 0.0, torch.float32, "cpu", "highest"),
+    pytest.param("B=16 P=R=512 M=64", (16, 512, 64), (16, 512, 64), 0.0, torch.float32, "cpu", "highest"),
+    pytest.param("self P=4096 M=128", (4096, 128), None, 0.0, torch.float32, "cpu", "highest"),
     # A metric-learning loss's call: one batch's embeddings, where per-call overhead counts.
-    pytest.param("batch P=R=256 M=128", (256, 128), (256, 128), 0.0, torch.float32, "cpu"),
-    pytest.param("far from origin P=R=2048 M=128", (2048, 128), (2048, 128), 1000.0, torch.float32, "cpu"),
+    pytest.param("batch P=R=256 M=128", (256, 128), (256, 128), 0.0, torch.float32, "cpu", "highest"),
+    pytest.param("far from origin P=R=2048 M=128", (2048, 128), (2048, 128), 1000.0, torch.float32, "cpu", "highest"),
 ]
 GPU_CASES = [
-    pytest.param(f"P=R=8192 M=128 {name}", (8192, 128), (8192, 128), 0.0, dtype, "cuda", marks=pytest.mark.cuda)
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    pytest.param(f"P=R=8192 M=128 {name}", (8192, 128), (8192, 128), 0.0, dtype, "cuda", precision,
+                 marks=pytest.mark.cuda)
+    for name, dtype, precision in (("fp32", torch.float32, "highest"), ("fp32 tf32", torch.float32, "high"),
+                                   ("bf16", torch.bfloat16, "highest"))
 ] + [
     # A metric-learning loss's call on the GPU, where the launches of the prefix count.
     pytest.param(
-        "batch P=R=256 M=128 fp32", (256, 128), (256, 128), 0.0, torch.float32, "cuda", marks=pytest.mark.cuda
+        "batch P=R=256 M=128 fp32", (256, 128), (256, 128), 0.0, torch.float32, "cuda", "highest",
+        marks=pytest.mark.cuda
     ),
-]
+]  # fmt: skip
 
 
 def max_rel_error(d, a, b):
@@ -98,8 +104,17 @@ def max_rel_error(d, a, b):
 
 @pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
 @pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("case,shape1,shape2,offset,dtype,device", CPU_CASES + GPU_CASES)
-def test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, impl, pass_):
+@pytest.mark.parametrize("case,shape1,shape2,offset,dtype,device,precision", CPU_CASES + GPU_CASES)
+def test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, precision, impl, pass_):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        _test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, impl, pass_)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, impl, pass_):
     batch = shape1[0] if len(shape1) == 3 else 1
     R = (shape2 or shape1)[-2]
     if impl == TRITON and device != "cuda":
@@ -124,7 +139,10 @@ def test_cdist(benchmark, case, shape1, shape2, offset, dtype, device, impl, pas
         call = functools.partial(fn, a, b)
     M = shape1[-1]
     extra = {"flops": 2 * batch * shape1[-2] * R * M * (1 if pass_ == "forward" else 3)}
-    if offset and impl != ROOFLINE:
+    # The accuracy column: far from the origin, and where the products are rounded (16-bit
+    # inputs, TF32), each implementation's error against float64 on the same inputs.
+    rounded = dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest"
+    if (offset or (device == "cuda" and rounded)) and impl != ROOFLINE:
         with torch.no_grad():
             extra["max_rel_error"] = max_rel_error(call(), a, b)
     if impl == ROOFLINE:

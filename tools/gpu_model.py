@@ -231,9 +231,9 @@ def specialisation(fn, constexpr_names, args, kwargs) -> dict:
                     divisible.append(name)
         elif isinstance(value, float):
             signature[name] = "fp32"
-        else:  # None
+        else:  # None, or a tl.constexpr given as an argument (a constant of the compiled kernel)
             signature[name] = "constexpr"
-            constexprs[name] = value
+            constexprs[name] = getattr(value, "value", value)
     return {"module": fn.__module__, "kernel": fn.__name__, "signature": signature, "constexprs": constexprs,
             "divisible": divisible, "options": options}  # fmt: skip
 
@@ -864,6 +864,9 @@ def macs_all(counts: Counter) -> float:
 # check that branches to a called slow path only for subnormal, huge or special operands
 # (FCHK, an exponent compare): what is counted is the fast path, the instructions ordinary
 # operands execute (the whole static sequence, slow path included, overstated div_rn 13-fold).
+# float64 exp and log likewise, and without their constants' UMOVs (the uniform datapath, one
+# per warp, not per lane), counted with the ALU before: IMADs (moves of the constants' halves
+# and the exponent's scaling) on the FP32/FMA pipe, integer and compare work on the ALU.
 COSTS = {
     ("exp", "fp32"): {"mufu": 1, "fp32": 4},
     ("exp2", "fp32"): {"mufu": 1},
@@ -874,10 +877,10 @@ COSTS = {
     ("precise_sqrt", "fp32"): {"mufu": 1, "fp32": 4, "alu": 3},
     ("fdiv", "fp32"): {"mufu": 1, "fp32": 5, "alu": 2},
     ("precise_divf", "fp32"): {"mufu": 1, "fp32": 5, "alu": 3},
-    ("exp", "fp64"): {"fp64": 18, "alu": 47},
-    ("exp2", "fp64"): {"fp64": 18, "alu": 47},
-    ("log", "fp64"): {"fp64": 30, "mufu": 1, "alu": 56},
-    ("log2", "fp64"): {"fp64": 30, "mufu": 1, "alu": 56},
+    ("exp", "fp64"): {"fp64": 18, "fp32": 5, "alu": 10},
+    ("exp2", "fp64"): {"fp64": 18, "fp32": 5, "alu": 10},
+    ("log", "fp64"): {"fp64": 30, "mufu": 1, "fp32": 8, "alu": 12},
+    ("log2", "fp64"): {"fp64": 30, "mufu": 1, "fp32": 8, "alu": 12},
     ("sqrt", "fp64"): {"fp64": 8, "mufu": 1, "alu": 8},
     ("precise_sqrt", "fp64"): {"fp64": 8, "mufu": 1, "alu": 8},
     ("rsqrt", "fp64"): {"fp64": 22, "mufu": 2, "alu": 31},
@@ -1144,9 +1147,9 @@ def _proxy_anchor(n: int, classes: int, between: Callable[[], None]) -> None:
     kernels.proxy_anchor_backward(torch.ones((), dtype=value.dtype), e, labels, proxies, stats, 0.1, 32.0, [True, True])
 
 
-def _cdist(dtype, headline: int) -> Callable[..., None]:
+def _cdist(dtype, headline: int, precision: str = "highest") -> Callable[..., None]:
     """cdist of two n x 128 sets, with the prefix the headline's n takes (the fused one for
-    small problems: _Centring)."""
+    small problems: _Centring), at the float32 matmul precision `precision`."""
 
     def run(n: int, between: Callable[[], None]) -> None:
         import torch
@@ -1156,9 +1159,14 @@ def _cdist(dtype, headline: int) -> Callable[..., None]:
         fused = 2 * headline * 128 <= kernels.FUSED_PREFIX_VALUES
         g = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, 128, generator=g).to(dtype) for _ in range(2))
-        d = kernels.forward(a, b, False, fused_prefix=fused)
-        between()
-        kernels.backward(torch.ones_like(d), a, b, d, False, [True, True], fused_prefix=fused)
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            d = kernels.forward(a, b, False, fused_prefix=fused)
+            between()
+            kernels.backward(torch.ones_like(d), a, b, d, False, [True, True], fused_prefix=fused)
+        finally:
+            torch.set_float32_matmul_precision(before)
 
     return run
 
@@ -1209,8 +1217,8 @@ def flash_supcon(n: int = 8192, d: int = 128, block: int = 64) -> dict[str, list
 
 def cases() -> list[Case]:
     """The GPU benchmarks' headline Triton cases: the pair losses at N = 8,192, D = 128, 8 per
-    class (each triplet mining), cdist at P = R = 8,192, M = 128 (and a batch's 256 x 256 in
-    float32), bilinear_pool at N = 32, D = 512, 28 x 28; float32 and bfloat16, forward and
+    class (each triplet mining), cdist at P = R = 8,192, M = 128 (float32 also with TF32, and a
+    batch's 256 x 256 in float32), bilinear_pool at N = 32, D = 512, 28 x 28; float32 and bfloat16, forward and
     forward+backward."""
     import torch
 
@@ -1243,6 +1251,9 @@ def cases() -> list[Case]:
                 Case("cdist", f"P=R=8192 M=128 {tname}", pass_, _cdist(dtype, 8192), (128, 256, 512), 8192, 8192**2,
                      calls)
             )  # fmt: skip
+            if dtype == torch.float32:  # TF32 allowed (PyTorch's "high" float32 matmul precision)
+                out.append(Case("cdist", "P=R=8192 M=128 fp32 tf32", pass_, _cdist(dtype, 8192, "high"),
+                                (128, 256, 512), 8192, 8192**2, calls))  # fmt: skip
             if dtype == torch.float32:  # a loss's batch, where the launches count: counted as it is
                 out.append(Case("cdist", "batch P=R=256 M=128 fp32", pass_, _cdist(dtype, 256), (256,), 256, 256**2,
                                 calls))  # fmt: skip
