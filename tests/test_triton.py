@@ -199,7 +199,7 @@ def _device():
 @pytest.mark.triton("cdist", dispatch=False)  # (the ops: the C++ kernels)
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("config", range(3))
+@pytest.mark.parametrize("config", range(3))  # every one of FORWARD_CONFIGS
 @pytest.mark.parametrize("prefix", range(2))
 def test_cdist_forward_in_every_configuration(dtype, config, prefix):
     """Ragged shapes (37 × 51 × 19 covers every edge of each block size), a NaN row,
@@ -208,6 +208,7 @@ def test_cdist_forward_in_every_configuration(dtype, config, prefix):
     and squared, against the C++ kernels."""
     from torchkit.triton import cdist as kernels
 
+    assert len(kernels.FORWARD_CONFIGS) == 3  # each one parametrized
     x = _points((37, 19), dtype, 1, offset=30.0)
     y = _points((51, 19), dtype, 2, offset=30.0)
     y[5] = x[3] + 1e-3
@@ -270,13 +271,14 @@ def test_cdist_fused_prefix_in_every_configuration(dtype, config):
 @pytest.mark.triton("cdist", dispatch=False)  # (the ops: the C++ kernels)
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("config", range(2))
+@pytest.mark.parametrize("config", range(3))  # every one of GRAD_CONFIGS
 @pytest.mark.parametrize("self_", [False, True])
 def test_cdist_backward_in_every_configuration(dtype, config, self_):
     """The backward's kernels with each configuration, near-duplicates (whose gradient is taken
     directly) and a zero distance included, against the C++ kernels."""
     from torchkit.triton import cdist as kernels
 
+    assert len(kernels.GRAD_CONFIGS) == 3  # each one parametrized
     x = _points((37, 19), dtype, 3, offset=30.0)
     y = None if self_ else _points((51, 19), dtype, 4, offset=30.0)
     if self_:
