@@ -1,7 +1,8 @@
 """The pair losses (supcon_loss, ntxent_loss, contrastive_loss, triplet_margin_loss with each
 mining, multi_similarity_loss with its miner) vs pytorch-metric-learning (the library our users
 run, with its miners), the full-matrix references and their torch.compile, and on the GPU
-SupCon, NT-Xent and proxy-anchor on flex_attention (flex_losses.py); forward and
+SupCon, NT-Xent and proxy-anchor on flex_attention (flex_losses.py) and two-view NT-Xent on
+Inf-CL (where `inf_cl` is installed); forward and
 forward+backward, with each one's peak extra memory, against the GEMM roofline: the N×N
 similarity product (forward), plus the backward's product of the same shape. Peers' cases
 that cannot run in this machine's memory are skipped with the size they ask for."""
@@ -124,6 +125,28 @@ def flex_loss(loss, params):
     return functools.partial(getattr(flex_losses, loss), flex=compiled_flex(), **params)
 
 
+INFCL = "inf-cl"  # GPU, two-view NT-Xent only: Inf-CL's kernels are Triton's, for CUDA tensors
+
+
+def infcl_ntxent(loss, params):
+    """Two-view NT-Xent as a user writes it on Inf-CL (inf_cl.cal_inf_loss, one process: its
+    flash kernels): the cross-view InfoNCE of the normalised views, both ways, views 2i and
+    2i + 1 (the two-view case's labels). Inf-CL has no same-view negatives, so its value is not
+    NT-Xent's: it stands beside ours for time and memory at batch sizes past the N×N matrix.
+    The temperature divides the inputs (its `scale` argument would take a gradient through an
+    all-reduce)."""
+    import torch.nn.functional as F
+    from inf_cl import cal_inf_loss
+
+    def fn(e, labels):
+        z = F.normalize(e, dim=-1)
+        a, b = z[0::2].contiguous(), z[1::2].contiguous()
+        t, D = params["temperature"], e.shape[1]
+        return (cal_inf_loss(a / t, b, head_dim=D) + cal_inf_loss(b / t, a, head_dim=D)) / 2
+
+    return fn
+
+
 def triton_loss(loss, params):
     name, values = loss.removesuffix("_loss"), tuple(params.values())
     return lambda e, labels: TritonPairLoss.apply(e, labels, name, values)
@@ -133,6 +156,7 @@ IMPLS = {
     "torchkit": lambda loss, params: functools.partial(getattr(ops, loss), **params),
     TRITON: triton_loss,
     FLEX: flex_loss,
+    INFCL: infcl_ntxent,
     "reference": lambda loss, params: functools.partial(getattr(reference, loss), **params),
     "torch.compile(reference)": lambda loss, params: functools.partial(compiled_reference(loss), **params),
     ROOFLINE: lambda loss, params: gemm_roofline,
@@ -141,7 +165,8 @@ IMPLS = {
 # (case, N, D, samples per class, dtype, device, rows): rows "random" (normal draws), or a
 # collapsed batch, as a model early in training gives: every row one point ("one point") or 0
 # ("zero"), where every pair's distance cancels and every choice ties (torchkit against PML and
-# against its own random case of the same size only).
+# against its own random case of the same size only). The GPU's largest batch is two views of
+# each sample (SimCLR's), NT-Xent's only: where the N×N matrix no longer fits, and Inf-CL runs.
 CASES = [
     pytest.param("N=1024 D=512 8/class fp32", 1024, 512, 8, torch.float32, "cpu", "random", marks=pytest.mark.headline),
     pytest.param("N=8192 D=128 8/class fp32", 8192, 128, 8, torch.float32, "cpu", "random"),
@@ -150,8 +175,8 @@ CASES = [
         for rows in ("one point", "zero")
     ),
     *(
-        pytest.param(f"N={N} D={D} 8/class {name}", N, D, 8, dtype, "cuda", "random", marks=pytest.mark.cuda)
-        for N, D in ((1024, 512), (8192, 128), (65536, 128))
+        pytest.param(f"N={N} D={D} {k}/class {name}", N, D, k, dtype, "cuda", "random", marks=pytest.mark.cuda)
+        for N, D, k in ((1024, 512, 8), (8192, 128, 8), (65536, 128, 2))
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     ),
 ]
@@ -169,6 +194,12 @@ def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, row
         pytest.skip("Triton kernels: on CUDA tensors (the tests run them interpreted)")
     if impl == FLEX and (device != "cuda" or loss not in FLEX_LOSSES):
         pytest.skip("flex_attention: SupCon and NT-Xent (no mining), on CUDA (its backward does not run on the CPU)")
+    if per_class == 2 and loss != "ntxent_loss":
+        pytest.skip("two views of each sample: NT-Xent's case")
+    if impl == INFCL:
+        if device != "cuda" or per_class != 2:
+            pytest.skip("Inf-CL: two-view NT-Xent on CUDA")
+        pytest.importorskip("inf_cl", reason="Inf-CL (pip install inf-cl) is not installed")
     if impl == "torchkit" and device != "cpu":
         pytest.skip("torchkit's CUDA kernels for the pair losses are the staged Triton ones")
     if impl in (PML, "reference", "torch.compile(reference)") and peer_bytes(impl, variant, N, per_class) > BUDGET:
