@@ -232,6 +232,22 @@ def test_cdist_forward_in_every_configuration(dtype, config, prefix):
 
 @pytest.mark.triton("cdist", dispatch=False)
 @needs_triton
+def test_cdist_forward_tiles_fill_the_gpu():
+    """The forward's default tiles: 128 × 128 where they make enough programs for the SMs, the
+    64 × 64 ones for a loss's batch (256² would be 4 programs), and float64's always."""
+    from torchkit.triton import cdist as kernels
+
+    first, last = kernels.FORWARD_CONFIGS[0], kernels.FORWARD_CONFIGS[-1]
+    assert kernels._forward_default(torch.float32, 1, 8192, 8192) is first
+    assert kernels._forward_default(torch.float32, 1, 2048, 2048) is first  # 256 tiles of 128²
+    assert kernels._forward_default(torch.float32, 1, 2048, 1024) is last  # 128, for 132 SMs
+    assert kernels._forward_default(torch.float32, 1, 256, 256) is last
+    assert kernels._forward_default(torch.float32, 33, 256, 256) is first  # a batch of them
+    assert kernels._forward_default(torch.float64, 1, 8192, 8192) is last
+
+
+@pytest.mark.triton("cdist", dispatch=False)
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("config", range(3))
 def test_cdist_fused_prefix_in_every_configuration(dtype, config):

@@ -1148,21 +1148,24 @@ def _proxy_anchor(n: int, classes: int, between: Callable[[], None]) -> None:
 
 
 def _cdist(dtype, headline: int, precision: str = "highest") -> Callable[..., None]:
-    """cdist of two n x 128 sets, with the prefix the headline's n takes (the fused one for
-    small problems: _Centring), at the float32 matmul precision `precision`."""
+    """cdist of two n x 128 sets, with the prefix and the forward's tiles the headline's n
+    takes (the fused prefix for small problems: _Centring; the tiles by the grid:
+    _forward_default), at the float32 matmul precision `precision`."""
 
     def run(n: int, between: Callable[[], None]) -> None:
         import torch
 
+        from torchkit.ops._common import acc_dtype
         from torchkit.triton import cdist as kernels
 
         fused = 2 * headline * 128 <= kernels.FUSED_PREFIX_VALUES
         g = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, 128, generator=g).to(dtype) for _ in range(2))
+        tiles = kernels._forward_default(acc_dtype(a), 1, headline, headline)
         before = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision(precision)
         try:
-            d = kernels.forward(a, b, False, fused_prefix=fused)
+            d = kernels.forward(a, b, False, config=tiles, fused_prefix=fused)
             between()
             kernels.backward(torch.ones_like(d), a, b, d, False, [True, True], fused_prefix=fused)
         finally:

@@ -44,6 +44,7 @@ Kernels never index past what the wrapper checked; offsets are int64.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -64,7 +65,8 @@ REFINE_RATIO = tl.constexpr(16.0)  # csrc/cdist.h's kRefineRatio
 # 128 × 128: the operands it streams through L2, its bound at 8,192² × 128 (make gpu-model),
 # are half a 64 × 64 tile's per output (the forward at 8,192² × 128 predicted 0.291 -> 0.220
 # ms with the TF32 pair, 0.189 -> 0.151 with TF32, 0.175 -> 0.137 in bfloat16 against 128 ×
-# 64); 256 × 128 spills 6 KB.
+# 64); 256 × 128 spills 6 KB. Where its tiles would leave most SMs idle (a loss's batch: 256²
+# is 4 of them), the default is the last, 64 × 64 (_forward_default).
 FORWARD_CONFIGS = (
     Config(BLOCK_P=128, BLOCK_R=128, BLOCK_K=16, num_warps=8, num_stages=3),
     Config(BLOCK_P=32, BLOCK_R=32, BLOCK_K=16, num_warps=4, num_stages=2),
@@ -911,6 +913,16 @@ def _products(x: Tensor) -> dict:
     return dict(SPLIT=split, SCHEME=scheme, INTERPRET=interpreting())
 
 
+def _forward_default(acc: torch.dtype, B: int, P: int, R: int) -> Config:
+    """forward_kernel's default configuration: the first, or the last (64 × 64) for float64
+    and where the first's tiles number fewer than the SMs (lse.FILL / 2), which its smaller
+    tiles then spread over."""
+    first = FORWARD_CONFIGS[0].kwargs
+    if acc == torch.float64 or B * blocks(P, first["BLOCK_P"]) * blocks(R, first["BLOCK_R"]) < lse.FILL // 2:
+        return FORWARD_CONFIGS[-1]
+    return FORWARD_CONFIGS[0]
+
+
 def forward(
     x1: Tensor,
     x2: Tensor | None,
@@ -924,10 +936,10 @@ def forward(
     `fused_prefix`: the prefix's (_Centring)."""
     check_scalars("cdist", ("bool", "squared", squared))
     check_distance_inputs("cdist", "x1", x1, "x2", x2)
-    config = config or lse._default(FORWARD_CONFIGS, acc_dtype(x1))
     batch, B = _problem(x1, x2)
     P, M = x1.shape[-2], x1.shape[-1]
     R = P if x2 is None else x2.shape[-2]
+    config = config or _forward_default(acc_dtype(x1), B, P, R)
     out = torch.empty(B, P, R, dtype=x1.dtype, device=x1.device)
     if out.numel() > 0:
         acc = acc_dtype(x1)
@@ -1094,11 +1106,13 @@ def backward(
 def compile_cases() -> list[CompileCase]:
     """Every kernel for tools/triton_check.py: each configuration in float32, the tensor-core
     path of float16 and bfloat16, and float64 with its default configuration; the SELF and
-    SQUARED branches with the default."""
+    SQUARED branches and the other float32 products with the defaults (_forward_default)."""
     cases = []
     for dtype, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp64", "fp64")):
         is64 = acc == "fp64"
-        default = -1 if is64 else 0  # the default configuration's index (lse._default)
+        # The default configurations (_forward_default, lse._default).
+        forward_defaults = (FORWARD_CONFIGS[-1],) if is64 else (FORWARD_CONFIGS[0], FORWARD_CONFIGS[-1])
+        default = -1 if is64 else 0
         split = dtype in ("bf16", "fp16")
         every = dtype in ("fp32", "bf16")
         flags = dict(ACC=tl.float64 if is64 else tl.float32, IS64=is64)
@@ -1184,7 +1198,7 @@ def compile_cases() -> list[CompileCase]:
                     forward_kernel,
                     types,
                     dict(SELF=self_, SQUARED=squared, **products, **flags),
-                    FORWARD_CONFIGS if every and not self_ else (FORWARD_CONFIGS[default],),
+                    FORWARD_CONFIGS if every and not self_ else forward_defaults,
                     tensor_cores=not is64,
                 )
             )
@@ -1196,15 +1210,15 @@ def compile_cases() -> list[CompileCase]:
                         forward_kernel,
                         {**types, **operands(other)},
                         dict(SELF=False, SQUARED=False, **{**products, "SCHEME": other}, **flags),
-                        FORWARD_CONFIGS[:1],
+                        forward_defaults,
                         tensor_cores=True,
                     )
                 )
-        for self_, squared in ((False, False), (True, True)):
-            block = FORWARD_CONFIGS[default].kwargs
+        for (self_, squared), block in itertools.product(((False, False), (True, True)), forward_defaults):
+            block = block.kwargs
             cases.append(
                 case(
-                    f"cdist.refine {dtype}{' self squared' if self_ else ''}",
+                    f"cdist.refine {dtype}{' self squared' if self_ else ''} {block['BLOCK_P']}x{block['BLOCK_R']}",
                     refine_kernel,
                     types,
                     dict(
