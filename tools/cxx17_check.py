@@ -60,7 +60,9 @@ def torch_headers(cache: Path) -> Path:
 
 
 def commands(include: Path, cuda_home: Path) -> list[tuple[Path, list[str]]]:
-    """A parse-only compiler command for every source setup.py builds (CPU with AVX2, and CUDA)."""
+    """A parse-only compiler command for every source setup.py builds (CPU with AVX2, and CUDA),
+    the .cu files first: each takes nvcc 14-21 s where a .cpp takes g++ 3-6 s, so that the
+    pool ends on short jobs rather than one core waiting on the last .cu."""
     setup = setup_py()
     facts = setup.build_facts(FLOOR_TORCH, "")
     includes = [f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
@@ -70,7 +72,7 @@ def commands(include: Path, cuda_home: Path) -> list[tuple[Path, list[str]]]:
     nvcc += [f"-I{cuda_home / 'include'}", "-o", os.devnull]
     return [
         (src, [*(nvcc if src.suffix == ".cu" else cxx), *facts, *includes, str(src)])
-        for src in setup.sources(use_cuda=True)
+        for src in sorted(setup.sources(use_cuda=True), key=lambda src: src.suffix != ".cu")
     ]
 
 
