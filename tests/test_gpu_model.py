@@ -92,6 +92,34 @@ def test_a_gather_forms_each_address_alone():
     assert c["addr:mul:i32"] == 64 and not any(k.startswith("int:") and v for k, v in c.items())
 
 
+def _wrapper(x):
+    """A wrapper as counting() sees one: torch operations before and after a launch."""
+    out = torch.empty(64)  # an allocation: no kernel
+    y = (x * 2).view(-1)  # a kernel, then a view
+    _gather_kernel[(1,)](y, out, STRIDE=3, BLOCK=64)
+    total = torch.where(out > 0, out, 0.0).sum()  # two kernels (the 0.0 wrapped on the host: none)
+    return float(total)  # its value read back: a synchronisation on a GPU
+
+
+@needs_interpreter
+def test_torch_operations_between_launches_count_as_rows():
+    """The torch operations of the functions named (a launch each, the bytes they read and
+    write, values read back), one row per gap between launches; none outside them."""
+    x = torch.randn(64 * 3)
+    with gpu_model.counting((f"{__name__}._wrapper",)) as launches:
+        prepared = x + 1  # outside the wrapper: not counted
+        _wrapper(prepared)
+    before, launch, after = launches
+    assert before.kernel == "torch mul" and before.counts["launches"] == 1
+    assert before.counts["load:fp32"] == before.counts["store:fp32"] == 192 * 4
+    assert launch.kernel == "_gather_kernel"
+    assert after.kernel == "torch gt, where, sum, _local_scalar_dense"
+    assert after.counts["launches"] == 4 and after.counts["syncs"] == 1
+    rows = gpu_model.predict(list(launches), "h200")["launches"]
+    assert [r["launches"] for r in rows] == [1, 1, 4]
+    assert rows[2]["seconds"] >= 4 * gpu_model.LAUNCH_S
+
+
 def test_vector_width_of_addresses():
     base = 1 << 20
     rows = base + 4 * (np.arange(4)[:, None] * 16 + np.arange(16)[None, :])  # float32, rows of 16

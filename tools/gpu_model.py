@@ -12,7 +12,10 @@ and stored and the distinct bytes touched, atomics, programs, and the waits for 
 program makes one after another. Each count is fitted as a polynomial in the case's size and
 evaluated at the headline size (extrapolate(): exact where the work per tile is constant,
 quadratic in the rows for the pair losses and cdist, linear in the batch for bilinear_pool),
-so that a case costs seconds, not the hours the interpreter would take there. Launches whose
+so that a case costs seconds, not the hours the interpreter would take there. The torch
+operations the op's wrappers run between the launches (Case.calls; views and allocations
+run no kernel) count too, each gap's as one row: a launch each, the bytes each reads and
+writes, and the values read back to the host (syncs: a synchronisation on a GPU). Launches whose
 work depends on the data (exact rechecks taken only where values are close) extrapolate only
 as far as that share stays constant. The counts are cached by what they depend on
 (count_keys) and committed for every case (COMMITTED_COUNTS, written with --output), so that a
@@ -124,12 +127,27 @@ class Launch:
         self._pending.clear()
 
 
+class _Launches(list):
+    """counting()'s launches, in the order they ran; flush() closes the row of torch
+    operations in progress."""
+
+    def __init__(self, counter):
+        super().__init__()
+        self._counter = counter
+
+    def flush(self) -> int:
+        """Close the current torch row; the number of launches so far."""
+        self._counter.flush()
+        return len(self)
+
+
 class Counter_:
     """Patches the interpreter while active (counting()); launches in the order they ran."""
 
     def __init__(self):
-        self.launches: list[Launch] = []
+        self.launches = _Launches(self)
         self.current: Launch | None = None
+        self.torch: Launch | None = None  # the torch operations since the last launch
         self.epoch = 0  # loads issued since the last wait carry the current epoch
 
     def use(self, *handles) -> None:
@@ -145,6 +163,31 @@ class Counter_:
     def add(self, key: str, n) -> None:
         if self.current is not None:
             self.current.counts[key] += int(n)
+
+    def torch_op(self, name: str, inputs: list, outputs: list) -> None:
+        """A torch operation that runs a kernel (or reads a value back: `sync`), outside any
+        launch: into the row of the operations since the last launch (flush())."""
+        if self.torch is None:
+            self.torch = Launch("torch", spec={"torch": []})
+        self.torch.spec["torch"].append(name)
+        c = self.torch.counts
+        c["launches"] += 1
+        c["programs"] += 1
+        for kind, tensors in (("load", inputs), ("store", outputs)):
+            for t in tensors:
+                size = t.numel() * t.element_size()
+                c[f"{kind}:{TORCH_TYPES.get(str(t.dtype).removeprefix('torch.'), 'other')}"] += size
+                c["touched"] += size
+        if name in SYNC_OPS:
+            c["syncs"] += 1
+
+    def flush(self) -> None:
+        """The torch operations since the last launch as one row of the launches."""
+        if self.torch is not None:
+            names = self.torch.spec["torch"]
+            self.torch.kernel = "torch " + ", ".join(names)
+            self.launches.append(self.torch)
+            self.torch = None
 
     def addresses(self, ptrs, mask, itemsize: int) -> None:
         """A GPU forms a load's or store's addresses and mask once per vector access (up to 16
@@ -193,6 +236,16 @@ def _vector_width(ptrs: np.ndarray, itemsize: int) -> int:
     return best
 
 
+# torch operations that run no kernel: allocations, the dispatcher's metadata, and a Python
+# number wrapped as a tensor (scalar_tensor: on the host, whatever the device). Views are
+# told by their schema (OpOverload.is_view).
+NO_KERNEL_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+                 "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "resize_", "set_",
+                 "scalar_tensor"}  # fmt: skip
+# torch operations that read a tensor's value back to the host: a synchronisation on a GPU.
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero", "masked_select", "unique",
+            "_unique2", "repeat_interleave"}  # fmt: skip
+
 TORCH_TYPES = {"float32": "fp32", "float64": "fp64", "float16": "fp16", "bfloat16": "bf16", "int64": "i64",
                "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}  # fmt: skip
 
@@ -239,10 +292,16 @@ def specialisation(fn, constexpr_names, args, kwargs) -> dict:
 
 
 @contextlib.contextmanager
-def counting():
+def counting(within: tuple[str, ...] = ()):
     """Count what every Triton launch in the block executes (TRITON_INTERPRET=1): yields the
     list of Launch, filled as launches run. Patches the interpreter's builder, reductions and
-    grid executor for the duration (Triton 3.8's private classes)."""
+    grid executor for the duration (Triton 3.8's private classes). `within`: functions
+    ("module.name") whose torch operations between launches count too (Counter_.torch_op),
+    as rows of the list (its `flush()` closes the current one: at the forward's end)."""
+    import importlib
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 
     builder_cls = interpreter.InterpreterBuilder
@@ -408,8 +467,32 @@ def counting():
 
         return method
 
+    depth = [0]  # calls of `within` functions in progress
+
+    def inside(original):
+        def method(*args, **kwargs):
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return method
+
+    class TorchOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if depth[0] and counter.current is None and not func.is_view and name not in NO_KERNEL_OPS:
+                inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if name in SYNC_OPS or any(t.numel() for t in outputs):
+                    counter.torch_op(name, inputs, outputs)
+            return out
+
     def launch(original):
         def method(self, *args, **kwargs):
+            counter.flush()
             counter.current = Launch(getattr(self.fn, "__name__", str(self.fn)))
             counter.current.spec = specialisation(self.fn, self.constexprs, args, kwargs)
             try:
@@ -448,7 +531,12 @@ def counting():
         patch(interpreter.ReduceOps, "apply", reduce)
         patch(interpreter.ScanOps, "apply", reduce)
         patch(interpreter.GridExecutor, "__call__", launch)
-        yield counter.launches
+        for call in within:
+            module, name = call.rsplit(".", 1)
+            patch(importlib.import_module(module), name, inside)
+        with TorchOps():
+            yield counter.launches
+        counter.flush()
     finally:
         interpreter.interpreter_builder.options = options
         for owner, name, original in reversed(patched):
@@ -811,6 +899,7 @@ def compile_launches(launches: list[Launch], jobs: int) -> None:
     path = os.path.join(CACHE, f"compiled-{triton.__version__}.pkl")
     cache = _load(path) if os.path.exists(path) else {}
     parts = (compile_spec, sass_mix, fma_dots, _operand_wavefronts)
+    launches = [x for x in launches if "module" in (x.spec or {})]  # (not the rows of torch operations)
     source = {m: _digest([m], *parts) for m in {x.spec["module"] for x in launches}}
     keys = {id(x): hashlib.sha256((source[x.spec["module"]] + repr(x.spec)).encode()).hexdigest() for x in launches}
     todo = {keys[id(x)]: x.spec for x in launches if keys[id(x)] not in cache}
@@ -974,9 +1063,10 @@ def predict(launches: list[Launch], gpu: str, efficiency: dict | None = None) ->
         times["l2"] = moved / spec["l2"]
         times = {k: v / efficiency.get(k, 1.0) for k, v in times.items()}
         bound = max(times, key=times.get)
+        launches = c.get("launches", 1)  # (a row of torch operations: one each)
         rows.append(
-            {"kernel": launch.kernel, "programs": programs, "seconds": times[bound] + LAUNCH_S,
-             "bound": bound, "times": times}
+            {"kernel": launch.kernel, "programs": programs, "seconds": times[bound] + LAUNCH_S * launches,
+             "bound": bound, "times": times, "launches": launches}
         )  # fmt: skip
     return {"seconds": sum(r["seconds"] for r in rows), "launches": rows}
 
@@ -992,10 +1082,10 @@ EFFICIENCY = {"latency": 0.759, "smem": 0.632}
 FIT_MIN_CASES = 3
 
 
-def _case_seconds(times: list[np.ndarray], efficiency: np.ndarray) -> float:
-    """A case's seconds from its launches' raw times by resource (rows: launches, columns:
-    resources in fit()'s order) and one efficiency per resource."""
-    return sum(float((t / efficiency).max(axis=1).sum()) + LAUNCH_S * len(t) for t in times)
+def _case_seconds(times: np.ndarray, launches: float, efficiency: np.ndarray) -> float:
+    """A case's seconds from its launches' raw times by resource (rows: predict()'s rows,
+    columns: resources in fit()'s order), its launch count and one efficiency per resource."""
+    return float((times / efficiency).max(axis=1).sum()) + LAUNCH_S * launches
 
 
 def fit(samples: list[tuple[list[dict], float]], classes: list[str] | None = None) -> dict:
@@ -1010,11 +1100,13 @@ def fit(samples: list[tuple[list[dict], float]], classes: list[str] | None = Non
         classes = sorted(k for k, n in tally.items() if n >= FIT_MIN_CASES)
     classes = [k for k in classes if k in resources]  # (a resource no sample uses cannot be fitted)
     matrices = [np.array([[r["times"].get(k, 0.0) for k in resources] for r in rows]) for rows, _ in samples]
+    launches = [sum(r.get("launches", 1) for r in rows) for rows, _ in samples]
     seen = np.log([m for _, m in samples])
     efficiency = np.ones(len(resources))
 
     def error(e):
-        return float(sum((np.log(_case_seconds([t], e)) - s) ** 2 for t, s in zip(matrices, seen, strict=True)))
+        cases = zip(matrices, launches, seen, strict=True)
+        return float(sum((np.log(_case_seconds(t, n, e)) - s) ** 2 for t, n, s in cases))
 
     grid = np.geomspace(0.05, 2.0, 161)
     for _ in range(4):
@@ -1322,8 +1414,8 @@ def count_case(index: int) -> tuple[list[Launch], int]:
     case = cases()[index]
     runs, forward = [], set()
     for size in case.sizes:
-        with counting() as launches, headline_slices(size, case.size):
-            case.run(*(size if isinstance(size, tuple) else (size,)), between=lambda: forward.add(len(launches)))
+        with counting(case.calls) as launches, headline_slices(size, case.size):
+            case.run(*(size if isinstance(size, tuple) else (size,)), between=lambda: forward.add(launches.flush()))
         runs.append((size, launches))
     if len(forward) != 1:
         raise ValueError(f"{case.counted}: the forward's launches differ between sizes {case.sizes}")
@@ -1405,6 +1497,13 @@ def _qualified(launch: Launch) -> str:
     return f"{launch.spec['module'].rsplit('.', 1)[-1]}.{launch.kernel}"
 
 
+def _torch_names(kernel: str, most: int = 8) -> str:
+    """A torch row's operations (its kernel: "torch a, b, b, c"), repeats counted: "a, b ×2, c"."""
+    names = Counter(kernel.removeprefix("torch ").split(", "))
+    shown = [f"{n} ×{k}" if k > 1 else n for n, k in list(names.items())[:most]]
+    return ", ".join(shown) + (", …" if len(names) > most else "")
+
+
 def cross_check(launch: Launch) -> list[str]:
     """Where a launch's counts and its compiled code disagree about what it executes: a class
     of work (tensor cores, float64, the special-function unit) making up at least 1 % of the
@@ -1442,6 +1541,8 @@ def rules(case: Case, launches: list[Launch]) -> list[dict]:
 
     out = []
     for launch in launches:
+        if "module" not in (launch.spec or {}):
+            continue  # a row of torch operations
         kernel = getattr(importlib.import_module(launch.spec["module"]), launch.kernel)
         marks = getattr(kernel, "hot", None)
         c = launch.counts
@@ -1546,16 +1647,21 @@ def main(argv=None) -> int:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = {"at peak": [], "calibrated": [], "left out": list(left_out.values())}
-    predicted, broken, disagreements = {}, [], set()
+    predicted, broken, disagreements, syncs = {}, [], set(), {}
     for i in chosen:
         case = every[i]
         result = predict(counted[i], args.gpu, EFFICIENCY)
         predicted[case.name] = result["seconds"]
+        reads = sum(round(x.counts.get("syncs", 0)) for x in counted[i])
+        if reads:
+            syncs[case.name] = reads
         broken += [{"case": case.name, **r} for r in rules(case, counted[i])]
         for launch, r in zip(counted[i], result["launches"], strict=True):
             r["sass_loops"] = (launch.compiled or {}).get("sass", {}).get("loops")
             disagreements.update(f"{_qualified(launch)}: {d}" for d in cross_check(launch))
         top = max(result["launches"], key=lambda r: r["seconds"])
+        if top["kernel"].startswith("torch "):
+            top = {**top, "kernel": f"torch operations ×{top['launches']:.0f}"}
         m = seen.get(i)
         row = [case.op, case.case, case.pass_, f"{result['seconds'] * 1e3:.3g}", f"{peak[i]['seconds'] * 1e3:.3g}"]
         if m:
@@ -1569,9 +1675,11 @@ def main(argv=None) -> int:
         new = [f"| {' | '.join(row)} | {top['kernel']} ({top['bound']}) |"]
         if args.launches:
             for r in result["launches"]:
-                ranked = sorted(r["times"].items(), key=lambda kv: -kv[1])[:4]
+                ranked = sorted(((k, v) for k, v in r["times"].items() if v), key=lambda kv: -kv[1])[:4]
                 shares = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in ranked)
                 launch = f"{r['kernel']}, {r['programs']:.0f} programs"
+                if r["kernel"].startswith("torch "):
+                    launch = f"torch operations ×{r['launches']:.0f}: {_torch_names(r['kernel'])}"
                 new.append(f"| | &nbsp; {launch} | | {r['seconds'] * 1e3:.3g} | | | | | | {shares} |")
                 loops = r.get("sass_loops")
                 if loops:
@@ -1601,6 +1709,8 @@ def main(argv=None) -> int:
     for (kernel, rule, why), amounts in sorted(reasons.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         said = f"why: {why}" if why else "**no reason given: fails**"
         summary.append(f"- {kernel}: {rule}, up to {max(amounts):.3g} per pair; {said}")
+    summary += ["", f"Values read back to the host (torch operations; a synchronisation on a GPU): {len(syncs)} cases"]
+    summary += [f"- {name}: {n}" for name, n in syncs.items()]
     summary += ["", f"Counts against the compiled code (cross_check()): {len(disagreements)} disagreements"]
     summary += [f"- {d}" for d in sorted(disagreements)]
     failed = bool(failures)
