@@ -7,8 +7,9 @@ products take them (O(rows·M), like the inputs):
 - Prefix: each row's finiteness and largest finite magnitude (row_stats_kernel); per batch
   element the power-of-two exponent e that brings its largest finite magnitude into [1/2, 1)
   where it lies outside [2^-H, 2^H] (H = 32 for float32 accumulation, 256 for float64: past
-  that |x|² and the products under- or overflow), else 0; the mean of the finite rows of both
-  sets after that scaling (column_sums_kernel, over chunks of rows added in chunk order; a
+  that |x|² and the products under- or overflow), else 0 (exponent_kernel, which also counts
+  the finite rows); the mean of the finite rows of both sets after that scaling
+  (column_sums_kernel, over chunks of rows, added by mean_kernel in a fixed order; a
   NaN or ±inf row would make every distance of the element non-finite); each row's squared
   norm after scaling and centring, and the centred, scaled rows as the tensor cores take them
   (operands_kernel), formed once rather than by every tile that reads them, under the CUDA
@@ -100,6 +101,10 @@ FUSED_PREFIX_CONFIGS = (
 # P = R = 256, M = 128, a metric-learning batch, is 2^16.
 FUSED_PREFIX_VALUES = 1 << 17
 SUM_BLOCKS = tl.constexpr(2)  # column_sums_kernel's chunks: blocks of BLOCK_ROWS rows each
+# exponent_kernel's rows and mean_kernel's chunks a step (on 8 warps): each step waits for its
+# loads, so that they take a set of 8,192 rows (two sets' 256 chunks of 64 rows) in one.
+STATS_BLOCK = 8192
+MEAN_CHUNKS = 256
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -349,6 +354,66 @@ def column_sums_kernel(
         )
         total += part
     tl.store(sums_ptr + (b * all_chunks + first_chunk + chunk) * M + ks, total, mask=k_mask)
+
+
+@triton.jit
+def exponent_kernel(
+    largest1_ptr,
+    largest2_ptr,
+    finite1_ptr,
+    finite2_ptr,
+    exp_ptr,
+    count_ptr,
+    N1,
+    N2,
+    TWO: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """Per batch element (a program each), from row_stats_kernel's arrays of its sets: the
+    exponent of their largest finite magnitude (_exponent) and the number of their finite rows
+    (int32, the mean's divisor)."""
+    b = tl.program_id(0).to(tl.int64)
+    top = tl.zeros((BLOCK_ROWS,), ACC)
+    count = tl.zeros((BLOCK_ROWS,), tl.int32)
+    for r0 in range(0, N1, BLOCK_ROWS):
+        rows = r0 + tl.arange(0, BLOCK_ROWS)
+        top = tl.maximum(top, tl.load(largest1_ptr + b * N1 + rows, mask=rows < N1, other=0.0))
+        count += tl.load(finite1_ptr + b * N1 + rows, mask=rows < N1, other=0).to(tl.int32)
+    if TWO:
+        for r0 in range(0, N2, BLOCK_ROWS):
+            rows = r0 + tl.arange(0, BLOCK_ROWS)
+            top = tl.maximum(top, tl.load(largest2_ptr + b * N2 + rows, mask=rows < N2, other=0.0))
+            count += tl.load(finite2_ptr + b * N2 + rows, mask=rows < N2, other=0).to(tl.int32)
+    tl.store(exp_ptr + b, _exponent(tl.max(top, axis=0), IS64))
+    tl.store(count_ptr + b, tl.sum(count, axis=0))
+
+
+@triton.jit
+def mean_kernel(
+    sums_ptr,
+    count_ptr,
+    mean_ptr,
+    M,
+    all_chunks,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Per batch element and block of features: the finite rows' mean, column_sums_kernel's
+    chunks (B, all_chunks, M) added BLOCK_C at a time in a fixed order, over their count."""
+    b = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_mask = ks < M
+    total = tl.zeros((BLOCK_M,), ACC)
+    for c0 in range(0, all_chunks, BLOCK_C):
+        cs = c0 + tl.arange(0, BLOCK_C)
+        mask = (cs < all_chunks)[:, None] & k_mask[None, :]
+        total += tl.sum(tl.load(sums_ptr + (b * all_chunks + cs[:, None]) * M + ks[None, :], mask=mask, other=0.0), 0)
+    count = tl.maximum(tl.load(count_ptr + b), 1).to(ACC)
+    tl.store(mean_ptr + b * M + ks, tm.div_rn(total, count, IS64), mask=k_mask)
 
 
 @triton.jit
@@ -802,8 +867,10 @@ class _Centring:
     per row the squared norm of the scaled, centred row, and per set those rows as the
     products (_products' constexprs) take them, (hi, lo). `fused`: by prefix_kernel, one
     launch (None: where a batch element holds at most FUSED_PREFIX_VALUES values), else by
-    row_stats_kernel, column_sums_kernel and operands_kernel, per set, with the torch
-    operations between them; `config` from FUSED_PREFIX_CONFIGS or PREFIX_CONFIGS to match."""
+    row_stats_kernel, column_sums_kernel and operands_kernel per set, exponent_kernel and
+    mean_kernel between them: no torch operation of their own, each of which would be a launch
+    (19 of them, 0.07 ms on an H200 by make gpu-model); `config` from FUSED_PREFIX_CONFIGS or
+    PREFIX_CONFIGS to match."""
 
     def __init__(
         self, sets: list[Tensor], B: int, M: int, acc: torch.dtype, products: dict, config: Config | None, fused=None
@@ -834,24 +901,24 @@ class _Centring:
                 TWO=len(sets) == 2, ACC=acc_tl(acc), IS64=is64, SPLIT=split, SCHEME=scheme, **config.launch,
             )  # fmt: skip
             return
-        H = 256 if is64 else 32
         rows = config.kwargs["BLOCK_ROWS"]
-        largest = []
-        for x, fin in zip(sets, finite, strict=True):
+        largest = [torch.empty(B, x.shape[1], dtype=acc, device=device) for x in sets]
+        for x, fin, big in zip(sets, finite, largest, strict=True):
             N = x.shape[1]
-            big = torch.empty(B, N, dtype=acc, device=x.device)
             tiles = blocks(N, rows)
             row_stats_kernel[(B * tiles,)](
                 x, fin, big, N, M, x.stride(0), x.stride(1), tiles, ACC=acc_tl(acc), **config.launch
             )
-            largest.append(big.amax(1))  # N > 0: the kernels run only where there is output
-        top = torch.stack(largest).amax(0)
-        outside = (top > 2.0**H) | ((top < 2.0**-H) & (top > 0))
-        self.exponents = torch.where(outside, torch.frexp(top).exponent, 0).to(torch.int32)
+        self.exponents = torch.empty(B, dtype=torch.int32, device=device)
+        count = torch.empty(B, dtype=torch.int32, device=device)
+        exponent_kernel[(B,)](
+            largest[0], largest[-1], finite[0], finite[-1], self.exponents, count, sets[0].shape[1], sets[-1].shape[1],
+            TWO=len(sets) == 2, ACC=acc_tl(acc), IS64=is64, BLOCK_ROWS=STATS_BLOCK, num_warps=8,
+        )  # fmt: skip
         # Every set's chunks in one (B, chunks, M) array, added in chunk order.
         chunk = SUM_BLOCKS * rows
         chunks = [blocks(x.shape[1], chunk) for x in sets]
-        part = torch.empty(B, sum(chunks), M, dtype=acc, device=top.device)
+        part = torch.empty(B, sum(chunks), M, dtype=acc, device=device)
         first = 0
         for x, fin, n in zip(sets, finite, chunks, strict=True):
             column_sums_kernel[(B * n, blocks(M, config.kwargs["BLOCK_M"]))](
@@ -871,9 +938,11 @@ class _Centring:
                 **config.launch,
             )
             first += n
-        sums = part.sum(1)
-        count = sum(fin.sum(1, dtype=acc) for fin in finite)
-        self.mean = sums / count.clamp_min(1)[:, None]
+        self.mean = torch.empty(B, M, dtype=acc, device=device)
+        mean_kernel[(B, blocks(M, config.kwargs["BLOCK_M"]))](
+            part, count, self.mean, M, part.shape[1], ACC=acc_tl(acc), IS64=is64, BLOCK_C=MEAN_CHUNKS,
+            BLOCK_M=config.kwargs["BLOCK_M"], num_warps=8,
+        )  # fmt: skip
         for x, n, (hi, lo) in zip(sets, self.norms, self.operands, strict=True):
             N = x.shape[1]
             tiles = blocks(N, rows)
@@ -1272,6 +1341,26 @@ def compile_cases() -> list[CompileCase]:
                     PREFIX_CONFIGS if every else PREFIX_CONFIGS[:1],
                 )
             )
+        between = {**types, "largest1_ptr": "*" + acc, "largest2_ptr": "*" + acc, "finite1_ptr": "*i8",
+                   "finite2_ptr": "*i8", "count_ptr": "*i32", "sums_ptr": "*" + acc, "all_chunks": "i32"}  # fmt: skip
+        cases.append(
+            case(
+                f"cdist.exponent {dtype}",
+                exponent_kernel,
+                between,
+                dict(TWO=True, BLOCK_ROWS=STATS_BLOCK, **flags),
+                (Config(num_warps=8),),
+            )
+        )
+        cases.append(
+            case(
+                f"cdist.mean {dtype}",
+                mean_kernel,
+                between,
+                dict(BLOCK_C=MEAN_CHUNKS, BLOCK_M=PREFIX_CONFIGS[0].kwargs["BLOCK_M"], **flags),
+                (Config(num_warps=8),),
+            )
+        )
         for two in (True, False):
             cases.append(
                 case(
