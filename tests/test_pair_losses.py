@@ -1476,6 +1476,90 @@ def test_triton_log_sum_exp_launches_are_compiled_for_their_architecture(monkeyp
     assert held_on[90, lse.TF32X3.value] == 128 and held_on[80, lse.TF32X3.value] == 0
 
 
+def supcon_batch_rules(lse, possum, npos, pairs, shard, dtype):
+    """SupCon's batch rules as supcon_forward in pair_losses_cpu.cpp applies them, in float64:
+    AvgNonZero over the anchors' terms, PML's condition for a loss at all (pairs: each
+    anchor's)."""
+    has = npos > 0
+    loss = torch.where(has, lse.double() - possum.double() / npos.clamp(min=1).double(), 0.0)
+    kept = (loss > 0) | loss.isnan()
+    counted = kept.sum()
+    positives = npos.sum()
+    negatives = pairs * npos.numel() - positives
+    use = counted > 0
+    if shard is None:
+        use &= (positives > 0) & (negatives > 0) & ((positives > 1) | (negatives > 1))
+    total = torch.where(use, torch.where(kept, loss, 0.0).sum(), 0.0)
+    w = torch.where(use & kept, 1.0 / (npos.clamp(min=1).double() * counted.clamp(min=1).double()), 0.0)
+    stats = torch.stack([lse, w.to(lse.dtype)], dim=1)
+    if shard is not None:
+        return torch.stack([total, counted.double(), positives.double(), negatives.double()]), stats
+    return (total / counted.clamp(min=1).double()).to(dtype), stats
+
+
+def ntxent_batch_rules(log_s, log_r, loss, npos, pairs, shard, dtype):
+    """NT-Xent's batch rules as ntxent_forward in pair_losses_cpu.cpp applies them, in float64."""
+    has = npos > 0
+    positives = npos.sum()
+    negatives = pairs * npos.numel() - positives
+    use = (positives > 0) & (negatives > 0)
+    if shard is None:
+        use &= (positives > 1) | (negatives > 1)
+    total = torch.where(use, torch.where(has, loss.double(), 0.0).sum(), 0.0)
+    share = torch.where(use, 1.0 / positives.clamp(min=1).double(), 0.0).to(log_s.dtype)
+    log_r = torch.where(has, log_r, float("-inf"))
+    stats = torch.where(use, torch.stack([log_s, log_r, share.expand(npos.numel())], dim=1), 0.0)
+    if shard is not None:
+        return torch.stack([total, positives.double(), negatives.double()]), stats
+    return (total / positives.clamp(min=1).double()).to(dtype), stats
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+def test_triton_batch_rules_and_the_loss_cast(device):
+    """The log-sum-exp engine's last two kernels (terms_kernel, loss_kernel) apply PML's batch
+    rules to SupCon's and NT-Xent's per anchor outputs as the CPU kernels do, on batches chosen
+    for them: no anchor with a positive pair, one positive pair alone, no negative pair,
+    AvgNonZero's zero terms, NaN and ±∞ terms, more anchors than a block holds; and cast the loss
+    as PyTorch does (float64 to float32, then to the dtype: bfloat16 by rounding to nearest even,
+    where the interpreter's conversion truncates), a shard's parts staying float64."""
+    lse = triton_module().lse
+    gen = torch.Generator().manual_seed(5)
+    block = lse.BATCH_CONFIG.kwargs["BLOCK_ROWS"]
+    # (anchors, positive pairs per anchor or None for random ones, pairs per anchor, terms' value or None)
+    batches = [
+        (4, [0, 0, 0, 0], 3, None),  # no positive pair
+        (2, [1, 0], 1, None),  # one positive pair, one negative
+        (3, [2, 2, 2], 2, None),  # no negative pair
+        (4, [1, 1, 1, 1], 3, 1.01171875),  # a float32 value halfway between two bfloat16 ones
+        (4, [1, 2, 0, 3], 3, float("nan")),
+        (4, [1, 2, 0, 3], 3, float("inf")),
+        (5, [1, 1, 2, 0, 1], 4, 0.0),  # AvgNonZero counts no anchor
+        (2 * block + 7, None, 50, None),
+        (0, [], 0, None),
+    ]
+    for N, npos, pairs, value in batches:
+        npos = torch.randint(0, 4, (N,), generator=gen) if npos is None else torch.tensor(npos, dtype=torch.int64)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            a, b, c = (torch.rand(N, generator=gen, dtype=torch.float64).to(acc) * 3 for _ in range(3))
+            if value is not None:  # SupCon's terms and NT-Xent's sums all `value`
+                a, b, c = torch.full_like(a, value), torch.zeros_like(b), torch.full_like(c, value)
+            a[: N // 3] -= 4  # (some of SupCon's terms negative: AvgNonZero leaves them out)
+            npos32 = npos.to(torch.int32).to(device)
+            for shard in (None, 0):
+                got = lse._loss(lse.LOSS_SUPCON, *on(device, a, b), npos32, None, N * pairs, shard, dtype, acc)
+                want = supcon_batch_rules(a, b, npos, pairs, shard, dtype)
+                for g, w in zip(got, want, strict=True):
+                    assert g.dtype == w.dtype and g.shape == w.shape
+                    torch.testing.assert_close(g.cpu(), w, rtol=1e-15, atol=0, equal_nan=True)
+                got = lse._loss(lse.LOSS_NTXENT, *on(device, b, c), npos32, a.to(device), N * pairs, shard, dtype, acc)
+                want = ntxent_batch_rules(a, b, c, npos, pairs, shard, dtype)
+                for g, w in zip(got, want, strict=True):
+                    assert g.dtype == w.dtype and g.shape == w.shape
+                    torch.testing.assert_close(g.cpu(), w, rtol=1e-15, atol=0, equal_nan=True)
+
+
 @pytest.mark.triton("pair_losses", dispatch=False)
 @TRITON_DEVICE
 def test_triton_groups_of_equal_rows(device):

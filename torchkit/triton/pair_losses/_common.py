@@ -98,14 +98,6 @@ def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask
     return out
 
 
-def _pml_counts(npos: Tensor, npairs: Tensor) -> Tensor:
-    """PML's condition for a loss at all: a positive and a negative pair, and more than one of
-    one kind (a bool tensor: no host synchronisation)."""
-    positives = npos.sum(dtype=torch.int64)
-    negatives = npairs.sum(dtype=torch.int64) - positives
-    return (positives > 0) & (negatives > 0) & ((positives > 1) | (negatives > 1))
-
-
 def _check(op: str, embeddings, labels, ref_embeddings, ref_labels, temperature, shard) -> tuple:
     """The CPU kernels' checks in their order (the fake kernels' too): the arguments' types,
     the inputs, the shard (_shard), the parameters' values; returns (τ, shard)."""

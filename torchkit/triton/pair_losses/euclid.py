@@ -662,7 +662,7 @@ def contrastive_forward(
     N, D = embeddings.shape
     M = b.n
     dev = embeddings.device
-    npos, npairs = lse._counts(a, b, self_)
+    npos, pairs = lse._counts(a, b, self_)
     sums = torch.zeros(N, 2, dtype=torch.float64, device=dev)
     terms = torch.zeros(N, 2, dtype=torch.int32, device=dev)
     if N > 0 and M > 0:
@@ -735,7 +735,7 @@ def contrastive_forward(
     # the rule held: its caller decides on the whole problem's parts).
     terms = terms.sum(0, dtype=torch.int64)
     positives = npos.sum(dtype=torch.int64)
-    pairs = torch.stack([npairs.sum(dtype=torch.int64) - positives, positives])
+    pairs = torch.stack([N * pairs - positives, positives])
     if shard is not None:
         share = torch.where(terms > 0, 1.0 / terms.clamp(min=1).double(), 0.0).to(acc)
         sums = sums.sum(0)

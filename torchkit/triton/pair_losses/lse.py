@@ -24,9 +24,13 @@ that recomputes the tile:
   positive pair's term, which needs its anchor's whole negative sum; proxy-anchor's anchors
   are the proxies and its two log-sums, over the negatives of α(c + margin) and the positives
   of α(margin − c), hold the 1 (added by the merge, once).
+- The batch (count_kernel, positives_kernel, terms_kernel, loss_kernel): each anchor's positive
+  pairs counted from the labels' ids, then PML's batch rules applied to the anchors' outputs
+  and the loss and stats written, on the device in four launches (no host synchronisation, no
+  torch operation between them); the partial sums in float64, in a fixed order.
 - Backward (grad_kernel): per anchor the coefficients of ∂loss/∂x_ij = coef_i·exp(x_ij −
   shift_i) and of the positive pairs' own terms (PairGrad in pair_losses_cpu.cpp), formed on
-  the device from the stats; each program recomputes its tiles, forms ∂loss/∂c and multiplies
+  the device from the stats (coef_kernel); each program recomputes its tiles, forms ∂loss/∂c and multiplies
   it into the other side's operands on tensor cores (the TF32 pair: ∂loss/∂c split in two
   too), for its block of own rows, block of features (rows held whole: all of them, so that
   each tile is formed once) and slice of the other rows; without refs a pair's terms as anchor
@@ -58,8 +62,6 @@ from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_b
 from torchkit.triton.pair_losses._common import (
     NORM_EPS,
     _check,
-    _parts,
-    _pml_counts,
     _proxy_check,
     _self_pairs,
     _whole_rows,
@@ -400,6 +402,29 @@ def operands_kernel(
     tl.store(clamped_ptr + rows, clamped.to(tl.int8), mask=row_mask)
 
 
+@triton.jit
+def count_kernel(ids_ptr, count_ptr, M, BLOCK_ROWS: tl.constexpr):
+    """count[id] += 1 for each of M label ids (_label_ids): int32 atomics, the same counts in
+    any order."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = rows < M
+    ids = tl.load(ids_ptr + rows, mask=mask, other=0)
+    tl.atomic_add(count_ptr + ids, tl.full((BLOCK_ROWS,), 1, tl.int32), mask=mask, sem="relaxed")
+
+
+@triton.jit
+def positives_kernel(ids_ptr, count_ptr, npos_ptr, N, SELF: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Each of N anchors' positive pairs: the refs counted under its label's id (count_kernel),
+    but itself with SELF."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = rows < N
+    ids = tl.load(ids_ptr + rows, mask=mask, other=0)
+    npos = tl.load(count_ptr + ids, mask=mask, other=0)
+    if SELF:
+        npos -= 1
+    tl.store(npos_ptr + rows, npos, mask=mask)
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -606,6 +631,144 @@ def merge_kernel(
         total = _merge(part_ptr, 3, at, mask, plane, ONE, ACC)
     tl.store(out_ptr + rows, out, mask=row_mask)
     tl.store(sum_ptr + rows, total, mask=row_mask)
+
+
+# --------------------------------------------------------------------------- the batch's loss
+
+
+@triton.jit
+def _to_output(x, WIDE: tl.constexpr, BF16: tl.constexpr):
+    """float64 x as PyTorch casts it to the loss's dtype: as it is (WIDE: float64), else
+    rounded to float32, then to the dtype by the store; bfloat16 (BF16) as the bits of its
+    value rounded to nearest even here (the interpreter's conversion truncates), the store
+    taking them as int16."""
+    if WIDE:
+        out = x
+    elif BF16:
+        f = x.to(tl.float32)
+        bits = f.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = tl.where(f != f, 0x7FC0, bits).to(tl.uint16).to(tl.int16, bitcast=True)
+    else:
+        out = x.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _supcon_terms(lse, possum, npos):
+    """SupCon's per anchor loss in float64 (0 without a positive pair, as supcon_forward in
+    pair_losses_cpu.cpp), and whether PML's AvgNonZero counts it (> 0 or NaN)."""
+    loss = tl.where(npos > 0, lse.to(tl.float64) - possum.to(tl.float64) / tl.maximum(npos, 1).to(tl.float64), 0.0)
+    return loss, (loss > 0) | (loss != loss)
+
+
+@triton.jit
+def terms_kernel(out_ptr, sum_ptr, npos_ptr, partial_ptr, N, LOSS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Per block of anchors, the batch's partial sums partial[k, block] in float64 (k: the loss
+    terms, the anchors counted, the positive pairs), from merge_kernel's out and sum and the
+    anchors' positive pairs: SupCon's terms over the anchors AvgNonZero counts; NT-Xent's
+    (sum: Σ_p −log(q_p + tiny)) over the anchors with a positive pair, each counted."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    npos = tl.load(npos_ptr + rows, mask=row_mask, other=0)
+    total = tl.load(sum_ptr + rows, mask=row_mask, other=0.0)
+    if LOSS == LOSS_SUPCON:
+        loss, kept = _supcon_terms(tl.load(out_ptr + rows, mask=row_mask, other=0.0), total, npos)
+    else:
+        kept = npos > 0
+        loss = total.to(tl.float64)
+    blocks = tl.num_programs(0).to(tl.int64)
+    at = partial_ptr + tl.program_id(0)
+    tl.store(at, tl.sum(tl.where(kept, loss, 0.0), axis=0))
+    tl.store(at + blocks, tl.sum(kept.to(tl.float64), axis=0))
+    tl.store(at + 2 * blocks, tl.sum(npos.to(tl.int64), axis=0).to(tl.float64))
+
+
+@triton.jit
+def loss_kernel(
+    out_ptr,
+    sum_ptr,
+    log_s_ptr,
+    npos_ptr,
+    partial_ptr,
+    stats_ptr,
+    result_ptr,
+    N,
+    BLOCKS,
+    PAIRS,
+    LOSS: tl.constexpr,
+    SHARD: tl.constexpr,
+    WIDE: tl.constexpr,
+    BF16: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """PML's batch rules over terms_kernel's partials (BLOCKS of them, summed in a fixed
+    order by every program: the same bits everywhere and on every run; PAIRS: the batch's
+    pairs), then per block of anchors their stats, and from the first program the result:
+    the loss in its dtype (as PyTorch casts it: _to_output), or a shard's parts in float64
+    (csrc/pair_losses.h; its caller applies the rules to the whole problem's parts).
+    SupCon (out: the log-sum-exps, sum: the positives' terms): stats (lse, w), w = 1/(npos ·
+    the anchors counted) where the loss counts the anchor, else 0.
+    NT-Xent (log_s: the negatives' log-sums, out: log R, sum: Σ_p −log(q_p + tiny)): stats
+    (log S, log R (−∞ without a positive pair), 1/positives), all 0 where PML's rules make the
+    loss 0."""
+    chunk = tl.arange(0, BLOCK_ROWS)
+    terms = tl.zeros((BLOCK_ROWS,), tl.float64)
+    counted = tl.zeros((BLOCK_ROWS,), tl.float64)
+    positives = tl.zeros((BLOCK_ROWS,), tl.float64)
+    for b0 in range(0, BLOCKS, BLOCK_ROWS):
+        at = b0 + chunk
+        mask = at < BLOCKS
+        terms += tl.load(partial_ptr + at, mask=mask, other=0.0)
+        counted += tl.load(partial_ptr + BLOCKS + at, mask=mask, other=0.0)
+        positives += tl.load(partial_ptr + 2 * BLOCKS + at, mask=mask, other=0.0)
+    terms = tl.sum(terms, axis=0)
+    counted = tl.sum(counted, axis=0)
+    positives = tl.sum(positives, axis=0)
+    negatives = PAIRS.to(tl.float64) - positives
+    # PML's condition for a loss at all: a positive and a negative pair, and more than one of
+    # one kind; a shard's terms need only the first.
+    use = (positives > 0) & (negatives > 0)
+    if not SHARD:
+        use = use & ((positives > 1) | (negatives > 1))
+    if LOSS == LOSS_SUPCON:
+        if SHARD:
+            use = counted > 0
+        else:
+            use = use & (counted > 0)
+        denominator = tl.maximum(counted, 1.0)
+    else:
+        denominator = tl.maximum(positives, 1.0)
+    total = tl.where(use, terms, 0.0)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + chunk
+    row_mask = rows < N
+    npos = tl.load(npos_ptr + rows, mask=row_mask, other=0)
+    out = tl.load(out_ptr + rows, mask=row_mask, other=0.0)
+    if LOSS == LOSS_SUPCON:
+        _, kept = _supcon_terms(out, tl.load(sum_ptr + rows, mask=row_mask, other=0.0), npos)
+        w = tl.where(kept, tl.where(use, 1.0 / (tl.maximum(npos, 1).to(tl.float64) * denominator), 0.0), 0.0)
+        tl.store(stats_ptr + 2 * rows, out, mask=row_mask)
+        tl.store(stats_ptr + 2 * rows + 1, w.to(ACC), mask=row_mask)
+    else:
+        log_s = tl.load(log_s_ptr + rows, mask=row_mask, other=0.0)
+        log_r = tl.where(npos > 0, out, float("-inf"))
+        share = (1.0 / denominator).to(ACC)
+        tl.store(stats_ptr + 3 * rows, tl.where(use, log_s, 0.0), mask=row_mask)
+        tl.store(stats_ptr + 3 * rows + 1, tl.where(use, log_r, 0.0), mask=row_mask)
+        tl.store(stats_ptr + 3 * rows + 2, tl.where(use, share + tl.zeros_like(log_s), 0.0), mask=row_mask)
+    if tl.program_id(0) == 0:
+        if SHARD:
+            tl.store(result_ptr, total)
+            if LOSS == LOSS_SUPCON:
+                tl.store(result_ptr + 1, counted)
+                tl.store(result_ptr + 2, positives)
+                tl.store(result_ptr + 3, negatives)
+            else:
+                tl.store(result_ptr + 1, positives)
+                tl.store(result_ptr + 2, negatives)
+        else:
+            tl.store(result_ptr, _to_output(total / denominator, WIDE, BF16))
 
 
 # --------------------------------------------------------------------------- backward
@@ -856,6 +1019,43 @@ def grad_kernel(
 
 
 @triton.jit
+def coef_kernel(
+    stats_ptr, terms_ptr, N, LOSS: tl.constexpr, ACC: tl.constexpr, IS64: tl.constexpr, BLOCK_ROWS: tl.constexpr
+):
+    """Per anchor, grad_kernel's terms[k, anchor] (k: coef, shift, w, log S) from the forward's
+    stats, as PairGrad in pair_losses_cpu.cpp forms them. NT-Xent (stats: log S, log R, share):
+    coef = share where log R > −∞, shift = −log R where coef ≠ 0, w = 0. SupCon (stats: lse,
+    w): where w ≠ 0, coef = 1/counted (the anchors with w ≠ 0: every program counts them
+    over all the stats, O(N²/BLOCK_ROWS) reads, far below the backward's N² pairs; the
+    quotient correctly rounded) and shift = lse; log S = 0. An anchor without terms has coef 0
+    and shift +∞."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    if LOSS == LOSS_NTXENT:
+        log_s = tl.load(stats_ptr + 3 * rows, mask=row_mask, other=0.0)
+        log_r = tl.load(stats_ptr + 3 * rows + 1, mask=row_mask, other=0.0)
+        share = tl.load(stats_ptr + 3 * rows + 2, mask=row_mask, other=0.0)
+        coef = tl.where(log_r == float("-inf"), 0.0, share)
+        shift = tl.where(coef != 0, -log_r, float("inf"))
+        w = tl.zeros_like(coef)
+    else:
+        counted = tl.zeros((BLOCK_ROWS,), tl.int32)
+        for r0 in range(0, N, BLOCK_ROWS):
+            at = r0 + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+            counted += (tl.load(stats_ptr + 2 * at + 1, mask=at < N, other=0.0) != 0).to(tl.int32)
+        counted = tl.maximum(tl.sum(counted, axis=0), 1).to(ACC)
+        lse = tl.load(stats_ptr + 2 * rows, mask=row_mask, other=0.0)
+        w = tl.load(stats_ptr + 2 * rows + 1, mask=row_mask, other=0.0)
+        coef = tl.where(w != 0, tm.div_rn(tl.full((BLOCK_ROWS,), 1.0, ACC), counted, IS64), 0.0)
+        shift = tl.where(w != 0, lse, float("inf"))
+        log_s = tl.zeros_like(coef)
+    tl.store(terms_ptr + rows, coef, mask=row_mask)
+    tl.store(terms_ptr + N + rows, shift, mask=row_mask)
+    tl.store(terms_ptr + 2 * N + rows, w, mask=row_mask)
+    tl.store(terms_ptr + 3 * N + rows, log_s, mask=row_mask)
+
+
+@triton.jit
 def jacobian_kernel(
     g_ptr,
     x_ptr,
@@ -1089,18 +1289,17 @@ def _rows(
     offset=0,
     one=False,
 ):
-    """rows_kernel over every anchor, its slices merged: (out, sum, positives, pairs) per
-    anchor (self_: anchor i is b's row offset + i, not a pair; one: proxy-anchor's log-sums
-    hold the 1; config None: the default). SupCon's out is 0 without pairs."""
+    """rows_kernel over every anchor, its slices merged: (out, sum) per anchor (self_: anchor
+    i is b's row offset + i, not a pair; one: proxy-anchor's log-sums hold the 1; config None:
+    the default). SupCon's out is 0 without pairs."""
     N, D = a.hi.shape
     dev = a.hi.device
     held = _rows_held(D, a.scheme, mode)
     config = config or _rows_default(acc, a.scheme, held)
     out = torch.empty(N, dtype=acc, device=dev)
     total = torch.empty(N, dtype=acc, device=dev)
-    npos, npairs = _counts(a, b, self_)
     if N == 0:
-        return out, total, npos, npairs
+        return out, total
     k = config.kwargs
     programs = blocks(N, k["BLOCK_N"])
     slices, chunk = _slices(programs, b.n, k["BLOCK_M"])
@@ -1140,17 +1339,64 @@ def _rows(
     )
     if mode == SUPCON and b.n - self_ == 0:  # (no pairs: no log-sum-exp)
         out.zero_()
-    return out, total, npos, npairs
+    return out, total
 
 
-def _counts(a: _Operands, b: _Operands, self_: bool) -> tuple[Tensor, Tensor]:
+# The batch's kernels (count_kernel, positives_kernel, terms_kernel, loss_kernel): blocks of
+# rows, four warps.
+BATCH_CONFIG = Config(BLOCK_ROWS=1024, num_warps=4, num_stages=1, fp_fusion=False)
+
+
+def _counts(a: _Operands, b: _Operands, self_: bool) -> tuple[Tensor, int]:
     """Per anchor, its positive pairs (the refs of its label but itself with self_: from the
-    labels' ids, O(N + M), no host synchronisation) and its pairs (every ref but itself)."""
+    labels' ids, O(N + M), no host synchronisation), and each anchor's pairs (every ref but
+    itself)."""
     dev = a.labels.device
-    ids = torch.zeros(a.n + b.n, dtype=torch.int32, device=dev)
-    ids.index_add_(0, b.labels.long(), torch.ones_like(b.labels))
-    npos = ids[a.labels.long()] - int(self_)
-    return npos, torch.full((a.n,), b.n - int(self_), dtype=torch.int32, device=dev)
+    count = torch.zeros(a.n + b.n, dtype=torch.int32, device=dev)  # (by id: each below N + M)
+    npos = torch.empty(a.n, dtype=torch.int32, device=dev)
+    rows = BATCH_CONFIG.kwargs["BLOCK_ROWS"]
+    if b.n:
+        count_kernel[(blocks(b.n, rows),)](b.labels, count, b.n, **BATCH_CONFIG.launch)
+    if a.n:
+        positives_kernel[(blocks(a.n, rows),)](a.labels, count, npos, a.n, SELF=self_, **BATCH_CONFIG.launch)
+    return npos, b.n - int(self_)
+
+
+def _loss(loss, out, total, npos, log_s, pairs: int, shard, dtype: torch.dtype, acc: torch.dtype) -> tuple:
+    """The loss (or a shard's parts) and the stats of SupCon or NT-Xent (loss) from _rows'
+    per anchor outputs (NT-Xent's positives pass; log_s: its negatives'), by PML's batch rules
+    on the device: terms_kernel and loss_kernel, two launches, no host synchronisation."""
+    N = npos.shape[0]
+    dev = npos.device
+    stats = torch.empty(N, 2 if loss == LOSS_SUPCON else 3, dtype=acc, device=dev)
+    if shard is None:
+        result = torch.empty((), dtype=dtype, device=dev)
+    else:
+        result = torch.empty(4 if loss == LOSS_SUPCON else 3, dtype=torch.float64, device=dev)
+    bf16 = shard is None and dtype == torch.bfloat16
+    launch = BATCH_CONFIG.launch
+    grid = (max(1, blocks(N, BATCH_CONFIG.kwargs["BLOCK_ROWS"])),)
+    partial = torch.empty(3, grid[0], dtype=torch.float64, device=dev)
+    terms_kernel[grid](out, total, npos, partial, N, LOSS=loss, **launch)
+    loss_kernel[grid](
+        out,
+        total,
+        out if log_s is None else log_s,
+        npos,
+        partial,
+        stats,
+        result.view(torch.int16) if bf16 else result,
+        N,
+        grid[0],
+        pairs,
+        LOSS=loss,
+        SHARD=shard is not None,
+        WIDE=shard is not None or dtype == torch.float64,
+        BF16=bf16,
+        ACC=acc_tl(acc),
+        **launch,
+    )
+    return result, stats
 
 
 def supcon_forward(
@@ -1163,23 +1409,9 @@ def supcon_forward(
     row_config = row_config or ROW_CONFIGS[0]
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     self_, offset = _self_pairs(ref_embeddings, shard)
-    lse, possum, npos, npairs = _rows(a, b, SUPCON, self_, 1.0 / t, acc, config, row_config, offset=offset)
-    # Per anchor as supcon_forward (pair_losses_cpu.cpp), in float64.
-    lse64 = lse.double()
-    has = npos > 0
-    loss = torch.where(has, lse64 - possum.double() / npos.clamp(min=1).double(), 0.0)
-    kept = (loss > 0) | loss.isnan()  # PML's AvgNonZero, keeping NaN
-    counted = kept.sum(dtype=torch.int64)
-    # PML's batch rules (a shard's caller applies them to the whole problem's parts).
-    use = (_pml_counts(npos, npairs) if shard is None else True) & (counted > 0)
-    denominator = counted.clamp(min=1).double()
-    total = torch.where(use, torch.where(kept, loss, 0.0).sum(), 0.0)
-    w = torch.where(use & kept, 1.0 / (npos.clamp(min=1).double() * denominator), 0.0)
-    stats = torch.stack([lse, w.to(acc)], dim=1)
-    if shard is not None:
-        positives = npos.sum(dtype=torch.int64)
-        return _parts(total, counted, positives, npairs.sum(dtype=torch.int64) - positives), stats
-    return (total / denominator).to(embeddings.dtype), stats
+    lse, possum = _rows(a, b, SUPCON, self_, 1.0 / t, acc, config, row_config, offset=offset)
+    npos, pairs = _counts(a, b, self_)
+    return _loss(LOSS_SUPCON, lse, possum, npos, None, a.n * pairs, shard, embeddings.dtype, acc)
 
 
 def ntxent_forward(
@@ -1192,24 +1424,10 @@ def ntxent_forward(
     row_config = row_config or ROW_CONFIGS[0]
     self_, offset = _self_pairs(ref_embeddings, shard)
     a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
-    log_s, _, npos, npairs = _rows(a, b, NTXENT_NEGATIVES, self_, 1.0 / t, acc, config, row_config, offset=offset)
-    log_r, loss, _, _ = _rows(
-        a, b, NTXENT_POSITIVES, self_, 1.0 / t, acc, config, row_config, log_s=log_s, offset=offset
-    )
-    positives = npos.sum(dtype=torch.int64)
-    negatives = npairs.sum(dtype=torch.int64) - positives
-    # PML's batch rules; a shard's terms need only a positive and a negative pair (its caller
-    # applies the rules to the whole problem's parts).
-    use = _pml_counts(npos, npairs) if shard is None else (positives > 0) & (negatives > 0)
-    has = npos > 0
-    log_r = torch.where(has, log_r, float("-inf"))
-    total = torch.where(use, torch.where(has, loss.double(), 0.0).sum(), 0.0)
-    share = torch.where(use, 1.0 / positives.clamp(min=1).double(), 0.0).to(acc)
-    # All zero where the loss is zero by PML's rule, as the CPU kernel's.
-    stats = torch.where(use, torch.stack([log_s, log_r, share.expand(a.n)], dim=1), 0.0)
-    if shard is not None:
-        return _parts(total, positives, negatives), stats
-    return (total / positives.clamp(min=1).double()).to(embeddings.dtype), stats
+    log_s, _ = _rows(a, b, NTXENT_NEGATIVES, self_, 1.0 / t, acc, config, row_config, offset=offset)
+    log_r, loss = _rows(a, b, NTXENT_POSITIVES, self_, 1.0 / t, acc, config, row_config, log_s=log_s, offset=offset)
+    npos, pairs = _counts(a, b, self_)
+    return _loss(LOSS_NTXENT, log_r, loss, npos, log_s, a.n * pairs, shard, embeddings.dtype, acc)
 
 
 def _grad_scale(scale: float, bound: float, operand: torch.dtype) -> float:
@@ -1331,22 +1549,15 @@ def _backward(
         a = b = _Operands(ref_embeddings, *_label_ids(ref_labels), acc, row_config)
     else:
         a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
-    # Per anchor: coef, shift, w and log S (PairGrad in pair_losses_cpu.cpp). (Python scalars,
-    # never a tensor made from one: that would be a copy from the host.)
-    inf = float("inf")
-    if ntxent:
-        log_s, log_r, share = stats.unbind(1)
-        coef = torch.where(log_r == -inf, 0.0, share)
-        shift = torch.where(coef != 0, -log_r, inf)
-        w = torch.zeros_like(coef)
-    else:
-        lse, w = stats.unbind(1)
-        counted = (w != 0).sum(dtype=torch.int64)
-        coef = torch.where(w != 0, 1.0 / counted.clamp(min=1).to(acc), 0.0).to(acc)
-        shift = torch.where(w != 0, lse, inf)
-        log_s = torch.zeros_like(coef)
-    terms = tuple(v.contiguous() for v in (coef, shift, w, log_s))
+    # Per anchor: coef, shift, w and log S (coef_kernel).
     loss = LOSS_NTXENT if ntxent else LOSS_SUPCON
+    stats = stats.contiguous()
+    terms = torch.empty(4, stats.shape[0], dtype=acc, device=stats.device)
+    grid = (blocks(stats.shape[0], BATCH_CONFIG.kwargs["BLOCK_ROWS"]),)
+    coef_kernel[grid](
+        stats, terms, stats.shape[0], LOSS=loss, ACC=acc_tl(acc), IS64=acc == torch.float64, **BATCH_CONFIG.launch
+    )
+    terms = terms.unbind(0)
     pairs_self = self_ or whole is not None
     careful = _careful(1.0 / t, 0.0, acc)
 
@@ -1418,7 +1629,8 @@ def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None,
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config)
-    ln, lp, npos, _ = _rows(a, b, PROXY, False, alpha, acc, config, row_config, shift=margin, one=shard is None)
+    ln, lp = _rows(a, b, PROXY, False, alpha, acc, config, row_config, shift=margin, one=shard is None)
+    npos, _ = _counts(a, b, False)
     if shard is not None:
         parts = torch.stack([lp.double(), ln.double(), (npos > 0).double()], dim=1)
         return parts, torch.zeros(a.n, 4, dtype=acc, device=proxies.device)
@@ -1505,7 +1717,7 @@ def compile_cases() -> list[CompileCase]:
             **dict.fromkeys(("f_ptr", "inv_ptr", "log_s_ptr", "part_ptr", "out_ptr", "sum_ptr", "g_ptr"), "*" + acc),
             **dict.fromkeys(("coef_ptr", "shift_ptr", "w_ptr"), "*" + acc),
             **dict.fromkeys(("lab_ptr", "ref_lab_ptr", "own_lab_ptr", "other_lab_ptr"), "*i32"),
-            **dict.fromkeys(("count_ptr", "npos_ptr", "npairs_ptr", "exp_ptr"), "*i32"),
+            **dict.fromkeys(("count_ptr", "npos_ptr", "exp_ptr", "ids_ptr"), "*i32"),
             **dict.fromkeys(("bad_ptr", "clamped_ptr"), "*i8"),
             "x_ptr": "*" + dtype,
             "grad_ptr": "*" + dtype,
@@ -1519,6 +1731,18 @@ def compile_cases() -> list[CompileCase]:
                 ROW_CONFIGS if first else ROW_CONFIGS[:1],
             )
         )
+        if first:  # (the labels' ids: no scheme)
+            cases.append(case("pair_losses.lse.count", count_kernel, types, {}, (BATCH_CONFIG,)))
+            for self_ in (False, True):
+                cases.append(
+                    case(
+                        f"pair_losses.lse.positives{' self' if self_ else ''}",
+                        positives_kernel,
+                        types,
+                        dict(SELF=self_),
+                        (BATCH_CONFIG,),
+                    )
+                )
         if name in ("fp16", "fp32 medium"):  # (their hot kernels are bfloat16's)
             continue
         hot_flags = dict(SCHEME=how, INTERPRET=False, **flags)
@@ -1597,6 +1821,37 @@ def compile_cases() -> list[CompileCase]:
                     (_merge_config(ROW_CONFIGS[0], 4),),
                 )
             )
+        for loss, what in ((LOSS_SUPCON, "supcon"), (LOSS_NTXENT, "ntxent")):
+            loss_types = {**types, "partial_ptr": "*fp64", "stats_ptr": "*" + acc, "BLOCKS": "i32", "PAIRS": "i64"}
+            cases.append(
+                case(f"pair_losses.lse.terms {what} {name}", terms_kernel, loss_types, dict(LOSS=loss), (BATCH_CONFIG,))
+            )
+            cases.append(
+                case(
+                    f"pair_losses.lse.coef {what} {name}",
+                    coef_kernel,
+                    {**loss_types, "terms_ptr": "*" + acc},
+                    dict(LOSS=loss, **flags),
+                    (BATCH_CONFIG,),
+                )
+            )
+            for shard in (False, True) if first else (False,):  # (the loss in its dtype; a shard's parts)
+                result = "*fp64" if shard else ("*i16" if dtype == "bf16" else "*" + dtype)
+                cases.append(
+                    case(
+                        f"pair_losses.lse.loss {what} {name}{' shard' if shard else ''}",
+                        loss_kernel,
+                        {**loss_types, "result_ptr": result},
+                        dict(
+                            LOSS=loss,
+                            SHARD=shard,
+                            WIDE=shard or is64,
+                            BF16=not shard and dtype == "bf16",
+                            ACC=flags["ACC"],
+                        ),
+                        (BATCH_CONFIG,),
+                    )
+                )
         jacobians = [("", types)]
         if dtype != "fp64":  # a shard's backward: the caller's float64 grad
             jacobians.append((" shard", {**types, "grad_ptr": "*fp64"}))

@@ -892,7 +892,7 @@ def multi_similarity_forward(
     M = b.n
     dev = embeddings.device
     st = torch.zeros(N, 5, dtype=torch.float64, device=dev)
-    npos, npairs = lse._counts(a, b, self_)
+    npos, pairs = lse._counts(a, b, self_)
     kept = torch.zeros(N, 2, dtype=torch.int32, device=dev)
     inf = float("inf")
     if N > 0 and M > 0:
@@ -1024,7 +1024,7 @@ def multi_similarity_forward(
         use = torch.full((), N > 0 and M > 0, dtype=torch.bool, device=dev)
     if mining:
         positives = npos.sum(dtype=torch.int64)
-        use = use & (npairs.sum(dtype=torch.int64) - positives > 0) & (positives > 0)
+        use = use & (N * pairs - positives > 0) & (positives > 0)
     w = 1.0 / max(N, 1)
     total = (st[:, 2] / alpha + st[:, 3] / beta).sum()
     st[:, 4] = w
