@@ -120,6 +120,30 @@ def test_torch_operations_between_launches_count_as_rows():
     assert rows[2]["seconds"] >= 4 * gpu_model.LAUNCH_S
 
 
+def _checked(x):
+    """A wrapper's check of its input's values, as the pair losses' (checks_on_host)."""
+    from torchkit.triton import _launch
+
+    if _launch.checks_on_host(x):
+        if not bool((x > -100).all()):
+            raise ValueError("x must be > -100")
+    else:
+        torch._assert_async((x > -100).all(), "x must be > -100")
+
+
+@needs_interpreter
+def test_checks_of_values_count_as_on_a_gpu():
+    """A check of values counts as a GPU runs it: a device-side assertion, a launch with no
+    tensor out, and nothing read back (the interpreter's CPU tensors would read them back)."""
+    with gpu_model.counting((f"{__name__}._checked",)) as launches:
+        _checked(torch.randn(64))
+    (row,) = launches
+    assert row.kernel == "torch gt, all, _assert_async"
+    assert row.counts["launches"] == 3 and row.counts["syncs"] == 0
+    with pytest.raises(ValueError, match="> -100"):  # (and outside the model, on the host)
+        _checked(torch.full((3,), -1000.0))
+
+
 def test_vector_width_of_addresses():
     base = 1 << 20
     rows = base + 4 * (np.arange(4)[:, None] * 16 + np.arange(16)[None, :])  # float32, rows of 16

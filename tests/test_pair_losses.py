@@ -1562,6 +1562,45 @@ def test_triton_batch_rules_and_the_loss_cast(device):
 
 @pytest.mark.triton("pair_losses", dispatch=False)
 @TRITON_DEVICE
+def test_triton_label_ids(device):
+    """_label_ids (each side sorted, then ids_kernel's binary searches): a label's id is its rank
+    among both sides' labels, compared as the CPU kernels compare them (int64), so equal labels
+    share an id and unequal ones never do, and each anchor's positive pairs are the refs of its
+    label, less one with self_ (the anchor itself): every integer dtype at its extremes, two sides
+    of different dtypes, a strided side, empty sides, more labels than a block holds."""
+    lse = triton_module().lse
+    gen = torch.Generator().manual_seed(3)
+    block = lse.BATCH_CONFIG.kwargs["BLOCK_ROWS"]
+    dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+    batches = []
+    for dtype in dtypes:
+        info = torch.iinfo(torch.int64 if dtype == torch.uint64 else dtype)
+        ends = torch.tensor([info.min, info.min + 1, -1 if info.min < 0 else 0, 0, 1, info.max - 1, info.max] * 2)
+        # (uint64's: int64's bits, 2^63 to 2^64 - 1 as the negative ones)
+        batches.append((ends.view(dtype) if dtype == torch.uint64 else ends.to(dtype), None))
+        few = torch.randint(0, 5, (2 * block + 3,), generator=gen).to(dtype)
+        batches.append((few, torch.randint(0, 7, (9,), generator=gen).to(dtype)))
+        batches.append((few[::3], few[1:200]))  # (strided)
+    batches.append((torch.tensor([2**40, -1, 7]), torch.tensor([7, 3, -1], dtype=torch.int8)))
+    batches.append((torch.tensor([-1, 255, 1], dtype=torch.int32), torch.tensor([255, 1], dtype=torch.uint8)))
+    batches.append((torch.zeros(0, dtype=torch.int64), torch.tensor([4, 4, 2])))
+    batches.append((torch.tensor([4, 4, 2]), torch.zeros(0, dtype=torch.int64)))
+    batches.append((torch.zeros(0, dtype=torch.int32), None))
+    for labels, ref_labels in batches:
+        sides = (labels,) if ref_labels is None else (labels, ref_labels)
+        every = torch.cat([v.to(torch.int64) for v in sides])
+        want = (every[None, :] < every[:, None]).sum(1).to(torch.int32)  # the rank, O(n²)
+        anchors, refs = sides[0].to(torch.int64), sides[-1].to(torch.int64)
+        equal = (anchors[:, None] == refs[None, :]).sum(1).to(torch.int32)
+        for self_ in (False, True):
+            got, npos = lse._label_ids(*(v.to(device) for v in sides), self_=self_)
+            assert [g.dtype for g in got] == [torch.int32] * len(sides) and npos.dtype == torch.int32
+            torch.testing.assert_close(torch.cat([g.cpu() for g in got]), want, rtol=0, atol=0)
+            torch.testing.assert_close(npos.cpu(), equal - int(self_), rtol=0, atol=0)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
 def test_triton_groups_of_equal_rows(device):
     """_equal_rows: each row's group is the lowest number (anchors, then refs) of a row equal
     to it, entry by entry with ±0 alike; rows holding NaN or ±∞ are alone; rows one ulp apart,

@@ -242,6 +242,8 @@ def _vector_width(ptrs: np.ndarray, itemsize: int) -> int:
 NO_KERNEL_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
                  "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "resize_", "set_",
                  "scalar_tensor"}  # fmt: skip
+# torch operations that launch a kernel with no tensor out: a device-side assertion.
+OUTPUTLESS_OPS = {"_assert_async"}
 # torch operations that read a tensor's value back to the host: a synchronisation on a GPU.
 SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero", "masked_select", "unique",
             "_unique2", "repeat_interleave"}  # fmt: skip
@@ -486,7 +488,7 @@ def counting(within: tuple[str, ...] = ()):
             if depth[0] and counter.current is None and not func.is_view and name not in NO_KERNEL_OPS:
                 inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
                 outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                if name in SYNC_OPS or any(t.numel() for t in outputs):
+                if name in SYNC_OPS or name in OUTPUTLESS_OPS or any(t.numel() for t in outputs):
                     counter.torch_op(name, inputs, outputs)
             return out
 
@@ -534,6 +536,8 @@ def counting(within: tuple[str, ...] = ()):
         for call in within:
             module, name = call.rsplit(".", 1)
             patch(importlib.import_module(module), name, inside)
+        # Values checked as on a GPU: asserted on the device, not read back (checks_on_host).
+        patch(importlib.import_module("torchkit.triton._launch"), "checks_on_host", lambda _: lambda tensor: False)
         with TorchOps():
             yield counter.launches
         counter.flush()

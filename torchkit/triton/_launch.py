@@ -52,6 +52,14 @@ def hot(float64_per_pair: str | None = None, ieee_dot: str | None = None):
     return mark
 
 
+def checks_on_host(tensor: torch.Tensor) -> bool:
+    """Whether the wrappers check `tensor`'s values on the host: a CPU tensor's (the
+    interpreter's) by reading them back, to raise an exception naming the first bad one; a CUDA
+    tensor's by a device-side assertion (torch._assert_async), with no synchronisation.
+    tools/gpu_model.py counts the CUDA branch, as a GPU runs it."""
+    return tensor.device.type == "cpu"
+
+
 def interpreting() -> bool:
     """Whether @triton.jit kernels run under Triton's interpreter (TRITON_INTERPRET=1 when the
     kernel modules were imported): the kernels then take the interpreter's branches, such as

@@ -76,6 +76,7 @@ from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_scalars
 from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
+from torchkit.triton import _launch
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import euclid, lse, ms, triplets
@@ -1107,7 +1108,7 @@ def _triplet_stats_check(stats: Tensor, M: int, batch_hard: bool) -> None:
     if batch_hard:
         ok = ok & ((c == 0) | ((c == 1) & (p >= 0) & (n >= 0)))
     what = f"is not the forward's (hardest positive and negative in [-1, {M}), a count >= 0)"
-    if stats.device.type != "cpu":
+    if not _launch.checks_on_host(stats):
         torch._assert_async(ok.all(), f"{op}: backward: a stats row {what}")
     elif not bool(ok.all()):
         a = int((~ok).nonzero()[0, 0])
@@ -1249,7 +1250,7 @@ def triplet_margin_forward(
     if hard:
         config = config or lse._default(triplets.ROWS_CONFIGS, acc)
         exact_config = exact_config or triplets.EXACT_CONFIGS[0]
-        pa, pb = euclid._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+        pa, pb, _ = euclid._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
         idx, dist = triplets.batch_hard(pa, pb, self_, offset, acc, config, exact_config)
         # triplet_forward (pair_losses_euclidean_cpu.cpp): per anchor with both, its triplet's
         # d_ap − d_an + margin from the exact distances; the mean of those > 0 (or NaN).

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from torchkit.ops._common import check_scalars
 from torchkit.ops.pair_losses import _check_inputs, _check_params, _check_proxy_inputs, _check_shard
+from torchkit.triton import _launch
 
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
@@ -130,7 +131,7 @@ def _shard(op: str, shard, embeddings, labels, ref_embeddings, ref_labels) -> in
             f"{op}: with shard = {shard}, embeddings must equal ref_embeddings[shard:shard + N] (the anchors are "
             "those ref rows)"
         )
-        if labels.device.type == "cpu":
+        if _launch.checks_on_host(labels):
             differ = (mine != theirs).nonzero()
             if differ.numel():
                 raise ValueError(f"{rule}, got a different label at anchor {int(differ[0, 0])}")
@@ -178,7 +179,7 @@ def _proxy_check(embeddings, labels, proxies, margin, alpha) -> tuple[float, flo
     _check_proxy_inputs(embeddings, labels, proxies, margin, alpha)
     C = proxies.shape[0]
     if labels.numel() > 0:
-        if labels.device.type == "cpu":
+        if _launch.checks_on_host(labels):
             low, high = int(labels.min()), int(labels.max())
             if low < 0 or high >= C:
                 bad = low if low < 0 else high

@@ -587,19 +587,24 @@ class _Points:
         return view
 
 
-def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config) -> tuple[_Points, _Points]:
+def _sides(
+    embeddings, labels, ref_embeddings, ref_labels, acc, row_config, self_: bool = False
+) -> tuple[_Points, _Points, Tensor]:
+    """The anchors' and the refs' _Points (one object without refs), and each anchor's positive
+    pairs (lse._label_ids)."""
     # (The package's exact machinery: float64 norms, points, groups of equal rows; the package
     # imports this module.)
     from torchkit.triton.pair_losses import _points, _Side
 
     sa = _Side(embeddings, labels, acc, row_config, normalised=False)
     if ref_embeddings is None:
-        a = _Points(sa, *_points(sa, sa, acc, row_config)[0], *lse._label_ids(labels), row_config)
-        return a, a
+        (ids,), npos = lse._label_ids(labels, self_=self_)
+        a = _Points(sa, *_points(sa, sa, acc, row_config)[0], ids, row_config)
+        return a, a, npos
     sb = _Side(ref_embeddings, ref_labels, acc, row_config, normalised=False)
     pa, pb = _points(sa, sb, acc, row_config)
-    ids, ref_ids = lse._label_ids(labels, ref_labels)
-    return _Points(sa, *pa, ids, row_config), _Points(sb, *pb, ref_ids, row_config)
+    (ids, ref_ids), npos = lse._label_ids(labels, ref_labels, self_=self_)
+    return _Points(sa, *pa, ids, row_config), _Points(sb, *pb, ref_ids, row_config), npos
 
 
 def _error(D: int, scheme: int, acc: torch.dtype) -> float:
@@ -658,11 +663,11 @@ def contrastive_forward(
     row_config = row_config or ROW_CONFIGS[0]
     exact_config = exact_config or EXACT_CONFIGS[0]
     self_, offset = _self_pairs(ref_embeddings, shard)
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    a, b, npos = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, self_)
     N, D = embeddings.shape
     M = b.n
     dev = embeddings.device
-    npos, pairs = lse._counts(a, b, self_)
+    pairs = M - int(self_)  # (each anchor's: every ref but itself)
     sums = torch.zeros(N, 2, dtype=torch.float64, device=dev)
     terms = torch.zeros(N, 2, dtype=torch.int32, device=dev)
     if N > 0 and M > 0:
@@ -787,7 +792,7 @@ def contrastive_backward(
     if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
         a = b = _sides(ref_embeddings, ref_labels, None, None, acc, row_config)[0]
     else:
-        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+        a, b, _ = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     pairs_self = self_ or whole is not None
     st = stats.contiguous()
     live = (st[0] != 0).any()  # a zero loss (PML's rule): zero gradients, NaN rows included

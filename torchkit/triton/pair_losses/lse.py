@@ -24,10 +24,12 @@ that recomputes the tile:
   positive pair's term, which needs its anchor's whole negative sum; proxy-anchor's anchors
   are the proxies and its two log-sums, over the negatives of α(c + margin) and the positives
   of α(margin − c), hold the 1 (added by the merge, once).
-- The batch (count_kernel, positives_kernel, terms_kernel, loss_kernel): each anchor's positive
-  pairs counted from the labels' ids, then PML's batch rules applied to the anchors' outputs
-  and the loss and stats written, on the device in four launches (no host synchronisation, no
-  torch operation between them); the partial sums in float64, in a fixed order.
+- The labels (ids_kernel, after a sort of each side): their int32 ids, which the tiles compare,
+  and each anchor's positive pairs, by binary searches in the sorted labels (proxy-anchor's
+  classes: count_kernel, positives_kernel).
+- The batch (terms_kernel, loss_kernel): PML's batch rules applied to the anchors' outputs and
+  the loss and stats written, on the device in two launches (no host synchronisation, no torch
+  operation between them); the partial sums in float64, in a fixed order.
 - Backward (grad_kernel): per anchor the coefficients of ∂loss/∂x_ij = coef_i·exp(x_ij −
   shift_i) and of the positive pairs' own terms (PairGrad in pair_losses_cpu.cpp), formed on
   the device from the stats (coef_kernel); each program recomputes its tiles, forms ∂loss/∂c and multiplies
@@ -47,6 +49,7 @@ checked; offsets are int64.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -403,26 +406,76 @@ def operands_kernel(
 
 
 @triton.jit
-def count_kernel(ids_ptr, count_ptr, M, BLOCK_ROWS: tl.constexpr):
-    """count[id] += 1 for each of M label ids (_label_ids): int32 atomics, the same counts in
-    any order."""
+def _rank(sorted_ptr, n, x, STEPS, UPPER: tl.constexpr):
+    """How many of the n ascending values at sorted_ptr are < x (<= x with UPPER), each lane's:
+    a binary search by halving steps from 2^(STEPS - 1), with 2^STEPS > n; one load a step."""
+    at = tl.zeros(x.shape, tl.int32)
+    for i in range(0, STEPS):
+        step = 1 << (STEPS - 1 - i)
+        ok = at + step <= n
+        v = tl.load(sorted_ptr + (at + step - 1), mask=ok, other=0)
+        below = (v <= x) if UPPER else (v < x)
+        at = tl.where(ok & below, at + step, at)
+    return at
+
+
+@triton.jit
+def ids_kernel(
+    a_ptr,
+    sorted_a_ptr,
+    NA,
+    STEPS_A,
+    b_ptr,
+    sorted_b_ptr,
+    NB,
+    STEPS_B,
+    ids_ptr,
+    npos_ptr,
+    TWO: tl.constexpr,
+    SELF: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """The labels' ids and the anchors' positive pairs (_label_ids). Into ids_ptr's NA (and with
+    TWO, NB more) int32: each of the NA labels at a_ptr (then the NB at b_ptr) gets its rank
+    among them all, the values below it in each side's sorted labels. Equal labels get equal
+    ids, all below NA + NB. Into npos_ptr's NA: each of a's labels' count among b's (a's
+    without TWO: the wrapper passes them as b), less itself with SELF."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_a = rows < NA
+    x = tl.load(a_ptr + rows, mask=in_a, other=0)
+    if TWO:
+        in_b = (rows >= NA) & (rows < NA + NB)
+        x = tl.where(in_a, x, tl.load(b_ptr + (rows - NA), mask=in_b, other=0))
+        below_b = _rank(sorted_b_ptr, NB, x, STEPS_B, False)
+        tl.store(ids_ptr + rows, _rank(sorted_a_ptr, NA, x, STEPS_A, False) + below_b, mask=in_a | in_b)
+    else:
+        below_b = _rank(sorted_b_ptr, NB, x, STEPS_B, False)
+        tl.store(ids_ptr + rows, below_b, mask=in_a)
+    npos = _rank(sorted_b_ptr, NB, x, STEPS_B, True) - below_b
+    if SELF:
+        npos -= 1
+    tl.store(npos_ptr + rows, npos, mask=in_a)
+
+
+@triton.jit
+def count_kernel(ids_ptr, count_ptr, M, C, BLOCK_ROWS: tl.constexpr):
+    """count[id] += 1 for each of M ids (proxy-anchor's labels: their classes) in [0, C), the
+    count's length (others are refused by a device-side assertion, which may fire after this
+    launch: they write nothing): int32 atomics, the same counts in any order."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     mask = rows < M
     ids = tl.load(ids_ptr + rows, mask=mask, other=0)
+    mask &= (ids >= 0) & (ids < C)
     tl.atomic_add(count_ptr + ids, tl.full((BLOCK_ROWS,), 1, tl.int32), mask=mask, sem="relaxed")
 
 
 @triton.jit
-def positives_kernel(ids_ptr, count_ptr, npos_ptr, N, SELF: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    """Each of N anchors' positive pairs: the refs counted under its label's id (count_kernel),
-    but itself with SELF."""
+def positives_kernel(ids_ptr, count_ptr, npos_ptr, N, BLOCK_ROWS: tl.constexpr):
+    """Each of N anchors' positive pairs: the refs counted under its id (count_kernel)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     mask = rows < N
     ids = tl.load(ids_ptr + rows, mask=mask, other=0)
-    npos = tl.load(count_ptr + ids, mask=mask, other=0)
-    if SELF:
-        npos -= 1
-    tl.store(npos_ptr + rows, npos, mask=mask)
+    tl.store(npos_ptr + rows, tl.load(count_ptr + ids, mask=mask, other=0), mask=mask)
 
 
 # --------------------------------------------------------------------------- forward
@@ -1110,12 +1163,42 @@ def jacobian_kernel(
 # --------------------------------------------------------------------------- wrappers
 
 
-def _label_ids(*labels: Tensor) -> list[Tensor]:
-    """The labels of each side as int32 ids, equal where the labels are (a label's place among
-    them all, sorted): the tiles compare int32, with no host synchronisation."""
-    every = torch.cat([v.reshape(-1).to(torch.int64) for v in labels])
-    ids = torch.searchsorted(every.sort().values, every).to(torch.int32)
-    return list(ids.split([v.numel() for v in labels]))
+def _label_ids(*labels: Tensor, self_: bool = False) -> tuple[list[Tensor], Tensor]:
+    """The labels of each side (one or two) as int32 ids, equal where the labels are (a label's
+    rank among them all): the tiles compare int32. And each anchor's positive pairs: the refs
+    (the last side) of its label, less itself with self_. Each side sorted, then ids_kernel:
+    one launch more than the sorts, no host synchronisation."""
+    common = labels[0].dtype if all(v.dtype == labels[0].dtype for v in labels) else torch.int64
+    if common not in _SORTED:  # (as the CPU kernels compare: in int64, a bijection of each)
+        common = torch.int64
+    sides = [v.reshape(-1).to(common).contiguous() for v in labels]
+    ordered = [v.sort().values for v in sides]
+    a, b = sides[0], sides[-1]
+    na, nb = a.numel(), b.numel()
+    ids = torch.empty(na + (nb if len(sides) == 2 else 0), dtype=torch.int32, device=a.device)
+    npos = torch.empty(na, dtype=torch.int32, device=a.device)
+    if ids.numel():
+        ids_kernel[(blocks(ids.numel(), BATCH_CONFIG.kwargs["BLOCK_ROWS"]),)](
+            a,
+            ordered[0],
+            na,
+            na.bit_length(),
+            b,
+            ordered[-1],
+            nb,
+            nb.bit_length(),
+            ids,
+            npos,
+            TWO=len(sides) == 2,
+            SELF=self_,
+            **BATCH_CONFIG.launch,
+        )
+    return list(ids.split([v.numel() for v in sides])), npos
+
+
+# The labels' dtypes the ids take as they are (every platform's sort takes them); others are
+# compared as int64.
+_SORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class _Operands:
@@ -1172,14 +1255,17 @@ class _Operands:
         return self.hi, self.lo, self.f, self.bad
 
 
-def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config):
+def _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, self_: bool = False):
+    """The anchors' and the refs' _Operands (one object without refs), and each anchor's
+    positive pairs (_label_ids)."""
     if ref_embeddings is None:
-        a = _Operands(embeddings, *_label_ids(labels), acc, row_config)
-        return a, a
-    ids, ref_ids = _label_ids(labels, ref_labels)
+        (ids,), npos = _label_ids(labels, self_=self_)
+        a = _Operands(embeddings, ids, acc, row_config)
+        return a, a, npos
+    (ids, ref_ids), npos = _label_ids(labels, ref_labels, self_=self_)
     a = _Operands(embeddings, ids, acc, row_config)
     b = _Operands(ref_embeddings, ref_ids, acc, row_config)
-    return a, b
+    return a, b, npos
 
 
 def _slices(programs: int, columns: int, block: int) -> tuple[int, int]:
@@ -1342,24 +1428,24 @@ def _rows(
     return out, total
 
 
-# The batch's kernels (count_kernel, positives_kernel, terms_kernel, loss_kernel): blocks of
-# rows, four warps.
+# The labels' and the batch's kernels (ids_kernel, count_kernel, positives_kernel,
+# terms_kernel, loss_kernel): blocks of rows, four warps.
 BATCH_CONFIG = Config(BLOCK_ROWS=1024, num_warps=4, num_stages=1, fp_fusion=False)
 
 
-def _counts(a: _Operands, b: _Operands, self_: bool) -> tuple[Tensor, int]:
-    """Per anchor, its positive pairs (the refs of its label but itself with self_: from the
-    labels' ids, O(N + M), no host synchronisation), and each anchor's pairs (every ref but
-    itself)."""
+def _proxy_positives(a: _Operands, b: _Operands) -> Tensor:
+    """Per proxy (a's rows, labelled by their class), its positive pairs: the embeddings (b)
+    of its class, counted by their labels (in [0, C): checked), O(C + N), no host
+    synchronisation."""
     dev = a.labels.device
-    count = torch.zeros(a.n + b.n, dtype=torch.int32, device=dev)  # (by id: each below N + M)
+    count = torch.zeros(a.n, dtype=torch.int32, device=dev)
     npos = torch.empty(a.n, dtype=torch.int32, device=dev)
     rows = BATCH_CONFIG.kwargs["BLOCK_ROWS"]
     if b.n:
-        count_kernel[(blocks(b.n, rows),)](b.labels, count, b.n, **BATCH_CONFIG.launch)
+        count_kernel[(blocks(b.n, rows),)](b.labels, count, b.n, a.n, **BATCH_CONFIG.launch)
     if a.n:
-        positives_kernel[(blocks(a.n, rows),)](a.labels, count, npos, a.n, SELF=self_, **BATCH_CONFIG.launch)
-    return npos, b.n - int(self_)
+        positives_kernel[(blocks(a.n, rows),)](a.labels, count, npos, a.n, **BATCH_CONFIG.launch)
+    return npos
 
 
 def _loss(loss, out, total, npos, log_s, pairs: int, shard, dtype: torch.dtype, acc: torch.dtype) -> tuple:
@@ -1407,10 +1493,10 @@ def supcon_forward(
     t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     self_, offset = _self_pairs(ref_embeddings, shard)
+    a, b, npos = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, self_)
     lse, possum = _rows(a, b, SUPCON, self_, 1.0 / t, acc, config, row_config, offset=offset)
-    npos, pairs = _counts(a, b, self_)
+    pairs = b.n - int(self_)  # (each anchor's: every ref but itself)
     return _loss(LOSS_SUPCON, lse, possum, npos, None, a.n * pairs, shard, embeddings.dtype, acc)
 
 
@@ -1423,10 +1509,10 @@ def ntxent_forward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     self_, offset = _self_pairs(ref_embeddings, shard)
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    a, b, npos = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, self_)
     log_s, _ = _rows(a, b, NTXENT_NEGATIVES, self_, 1.0 / t, acc, config, row_config, offset=offset)
     log_r, loss = _rows(a, b, NTXENT_POSITIVES, self_, 1.0 / t, acc, config, row_config, log_s=log_s, offset=offset)
-    npos, pairs = _counts(a, b, self_)
+    pairs = b.n - int(self_)
     return _loss(LOSS_NTXENT, log_r, loss, npos, log_s, a.n * pairs, shard, embeddings.dtype, acc)
 
 
@@ -1546,9 +1632,9 @@ def _backward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
-        a = b = _Operands(ref_embeddings, *_label_ids(ref_labels), acc, row_config)
+        a = b = _Operands(ref_embeddings, *_label_ids(ref_labels)[0], acc, row_config)
     else:
-        a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+        a, b, _ = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     # Per anchor: coef, shift, w and log S (coef_kernel).
     loss = LOSS_NTXENT if ntxent else LOSS_SUPCON
     stats = stats.contiguous()
@@ -1630,7 +1716,7 @@ def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None,
     row_config = row_config or ROW_CONFIGS[0]
     a, b = _proxy_sides(embeddings, labels, proxies, acc, row_config)
     ln, lp = _rows(a, b, PROXY, False, alpha, acc, config, row_config, shift=margin, one=shard is None)
-    npos, _ = _counts(a, b, False)
+    npos = _proxy_positives(a, b)
     if shard is not None:
         parts = torch.stack([lp.double(), ln.double(), (npos > 0).double()], dim=1)
         return parts, torch.zeros(a.n, 4, dtype=acc, device=proxies.device)
@@ -1731,18 +1817,22 @@ def compile_cases() -> list[CompileCase]:
                 ROW_CONFIGS if first else ROW_CONFIGS[:1],
             )
         )
-        if first:  # (the labels' ids: no scheme)
-            cases.append(case("pair_losses.lse.count", count_kernel, types, {}, (BATCH_CONFIG,)))
-            for self_ in (False, True):
+        if first:  # (the labels' ids: no scheme; int64 labels, one side and two; proxies' counts)
+            labels = dict.fromkeys(("a_ptr", "sorted_a_ptr", "b_ptr", "sorted_b_ptr"), "*i64")
+            sizes = dict.fromkeys(("NA", "STEPS_A", "NB", "STEPS_B"), "i32")
+            for two, self_ in itertools.product((False, True), repeat=2):
                 cases.append(
-                    case(
-                        f"pair_losses.lse.positives{' self' if self_ else ''}",
-                        positives_kernel,
-                        types,
-                        dict(SELF=self_),
+                    CompileCase(
+                        f"pair_losses.lse.ids{' two' if two else ''}{' self' if self_ else ''}",
+                        ids_kernel,
+                        {**labels, **sizes, "ids_ptr": "*i32", "npos_ptr": "*i32"},
+                        dict(TWO=two, SELF=self_),
                         (BATCH_CONFIG,),
+                        divisible=("NA", "NB"),
                     )
                 )
+            cases.append(case("pair_losses.lse.count", count_kernel, {**types, "C": "i32"}, {}, (BATCH_CONFIG,)))
+            cases.append(case("pair_losses.lse.positives", positives_kernel, types, {}, (BATCH_CONFIG,)))
         if name in ("fp16", "fp32 medium"):  # (their hot kernels are bfloat16's)
             continue
         hot_flags = dict(SCHEME=how, INTERPRET=False, **flags)

@@ -887,12 +887,12 @@ def multi_similarity_forward(
     row_config = row_config or ROW_CONFIGS[0]
     exact_config = exact_config or EXACT_CONFIGS[0]
     self_, offset = _self_pairs(ref_embeddings, shard)
-    a, b = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    a, b, npos = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, self_)
     N, D = embeddings.shape
     M = b.n
     dev = embeddings.device
     st = torch.zeros(N, 5, dtype=torch.float64, device=dev)
-    npos, pairs = lse._counts(a, b, self_)
+    pairs = M - int(self_)  # (each anchor's: every ref but itself)
     kept = torch.zeros(N, 2, dtype=torch.int32, device=dev)
     inf = float("inf")
     if N > 0 and M > 0:
@@ -1076,9 +1076,9 @@ def multi_similarity_backward(
     row_config = row_config or ROW_CONFIGS[0]
     config = config or lse._default(GRAD_CONFIGS, acc)
     if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
-        a = b = lse._Operands(ref_embeddings, *lse._label_ids(ref_labels), acc, row_config)
+        a = b = lse._Operands(ref_embeddings, *lse._label_ids(ref_labels)[0], acc, row_config)
     else:
-        a, b = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+        a, b, _ = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     pairs_self = self_ or whole is not None
     st = stats.contiguous()
     # The anchors' numbers (the stats' rows: the whole problem's for a shard), as _ms_terms
