@@ -406,17 +406,18 @@ def operands_kernel(
 
 
 @triton.jit
-def _rank(sorted_ptr, n, x, STEPS, UPPER: tl.constexpr):
-    """How many of the n ascending values at sorted_ptr are < x (<= x with UPPER), each lane's:
-    a binary search by halving steps from 2^(STEPS - 1), with 2^STEPS > n; one load a step."""
-    at = tl.zeros(x.shape, tl.int32)
-    for i in range(0, STEPS):
-        step = 1 << (STEPS - 1 - i)
-        ok = at + step <= n
-        v = tl.load(sorted_ptr + (at + step - 1), mask=ok, other=0)
-        below = (v <= x) if UPPER else (v < x)
-        at = tl.where(ok & below, at + step, at)
-    return at
+def _step(n, x, at, step, v, UPPER: tl.constexpr):
+    """A step of a binary search for how many of n ascending values are < x (<= x with UPPER),
+    each lane's: at + step where the value at at + step − 1 (v: _probe's) is."""
+    ok = at + step <= n
+    below = (v <= x) if UPPER else (v < x)
+    return tl.where(ok & below, at + step, at)
+
+
+@triton.jit
+def _probe(sorted_ptr, n, at, step):
+    """The value _step compares: at at + step − 1, where that is below n."""
+    return tl.load(sorted_ptr + (at + step - 1), mask=at + step <= n, other=0)
 
 
 @triton.jit
@@ -424,11 +425,10 @@ def ids_kernel(
     a_ptr,
     sorted_a_ptr,
     NA,
-    STEPS_A,
     b_ptr,
     sorted_b_ptr,
     NB,
-    STEPS_B,
+    STEPS,
     ids_ptr,
     npos_ptr,
     TWO: tl.constexpr,
@@ -439,19 +439,34 @@ def ids_kernel(
     TWO, NB more) int32: each of the NA labels at a_ptr (then the NB at b_ptr) gets its rank
     among them all, the values below it in each side's sorted labels. Equal labels get equal
     ids, all below NA + NB. Into npos_ptr's NA: each of a's labels' count among b's (a's
-    without TWO: the wrapper passes them as b), less itself with SELF."""
+    without TWO: the wrapper passes them as b), less itself with SELF.
+
+    The binary searches (2^STEPS > NA, NB: steps from 2^(STEPS − 1) down, those past a side's
+    end masked) share one loop, their loads issued together: a round trip to memory a step."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_a = rows < NA
     x = tl.load(a_ptr + rows, mask=in_a, other=0)
     if TWO:
         in_b = (rows >= NA) & (rows < NA + NB)
         x = tl.where(in_a, x, tl.load(b_ptr + (rows - NA), mask=in_b, other=0))
-        below_b = _rank(sorted_b_ptr, NB, x, STEPS_B, False)
-        tl.store(ids_ptr + rows, _rank(sorted_a_ptr, NA, x, STEPS_A, False) + below_b, mask=in_a | in_b)
+    below_a = tl.zeros(x.shape, tl.int32)  # (TWO: a's labels < x)
+    below_b = tl.zeros(x.shape, tl.int32)  # b's labels < x
+    upto_b = tl.zeros(x.shape, tl.int32)  # b's labels <= x
+    for i in range(0, STEPS):
+        step = 1 << (STEPS - 1 - i)
+        if TWO:
+            va = _probe(sorted_a_ptr, NA, below_a, step)
+        vb = _probe(sorted_b_ptr, NB, below_b, step)
+        vu = _probe(sorted_b_ptr, NB, upto_b, step)
+        if TWO:
+            below_a = _step(NA, x, below_a, step, va, False)
+        below_b = _step(NB, x, below_b, step, vb, False)
+        upto_b = _step(NB, x, upto_b, step, vu, True)
+    if TWO:
+        tl.store(ids_ptr + rows, below_a + below_b, mask=in_a | in_b)
     else:
-        below_b = _rank(sorted_b_ptr, NB, x, STEPS_B, False)
         tl.store(ids_ptr + rows, below_b, mask=in_a)
-    npos = _rank(sorted_b_ptr, NB, x, STEPS_B, True) - below_b
+    npos = upto_b - below_b
     if SELF:
         npos -= 1
     tl.store(npos_ptr + rows, npos, mask=in_a)
@@ -1182,11 +1197,10 @@ def _label_ids(*labels: Tensor, self_: bool = False) -> tuple[list[Tensor], Tens
             a,
             ordered[0],
             na,
-            na.bit_length(),
             b,
             ordered[-1],
             nb,
-            nb.bit_length(),
+            _search_steps(max(na, nb)),
             ids,
             npos,
             TWO=len(sides) == 2,
@@ -1194,6 +1208,12 @@ def _label_ids(*labels: Tensor, self_: bool = False) -> tuple[list[Tensor], Tens
             **BATCH_CONFIG.launch,
         )
     return list(ids.split([v.numel() for v in sides])), npos
+
+
+def _search_steps(n: int) -> int:
+    """ids_kernel's binary search steps over at most n sorted labels: 2^steps > n.
+    tools/gpu_model.py counts them as deep as at its headline size."""
+    return n.bit_length()
 
 
 # The labels' dtypes the ids take as they are (every platform's sort takes them); others are
@@ -1819,7 +1839,7 @@ def compile_cases() -> list[CompileCase]:
         )
         if first:  # (the labels' ids: no scheme; int64 labels, one side and two; proxies' counts)
             labels = dict.fromkeys(("a_ptr", "sorted_a_ptr", "b_ptr", "sorted_b_ptr"), "*i64")
-            sizes = dict.fromkeys(("NA", "STEPS_A", "NB", "STEPS_B"), "i32")
+            sizes = dict.fromkeys(("NA", "NB", "STEPS"), "i32")
             for two, self_ in itertools.product((False, True), repeat=2):
                 cases.append(
                     CompileCase(
