@@ -22,7 +22,7 @@ either forward's stats. Nothing N×M exists:
   cosine of a row with an equal one (self_cos_kernel).
 - Euclidean distances of the normalised rows (the triplets', and contrastive_loss's points):
   the rows centred on the float64 mean of the finite ones of both sides, rounded once
-  (centre_sums_kernel, points_kernel: _points); each tile's distances from the expansion
+  (centre_sums_kernel, mean_kernel, points_kernel: _points); each tile's distances from the expansion
   |c_i|² + |c_j|² − 2c_i·c_j, and where it cancelled (near-duplicates) or a choice is within
   the tile's error bound of its threshold, the exact distance from the inputs in float64 (as
   the CPU kernel's Points::direct), a tile at a time and only for tiles that have such an
@@ -423,25 +423,48 @@ def _same(ga_ptr, gb_ptr, rows, cols, row_mask, col_mask):
 
 @triton.jit
 def centre_sums_kernel(
-    x_ptr, inv_ptr, sums_ptr, N, D, stride_row, CHUNK, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+    x_ptr, inv_ptr, sums_ptr, count_ptr, N, D, stride_row, CHUNK, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     """Per block of features and chunk of CHUNK rows (program_id(1)): Σ over the chunk's finite
     rows of x·inv (F.normalize's rows, float64 from the float64 inverse norms: norm64_kernel's,
     > 0 and finite exactly for a row of finite values whose norm is finite), added in row
-    order, into sums[chunk]."""
+    order, into sums[chunk]; the first block of features counts those rows into count[chunk]."""
     ks = tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     k_mask = ks < D
     first = tl.program_id(1).to(tl.int64) * CHUNK
     total = tl.zeros((BLOCK_D,), tl.float64)
+    rows_kept = tl.zeros((BLOCK_ROWS,), tl.int32)
     for r0 in range(first, tl.minimum(first + CHUNK, N), BLOCK_ROWS):
         rows = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         row_mask = rows < N
         inv = tl.load(inv_ptr + rows, mask=row_mask, other=0.0)
         keep = row_mask & (inv > 0) & (inv < float("inf"))
+        rows_kept += keep.to(tl.int32)
         mask = keep[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(tl.float64)
         total += tl.sum(tl.where(mask, x * inv[:, None], 0.0), axis=0)
     tl.store(sums_ptr + tl.program_id(1).to(tl.int64) * D + ks, total, mask=k_mask)
+    if tl.program_id(0) == 0:
+        tl.store(count_ptr + tl.program_id(1), tl.sum(rows_kept, axis=0))
+
+
+@triton.jit
+def mean_kernel(sums_ptr, count_ptr, mean_ptr, CHUNKS, D, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per block of features, the mean of the finite rows of both sides: centre_sums_kernel's
+    CHUNKS sums and counts (every side's chunks) added BLOCK_ROWS chunks at a time, in a fixed
+    order (the same bits on every run), in float64."""
+    ks = tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    k_mask = ks < D
+    total = tl.zeros((BLOCK_D,), tl.float64)
+    count = tl.zeros((BLOCK_ROWS,), tl.int64)
+    for c0 in range(0, CHUNKS, BLOCK_ROWS):
+        chunks = (c0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        c_mask = chunks < CHUNKS
+        mask = c_mask[:, None] & k_mask[None, :]
+        total += tl.sum(tl.load(sums_ptr + chunks[:, None] * D + ks[None, :], mask=mask, other=0.0), axis=0)
+        count += tl.load(count_ptr + chunks, mask=c_mask, other=0).to(tl.int64)
+    count = tl.maximum(tl.sum(count, axis=0), 1).to(tl.float64)
+    tl.store(mean_ptr + ks, total / count, mask=k_mask)
 
 
 @triton.jit
@@ -1051,20 +1074,22 @@ def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
     D = a.raw.shape[1]
     device = a.raw.device
     k = config.kwargs
-    sums = torch.zeros(D, dtype=torch.float64, device=device)
-    count = torch.zeros((), dtype=torch.int64, device=device)
-    for side in sides:
-        if side.n > 0 and D > 0:
-            # (chunks of rows across programs, their sums added in chunk order: one program
-            # per block of features would take every row in turn)
-            chunk = CENTRE_ROWS * k["BLOCK_ROWS"]
-            part = torch.empty(blocks(side.n, chunk), D, dtype=torch.float64, device=device)
-            centre_sums_kernel[(blocks(D, k["BLOCK_D"]), part.shape[0])](
-                side.raw, side.inv64, part, side.n, D, side.raw.stride(0), chunk, **config.launch
+    # (chunks of rows across programs, their sums added in chunk order by mean_kernel: one
+    # program per block of features would take every row in turn)
+    chunk = CENTRE_ROWS * k["BLOCK_ROWS"]
+    chunks = [blocks(side.n, chunk) for side in sides]
+    sums = torch.empty(sum(chunks), D, dtype=torch.float64, device=device)
+    count = torch.empty(sum(chunks), dtype=torch.int32, device=device)
+    mean = torch.empty(D, dtype=torch.float64, device=device)
+    start = 0
+    for side, n in zip(sides, chunks, strict=True):
+        if n > 0 and D > 0:
+            centre_sums_kernel[(blocks(D, k["BLOCK_D"]), n)](
+                side.raw, side.inv64, sums[start:], count[start:], side.n, D, side.raw.stride(0), chunk, **config.launch
             )
-            sums += part.sum(0)
-            count += ((side.inv64 > 0) & (side.inv64 < float("inf"))).sum()
-    mean = sums / count.clamp(min=1)
+        start += n
+    if D > 0:
+        mean_kernel[(blocks(D, k["BLOCK_D"]),)](sums, count, mean, sums.shape[0], D, **config.launch)
     out = []
     for side in sides:
         c = torch.empty(side.n, D, dtype=acc, device=device)
@@ -1611,15 +1636,10 @@ def compile_cases() -> list[CompileCase]:
                 )
             if dtype == "fp32":
                 cases.append(CompileCase("pair_losses.norm64 fp32", norm64_kernel, types, {}, ROW_CONFIGS))
-                cases.append(
-                    CompileCase(
-                        "pair_losses.centre_sums fp32",
-                        centre_sums_kernel,
-                        {**types, "inv_ptr": "*fp64", "sums_ptr": "*fp64", "CHUNK": "i32"},
-                        {},
-                        ROW_CONFIGS,
-                    )
-                )
+                centre = {**types, "inv_ptr": "*fp64", "sums_ptr": "*fp64", "count_ptr": "*i32", "CHUNK": "i32"}
+                cases.append(CompileCase("pair_losses.centre_sums fp32", centre_sums_kernel, centre, {}, ROW_CONFIGS))
+                mean = {**centre, "mean_ptr": "*fp64", "CHUNKS": "i32"}
+                cases.append(CompileCase("pair_losses.mean", mean_kernel, mean, {}, ROW_CONFIGS))
         for kernel in (normalise_kernel, jacobian_kernel):
             cases.append(
                 CompileCase(

@@ -18,9 +18,12 @@ pair.
   of equal rows (_equal_rows) is at 0, counted or not by its margin, never listed. Per anchor
   and slice: the counted terms' sums (float64, a tile's row at a time) and counts.
 - contrastive_exact_kernel: the listed pairs of each anchor, in ref order (the same bits on
-  every run), on their exact distances (_pair_exact), as one more slice; an anchor whose list
-  outgrew its CAP slots is taken whole (every pair exact, its slices cleared). The slices are
-  summed in order.
+  every run), on their exact distances (_pair_exact), added to its slices' sums (in slice
+  order); an anchor whose list outgrew its CAP slots is taken whole (every pair exact, its
+  slices left out). Per block of anchors, the partial sums of the batch.
+- The batch (loss_kernel): PML's rule over the partials, in a fixed order, and the loss and
+  stats written on the device (no host synchronisation, no torch operation after the
+  kernels).
 - Backward (contrastive_grad_kernel): the same tiles and decisions; per pair w = ∂loss/∂d / d,
   Σ_j w_ij (c_i − c_j) as rowsum(w)·c_i − w·C with w·C on tensor cores (lse._grad_product: w
   split as the operands are), per block of own rows, block of features and slice of the other
@@ -48,7 +51,7 @@ from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_para
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse, ms
-from torchkit.triton.pair_losses._common import _pair_exact, _parts, _self_pairs, _shard, _unit, _whole_rows, _zeros
+from torchkit.triton.pair_losses._common import _pair_exact, _self_pairs, _shard, _unit, _whole_rows, _zeros
 
 # Launch configurations (every one run by the tests and compiled by tools/triton_check.py; the
 # first is the default, the last float64's).
@@ -298,6 +301,8 @@ def contrastive_exact_kernel(
     fill_ptr,
     sums_ptr,
     count_ptr,
+    npos_ptr,
+    partial_ptr,
     N,
     M,
     D,
@@ -312,8 +317,10 @@ def contrastive_exact_kernel(
     BLOCK_C: tl.constexpr,
 ):
     """The listed pairs of a block of anchors on their exact distances (an anchor whose list
-    outgrew CAP: every pair of it, BLOCK_C at a time, its slices cleared): their counted terms
-    (float64) into slice SLICES of sums and count."""
+    outgrew CAP: every pair of it, BLOCK_C at a time, its slices left out), added to the
+    anchors' tiles' sums and counts (SLICES of them, in slice order): the block's partial sums
+    partial[k, block] in float64 (k: the negative and the positive terms, their counts, the
+    anchors' positive pairs), for loss_kernel."""
     pm = tm.f64(POS_BITS)
     nm = tm.f64(NEG_BITS)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -325,6 +332,13 @@ def contrastive_exact_kernel(
     sum_p = tl.zeros((BLOCK_ROWS,), tl.float64)
     n_n = tl.zeros((BLOCK_ROWS,), tl.int32)
     n_p = tl.zeros((BLOCK_ROWS,), tl.int32)
+    tiles = row_mask & (whole == 0)  # (an anchor taken whole has every pair here)
+    for k in range(0, SLICES):
+        at = (k * N + rows) * 2
+        sum_n += tl.load(sums_ptr + at, mask=tiles, other=0.0)
+        sum_p += tl.load(sums_ptr + at + 1, mask=tiles, other=0.0)
+        n_n += tl.load(count_ptr + at, mask=tiles, other=0)
+        n_p += tl.load(count_ptr + at + 1, mask=tiles, other=0)
     # The listed pairs first (rounds from j0 = −_span: the slots), then, for the anchors taken
     # whole, every ref.
     any_whole = tl.max(whole.to(tl.int32), axis=0) > 0
@@ -341,18 +355,77 @@ def contrastive_exact_kernel(
             sum_n += tl.sum(tl.where(counted & (pos == 0), x, 0.0), axis=1)
             n_p += tl.sum((counted & pos).to(tl.int32), axis=1)
             n_n += tl.sum((counted & (pos == 0)).to(tl.int32), axis=1)
-    if any_whole:  # (their tiles' sums cleared: every pair of theirs is here)
-        for k in range(0, SLICES):
-            at = (k * N + rows) * 2
-            tl.store(sums_ptr + at, tl.zeros((BLOCK_ROWS,), tl.float64), mask=whole)
-            tl.store(sums_ptr + at + 1, tl.zeros((BLOCK_ROWS,), tl.float64), mask=whole)
-            tl.store(count_ptr + at, tl.zeros((BLOCK_ROWS,), tl.int32), mask=whole)
-            tl.store(count_ptr + at + 1, tl.zeros((BLOCK_ROWS,), tl.int32), mask=whole)
-    at = ((SLICES + tl.zeros((), tl.int64)) * N + rows) * 2
-    tl.store(sums_ptr + at, sum_n, mask=row_mask)
-    tl.store(sums_ptr + at + 1, sum_p, mask=row_mask)
-    tl.store(count_ptr + at, n_n, mask=row_mask)
-    tl.store(count_ptr + at + 1, n_p, mask=row_mask)
+    npos = tl.load(npos_ptr + rows, mask=row_mask, other=0)
+    blocks = tl.num_programs(0).to(tl.int64)
+    at = partial_ptr + tl.program_id(0)
+    tl.store(at, tl.sum(sum_n, axis=0))
+    tl.store(at + blocks, tl.sum(sum_p, axis=0))
+    tl.store(at + 2 * blocks, tl.sum(n_n.to(tl.int64), axis=0).to(tl.float64))
+    tl.store(at + 3 * blocks, tl.sum(n_p.to(tl.int64), axis=0).to(tl.float64))
+    tl.store(at + 4 * blocks, tl.sum(npos.to(tl.int64), axis=0).to(tl.float64))
+
+
+@triton.jit
+def loss_kernel(
+    partial_ptr,
+    stats_ptr,
+    result_ptr,
+    N,
+    BLOCKS,
+    PAIRS,
+    SHARD: tl.constexpr,
+    WIDE: tl.constexpr,
+    BF16: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """PML's batch rules (contrastive_forward in pair_losses_euclidean_cpu.cpp) over
+    contrastive_exact_kernel's partials (BLOCKS of them, summed in a fixed order by every
+    program: the same bits everywhere and on every run; PAIRS: the batch's pairs): each kind's
+    mean of its counted terms, nothing where each kind has at most one pair. Per block of
+    anchors their stats (the positive and the negative terms' weight: 1/count where the loss
+    counts the kind, else 0), and from the first program the result: the loss in its dtype (as
+    PyTorch casts it: lse._to_output), or a shard's parts in float64 (csrc/pair_losses.h; its
+    caller applies the rule to the whole problem's parts)."""
+    chunk = tl.arange(0, BLOCK_ROWS)
+    sum_n = tl.zeros((BLOCK_ROWS,), tl.float64)
+    sum_p = tl.zeros((BLOCK_ROWS,), tl.float64)
+    n_n = tl.zeros((BLOCK_ROWS,), tl.float64)
+    n_p = tl.zeros((BLOCK_ROWS,), tl.float64)
+    positives = tl.zeros((BLOCK_ROWS,), tl.float64)
+    for b0 in range(0, BLOCKS, BLOCK_ROWS):
+        at = b0 + chunk
+        mask = at < BLOCKS
+        sum_n += tl.load(partial_ptr + at, mask=mask, other=0.0)
+        sum_p += tl.load(partial_ptr + BLOCKS + at, mask=mask, other=0.0)
+        n_n += tl.load(partial_ptr + 2 * BLOCKS + at, mask=mask, other=0.0)
+        n_p += tl.load(partial_ptr + 3 * BLOCKS + at, mask=mask, other=0.0)
+        positives += tl.load(partial_ptr + 4 * BLOCKS + at, mask=mask, other=0.0)
+    sum_n = tl.sum(sum_n, axis=0)
+    sum_p = tl.sum(sum_p, axis=0)
+    n_n = tl.sum(n_n, axis=0)
+    n_p = tl.sum(n_p, axis=0)
+    positives = tl.sum(positives, axis=0)
+    negatives = PAIRS.to(tl.float64) - positives
+    use = ((negatives > 1) | (positives > 1)) | SHARD  # (a shard's: its caller's)
+    w_p = tl.where(use & (n_p > 0), 1.0 / tl.maximum(n_p, 1.0), 0.0).to(ACC)
+    w_n = tl.where(use & (n_n > 0), 1.0 / tl.maximum(n_n, 1.0), 0.0).to(ACC)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + chunk
+    row_mask = rows < N
+    tl.store(stats_ptr + 2 * rows, w_p + tl.zeros((BLOCK_ROWS,), ACC), mask=row_mask)
+    tl.store(stats_ptr + 2 * rows + 1, w_n + tl.zeros((BLOCK_ROWS,), ACC), mask=row_mask)
+    if tl.program_id(0) == 0:
+        if SHARD:  # (positive, negative): terms, counted, pairs
+            tl.store(result_ptr, sum_p)
+            tl.store(result_ptr + 1, n_p)
+            tl.store(result_ptr + 2, sum_n)
+            tl.store(result_ptr + 3, n_n)
+            tl.store(result_ptr + 4, positives)
+            tl.store(result_ptr + 5, negatives)
+        else:
+            mean_n = tl.where(n_n > 0, sum_n / tl.maximum(n_n, 1.0), 0.0)
+            mean_p = tl.where(n_p > 0, sum_p / tl.maximum(n_p, 1.0), 0.0)
+            tl.store(result_ptr, lse._to_output(tl.where(use, mean_n + mean_p, 0.0), WIDE, BF16))
 
 
 @hot()
@@ -668,15 +741,20 @@ def contrastive_forward(
     M = b.n
     dev = embeddings.device
     pairs = M - int(self_)  # (each anchor's: every ref but itself)
-    sums = torch.zeros(N, 2, dtype=torch.float64, device=dev)
-    terms = torch.zeros(N, 2, dtype=torch.int32, device=dev)
+    stats = torch.empty(N, 2, dtype=acc, device=dev)
+    if shard is None:
+        result = torch.empty((), dtype=embeddings.dtype, device=dev)
+    else:  # (a shard's parts: csrc/pair_losses.h)
+        result = torch.empty(6, dtype=torch.float64, device=dev)
+    partial = npos  # (no blocks: the loss kernel reads none)
+    exact_blocks = 0
     if N > 0 and M > 0:
         k = config.kwargs
         programs = blocks(N, k["BLOCK_N"])
         slices, chunk = lse._slices(programs, M, k["BLOCK_M"])
         cap = _cap(a.scheme, M)
-        part = torch.empty(slices + 1, N, 2, dtype=torch.float64, device=dev)
-        count = torch.empty(slices + 1, N, 2, dtype=torch.int32, device=dev)
+        part = torch.empty(slices, N, 2, dtype=torch.float64, device=dev)
+        count = torch.empty(slices, N, 2, dtype=torch.int32, device=dev)
         slot = torch.full((N, cap), ms.NO_COL, dtype=torch.int64, device=dev)
         fill = torch.zeros(N, dtype=torch.int32, device=dev)
         bits = [float_bits(v) for v in margins]
@@ -709,7 +787,9 @@ def contrastive_forward(
             **config.launch,
         )
         slot.copy_(slot.sort(dim=1).values)  # (the listed pairs in ref order: the same bits on every run)
-        contrastive_exact_kernel[(blocks(N, exact_config.kwargs["BLOCK_ROWS"]),)](
+        exact_blocks = blocks(N, exact_config.kwargs["BLOCK_ROWS"])
+        partial = torch.empty(5, exact_blocks, dtype=torch.float64, device=dev)
+        contrastive_exact_kernel[(exact_blocks,)](
             a.side.raw,
             b.side.raw,
             a.side.raw.stride(0),
@@ -722,6 +802,8 @@ def contrastive_forward(
             fill,
             part,
             count,
+            npos,
+            partial,
             N,
             M,
             D,
@@ -733,25 +815,22 @@ def contrastive_forward(
             ONE_FEATURE=D == 1,
             **exact_config.launch,
         )
-        sums = part.sum(0)
-        terms = count.sum(0, dtype=torch.int32)
-    # contrastive_forward (pair_losses_euclidean_cpu.cpp): each kind's mean of its counted terms
-    # (negative, positive), nothing when each kind has at most one pair (a shard's stats as if
-    # the rule held: its caller decides on the whole problem's parts).
-    terms = terms.sum(0, dtype=torch.int64)
-    positives = npos.sum(dtype=torch.int64)
-    pairs = torch.stack([N * pairs - positives, positives])
-    if shard is not None:
-        share = torch.where(terms > 0, 1.0 / terms.clamp(min=1).double(), 0.0).to(acc)
-        sums = sums.sum(0)
-        parts = _parts(sums[1], terms[1], sums[0], terms[0], pairs[1], pairs[0])
-        return parts, share.flip(0).expand(N, 2).contiguous()
-    use = (pairs > 1).any()
-    part = torch.where(terms > 0, sums.sum(0) / terms.clamp(min=1), 0.0)
-    total = torch.where(use, part[0] + part[1], 0.0)
-    share = torch.where(use & (terms > 0), 1.0 / terms.clamp(min=1).double(), 0.0).to(acc)
-    stats = share.flip(0).expand(N, 2).contiguous()  # positive, negative
-    return total.to(embeddings.dtype), stats
+    bf16 = shard is None and embeddings.dtype == torch.bfloat16
+    batch = lse.BATCH_CONFIG
+    loss_kernel[(max(1, blocks(N, batch.kwargs["BLOCK_ROWS"])),)](
+        partial,
+        stats,
+        result.view(torch.int16) if bf16 else result,
+        N,
+        exact_blocks,
+        N * pairs,
+        SHARD=shard is not None,
+        WIDE=shard is not None or embeddings.dtype == torch.float64,
+        BF16=bf16,
+        ACC=acc_tl(acc),
+        **batch.launch,
+    )
+    return result, stats
 
 
 def contrastive_backward(
@@ -901,7 +980,8 @@ def compile_cases() -> list[CompileCase]:
     """This engine's kernels for tools/triton_check.py: the tiles' kernels with the TF32 pair
     (every configuration, without refs), bfloat16 operands ("medium") and float64, rows of D =
     128 held where the scheme holds them; the exact kernels from float32, bfloat16 and float64
-    inputs (the first also with D = 1)."""
+    inputs (the first also with D = 1); the batch's loss kernel of each (float32's also for a
+    shard)."""
     ints = ("N", "M", "D", "OFFSET", "CHUNK", "CAP", "SLICES", "sa", "sb", "N_OWN", "N_OTHER", "s_own", "s_other")
     ints = dict.fromkeys(ints, "i32")
     # The headline launches' sizes (8,192 rows of 128 features, slices of whole tiles) are
@@ -930,7 +1010,10 @@ def compile_cases() -> list[CompileCase]:
             **dict.fromkeys(("lab_ptr", "ref_lab_ptr", "own_lab_ptr", "other_lab_ptr"), "*i32"),
             **dict.fromkeys(("grp_a_ptr", "grp_b_ptr", "grp_own_ptr", "grp_other_ptr"), "*i32"),
             "slot_ptr": "*i64",
-            **dict.fromkeys(("count_ptr", "fill_ptr"), "*i32"),
+            **dict.fromkeys(("count_ptr", "fill_ptr", "npos_ptr"), "*i32"),
+            "partial_ptr": "*fp64",
+            "BLOCKS": "i32",
+            "PAIRS": "i64",
             "sums_ptr": "*fp64",
             **dict.fromkeys(("xa_ptr", "xb_ptr", "xo_ptr", "xt_ptr"), "*" + dtype),
             **dict.fromkeys(("inv_a_ptr", "inv_b_ptr", "inv_own_ptr", "inv_other_ptr"), "*fp64"),
@@ -992,4 +1075,15 @@ def compile_cases() -> list[CompileCase]:
                         (PAIRS_CONFIG,),
                     )
                 )
+        for shard in (False, True) if first else (False,):  # (the loss in its dtype; a shard's parts)
+            result = "*fp64" if shard else ("*i16" if dtype == "bf16" else "*" + dtype)
+            cases.append(
+                case(
+                    f"pair_losses.euclid.loss {name}{' shard' if shard else ''}",
+                    loss_kernel,
+                    {**types, "stats_ptr": "*" + acc, "result_ptr": result},
+                    dict(SHARD=shard, WIDE=shard or is64, BF16=not shard and dtype == "bf16", ACC=flags["ACC"]),
+                    (lse.BATCH_CONFIG,),
+                )
+            )
     return cases
