@@ -21,7 +21,11 @@ are recomputed, from a per-anchor list:
   log-sums log(1 + Σ e^{α(base − s)}) and log(1 + Σ e^{β(s − base)}) as lse.rows_kernel's
   PROXY mode forms them, per slice. ms_exact_kernel (DECISIONS) decides the listed pairs on
   their exact cosines (in the anchor's sorted list order: the same bits on every run) and
-  adds the kept ones' terms as one more slice; lse.merge_kernel merges the slices.
+  adds the kept ones' terms as one more slice.
+- The batch (ms_terms_kernel, ms_loss_kernel): the slices merged per anchor (lse._merge, in a
+  fixed order) into the stats, PML's batch rules over the anchors' partial sums (float64, in
+  a fixed order) and the loss and stats written on the device: no torch operation after the
+  kernels, no host synchronisation.
 - An anchor whose list outgrows CAP (near-duplicate rows that are not equal: adversarial) is
   taken whole by ms_exact_kernel: every pair's exact cosine, its choice and term, in place of
   the tiles' (its slices cleared).
@@ -51,7 +55,7 @@ from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_para
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse
-from torchkit.triton.pair_losses._common import _feature, _parts, _self_pairs, _shard, _unit, _whole_rows, _zeros
+from torchkit.triton.pair_losses._common import _feature, _self_pairs, _shard, _unit, _whole_rows, _zeros
 
 # ms_rows_kernel's passes.
 EXTREMES = tl.constexpr(0)
@@ -473,6 +477,115 @@ W, LN, LP, CUT_N, CUT_P, SAME = (tl.constexpr(k) for k in range(6))
 
 
 @triton.jit
+def ms_terms_kernel(
+    part_ptr,
+    count_ptr,
+    npos_ptr,
+    st_ptr,
+    partial_ptr,
+    N,
+    SLICES,
+    ALPHA_BITS,
+    BETA_BITS,
+    MINING: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Per block of anchors: the slices' log-sums merged (lse._merge, in a fixed order) into
+    the stats' Lp = log(1 + Σ positives) and Ln = log(1 + Σ negatives) (and, without the
+    miner, its thresholds: −∞ and +∞), and the batch's partial sums partial[k, block] in
+    float64 (k: the terms Lp/α + Ln/β, the kept negative and positive pairs, the positive
+    pairs), for ms_loss_kernel."""
+    alpha = tm.f64(ALPHA_BITS)
+    beta = tm.f64(BETA_BITS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    slices = tl.arange(0, BLOCK_S).to(tl.int64)
+    plane = (SLICES + tl.zeros((), tl.int64)) * N
+    at = slices[:, None] * N + rows[None, :]
+    mask = (slices < SLICES)[:, None] & row_mask[None, :]
+    ln = lse._merge(part_ptr, 0, at, mask, plane, True, ACC).to(tl.float64)
+    lp = lse._merge(part_ptr, 3, at, mask, plane, True, ACC).to(tl.float64)
+    kept_n = tl.sum(tl.load(count_ptr + at, mask=mask, other=0), axis=0)
+    kept_p = tl.sum(tl.load(count_ptr + plane + at, mask=mask, other=0), axis=0)
+    if not MINING:
+        tl.store(st_ptr + 5 * rows, tl.full((BLOCK_ROWS,), float("-inf"), tl.float64), mask=row_mask)
+        tl.store(st_ptr + 5 * rows + 1, tl.full((BLOCK_ROWS,), float("inf"), tl.float64), mask=row_mask)
+    tl.store(st_ptr + 5 * rows + 2, lp, mask=row_mask)
+    tl.store(st_ptr + 5 * rows + 3, ln, mask=row_mask)
+    npos = tl.load(npos_ptr + rows, mask=row_mask, other=0)
+    blocks = tl.num_programs(0).to(tl.int64)
+    out = partial_ptr + tl.program_id(0)
+    tl.store(out, tl.sum(tl.where(row_mask, lp / alpha + ln / beta, 0.0), axis=0))
+    tl.store(out + blocks, tl.sum(kept_n.to(tl.int64), axis=0).to(tl.float64))
+    tl.store(out + 2 * blocks, tl.sum(kept_p.to(tl.int64), axis=0).to(tl.float64))
+    tl.store(out + 3 * blocks, tl.sum(npos.to(tl.int64), axis=0).to(tl.float64))
+
+
+@triton.jit
+def ms_loss_kernel(
+    partial_ptr,
+    st_ptr,
+    result_ptr,
+    N,
+    M,
+    BLOCKS,
+    PAIRS,
+    SHARD: tl.constexpr,
+    MINING: tl.constexpr,
+    WIDE: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """PML's batch rules (ms_forward in pair_losses_cpu.cpp) over ms_terms_kernel's partials
+    (BLOCKS of them, summed in a fixed order by every program: the same bits everywhere and on
+    every run; PAIRS: the batch's pairs): with the miner, nothing without a negative or a
+    positive pair in the batch; nothing when each kind keeps at most one pair (a shard's
+    caller applies that rule to the whole problem's parts). Per block of anchors their stats
+    (all 0 where the rules make the loss 0; the weight 1/N), and from the first program the
+    result: the loss in its dtype (as PyTorch casts it: lse._to_output), or a shard's parts in
+    float64 (csrc/pair_losses.h)."""
+    chunk = tl.arange(0, BLOCK_ROWS)
+    terms = tl.zeros((BLOCK_ROWS,), tl.float64)
+    kept_n = tl.zeros((BLOCK_ROWS,), tl.float64)
+    kept_p = tl.zeros((BLOCK_ROWS,), tl.float64)
+    positives = tl.zeros((BLOCK_ROWS,), tl.float64)
+    for b0 in range(0, BLOCKS, BLOCK_ROWS):
+        at = b0 + chunk
+        mask = at < BLOCKS
+        terms += tl.load(partial_ptr + at, mask=mask, other=0.0)
+        kept_n += tl.load(partial_ptr + BLOCKS + at, mask=mask, other=0.0)
+        kept_p += tl.load(partial_ptr + 2 * BLOCKS + at, mask=mask, other=0.0)
+        positives += tl.load(partial_ptr + 3 * BLOCKS + at, mask=mask, other=0.0)
+    terms = tl.sum(terms, axis=0)
+    kept_n = tl.sum(kept_n, axis=0)
+    kept_p = tl.sum(kept_p, axis=0)
+    positives = tl.sum(positives, axis=0)
+    if SHARD:
+        use = (N > 0) & (M > 0)
+    else:
+        use = (kept_n > 1) | (kept_p > 1)
+    if MINING:
+        use = use & (PAIRS.to(tl.float64) - positives > 0) & (positives > 0)
+    w = 1.0 / tl.maximum(N, 1).to(tl.float64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + chunk
+    row_mask = rows < N
+    for k in range(0, 4):
+        st = tl.load(st_ptr + 5 * rows + k, mask=row_mask, other=0.0)
+        tl.store(st_ptr + 5 * rows + k, tl.where(use, st, 0.0), mask=row_mask)
+    tl.store(st_ptr + 5 * rows + 4, tl.where(use, w, 0.0) + tl.zeros((BLOCK_ROWS,), tl.float64), mask=row_mask)
+    if tl.program_id(0) == 0:
+        if SHARD:  # (the terms, the anchors, the kept negative and positive pairs)
+            tl.store(result_ptr, tl.where(use, terms, 0.0))
+            tl.store(result_ptr + 1, N.to(tl.float64))
+            tl.store(result_ptr + 2, tl.where(use, kept_n, 0.0))
+            tl.store(result_ptr + 3, tl.where(use, kept_p, 0.0))
+        else:
+            tl.store(result_ptr, lse._to_output(tl.where(use, terms * w, 0.0), WIDE, BF16))
+
+
+@triton.jit
 def _anchor(anchor_ptr, k, at, mask, n):
     return tl.load(anchor_ptr + k * n + at, mask=mask, other=0.0)
 
@@ -891,10 +1004,12 @@ def multi_similarity_forward(
     N, D = embeddings.shape
     M = b.n
     dev = embeddings.device
-    st = torch.zeros(N, 5, dtype=torch.float64, device=dev)
     pairs = M - int(self_)  # (each anchor's: every ref but itself)
-    kept = torch.zeros(N, 2, dtype=torch.int32, device=dev)
     inf = float("inf")
+    # The stats (hn, hp, Lp, Ln, weight), written by the kernels (zeros without a pair).
+    st = (torch.empty if N > 0 and M > 0 else torch.zeros)(N, 5, dtype=torch.float64, device=dev)
+    partial = npos  # (no blocks: ms_loss_kernel reads none)
+    terms_blocks = 0
     if N > 0 and M > 0:
         k = config.kwargs
         programs = blocks(N, k["BLOCK_N"])
@@ -1001,39 +1116,48 @@ def multi_similarity_forward(
             slot.copy_(slot.sort(dim=1).values)  # (the listed pairs in ref order)
             exact(DECISIONS)
         else:
-            st[:, 0], st[:, 1] = -inf, inf
             part[:, slices].copy_(torch.tensor([-inf, 0.0, 0.0, -inf, 0.0], dtype=acc, device=dev)[:, None])
             count[:, slices].zero_()
             rows(TERMS, part)
-        ln = torch.empty(N, dtype=acc, device=dev)
-        lp = torch.empty(N, dtype=acc, device=dev)
         merge = lse._merge_config(row_config, slices + 1)
-        lse.merge_kernel[(blocks(N, merge.kwargs["BLOCK_ROWS"]),)](
-            part, ln, lp, N, slices + 1, MODE=lse.PROXY, ONE=True, ACC=acc_tl(acc), **merge.launch
+        terms_blocks = blocks(N, merge.kwargs["BLOCK_ROWS"])
+        partial = torch.empty(4, terms_blocks, dtype=torch.float64, device=dev)
+        ms_terms_kernel[(terms_blocks,)](
+            part,
+            count,
+            npos,
+            st,
+            partial,
+            N,
+            slices + 1,
+            float_bits(alpha),
+            float_bits(beta),
+            MINING=mining,
+            ACC=acc_tl(acc),
+            **merge.launch,
         )
-        st[:, 2] = lp.double()
-        st[:, 3] = ln.double()
-        kept = count.sum(dim=1, dtype=torch.int32).t()
-    # ms_forward (pair_losses_cpu.cpp): with the miner, nothing without a negative or a positive
-    # pair in the batch; and nothing when each kind keeps at most one pair (a shard's caller
-    # applies that rule to the whole problem's parts).
-    kept_negatives, kept_positives = kept.sum(dim=0, dtype=torch.int64).unbind()
+    # ms_loss_kernel: PML's rules, the stats and the loss (or a shard's parts) on the device.
     if shard is None:
-        use = ~((kept_negatives <= 1) & (kept_positives <= 1))
+        result = torch.empty((), dtype=embeddings.dtype, device=dev)
     else:
-        use = torch.full((), N > 0 and M > 0, dtype=torch.bool, device=dev)
-    if mining:
-        positives = npos.sum(dtype=torch.int64)
-        use = use & (N * pairs - positives > 0) & (positives > 0)
-    w = 1.0 / max(N, 1)
-    total = (st[:, 2] / alpha + st[:, 3] / beta).sum()
-    st[:, 4] = w
-    stats = torch.where(use, st, 0.0)
-    if shard is not None:
-        zero = total.new_zeros(())
-        kept_negatives, kept_positives = (torch.where(use, k, 0) for k in (kept_negatives, kept_positives))
-        return _parts(torch.where(use, total, zero), zero + N, kept_negatives, kept_positives), stats
-    return torch.where(use, total * w, 0.0).to(embeddings.dtype), stats
+        result = torch.empty(4, dtype=torch.float64, device=dev)
+    bf16 = shard is None and embeddings.dtype == torch.bfloat16
+    batch = lse.BATCH_CONFIG
+    ms_loss_kernel[(max(1, blocks(N, batch.kwargs["BLOCK_ROWS"])),)](
+        partial,
+        st,
+        result.view(torch.int16) if bf16 else result,
+        N,
+        M,
+        terms_blocks,
+        N * pairs,
+        SHARD=shard is not None,
+        MINING=mining,
+        WIDE=shard is not None or embeddings.dtype == torch.float64,
+        BF16=bf16,
+        **batch.launch,
+    )
+    return result, st
 
 
 def multi_similarity_backward(
@@ -1215,8 +1339,9 @@ def compile_cases() -> list[CompileCase]:
     """This engine's kernels for tools/triton_check.py: ms_rows_kernel's passes with the TF32
     pair (every configuration of TERMS with the miner), bfloat16 and float64, rows of D = 128
     held where the scheme holds them; ms_exact_kernel's passes from float32, bfloat16 and
-    float64 inputs; ms_grad_kernel's and ms_pairs_grad_kernel's passes (every configuration
-    of the first: the TF32 pair's, without refs, with the miner)."""
+    float64 inputs; the batch's kernels (ms_terms_kernel, ms_loss_kernel) of each;
+    ms_grad_kernel's and ms_pairs_grad_kernel's passes (every configuration of the first: the
+    TF32 pair's, without refs, with the miner)."""
     ints = ("N", "M", "D", "OFFSET", "CHUNK", "CAP", "SLICES", "sa", "sb", "N_OWN", "N_OTHER", "ANCHORS")
     ints = dict.fromkeys((*ints, "s_own", "s_other"), "i32")
     # The headline launches' sizes (8,192 rows of 128 features, slices of whole tiles) are
@@ -1272,6 +1397,28 @@ def compile_cases() -> list[CompileCase]:
                     types,
                     dict(SELF=True, PASS=step, ONE_FEATURE=False, ACC=flags["ACC"], CAP=CAPS[how.value]),
                     EXACT_CONFIGS if first else EXACT_CONFIGS[:1],
+                )
+            )
+        batch = {**types, "npos_ptr": "*i32", "partial_ptr": "*fp64", "BLOCKS": "i32", "PAIRS": "i64"}
+        for mining in (True, False) if first else (True,):
+            cases.append(
+                case(
+                    f"pair_losses.ms.terms {name}{'' if mining else ' all pairs'}",
+                    ms_terms_kernel,
+                    batch,
+                    dict(MINING=mining, ACC=flags["ACC"]),
+                    (lse._merge_config(lse.ROW_CONFIGS[0], 4),),
+                )
+            )
+        for shard, mining in ((False, True), (True, True), (False, False)) if first else ((False, True),):
+            result = "*fp64" if shard else ("*i16" if dtype == "bf16" else "*" + dtype)
+            cases.append(
+                case(
+                    f"pair_losses.ms.loss {name}{' shard' if shard else ''}{'' if mining else ' all pairs'}",
+                    ms_loss_kernel,
+                    {**batch, "result_ptr": result},
+                    dict(SHARD=shard, MINING=mining, WIDE=shard or is64, BF16=not shard and dtype == "bf16"),
+                    (lse.BATCH_CONFIG,),
                 )
             )
         default = lse._default(GRAD_CONFIGS, torch.float64 if is64 else torch.float32)
