@@ -48,7 +48,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_scalars
 from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
@@ -66,6 +65,7 @@ THRESHOLDS = tl.constexpr(0)
 DECISIONS = tl.constexpr(1)
 
 NO_COL = 2**62  # an empty slot (sorted last)
+EMPTY_SLOT = tl.constexpr(NO_COL)  # (the kernels')
 
 # Launch configurations (every one run by the tests and compiled by tools/triton_check.py; the
 # first is the default, the last float64's).
@@ -469,11 +469,121 @@ def ms_exact_kernel(
         tl.store(count_ptr + plane + at, n_p, mask=row_mask)
 
 
-# --------------------------------------------------------------------------- backward
+# --------------------------------------------------------------------------- the miner's steps, the batch
 
-# The per-anchor planes of the backward (anchor[k·anchors + i], ACC): the terms' weight and
-# log-sums, then _cuts' three.
-W, LN, LP, CUT_N, CUT_P, SAME = (tl.constexpr(k) for k in range(6))
+
+@triton.jit
+def ms_bounds_kernel(
+    part_ptr,
+    count_ptr,
+    row_ptr,
+    st_ptr,
+    N,
+    SLICES,
+    NEAR_BITS,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """After EXTREMES, per anchor from its SLICES slices (planes of extremes and NaN flags): the
+    bounds CANDIDATES lists the pairs within (row[0]: the floor a negative's tile cosine must
+    reach, top − NEAR; row[1]: the ceiling a positive's must stay under, bottom + NEAR; none
+    where a NaN pair or no pair of the kind is), and the thresholds' stats where no exact
+    cosine decides them (NaN, or ∓∞ without a pair of the kind; 0 where ms_exact_kernel
+    will)."""
+    near = tm.f64(NEAR_BITS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    slices = tl.arange(0, BLOCK_S).to(tl.int64)
+    plane = (SLICES + tl.zeros((), tl.int64)) * N
+    at = slices[:, None] * N + rows[None, :]
+    mask = (slices < SLICES)[:, None] & row_mask[None, :]
+    top = tl.max(tl.load(part_ptr + at, mask=mask, other=float("-inf")), axis=0)
+    bottom = tl.min(tl.load(part_ptr + plane + at, mask=mask, other=float("inf")), axis=0)
+    nan_n = tl.max(tl.load(count_ptr + at, mask=mask, other=0), axis=0) > 0
+    nan_p = tl.max(tl.load(count_ptr + plane + at, mask=mask, other=0), axis=0) > 0
+    none_n = top == float("-inf")
+    none_p = bottom == float("inf")
+    floor = tl.where(nan_n | none_n, float("inf"), top.to(tl.float64) - near)
+    ceiling = tl.where(nan_p | none_p, float("-inf"), bottom.to(tl.float64) + near)
+    tl.store(row_ptr + rows, floor.to(ACC), mask=row_mask)
+    tl.store(row_ptr + N + rows, ceiling.to(ACC), mask=row_mask)
+    hn = tl.where(nan_n, float("nan"), tl.where(none_n, float("-inf"), 0.0))
+    hp = tl.where(nan_p, float("nan"), tl.where(none_p, float("inf"), 0.0))
+    tl.store(st_ptr + 5 * rows, hn.to(tl.float64), mask=row_mask)
+    tl.store(st_ptr + 5 * rows + 1, hp.to(tl.float64), mask=row_mask)
+
+
+@triton.jit
+def ms_same_kernel(count_ptr, cos_ptr, st_ptr, N, SLICES, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """After CANDIDATES, per anchor: where a slice flagged a negative (count plane 0) or a
+    positive (plane 1) among its equal rows, that pair's exact cosine (the anchor's own, cos)
+    as the start of ms_exact_kernel's hardest negative (stats column 2, else −∞) and positive
+    (column 3, else +∞)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    slices = tl.arange(0, BLOCK_S).to(tl.int64)
+    plane = (SLICES + tl.zeros((), tl.int64)) * N
+    at = slices[:, None] * N + rows[None, :]
+    mask = (slices < SLICES)[:, None] & row_mask[None, :]
+    same_n = tl.max(tl.load(count_ptr + at, mask=mask, other=0), axis=0) > 0
+    same_p = tl.max(tl.load(count_ptr + plane + at, mask=mask, other=0), axis=0) > 0
+    cos = tl.load(cos_ptr + rows, mask=row_mask, other=0.0)
+    tl.store(st_ptr + 5 * rows + 2, tl.where(same_n, cos, float("-inf")), mask=row_mask)
+    tl.store(st_ptr + 5 * rows + 3, tl.where(same_p, cos, float("inf")), mask=row_mask)
+
+
+@triton.jit
+def ms_planes_kernel(
+    st_ptr,
+    cos_ptr,
+    out_ptr,
+    fill_ptr,
+    slot_ptr,
+    N,
+    CAP,
+    EPS_BITS,
+    MINING: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Per anchor, from its stats (hn, hp, Lp, Ln, w: the exact thresholds after THRESHOLDS)
+    and cos (its exact cosine with itself), the planes the tiles take (out[k·N + i], ACC): the
+    backward's W, LN and LP first (BACKWARD); then, with the miner, the cut a negative's tile
+    cosine must pass (hp − ε) and a positive's stay below (hn + ε), a NaN threshold keeping
+    every pair (a pair within _near's band of its cut is decided on its exact cosine instead),
+    and the choices on a pair of equal rows (1 keeps a negative, 2 a positive, as _kept reads
+    them). The forward's TERMS (not BACKWARD) also finds each list emptied (fill 0, every slot
+    NO_COL)."""
+    eps = tm.f64(EPS_BITS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    first = 0
+    if BACKWARD:
+        for k in range(0, 3):  # (w, Ln, Lp: the stats' columns 4, 3, 2)
+            value = tl.load(st_ptr + 5 * rows + 4 - k, mask=row_mask, other=0.0)
+            tl.store(out_ptr + k * N + rows, value.to(ACC), mask=row_mask)
+        first = 3
+    if MINING:
+        hn = tl.load(st_ptr + 5 * rows, mask=row_mask, other=0.0)
+        hp = tl.load(st_ptr + 5 * rows + 1, mask=row_mask, other=0.0)
+        cos = tl.load(cos_ptr + rows, mask=row_mask, other=0.0)
+        cut_n = tl.where(hp != hp, float("-inf"), hp - eps)
+        cut_p = tl.where(hn != hn, float("inf"), hn + eps)
+        same_n = ((cos + eps) > hp) | (hp != hp) | (cos != cos)
+        same_p = ((cos - eps) < hn) | (hn != hn) | (cos != cos)
+        code = same_n.to(tl.float64) + 2.0 * same_p.to(tl.float64)
+        tl.store(out_ptr + first * N + rows, cut_n.to(ACC), mask=row_mask)
+        tl.store(out_ptr + (first + 1) * N + rows, cut_p.to(ACC), mask=row_mask)
+        tl.store(out_ptr + (first + 2) * N + rows, code.to(ACC), mask=row_mask)
+    if not BACKWARD:
+        tl.store(fill_ptr + rows, tl.zeros((BLOCK_ROWS,), tl.int32), mask=row_mask)
+        for c0 in range(0, CAP, BLOCK_C):
+            cs = c0 + tl.arange(0, BLOCK_C)
+            empty = tl.full((BLOCK_ROWS, BLOCK_C), EMPTY_SLOT, tl.int64)
+            tl.store(slot_ptr + rows[:, None] * CAP + cs[None, :], empty, mask=row_mask[:, None] & (cs < CAP)[None, :])
 
 
 @triton.jit
@@ -583,6 +693,13 @@ def ms_loss_kernel(
             tl.store(result_ptr + 3, tl.where(use, kept_p, 0.0))
         else:
             tl.store(result_ptr, lse._to_output(tl.where(use, terms * w, 0.0), WIDE, BF16))
+
+
+# --------------------------------------------------------------------------- backward
+
+# The per-anchor planes of the backward (anchor[k·anchors + i], ACC): the terms' weight and
+# log-sums, then the cuts' three (ms_planes_kernel's).
+W, LN, LP, CUT_N, CUT_P, SAME = (tl.constexpr(k) for k in range(6))
 
 
 @triton.jit
@@ -953,23 +1070,16 @@ def _cap(side: lse._Operands, M: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(max(M, 1))))
 
 
-def _cuts(hn: Tensor, hp: Tensor, cos: Tensor, eps: float) -> list:
-    """Per anchor from its exact thresholds hn, hp (float64): the cut a negative's tile cosine
-    must pass (hp − ε) and a positive's stay below (hn + ε), a NaN threshold keeping every
-    pair (a pair within _near's band of its cut is decided on its exact cosine instead); and
-    the choices on a pair of equal rows, whose exact cosine is cos (the anchor's with itself):
-    1 keeps a negative, 2 a positive, as _kept reads them."""
-    inf = float("inf")
-    cut_n = torch.where(hp.isnan(), -inf, hp - eps)
-    cut_p = torch.where(hn.isnan(), inf, hn + eps)
-    same_n = ((cos + eps) > hp) | hp.isnan() | cos.isnan()
-    same_p = ((cos - eps) < hn) | hn.isnan() | cos.isnan()
-    return [cut_n, cut_p, same_n.double() + 2 * same_p.double()]
-
-
-def _row(values: list, acc: torch.dtype) -> Tensor:
-    """Per-anchor inputs of ms_rows_kernel: planes of ACC."""
-    return torch.stack([v.to(acc) for v in values]).contiguous()
+def _planes_config(row_config: Config, cap: int) -> Config:
+    """ms_planes_kernel's launch: the per-row kernels' rows and options, the lists' CAP slots
+    emptied up to 64 at a time."""
+    return Config(
+        BLOCK_ROWS=row_config.kwargs["BLOCK_ROWS"],
+        BLOCK_C=min(triton.next_power_of_2(cap), 64),
+        num_warps=row_config.num_warps,
+        num_stages=row_config.num_stages,
+        fp_fusion=row_config.fp_fusion,
+    )
 
 
 def multi_similarity_forward(
@@ -1022,9 +1132,6 @@ def multi_similarity_forward(
         slot = torch.empty(N, cap, dtype=torch.int64, device=dev)
         fill = torch.zeros(N, dtype=torch.int32, device=dev)
         grp = (a.labels, b.labels)  # (no groups without the miner)
-
-        def launched(t):  # EXTREMES' and CANDIDATES' outputs: (2, slices, N)
-            return t.view(-1)[: 2 * slices * N].view(2, slices, N)
 
         if mining:
             sa = _Side(a.raw, a.labels, acc, row_config, normalised=False)
@@ -1095,24 +1202,32 @@ def multi_similarity_forward(
 
         if mining:
             # The tiles' extremes, then their candidates, then the thresholds exactly.
+            row = torch.empty(3, N, dtype=acc, device=dev)
+            anchors = lse._merge_config(row_config, slices)
+            grid = (blocks(N, anchors.kwargs["BLOCK_ROWS"]),)
             rows(EXTREMES, part)
-            extremes, flags = launched(part), launched(count)
-            top, bottom = extremes[0].amax(0), extremes[1].amin(0)
-            nan_n, nan_p = flags[0].amax(0) > 0, flags[1].amax(0) > 0
-            near = 2 * slack + 4 * u
-            floor = torch.where(nan_n | (top == -inf), inf, top.double() - near)
-            ceiling = torch.where(nan_p | (bottom == inf), -inf, bottom.double() + near)
-            rows(CANDIDATES, _row([floor, ceiling], acc))
-            same_n, same_p = flags[0].amax(0) > 0, flags[1].amax(0) > 0
+            ms_bounds_kernel[grid](
+                part, count, row, st, N, slices, float_bits(2 * slack + 4 * u), ACC=acc_tl(acc), **anchors.launch
+            )
+            rows(CANDIDATES, row)
             cos = _self_cos(sa, row_config)
-            st[:, 0] = torch.where(nan_n, float("nan"), torch.where(top == -inf, -inf, 0.0))
-            st[:, 1] = torch.where(nan_p, float("nan"), torch.where(bottom == inf, inf, 0.0))
-            st[:, 2] = torch.where(same_n, cos, -inf)
-            st[:, 3] = torch.where(same_p, cos, inf)
+            ms_same_kernel[grid](count, cos, st, N, slices, **anchors.launch)
             exact(THRESHOLDS)
-            fill.zero_()
-            slot.fill_(NO_COL)
-            rows(TERMS, _row(_cuts(st[:, 0], st[:, 1], cos, eps), acc))
+            ms_planes_kernel[grid](
+                st,
+                cos,
+                row,
+                fill,
+                slot,
+                N,
+                cap,
+                float_bits(eps),
+                MINING=True,
+                BACKWARD=False,
+                ACC=acc_tl(acc),
+                **_planes_config(row_config, cap).launch,
+            )
+            rows(TERMS, row)
             slot.copy_(slot.sort(dim=1).values)  # (the listed pairs in ref order)
             exact(DECISIONS)
         else:
@@ -1205,19 +1320,32 @@ def multi_similarity_backward(
         a, b, _ = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     pairs_self = self_ or whole is not None
     st = stats.contiguous()
-    # The anchors' numbers (the stats' rows: the whole problem's for a shard), as _ms_terms
-    # and _near take them.
-    hn, hp, lp, ln, w = st.unbind(1)
     slack = _slack(D, a, acc)
+    # The anchors' numbers (the stats' rows: the whole problem's for a shard) as _ms_terms and
+    # _near take them: ms_planes_kernel's planes.
+    cos = st  # (not read without the miner)
     if mining:
         sa = _Side(a.raw, a.labels, acc, row_config, normalised=False)
         sb = sa if b is a else _Side(b.raw, b.labels, acc, row_config, normalised=False)
         groups = _equal_rows(sa, sb, row_config)
-        anchors = sb if whole is not None else sa
-        cuts = _cuts(hn, hp, _self_cos(anchors, row_config), eps)
-    else:
-        cuts = [w] * 3
-    planes = _row([w, ln, lp, *cuts], acc)
+        cos = _self_cos(sb if whole is not None else sa, row_config)
+    anchors = st.shape[0]
+    planes = torch.empty(6 if mining else 3, anchors, dtype=acc, device=st.device)
+    launch = _planes_config(row_config, 1)
+    ms_planes_kernel[(blocks(anchors, launch.kwargs["BLOCK_ROWS"]),)](
+        st,
+        cos,
+        planes,
+        st,
+        st,
+        anchors,
+        0,
+        float_bits(eps if mining else 0.0),
+        MINING=mining,
+        BACKWARD=True,
+        ACC=acc_tl(acc),
+        **launch.launch,
+    )
 
     def rows_grad(own, other, sides, own_groups, other_groups, anchors_own, anchors_other, like, offset=0):
         # (sides: own's and other's rows as the exact cosines take them; groups: of equal rows)
@@ -1339,7 +1467,7 @@ def compile_cases() -> list[CompileCase]:
     """This engine's kernels for tools/triton_check.py: ms_rows_kernel's passes with the TF32
     pair (every configuration of TERMS with the miner), bfloat16 and float64, rows of D = 128
     held where the scheme holds them; ms_exact_kernel's passes from float32, bfloat16 and
-    float64 inputs; the batch's kernels (ms_terms_kernel, ms_loss_kernel) of each;
+    float64 inputs; the miner's per-anchor steps and the batch's kernels of each;
     ms_grad_kernel's and ms_pairs_grad_kernel's passes (every configuration of the first: the
     TF32 pair's, without refs, with the miner)."""
     ints = ("N", "M", "D", "OFFSET", "CHUNK", "CAP", "SLICES", "sa", "sb", "N_OWN", "N_OTHER", "ANCHORS")
@@ -1397,6 +1525,21 @@ def compile_cases() -> list[CompileCase]:
                     types,
                     dict(SELF=True, PASS=step, ONE_FEATURE=False, ACC=flags["ACC"], CAP=CAPS[how.value]),
                     EXACT_CONFIGS if first else EXACT_CONFIGS[:1],
+                )
+            )
+        anchors = lse._merge_config(lse.ROW_CONFIGS[0], 4)
+        miner = {**types, "cos_ptr": "*fp64", "NEAR_BITS": "i64"}
+        cases.append(case(f"pair_losses.ms.bounds {name}", ms_bounds_kernel, miner, dict(ACC=flags["ACC"]), (anchors,)))
+        cases.append(case(f"pair_losses.ms.same {name}", ms_same_kernel, miner, {}, (anchors,)))
+        for mining, backward in ((True, False), (True, True), (False, True)) if first else ((True, False),):
+            what = ("" if mining else " all pairs") + (" backward" if backward else "")
+            cases.append(
+                case(
+                    f"pair_losses.ms.planes {name}{what}",
+                    ms_planes_kernel,
+                    {**miner, "out_ptr": "*" + acc},
+                    dict(MINING=mining, BACKWARD=backward, ACC=flags["ACC"]),
+                    (_planes_config(lse.ROW_CONFIGS[0], CAPS[how.value]),),
                 )
             )
         batch = {**types, "npos_ptr": "*i32", "partial_ptr": "*fp64", "BLOCKS": "i32", "PAIRS": "i64"}
