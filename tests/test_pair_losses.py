@@ -1563,14 +1563,14 @@ def test_triton_batch_rules_and_the_loss_cast(device):
 @pytest.mark.triton("pair_losses", dispatch=False)
 @TRITON_DEVICE
 def test_triton_label_ids(device, monkeypatch):
-    """_label_ids (each side sorted, then ids_kernel's binary searches): a label's id is its rank
+    """_label_ids (each side sorted, then ids_kernel's 9-ary searches): a label's id is its rank
     among both sides' labels, compared as the CPU kernels compare them (int64), so equal labels
     share an id and unequal ones never do, and each anchor's positive pairs are the refs of its
     label, less one with self_ (the anchor itself): every integer dtype at its extremes, two sides
     of different dtypes, a strided side, empty sides, more labels than a block holds."""
     lse = triton_module().lse
     gen = torch.Generator().manual_seed(3)
-    block = lse.BATCH_CONFIG.kwargs["BLOCK_ROWS"]
+    block = lse.IDS_CONFIG.kwargs["BLOCK_ROWS"]
     dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
     batches = []
     for dtype in dtypes:
@@ -1585,11 +1585,12 @@ def test_triton_label_ids(device, monkeypatch):
     batches.append((torch.tensor([-1, 255, 1], dtype=torch.int32), torch.tensor([255, 1], dtype=torch.uint8)))
     batches.append((torch.zeros(0, dtype=torch.int64), torch.tensor([4, 4, 2])))
     batches.append((torch.tensor([4, 4, 2]), torch.zeros(0, dtype=torch.int64)))
+    batches.append((torch.randperm(729, generator=gen), None))  # (9^3 labels: a level more than 9^3 - 1)
     batches.append((torch.zeros(0, dtype=torch.int32), None))
     # And searches deeper than the labels need (tools/gpu_model.py counts the headline's depth).
     for i, (labels, ref_labels) in enumerate(batches + batches[-6:]):
         if i == len(batches):
-            monkeypatch.setattr(lse, "_search_steps", lambda n: 31)
+            monkeypatch.setattr(lse, "_search_levels", lambda n: 10)  # (9^10 > 2^31 labels)
         sides = (labels,) if ref_labels is None else (labels, ref_labels)
         every = torch.cat([v.to(torch.int64) for v in sides])
         want = (every[None, :] < every[:, None]).sum(1).to(torch.int32)  # the rank, O(n²)

@@ -1407,18 +1407,19 @@ def headline_slices(size, headline):
 
 @contextlib.contextmanager
 def headline_searches(headline):
-    """Count the labels' binary searches (lse.ids_kernel) as deep as at the headline size: a
-    search's steps grow as the log of the labels, which extrapolate()'s polynomials would take
-    for a line through the counted sizes' depths (52 steps at 8,192 rows, where a GPU takes 14).
-    Deeper than the counted labels need, the search is the same (its first steps masked)."""
+    """Count the labels' searches (lse.ids_kernel) as deep as at the headline size: a search's
+    levels grow as the log of the labels, which extrapolate()'s polynomials would take for a
+    line through the counted sizes' depths. Deeper than the counted labels need, the search is
+    the same (its first levels' probes masked)."""
     from torchkit.triton.pair_losses import lse
 
-    original = lse._search_steps
-    lse._search_steps = lambda n: max(headline if isinstance(headline, tuple) else (headline,)).bit_length()
+    original = lse._search_levels
+    levels = original(max(headline if isinstance(headline, tuple) else (headline,)))
+    lse._search_levels = lambda n: levels
     try:
         yield
     finally:
-        lse._search_steps = original
+        lse._search_levels = original
 
 
 def count_case(index: int) -> tuple[list[Launch], int]:

@@ -25,7 +25,7 @@ that recomputes the tile:
   are the proxies and its two log-sums, over the negatives of α(c + margin) and the positives
   of α(margin − c), hold the 1 (added by the merge, once).
 - The labels (ids_kernel, after a sort of each side): their int32 ids, which the tiles compare,
-  and each anchor's positive pairs, by binary searches in the sorted labels (proxy-anchor's
+  and each anchor's positive pairs, by 9-ary searches in the sorted labels (proxy-anchor's
   classes: count_kernel, positives_kernel).
 - The batch (terms_kernel, loss_kernel): PML's batch rules applied to the anchors' outputs and
   the loss and stats written, on the device in two launches (no host synchronisation, no torch
@@ -406,18 +406,16 @@ def operands_kernel(
 
 
 @triton.jit
-def _step(n, x, at, step, v, UPPER: tl.constexpr):
-    """A step of a binary search for how many of n ascending values are < x (<= x with UPPER),
-    each lane's: at + step where the value at at + step − 1 (v: _probe's) is."""
-    ok = at + step <= n
-    below = (v <= x) if UPPER else (v < x)
-    return tl.where(ok & below, at + step, at)
-
-
-@triton.jit
-def _probe(sorted_ptr, n, at, step):
-    """The value _step compares: at at + step − 1, where that is below n."""
-    return tl.load(sorted_ptr + (at + step - 1), mask=at + step <= n, other=0)
+def _level(sorted_ptr, n, x, at, step, UPPER: tl.constexpr, FANOUT: tl.constexpr):
+    """A level of a search for how many of n ascending values are < x (<= x with UPPER), each
+    lane's: from at, FANOUT probes step apart (FANOUT + 1 ranges), their loads issued together
+    (one round trip to memory); the lane moves past the probes below x (a prefix of them: the
+    values ascend)."""
+    probes = at[:, None] + (tl.arange(0, FANOUT)[None, :] + 1) * step
+    ok = probes <= n
+    v = tl.load(sorted_ptr + (probes - 1), mask=ok, other=0)
+    below = ok & ((v <= x[:, None]) if UPPER else (v < x[:, None]))
+    return at + tl.sum(below.to(tl.int32), axis=1) * step
 
 
 @triton.jit
@@ -428,12 +426,13 @@ def ids_kernel(
     b_ptr,
     sorted_b_ptr,
     NB,
-    STEPS,
+    LEVELS,
     ids_ptr,
     npos_ptr,
     TWO: tl.constexpr,
     SELF: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    FANOUT: tl.constexpr,
 ):
     """The labels' ids and the anchors' positive pairs (_label_ids). Into ids_ptr's NA (and with
     TWO, NB more) int32: each of the NA labels at a_ptr (then the NB at b_ptr) gets its rank
@@ -441,32 +440,33 @@ def ids_kernel(
     ids, all below NA + NB. Into npos_ptr's NA: each of a's labels' count among b's (a's
     without TWO: the wrapper passes them as b), less itself with SELF.
 
-    The binary searches (2^STEPS > NA, NB: steps from 2^(STEPS − 1) down, those past a side's
-    end masked) share one loop, their loads issued together: a round trip to memory a step."""
+    The searches ((FANOUT + 1)^LEVELS > NA, NB: steps from (FANOUT + 1)^(LEVELS − 1) down,
+    probes past a side's end masked) share one loop: a round trip to memory a level, where a
+    binary search takes one a bit (14 at 8,192 labels; 5 levels of 8 probes)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_a = rows < NA
     x = tl.load(a_ptr + rows, mask=in_a, other=0)
     if TWO:
         in_b = (rows >= NA) & (rows < NA + NB)
         x = tl.where(in_a, x, tl.load(b_ptr + (rows - NA), mask=in_b, other=0))
-    below_a = tl.zeros(x.shape, tl.int32)  # (TWO: a's labels < x)
-    below_b = tl.zeros(x.shape, tl.int32)  # b's labels < x
-    upto_b = tl.zeros(x.shape, tl.int32)  # b's labels <= x
-    for i in range(0, STEPS):
-        step = 1 << (STEPS - 1 - i)
+    # (int64: a level's last probe may lie past 2^31 where the labels do not)
+    below_a = tl.zeros(x.shape, tl.int64)  # (TWO: a's labels < x)
+    below_b = tl.zeros(x.shape, tl.int64)  # b's labels < x
+    upto_b = tl.zeros(x.shape, tl.int64)  # b's labels <= x
+    step = tl.full((), 1, tl.int64)
+    for _ in range(1, LEVELS):
+        step *= FANOUT + 1
+    for _ in range(0, LEVELS):
         if TWO:
-            va = _probe(sorted_a_ptr, NA, below_a, step)
-        vb = _probe(sorted_b_ptr, NB, below_b, step)
-        vu = _probe(sorted_b_ptr, NB, upto_b, step)
-        if TWO:
-            below_a = _step(NA, x, below_a, step, va, False)
-        below_b = _step(NB, x, below_b, step, vb, False)
-        upto_b = _step(NB, x, upto_b, step, vu, True)
+            below_a = _level(sorted_a_ptr, NA, x, below_a, step, False, FANOUT)
+        below_b = _level(sorted_b_ptr, NB, x, below_b, step, False, FANOUT)
+        upto_b = _level(sorted_b_ptr, NB, x, upto_b, step, True, FANOUT)
+        step = step // (FANOUT + 1)
     if TWO:
-        tl.store(ids_ptr + rows, below_a + below_b, mask=in_a | in_b)
+        tl.store(ids_ptr + rows, (below_a + below_b).to(tl.int32), mask=in_a | in_b)
     else:
-        tl.store(ids_ptr + rows, below_b, mask=in_a)
-    npos = upto_b - below_b
+        tl.store(ids_ptr + rows, below_b.to(tl.int32), mask=in_a)
+    npos = (upto_b - below_b).to(tl.int32)
     if SELF:
         npos -= 1
     tl.store(npos_ptr + rows, npos, mask=in_a)
@@ -1193,27 +1193,31 @@ def _label_ids(*labels: Tensor, self_: bool = False) -> tuple[list[Tensor], Tens
     ids = torch.empty(na + (nb if len(sides) == 2 else 0), dtype=torch.int32, device=a.device)
     npos = torch.empty(na, dtype=torch.int32, device=a.device)
     if ids.numel():
-        ids_kernel[(blocks(ids.numel(), BATCH_CONFIG.kwargs["BLOCK_ROWS"]),)](
+        ids_kernel[(blocks(ids.numel(), IDS_CONFIG.kwargs["BLOCK_ROWS"]),)](
             a,
             ordered[0],
             na,
             b,
             ordered[-1],
             nb,
-            _search_steps(max(na, nb)),
+            _search_levels(max(na, nb)),
             ids,
             npos,
             TWO=len(sides) == 2,
             SELF=self_,
-            **BATCH_CONFIG.launch,
+            **IDS_CONFIG.launch,
         )
     return list(ids.split([v.numel() for v in sides])), npos
 
 
-def _search_steps(n: int) -> int:
-    """ids_kernel's binary search steps over at most n sorted labels: 2^steps > n.
+def _search_levels(n: int) -> int:
+    """ids_kernel's search levels over at most n sorted labels: (FANOUT + 1)^levels > n.
     tools/gpu_model.py counts them as deep as at its headline size."""
-    return n.bit_length()
+    ranges = IDS_CONFIG.kwargs["FANOUT"] + 1
+    levels = 1
+    while ranges**levels <= n:
+        levels += 1
+    return levels
 
 
 # The labels' dtypes the ids take as they are (every platform's sort takes them); others are
@@ -1448,9 +1452,11 @@ def _rows(
     return out, total
 
 
-# The labels' and the batch's kernels (ids_kernel, count_kernel, positives_kernel,
-# terms_kernel, loss_kernel): blocks of rows, four warps.
+# The labels' and the batch's kernels (count_kernel, positives_kernel, terms_kernel,
+# loss_kernel): blocks of rows, four warps.
 BATCH_CONFIG = Config(BLOCK_ROWS=1024, num_warps=4, num_stages=1, fp_fusion=False)
+# ids_kernel's: FANOUT probes a level per search and row, three searches: fewer rows a block.
+IDS_CONFIG = Config(BLOCK_ROWS=128, FANOUT=8, num_warps=4, num_stages=1, fp_fusion=False)
 
 
 def _proxy_positives(a: _Operands, b: _Operands) -> Tensor:
@@ -1839,7 +1845,7 @@ def compile_cases() -> list[CompileCase]:
         )
         if first:  # (the labels' ids: no scheme; int64 labels, one side and two; proxies' counts)
             labels = dict.fromkeys(("a_ptr", "sorted_a_ptr", "b_ptr", "sorted_b_ptr"), "*i64")
-            sizes = dict.fromkeys(("NA", "NB", "STEPS"), "i32")
+            sizes = dict.fromkeys(("NA", "NB", "LEVELS"), "i32")
             for two, self_ in itertools.product((False, True), repeat=2):
                 cases.append(
                     CompileCase(
@@ -1847,7 +1853,7 @@ def compile_cases() -> list[CompileCase]:
                         ids_kernel,
                         {**labels, **sizes, "ids_ptr": "*i32", "npos_ptr": "*i32"},
                         dict(TWO=two, SELF=self_),
-                        (BATCH_CONFIG,),
+                        (IDS_CONFIG,),
                         divisible=("NA", "NB"),
                     )
                 )
