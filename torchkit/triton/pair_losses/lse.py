@@ -406,16 +406,21 @@ def operands_kernel(
 
 
 @triton.jit
-def _level(sorted_ptr, n, x, at, step, UPPER: tl.constexpr, FANOUT: tl.constexpr):
-    """A level of a search for how many of n ascending values are < x (<= x with UPPER), each
-    lane's: from at, FANOUT probes step apart (FANOUT + 1 ranges), their loads issued together
-    (one round trip to memory); the lane moves past the probes below x (a prefix of them: the
-    values ascend)."""
+def _probe(sorted_ptr, n, at, step, FANOUT: tl.constexpr):
+    """A level of a search in n ascending values, each lane's: the FANOUT values step apart
+    after at (FANOUT + 1 ranges), loaded together (one round trip to memory), those past the
+    end masked (as above every x)."""
     probes = at[:, None] + (tl.arange(0, FANOUT)[None, :] + 1) * step
     ok = probes <= n
-    v = tl.load(sorted_ptr + (probes - 1), mask=ok, other=0)
+    return tl.load(sorted_ptr + (probes - 1), mask=ok, other=0), ok
+
+
+@triton.jit
+def _advance(at, v, ok, x, step, UPPER: tl.constexpr):
+    """The lane moves past _probe's values below x (<= x with UPPER): a prefix of them, as the
+    values ascend."""
     below = ok & ((v <= x[:, None]) if UPPER else (v < x[:, None]))
-    return at + tl.sum(below.to(tl.int32), axis=1) * step
+    return at + tl.sum(below.to(tl.int64), axis=1) * step
 
 
 @triton.jit
@@ -458,9 +463,13 @@ def ids_kernel(
         step *= FANOUT + 1
     for _ in range(0, LEVELS):
         if TWO:
-            below_a = _level(sorted_a_ptr, NA, x, below_a, step, False, FANOUT)
-        below_b = _level(sorted_b_ptr, NB, x, below_b, step, False, FANOUT)
-        upto_b = _level(sorted_b_ptr, NB, x, upto_b, step, True, FANOUT)
+            va, ok_a = _probe(sorted_a_ptr, NA, below_a, step, FANOUT)
+        vb, ok_b = _probe(sorted_b_ptr, NB, below_b, step, FANOUT)
+        vu, ok_u = _probe(sorted_b_ptr, NB, upto_b, step, FANOUT)
+        if TWO:
+            below_a = _advance(below_a, va, ok_a, x, step, False)
+        below_b = _advance(below_b, vb, ok_b, x, step, False)
+        upto_b = _advance(upto_b, vu, ok_u, x, step, True)
         step = step // (FANOUT + 1)
     if TWO:
         tl.store(ids_ptr + rows, (below_a + below_b).to(tl.int32), mask=in_a | in_b)
@@ -1455,8 +1464,9 @@ def _rows(
 # The labels' and the batch's kernels (count_kernel, positives_kernel, terms_kernel,
 # loss_kernel): blocks of rows, four warps.
 BATCH_CONFIG = Config(BLOCK_ROWS=1024, num_warps=4, num_stages=1, fp_fusion=False)
-# ids_kernel's: FANOUT probes a level per search and row, three searches: fewer rows a block.
-IDS_CONFIG = Config(BLOCK_ROWS=128, FANOUT=8, num_warps=4, num_stages=1, fp_fusion=False)
+# ids_kernel's: FANOUT probes a level per search and row, three searches: fewer rows a block
+# (and at N = 8,192, 128 programs: the SMs' latency spread).
+IDS_CONFIG = Config(BLOCK_ROWS=64, FANOUT=8, num_warps=2, num_stages=1, fp_fusion=False)
 
 
 def _proxy_positives(a: _Operands, b: _Operands) -> Tensor:
