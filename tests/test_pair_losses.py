@@ -371,12 +371,19 @@ def test_no_pairs_of_one_kind_is_pmls_value(loss, params, labels, why, device):
 )
 def test_one_positive_and_one_negative_pair_is_zero_as_in_pml(loss, device):
     """PML's pair losses return 0 when every index list has at most one entry: one anchor, two
-    refs, one of each kind."""
+    refs, one of each kind. The gradients are then 0, a NaN row's too (the rule looks at the
+    pairs, not their values)."""
     e, labels = make((1, 4)), torch.tensor([0])
     ref, ref_labels = make((2, 4), seed=1), torch.tensor([0, 1])
     params = dict(VARIANTS)[loss]
     assert getattr(ops, loss)(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels).item() == 0
     assert pml(loss, params)(e, labels, ref, ref_labels).item() == 0
+    ref[1, 0] = float("nan")
+    e, ref = e.requires_grad_(), ref.requires_grad_()
+    out = getattr(ops, loss)(e, labels, **params, ref_embeddings=ref, ref_labels=ref_labels)
+    assert out.item() == 0
+    for g, x in zip(torch.autograd.grad(out, (e, ref)), (e, ref), strict=True):
+        assert torch.equal(g, torch.zeros_like(x)), g
 
 
 @kernels

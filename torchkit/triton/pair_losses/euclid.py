@@ -874,7 +874,6 @@ def contrastive_backward(
         a, b, _ = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     pairs_self = self_ or whole is not None
     st = stats.contiguous()
-    live = (st[0] != 0).any()  # a zero loss (PML's rule): zero gradients, NaN rows included
     bits = [float_bits(v) for v in margins]
     err = float_bits(_error(D, a.scheme, acc))
 
@@ -955,16 +954,18 @@ def contrastive_backward(
             rows.inv,
             rows.clamped,
             grad,
+            st,
             out,
             n,
             D,
             slices + 1,
             rows.raw.stride(0),
+            LIVE=2,  # (a loss of 0 by PML's rule: its stats' two weights 0)
             ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             **row_config.launch,
         )
-        return torch.where(live, out, 0.0)
+        return out
 
     if whole is not None:  # (a is b: the refs)
         ge = rows_grad(b.narrow(shard, N), b, embeddings, shard) if want_e else empty

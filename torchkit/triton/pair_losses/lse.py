@@ -1105,7 +1105,8 @@ def coef_kernel(
     w): where w ≠ 0, coef = 1/counted (the anchors with w ≠ 0: every program counts them
     over all the stats, O(N²/BLOCK_ROWS) reads, far below the backward's N² pairs; the
     quotient correctly rounded) and shift = lse; log S = 0. An anchor without terms has coef 0
-    and shift +∞."""
+    and shift +∞. The first program also writes terms[4N]: 1 where some anchor has terms, else 0
+    (jacobian_kernel's LIVE: the CPU kernels' PairGrad::any)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
     if LOSS == LOSS_NTXENT:
@@ -1115,11 +1116,21 @@ def coef_kernel(
         coef = tl.where(log_r == float("-inf"), 0.0, share)
         shift = tl.where(coef != 0, -log_r, float("inf"))
         w = tl.zeros_like(coef)
+        if tl.program_id(0) == 0:
+            live = tl.zeros((BLOCK_ROWS,), tl.int32)
+            for r0 in range(0, N, BLOCK_ROWS):
+                at = r0 + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+                log_r_at = tl.load(stats_ptr + 3 * at + 1, mask=at < N, other=float("-inf"))
+                share_at = tl.load(stats_ptr + 3 * at + 2, mask=at < N, other=0.0)
+                live |= ((log_r_at != float("-inf")) & (share_at != 0)).to(tl.int32)
+            tl.store(terms_ptr + 4 * N, (tl.max(live, axis=0) > 0).to(ACC))
     else:
         counted = tl.zeros((BLOCK_ROWS,), tl.int32)
         for r0 in range(0, N, BLOCK_ROWS):
             at = r0 + tl.arange(0, BLOCK_ROWS).to(tl.int64)
             counted += (tl.load(stats_ptr + 2 * at + 1, mask=at < N, other=0.0) != 0).to(tl.int32)
+        if tl.program_id(0) == 0:
+            tl.store(terms_ptr + 4 * N, (tl.sum(counted, axis=0) > 0).to(ACC))
         counted = tl.maximum(tl.sum(counted, axis=0), 1).to(ACC)
         lse = tl.load(stats_ptr + 2 * rows, mask=row_mask, other=0.0)
         w = tl.load(stats_ptr + 2 * rows + 1, mask=row_mask, other=0.0)
@@ -1140,11 +1151,13 @@ def jacobian_kernel(
     inv_ptr,
     clamped_ptr,
     grad_ptr,
+    live_ptr,
     out_ptr,
     N,
     D,
     SLICES,
     stride_row,
+    LIVE: tl.constexpr,
     ACC: tl.constexpr,
     IS64: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -1152,7 +1165,10 @@ def jacobian_kernel(
 ):
     """out = grad·∂/∂x of g·e for e = x / max(‖x‖, eps), per row, g the sum of grad_kernel's
     slices (in slice order): (g − e(e·g))·inv·2^-E where ‖x‖ > eps, g·1e12 where the clamp
-    holds (its constant); in out's dtype. e is formed from x as the prefix scaled it."""
+    holds (its constant); in out's dtype. e is formed from x as the prefix scaled it. LIVE > 0:
+    0 wherever the LIVE (1 or 2) values at live_ptr are all 0 (coef_kernel's flag: no anchor
+    has a term; contrastive's stats of its first anchor: neither kind's terms count): a loss
+    of 0 by PML's rules has gradients 0, a NaN row's included, as the CPU kernels'."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
     E = tl.load(exp_ptr + rows, mask=row_mask, other=0)
@@ -1170,6 +1186,11 @@ def jacobian_kernel(
         e = tl.where(clamped[:, None], x * inv[:, None], tm.ldexp(x, 0 - E[:, None], IS64) * inv[:, None])
         dot += tl.sum(g * e, axis=1)
     grad = tl.load(grad_ptr).to(ACC)
+    live = True
+    if LIVE > 0:
+        live = tl.load(live_ptr) != 0
+    if LIVE > 1:
+        live = live | (tl.load(live_ptr + 1) != 0)
     along = tl.where(clamped, 0.0, dot)
     for k0 in range(0, D, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
@@ -1181,6 +1202,8 @@ def jacobian_kernel(
         e = tl.where(clamped[:, None], x * inv[:, None], tm.ldexp(x, 0 - E[:, None], IS64) * inv[:, None])
         v = (g - e * along[:, None]) * inv[:, None]
         v = tl.where(clamped[:, None], v, tm.ldexp(v, 0 - E[:, None], IS64)) * grad
+        if LIVE > 0:
+            v = tl.where(live, v, 0.0)
         tl.store(out_ptr + rows[:, None] * D + ks[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -1584,10 +1607,12 @@ def _grad(
     offset=0,
     careful=False,
     bound=4.0,
+    live=None,
 ):
     """The gradient of the rows of `own` (in like's dtype): grad_kernel, x = c·scale, with the
     per-anchor (coef, shift, w, log_s) of `terms`, then jacobian_kernel (self_: own row i is
-    other's row offset + i; bound·|scale|: at most |∂loss/∂c|; config None: the default)."""
+    other's row offset + i; bound·|scale|: at most |∂loss/∂c|; config None: the default;
+    live: coef_kernel's flag, 0 where no anchor has terms: zero gradients)."""
     acc = own.f.dtype
     N, D = own.hi.shape
     held = _grad_held(D, own.scheme, own.hi.device)
@@ -1627,11 +1652,13 @@ def _grad(
         own.inv,
         own.clamped,
         grad,
+        grad if live is None else live,
         out,
         N,
         D,
         slices,
         own.raw.stride(0),
+        LIVE=0 if live is None else 1,
         ACC=acc_tl(acc),
         IS64=acc == torch.float64,
         **row_config.launch,
@@ -1674,18 +1701,19 @@ def _backward(
     # Per anchor: coef, shift, w and log S (coef_kernel).
     loss = LOSS_NTXENT if ntxent else LOSS_SUPCON
     stats = stats.contiguous()
-    terms = torch.empty(4, stats.shape[0], dtype=acc, device=stats.device)
-    grid = (blocks(stats.shape[0], BATCH_CONFIG.kwargs["BLOCK_ROWS"]),)
+    anchors = stats.shape[0]
+    flat = torch.empty(4 * anchors + 1, dtype=acc, device=stats.device)  # (and the flag: some anchor has terms)
+    grid = (blocks(anchors, BATCH_CONFIG.kwargs["BLOCK_ROWS"]),)
     coef_kernel[grid](
-        stats, terms, stats.shape[0], LOSS=loss, ACC=acc_tl(acc), IS64=acc == torch.float64, **BATCH_CONFIG.launch
+        stats, flat, anchors, LOSS=loss, ACC=acc_tl(acc), IS64=acc == torch.float64, **BATCH_CONFIG.launch
     )
-    terms = terms.unbind(0)
+    terms, live = flat[: 4 * anchors].view(4, anchors).unbind(0), flat[4 * anchors :]
     pairs_self = self_ or whole is not None
     careful = _careful(1.0 / t, 0.0, acc)
 
     def rows_grad(own, other, anchors_own: bool, anchors_other: bool, like: Tensor, offset=0) -> Tensor:
         common = (terms, pairs_self, anchors_own, anchors_other, loss, 1.0 / t, grad, like, config, row_config)
-        return _grad(own, other, *common, offset, careful)
+        return _grad(own, other, *common, offset, careful, live=live)
 
     if whole is not None:
         ge = rows_grad(b.narrow(shard, N), b, True, True, embeddings, offset=shard) if want_e else empty
@@ -1978,16 +2006,18 @@ def compile_cases() -> list[CompileCase]:
                         (BATCH_CONFIG,),
                     )
                 )
-        jacobians = [("", types)]
-        if dtype != "fp64":  # a shard's backward: the caller's float64 grad
-            jacobians.append((" shard", {**types, "grad_ptr": "*fp64"}))
-        for what, jacobian_types in jacobians:
+        # (a shard's backward: the caller's float64 grad; contrastive's: LIVE from its stats)
+        jacobians = [("", types, 0), (" live", types, 1), (" live two", types, 2)]
+        if dtype != "fp64":
+            jacobians.append((" shard", {**types, "grad_ptr": "*fp64"}, 0))
+            jacobians.append((" shard live", {**types, "grad_ptr": "*fp64"}, 1))
+        for what, jacobian_types, live in jacobians:
             cases.append(
                 case(
                     f"pair_losses.lse.jacobian {name}{what}",
                     jacobian_kernel,
-                    {**jacobian_types, "out_ptr": "*" + dtype},
-                    flags,
+                    {**jacobian_types, "live_ptr": "*" + acc, "out_ptr": "*" + dtype},
+                    dict(LIVE=live, **flags),
                     ROW_CONFIGS if first and not what else ROW_CONFIGS[:1],
                 )
             )

@@ -1436,11 +1436,13 @@ def multi_similarity_backward(
             own.inv,
             own.clamped,
             grad,
+            grad,  # (not read)
             out,
             n,
             D,
             slices + 1,
             own.raw.stride(0),
+            LIVE=0,
             ACC=acc_tl(acc),
             IS64=acc == torch.float64,
             **row_config.launch,
