@@ -281,7 +281,7 @@ def test_a_benchmark_case_counts_its_product():
 @pytest.mark.triton("triplet_margin_loss", dispatch=False)
 @pytest.mark.triton("bilinear_pool", dispatch=False)
 def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
-    """All triplets' float32 rows kernel compiled for sm_90: its loop multiplies with FFMA
+    """All triplets' float32 gradient kernel compiled for sm_90: its loop multiplies with FFMA
     reading shared memory (an IEEE tl.dot), and the counts and the SASS agree on what it
     executes; bilinear_pool's float32 forward GEMM at the default setting on tensor cores
     (wgmma), agreeing too."""
@@ -290,10 +290,11 @@ def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_model, "CACHE", str(tmp_path))
     g = torch.Generator().manual_seed(0)
     with gpu_model.counting() as launches:
-        e = torch.randn(32, 128, generator=g)
-        pair_losses.triplet_margin_forward(e, torch.arange(32) // 8, None, None, 0.05, "all")
+        e, labels = torch.randn(32, 128, generator=g), torch.arange(32) // 8
+        _, stats = pair_losses.triplet_margin_forward(e, labels, None, None, 0.05, "all")
+        pair_losses.triplet_margin_backward(torch.ones(()), e, labels, None, None, stats, 0.05, "all", [True, False])
         bilinear_pool.forward(torch.randn(1, 64, 7, 7, generator=g).relu(), None, 1e-5, 1e-12)
-    (fma,) = [launch for launch in launches if launch.kernel == "triplet_rows_kernel"]
+    fma = next(launch for launch in launches if launch.kernel == "triplet_grad_kernel")
     # (bilinear_pool's second forward launch, for scaled samples, has none to multiply here)
     (gemm,) = [
         launch for launch in launches if launch.kernel == "forward_kernel" and launch.counts["dot:fp32-tf32:fp32"]
@@ -301,8 +302,9 @@ def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
     assert fma.counts["dot:fp32-ieee:fp32"]
     gpu_model.compile_launches([fma, gemm], 1)
     loops = fma.compiled["sass"]["loops"]
-    (dot,) = fma.compiled["fma_dots"]
-    assert loops["fp32"] >= dot["ffma"] and loops["shared"] > 0 and "tensor" not in loops  # a K step's FFMAs
+    dots = fma.compiled["fma_dots"]  # (the distances' and the gradient's products)
+    assert dots and loops["fp32"] >= max(dot["ffma"] for dot in dots)  # a K step's FFMAs
+    assert loops["shared"] > 0 and "tensor" not in loops
     assert fma.compiled["registers"] > 0 and fma.compiled["mma"] == "fma"
     assert gpu_model.cross_check(fma) == []
     assert gemm.compiled["mma"] == "wgmma" and gemm.compiled["sass"]["loops"]["tensor"] > 0

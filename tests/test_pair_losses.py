@@ -1749,7 +1749,7 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     hard = params[-1] == "batch_hard"
     triplets = loss == "triplet_margin_loss" and not hard  # all, semi_hard
     engine = {"multi_similarity_loss": tp.ms, "contrastive_loss": tp.euclid}.get(loss, tp.triplets if hard else None)
-    rows = pick(tp.TRIPLET_ROWS_CONFIGS if triplets else engine.ROWS_CONFIGS if engine else tp.lse.ROWS_CONFIGS)
+    rows = pick(tp.triplets.ALL_ROWS_CONFIGS if triplets else engine.ROWS_CONFIGS if engine else tp.lse.ROWS_CONFIGS)
     grad = pick(
         tp.HARD_GRAD_CONFIGS
         if hard
@@ -1761,7 +1761,8 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     )
     row = pick(tp.ROW_CONFIGS if exact else tp.lse.ROW_CONFIGS)
     more = dict(rows_config=rows) if triplets else {}
-    forward_more = dict(exact_config=pick(engine.EXACT_CONFIGS)) if engine else {}
+    exact_configs = tp.triplets.ALL_EXACT_CONFIGS if triplets else engine.EXACT_CONFIGS if engine else None
+    forward_more = dict(exact_config=pick(exact_configs)) if exact_configs else {}
     for e, labels, ref, ref_labels in triton_problems():
         value, stats = op(e, labels, ref, ref_labels, *params)
         inputs = on(device, e, labels, ref, ref_labels)
@@ -1783,10 +1784,12 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
 @TRITON_DEVICE
 @pytest.mark.parametrize("mining", ["all", "semi_hard"])
 def test_triton_triplets_in_chunks_of_positives_and_bands_of_anchors(monkeypatch, mining, device):
-    """Two classes: each anchor's positives span several of triplet_rows_kernel's chunks; a
-    band of 2^6 pairs: the backward takes its anchors a block at a time."""
+    """Two classes: each anchor's positives span several of triplet_rows_kernel's chunks, past
+    those whose distances positives_kernel keeps; a band of 2^6 pairs: the backward takes its
+    anchors a block at a time."""
     tp = triton_module()
     monkeypatch.setattr(tp, "BAND_PAIRS", 64)
+    monkeypatch.setattr(tp.triplets, "POS_CAP", 8)
     op, backward = raw("triplet_margin_loss")
     e, labels = make((40, 6), seed=25), make_labels(40, 2)
     ref, ref_labels = make((23, 6), seed=26), make_labels(23, 2, seed=4)

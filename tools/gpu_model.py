@@ -1335,7 +1335,7 @@ def cases() -> list[Case]:
                 # The sliced engines' (lse.py's, ms.py's, euclid.py's, triplets.py's) at sizes whose
                 # tiles split as the headline's (headline_slices).
                 sliced = loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss", "contrastive_loss")
-                sliced = sliced or params.get("mining") == "batch_hard"
+                sliced = sliced or loss == "triplet_margin_loss"
                 sizes = (192, 384, 576) if sliced else (128, 256, 512)
                 calls = tuple(f"torchkit.triton.pair_losses.{loss.removesuffix('_loss')}_{p}" for p in PASSES)
                 out.append(Case(loss, case, pass_, run, sizes, 8192, 8192**2, calls))

@@ -163,7 +163,7 @@ def sweep_pair_losses(results: dict) -> None:
             t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_backward(*args, config=c))
             rows.append(("triplet_batch_hard.grad", i, repr(config), t))
         for mining in ("all", "semi_hard"):
-            for i, config in enumerate(kernels.TRIPLET_ROWS_CONFIGS):
+            for i, config in enumerate(kernels.triplets.ALL_ROWS_CONFIGS):
                 args = (e, labels, r, rl, 0.05, mining)
                 t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_forward(*args, config=c))
                 rows.append((f"triplet_{mining}.rows", i, repr(config), t))

@@ -4,9 +4,9 @@ torchkit.triton selects them. One engine per module: lse.py (supcon_loss, ntxent
 proxy_anchor_loss: tensor-core tiles and log-sum-exps, under the CUDA precision contract);
 ms.py (multi_similarity_loss: the same tiles, its choices exact); euclid.py
 (contrastive_loss: tensor-core distance tiles, its choices exact); triplets.py
-(triplet_margin_loss's batch_hard: the same tiles, its choices exact); this module holds the
-other triplets, which keep the CPU kernels' exact decisions on IEEE float32 or float64 tiles, and
-what the engines share of the exact machinery.
+(triplet_margin_loss: the same tiles, its choices exact); this module holds the triplets'
+backward but batch_hard's tiles (IEEE float32 or float64, exact decisions), and what the
+engines share of the exact machinery.
 
 The semantics are the CPU kernels' (csrc/pair_losses.h, csrc/cpu/pair_losses_cpu.cpp,
 csrc/cpu/pair_losses_euclidean_cpu.cpp), the stats included, so that either backward takes
@@ -38,16 +38,12 @@ either forward's stats. Nothing N×M exists:
   gathers each row's pairs
   (as anchor, and as a chosen positive or negative through the pairs sorted by row), in
   float64 from the inputs' differences, without atomics.
-- triplet_margin_loss, all and semi_hard (triplet_rows_kernel): the CPU kernel sorts each
-  anchor's positives in a list whose size only the device knows; here an anchor's positives
-  are its label's segment of the refs sorted by label, a chunk of BLOCK_P at a time with
-  their exact distances, compared with every negative tile at once (anchors × chunk ×
-  negatives); per anchor the counted triplets and their sums. The backward takes the
-  anchors a band at a time (BAND_PAIRS): triplet_rows_kernel writes each pair's ∂loss/∂d·C
-  (a negative: minus its counted positives; a positive: its counted triplets; the refs split
-  into slices across programs, as a band has too few anchors to fill the GPU), then
-  triplet_grad_kernel (reading the band) adds the band's gradient to the anchors' and the
-  refs' rows, bands in order.
+- triplet_margin_loss, all and semi_hard: the forward is triplets.py's (tensor-core tiles,
+  each triplet decided on the tile's bounds or, listed, on exact distances). The backward
+  takes the anchors a band at a time (BAND_PAIRS): triplets.all_triplets writes each pair's
+  ∂loss/∂d·C (a negative: minus its counted positives; a positive: its counted triplets),
+  then triplet_grad_kernel (reading the band) adds the band's gradient to the anchors' and
+  the refs' rows, bands in order.
 
 - A shard (the losses across ranks; csrc/pair_losses.h) of supcon_loss, ntxent_loss,
   contrastive_loss and multi_similarity_loss: the forward is the one with refs, anchor i's
@@ -58,7 +54,7 @@ either forward's stats. Nothing N×M exists:
   ms_grad_kernel's and euclid's OFFSET). proxy_anchor_loss's shard
   (one rank's embeddings) is its forward's per-proxy log-sums without the 1.
   triplet_margin_loss's shard is its forward with refs, triplets.hard_rows_kernel and
-  triplet_rows_kernel leaving out anchor i's pair with ref row OFFSET + i, returning the
+  triplets.triplet_rows_kernel leaving out anchor i's pair with ref row OFFSET + i, returning the
   mean's sum and count; its backward takes the shard's own stats (a float64 grad scaled by
   the caller) and gives the refs' gradient from the shard's anchors, as the CPU kernel's.
 
@@ -132,12 +128,6 @@ EXACT_GRAD_CONFIGS = (
     _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
     _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
     _config(BLOCK_N=16, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
-)
-# triplet_rows_kernel: its 3-D comparisons (anchors × a chunk of their positives × refs).
-TRIPLET_ROWS_CONFIGS = (
-    _config(BLOCK_N=16, BLOCK_M=32, BLOCK_P=8, BLOCK_K=16, num_warps=8, num_stages=2),
-    _config(BLOCK_N=16, BLOCK_M=16, BLOCK_P=16, BLOCK_K=32, num_warps=8, num_stages=2),
-    _config(BLOCK_N=16, BLOCK_M=16, BLOCK_P=8, BLOCK_K=16, num_warps=8, num_stages=2),  # float64's
 )
 # batch_hard's backward: float64 rows of features, gathered a pair at a time.
 HARD_GRAD_CONFIGS = (
@@ -570,7 +560,7 @@ def triplet_grad_kernel(
     BLOCK_F: tl.constexpr,
 ):
     """out[own rows [OWN0, N_OWN) (out's row 0: own row OUT0), feature block] +=
-    ∂loss/∂(own's normalised rows) from a band of triplet_rows_kernel's coefficients: for
+    ∂loss/∂(own's normalised rows) from a band of triplets.all_triplets' coefficients: for
     anchor a and ref row r, ∂loss/∂d = band[a − BAND0, r]·st[0] (ANCHORS_OWN: the own rows are
     the anchors; the other side's rows [OTHER0, N_OTHER)), per pair w = ∂loss/∂d / d (0 at
     d = 0), Σ_j w_ij (c_i − c_j) as rowsum(w)·c_i − w·C per tile, a tile whose entries are all
@@ -759,158 +749,6 @@ def hard_grad_kernel(
             f = tl.load(x_a_ptr + a[:, None] * s_a + fs[None, :], mask=ok[:, None] & f_mask[None, :], other=0.0)
             acc += tl.where(ok[:, None], w[:, None] * (e - _unit(f.to(tl.float64), inv_j[:, None], ONE_FEATURE)), 0.0)
     tl.store(out_ptr + rows[:, None] * D + fs[None, :], acc.to(out_ptr.dtype.element_ty), mask=own_f)
-
-
-# --------------------------------------------------------------------------- Euclidean (all and semi-hard triplets)
-
-
-@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
-@triton.jit
-def triplet_rows_kernel(
-    ca_ptr,
-    cb_ptr,
-    sq_a_ptr,
-    sq_b_ptr,
-    xa_ptr,
-    xb_ptr,
-    sa,
-    sb,
-    inv_a_ptr,
-    inv_b_ptr,
-    grp_a_ptr,
-    grp_b_ptr,
-    lab_ptr,
-    ref_lab_ptr,
-    order_ptr,
-    lo_ptr,
-    hi_ptr,
-    sums_ptr,
-    count_ptr,
-    band_ptr,
-    ROW0,
-    SLICE,
-    N,
-    M,
-    D,
-    OFFSET,
-    MARGIN_BITS,
-    ERR_BITS,
-    UNIT_BITS,
-    SELF: tl.constexpr,
-    SEMI: tl.constexpr,
-    BAND: tl.constexpr,
-    ONE_FEATURE: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """mining="all" / "semi_hard" for anchors [ROW0, N): the triplets (a, p, n) with
-    d_ap − d_an + margin > 0 (semi_hard: and d_ap < d_an) and those with a NaN distance
-    (count_triplets in the CPU kernel). An anchor's positives are its label's segment
-    [lo, hi) of the refs sorted by label (order), less itself (SELF: anchor i is ref row
-    OFFSET + i), taken BLOCK_P at a time with their exact distances in float64 (the CPU's
-    sorted list: a tie or near-tie with a negative is decided on the exact difference);
-    against them, every negative tile's distances in one 3-D comparison. A negative's
-    distance is the tile's, exact where it cancelled or where a threshold of the chunk lies
-    within the tile's error bound (Inputs::clear), so the choices are the exact distances'.
-    Forward (BAND false): per anchor, sums (N, 2) float64: Σ over counted triplets of
-    d_ap + margin and of d_an (the tile's value); count (N, 2) int64: the counted triplets
-    and the positives at a NaN distance (each counts with every negative).
-    BAND: ∂loss/∂d·C per pair of the anchors [ROW0, N) into band (rows from ROW0, M columns,
-    zeroed by the caller): −(the non-NaN positives counted with it) for a negative, +(its
-    counted triplets) for a positive (triplet_backward's coefficients). A band has few
-    anchors, so its launch also splits the refs into slices of SLICE columns (program_id 1):
-    each negative's coefficient is written by its slice's program, each positive's is the
-    sum of the slices' counts (an integer atomic add: the same on every run). The forward
-    takes the refs whole (SLICE ≥ M)."""
-    margin = tm.f64(MARGIN_BITS)
-    err = tm.f64(ERR_BITS)
-    unit = tm.f64(UNIT_BITS)
-    rows = ROW0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
-    sq_a = tl.load(sq_a_ptr + rows, mask=row_mask, other=0.0)
-    lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
-    hi = tl.load(hi_ptr + rows, mask=row_mask, other=0)
-    j_start = tl.program_id(1).to(tl.int64) * SLICE
-    j_end = tl.minimum(j_start + SLICE, M)
-    count = tl.zeros((BLOCK_N,), tl.int64)
-    nan_count = tl.zeros((BLOCK_N,), tl.int64)
-    neg_sum = tl.zeros((BLOCK_N,), tl.float64)
-    pos_sum = tl.zeros((BLOCK_N,), tl.float64)
-    for p0 in range(0, tl.max(hi - lo, axis=0), BLOCK_P):
-        q = lo[:, None] + p0 + tl.arange(0, BLOCK_P)[None, :]
-        p_mask = row_mask[:, None] & (q < hi[:, None])
-        js = tl.load(order_ptr + q, mask=p_mask, other=0)
-        if SELF:
-            p_mask = p_mask & (js - OFFSET != rows[:, None])
-        t = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, p_mask, D, ONE_FEATURE)
-        pok = p_mask & (t == t)
-        nan_p = tl.sum((p_mask & (t != t)).to(tl.int64), axis=1)
-        nan_count += nan_p
-        uses = tl.zeros((BLOCK_N, BLOCK_P), tl.int32)
-        # (a chunk without positives counts nothing: its rows skip the tiles)
-        j_live = tl.where(_any(pok) | (tl.max(nan_p, axis=0) > 0), j_end, j_start)
-        for j0 in range(j_start, j_live, BLOCK_M):
-            cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-            col_mask = cols < j_end
-            ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
-            sq_b = tl.load(sq_b_ptr + cols, mask=col_mask, other=0.0)
-            d, direct = _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
-            neg = row_mask[:, None] & col_mask[None, :] & (lab[:, None] != ref_lab[None, :])
-            direct = direct & neg
-            d64 = d.to(tl.float64)
-            exact = d64
-            same = _same(grp_a_ptr, grp_b_ptr, rows, cols, row_mask, col_mask)
-            have_exact = _any(direct & (same == 0))
-            if have_exact:
-                exact = _exact_dist(
-                    xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
-                )
-            exact = tl.where(same, 0.0, exact)
-            d64 = tl.where(direct, exact, d64)
-            # The entries with a threshold of the chunk (d_ap + margin; semi_hard: d_ap) within
-            # the tile's error bound: Inputs::clear, over each positive at once.
-            bound = err * (sq_a[:, None].to(tl.float64) + sq_b[None, :].to(tl.float64)) + 4.0 * unit * d64 * d64
-            dn = d64[:, None, :]
-            near = tl.abs(dn - (t[:, :, None] + margin)) * dn <= bound[:, None, :]
-            if SEMI:
-                near = near | (tl.abs(dn - t[:, :, None]) * dn <= bound[:, None, :])
-            live = pok[:, :, None] & (neg & (direct == 0))[:, None, :]
-            unclear = tl.max((live & near).to(tl.int32), axis=1) > 0
-            choose = d64
-            if _any(unclear):
-                if have_exact == 0:
-                    exact = _exact_dist(
-                        xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE
-                    )
-                choose = tl.where(unclear, exact, d64)
-            dn = choose[:, None, :]
-            hit = t[:, :, None] - dn + margin > 0
-            if SEMI:
-                hit = hit & (t[:, :, None] < dn)
-            counted = pok[:, :, None] & neg[:, None, :] & (hit | (dn != dn))
-            k = tl.sum(counted.to(tl.int32), axis=1)
-            uses += tl.sum(counted.to(tl.int32), axis=2)
-            if BAND:
-                at = band_ptr + (rows - ROW0)[:, None] * M + cols[None, :]
-                tl.store(at, tl.load(at, mask=neg, other=0) - k, mask=neg)
-            else:
-                kk = tl.where(neg, k.to(tl.int64) + nan_p[:, None], 0)
-                count += tl.sum(kk, axis=1)
-                neg_sum += tl.sum(tl.where(kk > 0, kk.to(tl.float64) * d64, 0.0), axis=1)
-        if BAND:
-            tl.atomic_add(band_ptr + (rows - ROW0)[:, None] * M + js, uses, mask=pok & (uses != 0))
-        else:
-            pos_sum += tl.sum(tl.where(pok & (uses != 0), uses.to(tl.float64) * (t + margin), 0.0), axis=1)
-    if not BAND:
-        tl.store(sums_ptr + rows * 2, pos_sum, mask=row_mask)
-        tl.store(sums_ptr + rows * 2 + 1, neg_sum, mask=row_mask)
-        tl.store(count_ptr + rows * 2, count, mask=row_mask)
-        tl.store(count_ptr + rows * 2 + 1, nan_count, mask=row_mask)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -1166,78 +1004,6 @@ def _pair_dists(a: _Side, b: _Side, idx: Tensor, config: Config) -> Tensor:
     return out
 
 
-def _label_segments(a: _Side, b: _Side) -> tuple:
-    """Each anchor's positives as a segment of the refs sorted by label: (order, lo, hi), the
-    refs' rows in label order (stable) and per anchor [lo, hi) in it (its label's)."""
-    keys, order = torch.sort(b.labels, stable=True)
-    lo = torch.searchsorted(keys, a.labels)
-    hi = torch.searchsorted(keys, a.labels, right=True)
-    return order, lo, hi
-
-
-# A launch of the triplet backward's band (few anchors) has at least this many programs per
-# SM, its refs split into slices; under the interpreter, as if on 2 SMs (so that the tests
-# take several slices).
-PROGRAMS_PER_SM = 4
-
-
-def _ref_slice(programs: int, M: int, block: int, device: torch.device) -> int:
-    """The columns of a slice of the refs, a multiple of `block`: as many slices as bring
-    `programs` blocks of anchors to PROGRAMS_PER_SM programs per SM, at most one per block."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    slices = max(1, min(blocks(M, block), blocks(PROGRAMS_PER_SM * sms, programs)))
-    return blocks(blocks(M, block), slices) * block
-
-
-def _triplet_rows(
-    a, b, points, segments, margin, semi, acc, config, self_, offset, sums=None, count=None, band=None, row0=0, end=0
-):
-    """triplet_rows_kernel over the anchors [row0, end): the forward's sums and counts, or
-    (band) the backward's coefficients of those anchors' pairs (self_: anchor i is b's row
-    offset + i, not a pair)."""
-    (ca, sq_a, ga), (cb, sq_b, gb) = points
-    D, M = a.raw.shape[1], b.n
-    if end <= row0:
-        return
-    programs = blocks(end - row0, config.kwargs["BLOCK_N"])
-    slice_ = _ref_slice(programs, M, config.kwargs["BLOCK_M"], a.raw.device) if band is not None else max(M, 1)
-    triplet_rows_kernel[(programs, blocks(M, slice_))](
-        ca,
-        cb,
-        sq_a,
-        sq_b,
-        a.raw,
-        b.raw,
-        a.raw.stride(0),
-        b.raw.stride(0),
-        a.inv64,
-        b.inv64,
-        ga,
-        gb,
-        a.labels,
-        b.labels,
-        *segments,
-        # (the pointers a mode leaves unread: any tensor)
-        sums if band is None else band,
-        count if band is None else band,
-        sq_a if band is None else band,
-        row0,
-        slice_,
-        end,
-        M,
-        D,
-        offset,
-        *_euclidean_bits((margin,), D, acc),
-        ONE_FEATURE=D == 1,
-        SELF=self_,
-        SEMI=semi,
-        BAND=band is not None,
-        ACC=acc_tl(acc),
-        IS64=acc == torch.float64,
-        **config.launch,
-    )
-
-
 def triplet_margin_forward(
     embeddings,
     labels,
@@ -1252,8 +1018,8 @@ def triplet_margin_forward(
     exact_config=None,
 ):
     """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter; config:
-    triplet_rows_kernel's, or batch_hard's triplets.hard_rows_kernel's with exact_config its
-    hard_pick_kernel's)."""
+    triplets.triplet_rows_kernel's with exact_config its triplet_exact_kernel's, or batch_hard's
+    triplets.hard_rows_kernel's with exact_config its hard_pick_kernel's)."""
     (margin, mining), shard = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard)
     self_, offset = _self_pairs(ref_embeddings, shard)
     acc = acc_dtype(embeddings)
@@ -1286,17 +1052,14 @@ def triplet_margin_forward(
     # triplet_forward (pair_losses_euclidean_cpu.cpp): Σ over the counted triplets of
     # d_ap − d_an + margin over their number; NaN where a counted triplet has a positive at
     # a NaN distance.
-    config = config or TRIPLET_ROWS_CONFIGS[-1 if acc == torch.float64 else 0]
-    a, b = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, normalised=False)
-    points = _points(a, b, acc, row_config)
-    sums = torch.empty(N, 2, dtype=torch.float64, device=embeddings.device)
-    count = torch.empty(N, 2, dtype=torch.int64, device=embeddings.device)
-    segments = _label_segments(a, b)
+    config = config or lse._default(triplets.ALL_ROWS_CONFIGS, acc)
+    exact_config = exact_config or triplets.ALL_EXACT_CONFIGS[0]
+    pa, pb, _ = euclid._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
+    pos = triplets.positives(pa, pb, self_, offset)
     semi = mining == "semi_hard"
-    _triplet_rows(a, b, points, segments, margin, semi, acc, config, self_, offset, sums, count, end=N)
-    per = sums[:, 0] - sums[:, 1]
-    per = torch.where((count[:, 0] > 0) & (count[:, 1] > 0), float("nan"), per)
-    return result(per.sum(), count[:, 0].sum(), torch.cat([idx, count[:, :1]], 1))
+    sums, count = triplets.all_triplets(pa, pb, pos, self_, offset, margin, semi, acc, config, exact_config)
+    per = torch.where((count > 0) & (pos[-1] > 0), float("nan"), sums)
+    return result(per.sum(), count.sum(), torch.cat([idx, count[:, None]], 1))
 
 
 # The anchors of one band of the triplet backward: at most this many (anchor, ref) pairs' int32
@@ -1308,18 +1071,23 @@ def _triplet_band_backward(
     grad, a, b, margin, semi, count, want_e, want_r, config, rows_config, row_config, pairs: tuple[bool, int]
 ):
     """mining="all" / "semi_hard"'s backward (triplet_backward in the CPU kernel), a band of
-    anchors at a time: triplet_rows_kernel writes ∂loss/∂d·C of the band's pairs, then
+    anchors at a time: triplets.all_triplets writes ∂loss/∂d·C of the band's pairs, then
     triplet_grad_kernel adds their gradient to the anchors' rows and to the refs' rows (in
     band order: the same bits on every run); then the normalisation's Jacobian. pairs:
     _self_pairs's (a shard's anchors are rows of the refs apart from a)."""
     acc = a.e.dtype
     config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
-    rows_config = rows_config or TRIPLET_ROWS_CONFIGS[-1 if acc == torch.float64 else 0]
+    rows_config = rows_config or lse._default(triplets.ALL_ROWS_CONFIGS, acc)
     self_ = a is b
     N, D = a.e.shape
     M = b.n
     points = _points(a, b, acc, row_config)
-    segments = _label_segments(a, b)
+    # (the forward's tiles, from these points: triplets.all_triplets)
+    ids, _ = lse._label_ids(*([a.labels] if self_ else [a.labels, b.labels]))
+    sides = (a,) if self_ else (a, b)
+    tiles = [euclid._Points(side, *p, i, row_config) for side, p, i in zip(sides, points, ids, strict=False)]
+    ta, tb = tiles[0], tiles[-1]
+    pos = triplets.positives(ta, tb, *pairs)
     step = rows_config.kwargs["BLOCK_N"]
     width = min(N, max(step, BAND_PAIRS // M // step * step))
     band = torch.empty(width, M, dtype=torch.int32, device=a.e.device)
@@ -1364,7 +1132,9 @@ def _triplet_band_backward(
     for row0 in range(0, N, width):
         end = min(row0 + width, N)
         band.zero_()
-        _triplet_rows(a, b, points, segments, margin, semi, acc, rows_config, *pairs, band=band, row0=row0, end=end)
+        triplets.all_triplets(
+            ta, tb, pos, *pairs, margin, semi, acc, rows_config, triplets.ALL_EXACT_CONFIGS[0], row0, end, band
+        )
         if ge is not None:
             add(ge, a, pa, b, pb, row0, end, 0, M, row0, True)
         if self_:
@@ -1395,7 +1165,7 @@ def triplet_margin_backward(
     rows_config=None,
 ):
     """torchkit::_triplet_margin_loss_backward's CUDA kernel (config: hard_grad_kernel's for
-    batch_hard, triplet_grad_kernel's for all and semi_hard, with triplet_rows_kernel's
+    batch_hard, triplet_grad_kernel's for all and semi_hard, with triplets.triplet_rows_kernel's
     rows_config). A shard's takes its own stats and gives the refs' gradient from its anchors
     (csrc/pair_losses.h)."""
     op = "triplet_margin_loss"
@@ -1550,29 +1320,6 @@ def compile_cases() -> list[CompileCase]:
                         else EXACT_GRAD_CONFIGS[:1],
                     )
                 )
-            segments = {**euclidean, **dict.fromkeys(("order_ptr", "lo_ptr", "hi_ptr"), "*i64")}
-            for semi in (False, True):
-                for band in (False, True):
-                    for self_ in (True, False) if not band and not semi else (True,):
-                        cases.append(
-                            CompileCase(
-                                f"pair_losses.triplet_rows {'semi_hard' if semi else 'all'}{' band' if band else ''}"
-                                f" {dtype}{' self' if self_ else ''}",
-                                triplet_rows_kernel,
-                                {
-                                    **segments,
-                                    "count_ptr": "*i32" if band else "*i64",
-                                    "sums_ptr": "*i32" if band else "*fp64",
-                                    "band_ptr": "*i32" if band else "*" + acc,
-                                },
-                                dict(SELF=self_, SEMI=semi, BAND=band, **flags),
-                                TRIPLET_ROWS_CONFIGS
-                                if every and self_
-                                else TRIPLET_ROWS_CONFIGS[-1:]
-                                if is64
-                                else TRIPLET_ROWS_CONFIGS[:1],
-                            )
-                        )
             hard = {
                 **ms_types,
                 **dict.fromkeys(("x_b_ptr", "x_a_ptr"), "*" + dtype),
@@ -1664,7 +1411,9 @@ def compile_cases() -> list[CompileCase]:
     # first in float32 also as one with D = 1.
     one_feature = {
         triplet_grad_kernel,
-        triplet_rows_kernel,
+        triplets.triplet_rows_kernel,
+        triplets.triplet_exact_kernel,
+        triplets.positives_kernel,
         hard_grad_kernel,
         pair_dist_kernel,
     }

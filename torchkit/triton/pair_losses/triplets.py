@@ -40,7 +40,7 @@ from torch import Tensor
 
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, blocks, float_bits, hot
-from torchkit.triton.pair_losses import euclid, lse
+from torchkit.triton.pair_losses import euclid, lse, ms
 from torchkit.triton.pair_losses._common import _pair_exact
 
 # Launch configurations (every one run by the tests and compiled by tools/triton_check.py; the
@@ -57,6 +57,21 @@ EXACT_CONFIGS = (
     Config(BLOCK_ROWS=4, BLOCK_C=16, num_warps=2, num_stages=2, fp_fusion=False),
 )
 
+# mining="all" / "semi_hard": triplet_rows_kernel's (BLOCK_P: a chunk of each anchor's
+# positives, a divisor of POS_CAP, whose thresholds the unrolled decisions hold in registers
+# beside the tile: 4 keeps semi_hard's within sm_80's); triplet_exact_kernel's (its BLOCK_P is
+# the rows kernel's); positives_kernel's.
+ALL_ROWS_CONFIGS = (
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_P=4, BLOCK_K=32, num_warps=8, num_stages=2),
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_P=8, BLOCK_K=32, num_warps=8, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_P=4, BLOCK_K=16, num_warps=4, num_stages=2),
+)
+ALL_EXACT_CONFIGS = (
+    Config(BLOCK_ROWS=8, BLOCK_C=32, num_warps=4, num_stages=2, fp_fusion=False),
+    Config(BLOCK_ROWS=4, BLOCK_C=16, num_warps=2, num_stages=2, fp_fusion=False),
+)
+POSITIVES_CONFIG = Config(BLOCK_ROWS=16, BLOCK_P=8, num_warps=4, num_stages=2, fp_fusion=False)
+
 NONE = tl.constexpr(2**31 - 1)  # no column: above every one (the refs are fewer than 2^31)
 
 
@@ -70,11 +85,16 @@ def _bounds(v, e_a, e_b, sq_a, sq_b, IS64: tl.constexpr):
     d², of lo and hi (one each: fused) and of the exact distance's float64 sum. Unclamped (a
     cancelled d² may be below 0, its interval still holds the exact value); NaN where a norm
     is."""
+    return _interval((sq_a[:, None] + sq_b[None, :]) - 2.0 * v, e_a, e_b, IS64)
+
+
+@triton.jit
+def _interval(d2, e_a, e_b, IS64: tl.constexpr):
+    """_bounds' [lo, hi] from the tile's d²."""
     if IS64:
         u4 = 2.0**-51
     else:
         u4 = 2.0**-22
-    d2 = (sq_a[:, None] + sq_b[None, :]) - 2.0 * v
     e = e_a[:, None] + e_b[None, :]
     return d2 * (1.0 - u4) - e, d2 * (1.0 + u4) + e
 
@@ -364,6 +384,417 @@ def hard_pick_kernel(
     tl.store(dist_ptr + out, tl.where(chosen, d, float("nan")), mask=out_mask)
 
 
+# --------------------------------------------------------------------------- all and semi_hard
+
+# Each anchor's first POS_CAP positives' exact distances, kept by positives_kernel for the
+# other kernels (KEPT; further positives, in classes past POS_CAP rows, are computed where
+# used). A multiple of the rows kernels' BLOCK_P.
+POS_CAP = 64
+
+
+@triton.jit
+def _down(x, IS64: tl.constexpr):
+    """A value of the tile's type at most x >= 0 (float64)."""
+    if IS64:
+        return x * (1.0 - 2.0**-50)
+    else:
+        return tl.where(x < 2.0**-100, 0.0, (x * (1.0 - 2.0**-22)).to(tl.float32))
+
+
+@triton.jit
+def _up(x, IS64: tl.constexpr):
+    """A value of the tile's type at least x >= 0 (float64)."""
+    if IS64:
+        return x * (1.0 + 2.0**-50) + 2.0**-1000
+    else:
+        return (x * (1.0 + 2.0**-22)).to(tl.float32) + 2.0**-120
+
+
+@triton.jit
+def _thresholds(t, margin, SEMI: tl.constexpr, ACC: tl.constexpr, IS64: tl.constexpr):
+    """From a chunk of each anchor's positives' exact distances t (−1: no positive; NaN: one at
+    a NaN distance), the squared distances that decide a negative for each (_decide): below
+    hit a triplet counts surely, above miss surely not, whatever the CPU kernel's float64
+    rounding of t − d + margin (δ: 2^-49·(t + |margin|)); semi_hard's second condition, t < d,
+    surely holds above semi and surely fails at or below not_semi. Then the terms' T = t +
+    margin (ACC) and whether a negative at exactly 0 (equal rows) counts (the CPU's
+    t − 0 + margin > 0, never for semi_hard)."""
+    pok = t >= 0
+    T = t + margin
+    delta = (tl.abs(t) + tl.abs(margin)) * 2.0**-49
+    low = T - delta
+    high = T + delta
+    hit = tl.where(pok & (low > 0), _down(low * low, IS64), float("-inf"))
+    miss = tl.where(pok & (high > 0), _up(high * high, IS64), float("-inf"))
+    sq = tl.where(pok, t * t, 0.0)
+    zero = pok & (T > 0)
+    if SEMI:
+        zero = zero & (t < 0)
+    return hit, miss, _up(sq, IS64), _down(sq, IS64), T.to(ACC), zero
+
+
+@triton.jit
+def _column(x, ps, p):
+    """Column p of a (rows, BLOCK_P) block, per row."""
+    return tl.sum(tl.where(ps[None, :] == p, x, 0), axis=1)
+
+
+@triton.jit
+def _decide(lo, hi, hit, miss, semi, not_semi, ps, p, SEMI: tl.constexpr):
+    """Positive p's triplets with a tile of negatives of squared distances in [lo, hi]: which
+    surely count, which surely do not (_thresholds)."""
+    sure = hi < _column(hit, ps, p)[:, None]
+    never = lo > _column(miss, ps, p)[:, None]
+    if SEMI:
+        sure = sure & (lo > _column(semi, ps, p)[:, None])
+        never = never | (hi <= _column(not_semi, ps, p)[:, None])
+    return sure, never
+
+
+@triton.jit
+def _positives(
+    tpos_ptr, order_ptr, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, row_mask, lo, hi, p0, OFFSET, D,
+    SELF: tl.constexpr, ONE_FEATURE: tl.constexpr, KEPT: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """Positives [p0, p0 + BLOCK_P) of each anchor (its label's segment [lo, hi) of the refs in
+    label order, less itself): their ref rows and exact distances t (−1 for none), kept by
+    positives_kernel for the first KEPT, else computed (_pair_exact)."""
+    ps = p0 + tl.arange(0, BLOCK_P)
+    q = lo[:, None] + ps[None, :]
+    p_mask = row_mask[:, None] & (q < hi[:, None])
+    js = tl.load(order_ptr + q, mask=p_mask, other=0)
+    if SELF:
+        p_mask = p_mask & (js - OFFSET != rows[:, None])
+    if p0 < KEPT:
+        t = tl.load(tpos_ptr + rows[:, None] * KEPT + ps[None, :], mask=p_mask, other=-1.0)
+    else:
+        t = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, p_mask, D, ONE_FEATURE)
+    return js, tl.where(p_mask, t, -1.0)
+
+
+@triton.jit
+def positives_kernel(
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a_ptr,
+    inv_b_ptr,
+    order_ptr,
+    lo_ptr,
+    hi_ptr,
+    tpos_ptr,
+    nan_ptr,
+    N,
+    D,
+    OFFSET,
+    SELF: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
+    KEPT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Per anchor, its positives' exact distances (the first KEPT: tpos, (N, KEPT)
+    float64, −1 past its positives) and how many are NaN (nan, int64)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
+    hi = tl.load(hi_ptr + rows, mask=row_mask, other=0)
+    nan = tl.zeros((BLOCK_ROWS,), tl.int64)
+    for p0 in range(0, tl.max(hi - lo, axis=0), BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        q = lo[:, None] + ps[None, :]
+        p_mask = row_mask[:, None] & (q < hi[:, None])
+        js = tl.load(order_ptr + q, mask=p_mask, other=0)
+        if SELF:
+            p_mask = p_mask & (js - OFFSET != rows[:, None])
+        t = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, p_mask, D, ONE_FEATURE)
+        t = tl.where(p_mask, t, -1.0)
+        nan += tl.sum((t != t).to(tl.int64), axis=1)
+        kept = row_mask[:, None] & (ps < KEPT)[None, :]
+        tl.store(tpos_ptr + rows[:, None] * KEPT + ps[None, :], t, mask=kept)
+    tl.store(nan_ptr + rows, nan, mask=row_mask)
+
+
+@hot()
+@triton.jit
+def triplet_rows_kernel(
+    a_hi,
+    a_lo,
+    b_hi,
+    b_lo,
+    sq_a_ptr,
+    sq_b_ptr,
+    lab_ptr,
+    ref_lab_ptr,
+    grp_a_ptr,
+    grp_b_ptr,
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a_ptr,
+    inv_b_ptr,
+    order_ptr,
+    lo_ptr,
+    hi_ptr,
+    tpos_ptr,
+    nan_ptr,
+    sums_ptr,
+    count_ptr,
+    band_ptr,
+    slot_ptr,
+    fill_ptr,
+    ROW0,
+    N,
+    M,
+    D,
+    OFFSET,
+    CHUNK,
+    CAP,
+    MARGIN_BITS,
+    ERR_BITS,
+    SELF: tl.constexpr,
+    SEMI: tl.constexpr,
+    BAND: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
+    KEPT: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """mining="all" / "semi_hard" for a block of anchors of [ROW0, N) over the refs of slice
+    program_id(1) (CHUNK refs from program_id(1)·CHUNK): the triplets (a, p, n) with
+    d_ap − d_an + margin > 0 (semi_hard: and d_ap < d_an), or a NaN d_an, and a non-NaN d_ap
+    (count_triplets in the CPU kernel). A chunk of each anchor's positives (_positives) at a
+    time, against each tile of negatives: per positive, the tile's bounds decide (_decide);
+    a negative that some positive of the chunk leaves undecided, or whose d² cancelled
+    (near-duplicates) and that counts, is listed for its anchor with the chunk (ms._append)
+    and left to triplet_exact_kernel for that chunk's positives;
+    a negative of an equal row is at exactly 0.
+    Forward (BAND false): per slice and anchor, the tile's counted terms' sum (sums, float64:
+    Σ d_ap + margin − d_an, a tile's row in ACC) and count (count, int64: each negative's
+    counted positives plus the anchor's positives at a NaN distance, nan).
+    BAND: ∂loss/∂d·C of the pairs of the anchors [ROW0, N) into band (rows from ROW0, M
+    columns, zeroed by the caller): −(its counted positives) for a negative, +(its counted
+    triplets) for a positive, an integer atomic add across slices (the same on every run).
+    Slots and fill are the band's (rows from ROW0)."""
+    margin = tm.f64(MARGIN_BITS)
+    err = tm.f64(ERR_BITS).to(ACC)
+    if IS64:
+        TINY = 2.0**-1022
+    else:
+        TINY = 2.0**-126
+    rows = ROW0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
+    grp = tl.load(grp_a_ptr + rows, mask=row_mask, other=-1)
+    sq_a = tl.load(sq_a_ptr + rows, mask=row_mask, other=0.0)
+    e_a = _shares(sq_a, err, IS64)
+    lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
+    hi = tl.load(hi_ptr + rows, mask=row_mask, other=0)
+    nan_p = tl.load(nan_ptr + rows, mask=row_mask, other=0).to(tl.int32)
+    ah = sq_a
+    al = sq_a
+    if BLOCK_D > 0:  # the anchors' whole rows, held across the refs (BLOCK_D >= D)
+        ks = tl.arange(0, BLOCK_D)
+        ah, al = lse._load(a_hi, a_lo, rows, ks, row_mask[:, None] & (ks < D)[None, :], D, SCHEME, INTERPRET)
+    first = tl.program_id(1).to(tl.int64) * CHUNK
+    last = tl.minimum(first + CHUNK, M)
+    total_sum = tl.zeros((BLOCK_N,), tl.float64)
+    total_count = tl.zeros((BLOCK_N,), tl.int64)
+    ps = tl.arange(0, BLOCK_P)
+    for p0 in range(0, tl.max(hi - lo, axis=0), BLOCK_P):
+        js, t = _positives(
+            tpos_ptr, order_ptr, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, row_mask, lo, hi, p0, OFFSET, D,
+            SELF, ONE_FEATURE, KEPT, BLOCK_P,
+        )  # fmt: skip
+        hit, miss, semi, not_semi, T, zero = _thresholds(t, margin, SEMI, ACC, IS64)
+        pok = (t >= 0).to(tl.int32)
+        counted_nan = tl.sum(pok, axis=1)  # (a NaN negative counts with each)
+        counted_zero = tl.sum(zero.to(tl.int32), axis=1)
+        term_zero = tl.sum(tl.where(zero, T, 0.0), axis=1)
+        uses = tl.zeros((BLOCK_N, BLOCK_P), tl.int32)
+        for j0 in range(first, last, BLOCK_M):
+            cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+            col_mask = cols < last
+            ref_lab = tl.load(ref_lab_ptr + cols, mask=col_mask, other=0)
+            grp_b = tl.load(grp_b_ptr + cols, mask=col_mask, other=-2)
+            sq_b = tl.load(sq_b_ptr + cols, mask=col_mask, other=0.0)
+            bh = sq_b
+            bl = sq_b
+            if BLOCK_D > 0:
+                bh, bl = lse._load(b_hi, b_lo, cols, ks, col_mask[:, None] & (ks < D)[None, :], D, SCHEME, INTERPRET)
+            v = euclid._dots(
+                a_hi, a_lo, b_hi, b_lo, ah, al, bh, bl, rows, cols, row_mask, col_mask, D, ACC, SCHEME, INTERPRET,
+                BLOCK_K, BLOCK_D,
+            )  # fmt: skip
+            total = sq_a[:, None] + sq_b[None, :]
+            d2 = total - 2.0 * v
+            lo2, hi2 = _interval(d2, e_a, _shares(sq_b, err, IS64), IS64)
+            k = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
+            terms = tl.zeros((BLOCK_N, BLOCK_M), ACC)
+            open_ = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
+            for p in tl.static_range(BLOCK_P):
+                sure, never = _decide(lo2, hi2, hit, miss, semi, not_semi, ps, p, SEMI)
+                k += sure.to(tl.int32)
+                terms += tl.where(sure, _column(T, ps, p)[:, None], 0.0)
+                open_ = open_ | ((sure | never) == 0).to(tl.int32)
+            neg = row_mask[:, None] & col_mask[None, :] & (lab[:, None] != ref_lab[None, :])
+            same = grp[:, None] == grp_b[None, :]
+            nan = lo2 != lo2
+            k = tl.where(same, counted_zero[:, None], tl.where(nan, counted_nan[:, None], k))
+            terms = tl.where(same, term_zero[:, None], terms)
+            # (a d² below the smallest normal is cancelled too: the GPU's float32 roots flush it)
+            cancelled = ((d2 * 16.0 > total) == 0) | (d2 < TINY)
+            listed = neg & (same == 0) & (nan == 0) & ((open_ != 0) | (cancelled & (k > 0)))
+            if lse._any(listed):
+                # (with its chunk of positives: the pair is decided there for those only)
+                ms._append(listed, rows - ROW0, cols + (p0 // BLOCK_P) * M, fill_ptr, slot_ptr, CAP)
+            keep = neg & (listed == 0)
+            if BAND:
+                at = band_ptr + (rows - ROW0)[:, None] * M + cols[None, :]
+                tl.store(at, tl.load(at, mask=keep, other=0) - k, mask=keep)
+                for p in tl.static_range(BLOCK_P):  # each positive's triplets of the kept negatives
+                    sure, _ = _decide(lo2, hi2, hit, miss, semi, not_semi, ps, p, SEMI)
+                    sure = tl.where(same, (_column(zero.to(tl.int32), ps, p) != 0)[:, None], sure)
+                    sure = tl.where(nan, (_column(pok, ps, p) != 0)[:, None], sure)
+                    n = tl.sum((keep & sure).to(tl.int32), axis=1)
+                    uses += tl.where(ps[None, :] == p, n[:, None], 0)
+            else:
+                d = tl.where(same, 0.0, tl.sqrt(tl.maximum(d2, 0.0)))
+                term = tl.where(keep & (k > 0), terms - k.to(ACC) * d, 0.0)
+                total_sum += tl.sum(term, axis=1).to(tl.float64)
+                total_count += tl.sum(tl.where(keep, k + nan_p[:, None], 0), axis=1).to(tl.int64)
+        if BAND:
+            at = band_ptr + (rows - ROW0)[:, None] * M + js
+            tl.atomic_add(at, uses, mask=(pok != 0) & (uses != 0))
+    if not BAND:
+        at = tl.program_id(1).to(tl.int64) * N + rows
+        tl.store(sums_ptr + at, total_sum, mask=row_mask)
+        tl.store(count_ptr + at, total_count, mask=row_mask)
+
+
+@triton.jit
+def triplet_exact_kernel(
+    xa_ptr,
+    xb_ptr,
+    sa,
+    sb,
+    inv_a_ptr,
+    inv_b_ptr,
+    lab_ptr,
+    ref_lab_ptr,
+    order_ptr,
+    lo_ptr,
+    hi_ptr,
+    tpos_ptr,
+    nan_ptr,
+    slot_ptr,
+    fill_ptr,
+    sums_ptr,
+    count_ptr,
+    out_sum_ptr,
+    out_count_ptr,
+    band_ptr,
+    ROW0,
+    N,
+    M,
+    D,
+    OFFSET,
+    SLICES,
+    CAP,
+    MARGIN_BITS,
+    SELF: tl.constexpr,
+    SEMI: tl.constexpr,
+    BAND: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
+    KEPT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """triplet_rows_kernel's listed negatives of a block of anchors (an anchor whose list
+    outgrew CAP: every ref, its tiles' results left out) decided on their exact distances
+    (_pair_exact) in float64 as the CPU kernel does. Forward: the tiles'
+    sums and counts (SLICES of them, in slice order) plus the listed ones', per anchor
+    (out_sum float64, out_count int64). BAND: their coefficients into band (an anchor taken
+    whole: every one of its pairs' written anew). A listed pair is decided with the positives
+    of the chunk that listed it (BLOCK_P: triplet_rows_kernel's)."""
+    margin = tm.f64(MARGIN_BITS)
+    rows = ROW0 + tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    rel = rows - ROW0
+    lab = tl.load(lab_ptr + rows, mask=row_mask, other=0)
+    lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
+    hi = tl.load(hi_ptr + rows, mask=row_mask, other=0)
+    nan_p = tl.load(nan_ptr + rows, mask=row_mask, other=0)
+    fill = tl.load(fill_ptr + rel, mask=row_mask, other=0)
+    whole = row_mask & (fill > CAP)
+    total_sum = tl.zeros((BLOCK_ROWS,), tl.float64)
+    total_count = tl.zeros((BLOCK_ROWS,), tl.int64)
+    if not BAND:
+        tiles = row_mask & (whole == 0)  # (an anchor taken whole has every pair here)
+        for s in range(0, SLICES):
+            total_sum += tl.load(sums_ptr + s * N + rows, mask=tiles, other=0.0)
+            total_count += tl.load(count_ptr + s * N + rows, mask=tiles, other=0)
+    any_whole = tl.max(whole.to(tl.int32), axis=0) > 0
+    # (the rounds of slots up to the block's longest list, then the refs of anchors taken whole)
+    longest = tl.max(tl.where(whole, 0, tl.minimum(fill, CAP)), axis=0)
+    span = tl.cdiv(longest, BLOCK_C) * BLOCK_C
+    for p0 in range(0, tl.max(hi - lo, axis=0), BLOCK_P):
+        js, t = _positives(
+            tpos_ptr, order_ptr, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, row_mask, lo, hi, p0, OFFSET, D,
+            SELF, ONE_FEATURE, KEPT, BLOCK_P,
+        )  # fmt: skip
+        pok = t >= 0
+        uses = tl.zeros((BLOCK_ROWS, BLOCK_P), tl.int32)
+        for j0 in range(0 - span, tl.where(any_whole, M, 0), BLOCK_C):
+            cs = tl.arange(0, BLOCK_C)
+            if j0 < 0:  # slots [j0 + span, j0 + span + BLOCK_C)
+                slots = j0 + span + cs
+                mask = (slots[None, :] < fill[:, None]) & (whole == 0)[:, None] & row_mask[:, None]
+                listed = tl.load(slot_ptr + rel[:, None] * CAP + slots[None, :], mask=mask, other=0)
+                chunk = listed // M  # (a slot: its chunk of positives and ref row)
+                cols = listed - chunk * M
+                mask = mask & (chunk == p0 // BLOCK_P)
+            else:
+                cols = j0 + cs[None, :].to(tl.int64) + tl.zeros((BLOCK_ROWS, BLOCK_C), tl.int64)
+                mask = whole[:, None] & (cols < M)
+            neg = mask & (tl.load(ref_lab_ptr + cols, mask=mask, other=0) != lab[:, None])
+            if lse._any(neg):
+                d = _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, neg, D, ONE_FEATURE)
+                dn = d[:, None, :]
+                tp = t[:, :, None]
+                hit = (tp - dn) + margin > 0
+                if SEMI:
+                    hit = hit & (tp < dn)
+                counted = (pok[:, :, None] & neg[:, None, :]) & (hit | (dn != dn))
+                k = tl.sum(counted.to(tl.int32), axis=1)
+                uses += tl.sum(counted.to(tl.int32), axis=2)
+                if BAND:
+                    at = band_ptr + rel[:, None] * M + cols
+                    fresh = (whole & (p0 == 0))[:, None]
+                    tl.store(at, tl.where(fresh, 0, tl.load(at, mask=neg, other=0)) - k, mask=neg)
+                else:
+                    term = tl.where(counted, (tp + margin) - dn, 0.0)
+                    total_sum += tl.sum(tl.sum(term, axis=2), axis=1)
+                    total_count += tl.sum(tl.where(neg, k.to(tl.int64) + nan_p[:, None], 0), axis=1)
+        if BAND:
+            at = band_ptr + rel[:, None] * M + js
+            fresh = whole[:, None] & pok
+            tl.store(at, tl.where(fresh, 0, tl.load(at, mask=pok, other=0)) + uses, mask=pok & (fresh | (uses != 0)))
+    if not BAND:
+        tl.store(out_sum_ptr + rows, total_sum, mask=row_mask)
+        tl.store(out_count_ptr + rows, total_count, mask=row_mask)
+
+
 # --------------------------------------------------------------------------- wrappers
 
 
@@ -453,6 +884,153 @@ def batch_hard(
     return idx, dist
 
 
+def positives(a: euclid._Points, b: euclid._Points, self_: bool, offset: int) -> tuple:
+    """mining="all" / "semi_hard"'s positives: (order, lo, hi), the refs' rows in label order and
+    each anchor's label's segment of them, then positives_kernel's (tpos, nan)."""
+    keys, order = torch.sort(b.labels, stable=True)
+    lo = torch.searchsorted(keys, a.labels)
+    hi = torch.searchsorted(keys, a.labels, right=True)
+    N, D = a.c.shape
+    tpos = torch.empty(N, POS_CAP, dtype=torch.float64, device=a.c.device)
+    nan = torch.empty(N, dtype=torch.int64, device=a.c.device)
+    if N > 0:
+        positives_kernel[(blocks(N, POSITIVES_CONFIG.kwargs["BLOCK_ROWS"]),)](
+            a.side.raw,
+            b.side.raw,
+            a.side.raw.stride(0),
+            b.side.raw.stride(0),
+            a.side.inv64,
+            b.side.inv64,
+            order,
+            lo,
+            hi,
+            tpos,
+            nan,
+            N,
+            D,
+            offset,
+            SELF=self_,
+            ONE_FEATURE=D == 1,
+            KEPT=POS_CAP,
+            **POSITIVES_CONFIG.launch,
+        )
+    return order, lo, hi, tpos, nan
+
+
+def _all_cap(scheme: int, M: int) -> int:
+    """Slots per anchor for triplet_rows_kernel's listed pairs: a pair is undecided where any of
+    its anchor's positives' thresholds is within the tile's bound of it (contrastive_loss's
+    two margins: euclid._cap), eight times as many."""
+    return max(16, min(8 * euclid._cap(scheme, M), triton.next_power_of_2(max(M, 1))))
+
+
+def all_triplets(
+    a: euclid._Points,
+    b: euclid._Points,
+    pos: tuple,
+    self_: bool,
+    offset: int,
+    margin: float,
+    semi: bool,
+    acc: torch.dtype,
+    config: Config,
+    exact_config: Config,
+    row0: int = 0,
+    end: int | None = None,
+    band: Tensor | None = None,
+) -> tuple[Tensor, Tensor] | None:
+    """mining="all" / "semi_hard" (pos: positives()'s; self_: anchor i is b's row offset + i,
+    not a pair). Forward (band None): per anchor, its counted triplets' sum of
+    d_ap + margin − d_an (float64) and their count with its NaN positives' (int64). Else the
+    coefficients of the anchors [row0, end)'s pairs into band (zeroed: (end − row0, M))."""
+    N, D = a.c.shape
+    end = N if end is None else end
+    M = b.n
+    dev = a.c.device
+    k = config.kwargs
+    programs = blocks(end - row0, k["BLOCK_N"])
+    slices, chunk = lse._slices(programs, M, k["BLOCK_M"])
+    cap = _all_cap(a.scheme, M)
+    slot = torch.full((end - row0, cap), ms.NO_COL, dtype=torch.int64, device=dev)
+    fill = torch.zeros(end - row0, dtype=torch.int32, device=dev)
+    forward = band is None
+    sums = torch.empty((slices, N) if forward else (0,), dtype=torch.float64, device=dev)
+    count = torch.empty((slices, N) if forward else (0,), dtype=torch.int64, device=dev)
+    band = torch.empty(0, dtype=torch.int32, device=dev) if forward else band
+    order, lo, hi, tpos, nan = pos
+    inputs = (a.side.raw, b.side.raw, a.side.raw.stride(0), b.side.raw.stride(0), a.side.inv64, b.side.inv64)
+    bits = float_bits(margin)
+    flags = dict(SELF=self_, SEMI=semi, BAND=not forward, ONE_FEATURE=D == 1, KEPT=POS_CAP)
+    triplet_rows_kernel[(programs, slices)](
+        a.hi,
+        a.lo,
+        b.hi,
+        b.lo,
+        a.sq,
+        b.sq,
+        a.labels,
+        b.labels,
+        a.group,
+        b.group,
+        *inputs,
+        order,
+        lo,
+        hi,
+        tpos,
+        nan,
+        sums,
+        count,
+        band,
+        slot,
+        fill,
+        row0,
+        end,
+        M,
+        D,
+        offset,
+        chunk,
+        cap,
+        bits,
+        float_bits(euclid._error(D, a.scheme, acc)),
+        BLOCK_D=lse._held(D, a.scheme, lse.HELD_NARROW),
+        **flags,
+        **lse._launch_flags(a, acc),
+        **config.launch,
+    )
+    slot.copy_(slot.sort(dim=1).values)  # (the listed pairs in order: the same bits on every run)
+    out_sum = torch.empty(N if forward else 0, dtype=torch.float64, device=dev)
+    out_count = torch.empty(N if forward else 0, dtype=torch.int64, device=dev)
+    triplet_exact_kernel[(blocks(end - row0, exact_config.kwargs["BLOCK_ROWS"]),)](
+        *inputs,
+        a.labels,
+        b.labels,
+        order,
+        lo,
+        hi,
+        tpos,
+        nan,
+        slot,
+        fill,
+        sums,
+        count,
+        out_sum,
+        out_count,
+        band,
+        row0,
+        end,
+        M,
+        D,
+        offset,
+        slices,
+        cap,
+        bits,
+        BLOCK_P=k["BLOCK_P"],
+        **flags,
+        **exact_config.launch,
+    )
+    return (out_sum, out_count) if forward else None
+
+
 def compile_cases() -> list[CompileCase]:
     """This engine's kernels for tools/triton_check.py: hard_rows_kernel with the TF32 pair (every
     configuration, without refs), bfloat16 operands ("medium") and float64, rows of D = 128
@@ -505,4 +1083,54 @@ def compile_cases() -> list[CompileCase]:
                         EXACT_CONFIGS if every and not one else EXACT_CONFIGS[:1],
                     )
                 )
+        # mining="all" / "semi_hard"
+        types = {
+            **types,
+            **dict.fromkeys(("ROW0", "MARGIN_BITS"), "i64"),
+            "ROW0": "i32",
+            **dict.fromkeys(("order_ptr", "lo_ptr", "hi_ptr", "nan_ptr", "count_ptr", "out_count_ptr"), "*i64"),
+            **dict.fromkeys(("tpos_ptr", "sums_ptr", "out_sum_ptr"), "*fp64"),
+            "slot_ptr": "*i64",
+            "band_ptr": "*i32",
+        }
+        for semi in (False, True):
+            for band in (False, True):
+                for self_ in (True, False) if not band and not semi else (True,):
+                    every = first and self_ and not band and not semi
+                    mode = f"{'semi_hard' if semi else 'all'}{' band' if band else ''}"
+                    suffix = f"{mode} {name}{' self' if self_ else ''}"
+                    modes = dict(SELF=self_, SEMI=semi, BAND=band, ONE_FEATURE=False, KEPT=POS_CAP)
+                    cases.append(
+                        case(
+                            f"pair_losses.triplets.rows {suffix}",
+                            triplet_rows_kernel,
+                            types,
+                            {**modes, **flags},
+                            ALL_ROWS_CONFIGS
+                            if every
+                            else (lse._default(ALL_ROWS_CONFIGS, torch.float64 if is64 else torch.float32),),
+                            tensor_cores=not is64,
+                        )
+                    )
+                    rows_configs = ALL_ROWS_CONFIGS if every else ALL_ROWS_CONFIGS[:1]
+                    cases += [
+                        case(
+                            f"pair_losses.triplets.exact {suffix} BLOCK_P={p}",
+                            triplet_exact_kernel,
+                            types,
+                            {**modes, "BLOCK_P": p},
+                            ALL_EXACT_CONFIGS if every else ALL_EXACT_CONFIGS[:1],
+                        )
+                        for p in sorted({c.kwargs["BLOCK_P"] for c in rows_configs})
+                    ]
+        for self_ in (True, False):
+            cases.append(
+                case(
+                    f"pair_losses.triplets.positives {name}{' self' if self_ else ''}",
+                    positives_kernel,
+                    types,
+                    dict(SELF=self_, ONE_FEATURE=False, KEPT=POS_CAP),
+                    (POSITIVES_CONFIG,),
+                )
+            )
     return cases
