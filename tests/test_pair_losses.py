@@ -1753,10 +1753,10 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     grad = pick(
         tp.HARD_GRAD_CONFIGS
         if hard
+        else tp.triplets.BAND_GRAD_CONFIGS
+        if triplets
         else engine.GRAD_CONFIGS
         if engine
-        else tp.EXACT_GRAD_CONFIGS
-        if exact
         else tp.lse.GRAD_CONFIGS
     )
     row = pick(tp.ROW_CONFIGS if exact else tp.lse.ROW_CONFIGS)

@@ -169,7 +169,7 @@ def sweep_pair_losses(results: dict) -> None:
                 rows.append((f"triplet_{mining}.rows", i, repr(config), t))
             value, stats = kernels.triplet_margin_forward(e, labels, r, rl, 0.05, mining)
             args = (torch.ones_like(value), e, labels, r, rl, stats, 0.05, mining, [True, r is not None])
-            for i, config in enumerate(kernels.EXACT_GRAD_CONFIGS):
+            for i, config in enumerate(kernels.triplets.BAND_GRAD_CONFIGS):
                 t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_backward(*args, config=c))
                 rows.append((f"triplet_{mining}.grad", i, repr(config), t))
         # proxy_anchor_loss: the refs (or the embeddings) as its proxies.

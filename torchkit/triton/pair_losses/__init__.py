@@ -42,8 +42,9 @@ either forward's stats. Nothing N×M exists:
   each triplet decided on the tile's bounds or, listed, on exact distances). The backward
   takes the anchors a band at a time (BAND_PAIRS): triplets.all_triplets writes each pair's
   ∂loss/∂d·C (a negative: minus its counted positives; a positive: its counted triplets),
-  then triplet_grad_kernel (reading the band) adds the band's gradient to the anchors' and
-  the refs' rows, bands in order.
+  then triplets.band_gradient (tensor-core tiles reading the band, the pairs whose d²
+  cancelled from the inputs' float64 differences) adds the band's gradient to the anchors'
+  and the refs' rows, bands in order.
 
 - A shard (the losses across ranks; csrc/pair_losses.h) of supcon_loss, ntxent_loss,
   contrastive_loss and multi_similarity_loss: the forward is the one with refs, anchor i's
@@ -74,7 +75,7 @@ from torchkit.ops._common import acc_dtype, check_scalars
 from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
 from torchkit.triton import _launch
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks
 from torchkit.triton.pair_losses import euclid, lse, ms, triplets
 from torchkit.triton.pair_losses._common import (
     NORM_EPS,
@@ -85,8 +86,6 @@ from torchkit.triton.pair_losses._common import (
     _self_pairs,
     _shard,
     _unit,
-    _unit_row,
-    _zero_rows,
     _zeros,
 )
 from torchkit.triton.pair_losses.euclid import contrastive_backward, contrastive_forward  # noqa: F401 (as below)
@@ -100,16 +99,6 @@ from torchkit.triton.pair_losses.lse import (  # noqa: F401 (the ops' kernels: t
 )
 from torchkit.triton.pair_losses.ms import multi_similarity_backward, multi_similarity_forward  # noqa: F401 (as below)
 
-# Why the pair kernels (@hot) multiply float32 with IEEE FMAs and decide in float64 per pair.
-IEEE_PRODUCTS = (
-    "float32 products as IEEE FMAs, never TF32: the CPU kernels' decisions on exact values; no "
-    "tensor-core scheme within the CUDA precision contract (GPU-PERF.md) is built for them yet"
-)
-FLOAT64_DECISIONS = (
-    "each pair's distance or cosine, its threshold and error bound in float64, as the CPU kernels "
-    "decide (Inputs::clear, MultiSimilarity::mined); not yet a float32 bound with a sparse float64 recheck"
-)
-
 
 def _config(**kwargs) -> Config:
     """A launch configuration of this module's kernels, none of which lets the compiler fuse a
@@ -122,13 +111,6 @@ def _config(**kwargs) -> Config:
 
 # Launch configurations. Each is run by the tests (every masking path) and compiled by
 # tools/triton_check.py; `config` arguments pick one, the default being the first.
-# The kernels that carry float64 tiles beside the float32 ones (the triplets' exact distances
-# and float64 terms): smaller tiles keep them within the registers.
-EXACT_GRAD_CONFIGS = (
-    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
-    _config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
-    _config(BLOCK_N=16, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
-)
 # batch_hard's backward: float64 rows of features, gathered a pair at a time.
 HARD_GRAD_CONFIGS = (
     _config(BLOCK_ROWS=16, BLOCK_F=64, num_warps=4, num_stages=2),
@@ -138,40 +120,6 @@ ROW_CONFIGS = (
     _config(BLOCK_ROWS=16, BLOCK_D=128, num_warps=4, num_stages=2),
     _config(BLOCK_ROWS=8, BLOCK_D=16, num_warps=2, num_stages=2),
 )
-
-
-# --------------------------------------------------------------------------- shared pieces
-
-
-@triton.jit
-def _product(a, b, acc, IS64: tl.constexpr):
-    """acc + a·bᵀ with IEEE products (float32 tl.dot defaults to TF32 on the GPU)."""
-    if IS64:
-        return tl.dot(a, tl.trans(b), acc, out_dtype=tl.float64)
-    else:
-        return tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
-
-
-@triton.jit
-def _tile(
-    e_ptr, f_ptr, rows, cols, row_mask, col_mask, D, ACC: tl.constexpr, IS64: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """The cosine tile of normalised rows `rows` of e against rows `cols` of f (both (·, D),
-    contiguous); 0 in masked lanes."""
-    s = tl.zeros((rows.shape[0], cols.shape[0]), ACC)
-    for k0 in range(0, D, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < D
-        a = tl.load(e_ptr + rows[:, None] * D + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(f_ptr + cols[:, None] * D + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        s = _product(a, b, s, IS64)
-    return s
-
-
-@triton.jit
-def _any(mask):
-    """Whether a 2-D mask holds anywhere (a branch that skips a tile's work)."""
-    return tl.max(tl.max(mask.to(tl.int32), axis=1), axis=0) > 0
 
 
 # --------------------------------------------------------------------------- prefix
@@ -403,15 +351,6 @@ def self_cos_kernel(x_ptr, inv_ptr, out_ptr, N, D, stride_row, BLOCK_ROWS: tl.co
 
 
 @triton.jit
-def _same(ga_ptr, gb_ptr, rows, cols, row_mask, col_mask):
-    """Which pairs of a tile join equal rows (one group of _equal_rows): at distance 0 and of
-    one exact cosine, which the kernels take without computing them."""
-    ga = tl.load(ga_ptr + rows, mask=row_mask, other=-1)
-    gb = tl.load(gb_ptr + cols, mask=col_mask, other=-2)
-    return ga[:, None] == gb[None, :]
-
-
-@triton.jit
 def centre_sums_kernel(
     x_ptr, inv_ptr, sums_ptr, count_ptr, N, D, stride_row, CHUNK, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
 ):
@@ -488,162 +427,6 @@ def points_kernel(
         c64 = tl.where(mask, c.to(tl.float64), 0.0)
         sq += tl.sum(c64 * c64, axis=1)
     tl.store(sq_ptr + rows, sq.to(ACC), mask=row_mask)
-
-
-@triton.jit
-def _exact_dist(
-    xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, cols, row_mask, col_mask, D, ONE_FEATURE: tl.constexpr
-):
-    """Exact distances of a tile, as the CPU kernel's Points::direct: √Σ_k (e_ik − e_jk)² in
-    float64, in feature order (e: _unit), and exactly 1 between a zero row and a unit one."""
-    inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
-    inv_b = tl.load(inv_b_ptr + cols, mask=col_mask, other=0.0)
-    out = tl.zeros((rows.shape[0], cols.shape[0]), tl.float64)
-    for k in range(0, D):
-        a = _unit(tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64), inv_a, ONE_FEATURE)
-        b = _unit(tl.load(xb_ptr + cols * sb + k, mask=col_mask, other=0.0).to(tl.float64), inv_b, ONE_FEATURE)
-        v = a[:, None] - b[None, :]
-        out += v * v
-    out = tl.sqrt(out)
-    if not ONE_FEATURE:  # (one feature: |±1 − 0| is 1 exactly already)
-        zero_a, zero_b = _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, cols, row_mask, col_mask, D)
-        one = (zero_a[:, None] & _unit_row(inv_b)[None, :]) | (_unit_row(inv_a)[:, None] & zero_b[None, :])
-        out = tl.where(one, 1.0, out)
-    return out
-
-
-@triton.jit
-def _distances(ca_ptr, cb_ptr, sq_a, sq_b, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K):
-    """A tile's distances from the centred points' expansion, √(|c_i|² + |c_j|² − 2c_i·c_j)
-    (correctly rounded root), and which entries cancelled (d² ≤ (|c_i|² + |c_j|²)/16, a
-    negative or NaN expansion included, whose root is taken of 0): those the caller recomputes
-    exactly."""
-    v = _tile(ca_ptr, cb_ptr, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K)
-    total = sq_a[:, None] + sq_b[None, :]
-    d = tm.sqrt_rn(tl.maximum(total - 2.0 * v, 0.0), IS64)
-    return d, (d * d * 16.0 > total) == 0
-
-
-@hot(float64_per_pair=FLOAT64_DECISIONS, ieee_dot=IEEE_PRODUCTS)
-@triton.jit
-def triplet_grad_kernel(
-    c_own_ptr,
-    c_other_ptr,
-    sq_own_ptr,
-    sq_other_ptr,
-    x_own_ptr,
-    x_other_ptr,
-    s_own,
-    s_other,
-    inv_own_ptr,
-    inv_other_ptr,
-    grp_own_ptr,
-    grp_other_ptr,
-    st_ptr,
-    band_ptr,
-    out_ptr,
-    OWN0,
-    N_OWN,
-    OUT0,
-    OTHER0,
-    N_OTHER,
-    BAND0,
-    BAND_STRIDE,
-    D,
-    ANCHORS_OWN: tl.constexpr,
-    ONE_FEATURE: tl.constexpr,
-    ACC: tl.constexpr,
-    IS64: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-):
-    """out[own rows [OWN0, N_OWN) (out's row 0: own row OUT0), feature block] +=
-    ∂loss/∂(own's normalised rows) from a band of triplets.all_triplets' coefficients: for
-    anchor a and ref row r, ∂loss/∂d = band[a − BAND0, r]·st[0] (ANCHORS_OWN: the own rows are
-    the anchors; the other side's rows [OTHER0, N_OTHER)), per pair w = ∂loss/∂d / d (0 at
-    d = 0), Σ_j w_ij (c_i − c_j) as rowsum(w)·c_i − w·C per tile, a tile whose entries are all
-    0 skipped; entries the tiles computed directly take w_ij (e_i − e_j) from the float64
-    differences of the inputs instead (rows_grad in the CPU kernel)."""
-    scale = tl.load(st_ptr).to(tl.float64)
-    rows = OWN0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
-    row_mask = rows < N_OWN
-    f_mask = fs < D
-    own_f = row_mask[:, None] & f_mask[None, :]
-    sq_i = tl.load(sq_own_ptr + rows, mask=row_mask, other=0.0)
-    c_i = tl.load(c_own_ptr + rows[:, None] * D + fs[None, :], mask=own_f, other=0.0)
-    acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
-    for j0 in range(OTHER0, N_OTHER, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
-        col_mask = cols < N_OTHER
-        valid = row_mask[:, None] & col_mask[None, :]
-        if ANCHORS_OWN:
-            at = band_ptr + (rows - BAND0)[:, None] * BAND_STRIDE + cols[None, :]
-        else:
-            at = band_ptr + (cols - BAND0)[None, :] * BAND_STRIDE + rows[:, None]
-        g = tl.load(at, mask=valid, other=0).to(tl.float64) * scale
-        if _any(g != 0):
-            sq_j = tl.load(sq_other_ptr + cols, mask=col_mask, other=0.0)
-            d, direct = _distances(
-                c_own_ptr, c_other_ptr, sq_i, sq_j, rows, cols, row_mask, col_mask, D, ACC, IS64, BLOCK_K
-            )
-            direct = direct & valid
-            exact = d.to(tl.float64)
-            same = _same(grp_own_ptr, grp_other_ptr, rows, cols, row_mask, col_mask)
-            have_exact = _any(direct & (same == 0))
-            if have_exact:
-                exact = _exact_dist(
-                    x_own_ptr,
-                    x_other_ptr,
-                    s_own,
-                    s_other,
-                    inv_own_ptr,
-                    inv_other_ptr,
-                    rows,
-                    cols,
-                    row_mask,
-                    col_mask,
-                    D,
-                    ONE_FEATURE,
-                )
-            exact = tl.where(same, 0.0, exact)
-            d = tl.where(direct, exact.to(ACC), d)
-            d64 = d.to(tl.float64)
-            w = tl.where((g == 0) | (d64 == 0), 0.0, g / tl.where(d64 == 0, 1.0, d64))
-            if _any(direct & (w != 0)):
-                # Σ_j w_ij (e_i − e_j) over the directly computed entries, per pair from the
-                # inputs' float64 differences (near-duplicates: the centred points keep only
-                # ACC's absolute accuracy).
-                inv_i = tl.load(inv_own_ptr + rows, mask=row_mask, other=0.0)
-                e_i = tl.load(x_own_ptr + rows[:, None] * s_own + fs[None, :], mask=own_f, other=0.0)
-                e_i = _unit(e_i.to(tl.float64), inv_i[:, None], ONE_FEATURE)
-                w_direct = tl.where(direct, w, 0.0)
-                near = tl.zeros((BLOCK_N, BLOCK_F), tl.float64)
-                for c in range(0, BLOCK_M):
-                    j = tl.sum(tl.where(tl.arange(0, BLOCK_M) == c, cols, 0), axis=0)
-                    w_c = tl.sum(tl.where(tl.arange(0, BLOCK_M)[None, :] == c, w_direct, 0.0), axis=1)
-                    inv_j = tl.load(inv_other_ptr + j, mask=j < N_OTHER, other=0.0)
-                    # (the mask a vector compare: Triton 3.9's interpreter makes `vector &
-                    # (scalar compare)` int64, which its load refuses)
-                    j_ok = (j + tl.zeros((BLOCK_F,), tl.int64)) < N_OTHER
-                    e_j = tl.load(x_other_ptr + j * s_other + fs, mask=f_mask & j_ok, other=0.0)
-                    e_j = _unit(e_j.to(tl.float64)[None, :], inv_j, ONE_FEATURE)
-                    near += tl.where(w_c[:, None] != 0, w_c[:, None] * (e_i - e_j), 0.0)
-                acc += near.to(ACC)
-            w = tl.where(direct, 0.0, w).to(ACC)
-            row_sum = tl.sum(w.to(tl.float64), axis=1)
-            f = tl.load(
-                c_other_ptr + cols[:, None] * D + fs[None, :], mask=col_mask[:, None] & f_mask[None, :], other=0.0
-            )
-            acc += row_sum.to(ACC)[:, None] * c_i
-            # (a row not finite is computed directly, above: NaN rows of f are 0 here, where 0·NaN
-            # would spoil every gradient the row meets)
-            acc = _product(0.0 - w, tl.trans(tl.where(f != f, 0.0, f)), acc, IS64)
-    out = out_ptr + (rows - OUT0)[:, None] * D + fs[None, :]
-    acc += tl.load(out, mask=own_f, other=0.0)
-    tl.store(out, acc, mask=own_f)
 
 
 # --------------------------------------------------------------------------- Euclidean (batch-hard triplets)
@@ -941,13 +724,6 @@ def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
     return [(*points, group) for points, group in zip(out * (2 if a is b else 1), groups, strict=True)]
 
 
-def _euclidean_bits(margins: tuple, D: int, acc: torch.dtype) -> tuple:
-    """The margins, the tiles' error scale (D + 4)·u and u (the accumulation type's unit
-    roundoff) as float64 bits (Inputs::clear's bound)."""
-    unit = torch.finfo(acc).eps / 2
-    return tuple(float_bits(v) for v in (*margins, (D + 4) * unit, unit))
-
-
 def _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard) -> tuple:
     op = "triplet_margin_loss"
     check_scalars(op, ("float", "margin", margin))
@@ -1072,19 +848,19 @@ def _triplet_band_backward(
 ):
     """mining="all" / "semi_hard"'s backward (triplet_backward in the CPU kernel), a band of
     anchors at a time: triplets.all_triplets writes ∂loss/∂d·C of the band's pairs, then
-    triplet_grad_kernel adds their gradient to the anchors' rows and to the refs' rows (in
+    triplets.band_gradient adds their gradient to the anchors' rows and to the refs' rows (in
     band order: the same bits on every run); then the normalisation's Jacobian. pairs:
     _self_pairs's (a shard's anchors are rows of the refs apart from a)."""
     acc = a.e.dtype
-    config = config or EXACT_GRAD_CONFIGS[-1 if acc == torch.float64 else 0]
+    config = config or lse._default(triplets.BAND_GRAD_CONFIGS, acc)
     rows_config = rows_config or lse._default(triplets.ALL_ROWS_CONFIGS, acc)
     self_ = a is b
     N, D = a.e.shape
     M = b.n
-    points = _points(a, b, acc, row_config)
-    # (the forward's tiles, from these points: triplets.all_triplets)
+    # (the forward's tiles: triplets.all_triplets)
     ids, _ = lse._label_ids(*([a.labels] if self_ else [a.labels, b.labels]))
     sides = (a,) if self_ else (a, b)
+    points = _points(a, b, acc, row_config)
     tiles = [euclid._Points(side, *p, i, row_config) for side, p, i in zip(sides, points, ids, strict=False)]
     ta, tb = tiles[0], tiles[-1]
     pos = triplets.positives(ta, tb, *pairs)
@@ -1094,53 +870,19 @@ def _triplet_band_backward(
     scale = (1.0 / count.clamp(min=1).double()).reshape(1)
     ge = torch.zeros(N, D, dtype=acc, device=a.e.device) if want_e or self_ else None
     gr = torch.zeros(M, D, dtype=acc, device=a.e.device) if want_r else None
-    k = config.kwargs
-
-    def add(out, own, own_points, other, other_points, own0, own_end, other0, other_end, row0, anchors_own):
-        triplet_grad_kernel[(blocks(own_end - own0, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))](
-            own_points[0],
-            other_points[0],
-            own_points[1],
-            other_points[1],
-            own.raw,
-            other.raw,
-            own.raw.stride(0),
-            other.raw.stride(0),
-            own.inv64,
-            other.inv64,
-            own_points[2],
-            other_points[2],
-            scale,
-            band,
-            out,
-            own0,
-            own_end,
-            0,
-            other0,
-            other_end,
-            row0,
-            M,
-            D,
-            ANCHORS_OWN=anchors_own,
-            ONE_FEATURE=D == 1,
-            ACC=acc_tl(acc),
-            IS64=acc == torch.float64,
-            **config.launch,
-        )
-
-    pa, pb = points
+    exact_config = triplets.ALL_EXACT_CONFIGS[0]
     for row0 in range(0, N, width):
         end = min(row0 + width, N)
+        anchors = ta.narrow(row0, end - row0)
         band.zero_()
-        triplets.all_triplets(
-            ta, tb, pos, *pairs, margin, semi, acc, rows_config, triplets.ALL_EXACT_CONFIGS[0], row0, end, band
-        )
+        triplets.all_triplets(ta, tb, pos, *pairs, margin, semi, acc, rows_config, exact_config, row0, end, band)
+        part = band[: end - row0]
         if ge is not None:
-            add(ge, a, pa, b, pb, row0, end, 0, M, row0, True)
+            triplets.band_gradient(ge, anchors, tb, part, scale, True, row0, acc, config)
         if self_:
-            add(ge, a, pa, a, pa, 0, N, row0, end, row0, False)
+            triplets.band_gradient(ge, ta, anchors, part, scale, False, 0, acc, config)
         elif gr is not None:
-            add(gr, b, pb, a, pa, 0, M, row0, end, row0, False)
+            triplets.band_gradient(gr, tb, anchors, part, scale, False, 0, acc, config)
     live = count > 0  # a zero loss: zero gradients, NaN rows included
     empty = a.raw.new_empty(0)
     out_e = torch.where(live, _jacobian(a, ge, grad, a.raw, row_config), 0.0) if want_e else empty
@@ -1165,7 +907,7 @@ def triplet_margin_backward(
     rows_config=None,
 ):
     """torchkit::_triplet_margin_loss_backward's CUDA kernel (config: hard_grad_kernel's for
-    batch_hard, triplet_grad_kernel's for all and semi_hard, with triplets.triplet_rows_kernel's
+    batch_hard, triplets.band_grad_kernel's for all and semi_hard, with triplets.triplet_rows_kernel's
     rows_config). A shard's takes its own stats and gives the refs' gradient from its anchors
     (csrc/pair_losses.h)."""
     op = "triplet_margin_loss"
@@ -1297,29 +1039,6 @@ def compile_cases() -> list[CompileCase]:
                 "count_ptr": "*i32",
                 "out_ptr": "*" + acc,
             }
-            euclidean = {
-                **ms_types,
-                **dict.fromkeys(("ca_ptr", "cb_ptr", "sq_a_ptr", "sq_b_ptr", "c_own_ptr", "c_other_ptr"), "*" + acc),
-                **dict.fromkeys(("sq_own_ptr", "sq_other_ptr"), "*" + acc),
-                **dict.fromkeys(("POS_BITS", "NEG_BITS", "ERR_BITS", "UNIT_BITS", "MARGIN_BITS"), "i64"),
-                **dict.fromkeys(("OWN0", "OUT0", "OTHER0", "BAND0", "BAND_STRIDE", "ROW0", "SLICE"), "i32"),
-                "st_ptr": "*" + acc,
-                "sums_ptr": "*fp64",
-            }
-            for anchors_own in (True, False):
-                cases.append(
-                    CompileCase(
-                        f"pair_losses.triplet_grad {dtype}{' anchors' if anchors_own else ' refs'}",
-                        triplet_grad_kernel,
-                        {**euclidean, "st_ptr": "*fp64", "band_ptr": "*i32"},
-                        dict(ANCHORS_OWN=anchors_own, **flags),
-                        EXACT_GRAD_CONFIGS
-                        if every and anchors_own
-                        else EXACT_GRAD_CONFIGS[-1:]
-                        if is64
-                        else EXACT_GRAD_CONFIGS[:1],
-                    )
-                )
             hard = {
                 **ms_types,
                 **dict.fromkeys(("x_b_ptr", "x_a_ptr"), "*" + dtype),
@@ -1410,7 +1129,7 @@ def compile_cases() -> list[CompileCase]:
     # The kernels of exact distances: each case as a launch with D > 1 compiles it, and the
     # first in float32 also as one with D = 1.
     one_feature = {
-        triplet_grad_kernel,
+        triplets.band_pairs_kernel,
         triplets.triplet_rows_kernel,
         triplets.triplet_exact_kernel,
         triplets.positives_kernel,

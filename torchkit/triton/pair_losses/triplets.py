@@ -1,8 +1,9 @@
-"""triplet_margin_loss's batch_hard mining on tensor cores under the CUDA precision contract
-(docs/ops.md), with the CPU kernel's choices: each anchor's farthest positive and nearest
-negative by their exact distances (Points::direct in pair_losses_euclidean_cpu.cpp: float64),
-ties to the lower ref row, the first pair at a NaN distance winning, without a float64 value
-per pair.
+"""triplet_margin_loss on tensor cores under the CUDA precision contract (docs/ops.md), with
+the CPU kernel's choices, decided as on the exact distances (Points::direct in
+pair_losses_euclidean_cpu.cpp: float64) without a float64 value per pair. batch_hard: each
+anchor's farthest positive and nearest negative, ties to the lower ref row, the first pair
+at a NaN distance winning. all and semi_hard: the triplets with d_ap − d_an + margin > 0
+(semi_hard: and d_ap < d_an), counted and summed.
 
 - The tiles are contrastive_loss's (euclid.py: the centred points, their operands by scheme,
   euclid._dots). A tile's squared distance d² = |c_i|² + |c_j|² − 2c_i·c_j is within
@@ -25,7 +26,24 @@ per pair.
   every pair's exact distance. A NaN distance (a NaN row's: its squared norm is NaN in the
   tiles) wins, the first of its kind. Then the chosen pairs' exact distances, for the loss.
 
-The loss and the backward are the package's (__init__.py), from the chosen pairs.
+- all and semi_hard (all_triplets): an anchor's positives are its label's segment of the
+  refs in label order; positives_kernel keeps their exact distances t (the first POS_CAP).
+  triplet_rows_kernel, a program per block of anchors and slice of refs, takes a chunk of
+  BLOCK_P positives at a time: per positive the squared distances below which a negative
+  surely counts and above which it surely does not, whatever the CPU kernel's float64
+  rounding (_thresholds); per tile of negatives and positive, the tile's [lo, hi] decides
+  (_decide). A negative that some positive leaves undecided, or whose d² cancelled and that
+  counts (its tile distance too coarse for the sum), is listed with the chunk, and
+  triplet_exact_kernel decides its triplets on its exact distance; an anchor whose list
+  outgrew CAP is taken whole. Sums per slice in float64 (a tile's row in ACC), added in
+  slice order: the same bits on every run.
+- Their backward, a band of anchors at a time (the package's _triplet_band_backward): the
+  same kernels write each pair's coefficient ∂loss/∂d·C into the band (BAND), then
+  band_grad_kernel forms Σ_j w_ij (c_i − c_j), w = g/(C·d), on tensor cores for the band's
+  anchors and for the other side's rows, and band_pairs_kernel adds the slices and the pairs
+  whose d² cancelled, from the inputs' float64 differences (no float atomics).
+
+batch_hard's loss and backward are the package's (__init__.py), from the chosen pairs.
 Kernels never index past what the wrapper checked; offsets are int64.
 """
 
@@ -39,9 +57,9 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.triton import _math as tm
-from torchkit.triton._launch import CompileCase, Config, blocks, float_bits, hot
+from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import euclid, lse, ms
-from torchkit.triton.pair_losses._common import _pair_exact
+from torchkit.triton.pair_losses._common import _pair_exact, _unit
 
 # Launch configurations (every one run by the tests and compiled by tools/triton_check.py; the
 # first is the default, the last float64's).
@@ -69,6 +87,12 @@ ALL_ROWS_CONFIGS = (
 ALL_EXACT_CONFIGS = (
     Config(BLOCK_ROWS=8, BLOCK_C=32, num_warps=4, num_stages=2, fp_fusion=False),
     Config(BLOCK_ROWS=4, BLOCK_C=16, num_warps=2, num_stages=2, fp_fusion=False),
+)
+# band_grad_kernel's: feature blocks of up to 128 (each block recomputes the tile).
+BAND_GRAD_CONFIGS = (
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=128, num_warps=8, num_stages=3),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=128, num_warps=4, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
 )
 POSITIVES_CONFIG = Config(BLOCK_ROWS=16, BLOCK_P=8, num_warps=4, num_stages=2, fp_fusion=False)
 
@@ -795,6 +819,193 @@ def triplet_exact_kernel(
         tl.store(out_count_ptr + rows, total_count, mask=row_mask)
 
 
+@hot()
+@triton.jit
+def band_grad_kernel(
+    own_hi,
+    own_lo,
+    other_hi,
+    other_lo,
+    c_own_ptr,
+    sq_own_ptr,
+    sq_other_ptr,
+    grp_own_ptr,
+    grp_other_ptr,
+    scale_ptr,
+    band_ptr,
+    slot_ptr,
+    fill_ptr,
+    out_ptr,
+    N_OWN,
+    N_OTHER,
+    BAND_STRIDE,
+    D,
+    CHUNK,
+    CAP,
+    ANCHORS_OWN: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
+    SCHEME: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The backward of mining="all" / "semi_hard" from a band of all_triplets' coefficients g
+    (ANCHORS_OWN: the own rows are the band's anchors, g_ij = band[i, j]; else the other rows
+    are, g_ij = band[j, i]): out[slice, own rows, feature block] = Σ over the other rows of
+    the slice of w_ij (c_i − c_j), w = g·scale/d (scale: 1/C), on the tile's distance, with
+    w·C on tensor cores as contrastive_grad_kernel's. A pair with g ≠ 0 whose d² cancelled (a
+    NaN one included) is left out and listed for its own row (band_pairs_kernel adds its term
+    from exact differences); a pair of equal rows is at d = 0: no term (cdist's subgradient)."""
+    if IS64:
+        TINY = 2.0**-1022
+    else:
+        TINY = 2.0**-126
+    scale = tl.load(scale_ptr).to(ACC)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    row_mask = rows < N_OWN
+    f_mask = fs < D
+    grp = tl.load(grp_own_ptr + rows, mask=row_mask, other=-1)
+    sq_i = tl.load(sq_own_ptr + rows, mask=row_mask, other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_F), ACC)
+    row_sum = tl.zeros((BLOCK_N,), ACC)
+    ones = tl.full((BLOCK_M,), 1.0, ACC)  # (_grad_product's factors: the points are as they are)
+    ah = sq_i
+    al = sq_i
+    if BLOCK_D > 0:  # the own rows whole, held across the other rows (BLOCK_D >= D)
+        tl.static_assert(BLOCK_F == BLOCK_D, "held rows are one feature block")
+        ks = tl.arange(0, BLOCK_D)
+        ah, al = lse._load(own_hi, own_lo, rows, ks, row_mask[:, None] & (ks < D)[None, :], D, SCHEME, INTERPRET)
+    first = tl.program_id(2).to(tl.int64) * CHUNK
+    last = tl.minimum(first + CHUNK, N_OTHER)
+    for j0 in range(first, last, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        col_mask = cols < last
+        valid = row_mask[:, None] & col_mask[None, :]
+        if ANCHORS_OWN:
+            at = band_ptr + rows[:, None] * BAND_STRIDE + cols[None, :]
+        else:
+            at = band_ptr + cols[None, :] * BAND_STRIDE + rows[:, None]
+        g = tl.load(at, mask=valid, other=0)
+        if lse._any(g != 0):
+            grp_b = tl.load(grp_other_ptr + cols, mask=col_mask, other=-2)
+            sq_j = tl.load(sq_other_ptr + cols, mask=col_mask, other=0.0)
+            bh = sq_j
+            bl = sq_j
+            if BLOCK_D > 0:
+                bh, bl = lse._load(
+                    other_hi, other_lo, cols, ks, col_mask[:, None] & (ks < D)[None, :], D, SCHEME, INTERPRET
+                )
+            v = euclid._dots(
+                own_hi, own_lo, other_hi, other_lo, ah, al, bh, bl, rows, cols, row_mask, col_mask, D, ACC, SCHEME,
+                INTERPRET, BLOCK_K, BLOCK_D,
+            )  # fmt: skip
+            total = sq_i[:, None] + sq_j[None, :]
+            d2 = total - 2.0 * v
+            live = (g != 0) & (grp[:, None] != grp_b[None, :])
+            # (a d² below the smallest normal is cancelled too: the GPU's float32 roots flush it)
+            cancelled = ((d2 * 16.0 > total) == 0) | (d2 < TINY)
+            listed = live & cancelled
+            if lse._any(listed):
+                if tl.program_id(1) == 0:  # (once per pair: the first feature block lists it)
+                    ms._append(listed, rows, cols, fill_ptr, slot_ptr, CAP)
+            # (1/d as the GPU's approximate reciprocal root of d², within a few u)
+            w = tl.where(live & (cancelled == 0), g.to(ACC) * scale * tl.math.rsqrt(tl.where(cancelled, 1.0, d2)), 0.0)
+            row_sum += tl.sum(w, axis=1)
+            acc = lse._grad_product(
+                0.0 - w, ones, bh, bl, other_hi, other_lo, cols, col_mask, fs, f_mask, D, 1.0, acc, SCHEME,
+                INTERPRET, BLOCK_D,
+            )  # fmt: skip
+    c_i = tl.load(c_own_ptr + rows[:, None] * D + fs[None, :], mask=row_mask[:, None] & f_mask[None, :], other=0.0)
+    acc += row_sum[:, None] * c_i
+    out = out_ptr + (tl.program_id(2).to(tl.int64) * N_OWN + rows[:, None]) * D + fs[None, :]
+    tl.store(out, acc, mask=row_mask[:, None] & f_mask[None, :])
+
+
+@triton.jit
+def band_pairs_kernel(
+    xo_ptr,
+    xt_ptr,
+    s_own,
+    s_other,
+    inv_own_ptr,
+    inv_other_ptr,
+    scale_ptr,
+    band_ptr,
+    slot_ptr,
+    fill_ptr,
+    planes_ptr,
+    out_ptr,
+    N_OWN,
+    N_OTHER,
+    OUT0,
+    BAND_STRIDE,
+    D,
+    SLICES,
+    CAP,
+    ANCHORS_OWN: tl.constexpr,
+    ONE_FEATURE: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Own row program_id(0)'s part of a band: band_grad_kernel's slices (planes, in order)
+    and its listed pairs' terms on their exact distances (a row whose list outgrew CAP: every
+    pair of it, its slices left out), Σ_j w_ij (e_i − e_j) from the float64 normalised rows
+    e = x·inv, w = g·scale/d (a NaN distance with a coefficient: NaN), added to out's row
+    OUT0 + row (the bands in order: the same bits on every run)."""
+    scale = tl.load(scale_ptr)
+    row = tl.program_id(0).to(tl.int64)
+    rows = row + tl.arange(0, 1).to(tl.int64)
+    row_mask = rows < N_OWN
+    inv_i = tl.load(inv_own_ptr + row)
+    fill = tl.load(fill_ptr + rows)
+    whole = fill > CAP
+    any_whole = tl.max(whole.to(tl.int32), axis=0) > 0
+    ks = tl.arange(0, BLOCK_D)
+    dest = out_ptr + (OUT0 + row) * D
+    for k0 in range(0, D, BLOCK_D):
+        k_mask = k0 + ks < D
+        total = tl.load(dest + k0 + ks, mask=k_mask, other=0.0)
+        if not any_whole:  # (a row taken whole has every pair below)
+            for s in range(0, SLICES):
+                total += tl.load(planes_ptr + (s * N_OWN + row) * D + k0 + ks, mask=k_mask, other=0.0)
+        tl.store(dest + k0 + ks, total, mask=k_mask)
+    for j0 in range(0 - euclid._span(CAP, BLOCK_C), tl.where(any_whole, N_OTHER, 0), BLOCK_C):
+        cols2, mask2 = euclid._listed(slot_ptr, fill, whole, rows, row_mask, j0, N_OTHER, CAP, BLOCK_C)
+        if ANCHORS_OWN:
+            g = tl.load(band_ptr + row * BAND_STRIDE + cols2, mask=mask2, other=0)
+        else:
+            g = tl.load(band_ptr + cols2 * BAND_STRIDE + row, mask=mask2, other=0)
+        mask2 = mask2 & (g != 0)
+        if tl.max(tl.max(mask2.to(tl.int32), axis=1), axis=0) > 0:
+            d = _pair_exact(
+                xo_ptr, xt_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols2, row_mask, mask2, D, ONE_FEATURE
+            )
+            # (at d = 0 cdist's subgradient 0; one row: the sum is its values)
+            w = tl.sum(tl.where(mask2 & (d != 0), g.to(tl.float64) * scale / tl.where(d == 0, 1.0, d), 0.0), axis=0)
+            cols = tl.sum(cols2, axis=0)
+            mask = tl.sum(mask2.to(tl.int32), axis=0) > 0
+            inv_j = tl.load(inv_other_ptr + cols, mask=mask, other=0.0)
+            for k0 in range(0, D, BLOCK_D):
+                k_mask = k0 + ks < D
+                xi = tl.load(xo_ptr + row * s_own + k0 + ks, mask=k_mask, other=0.0).to(tl.float64)
+                xj = tl.load(
+                    xt_ptr + cols[:, None] * s_other + (k0 + ks)[None, :],
+                    mask=mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                ).to(tl.float64)
+                e_i = _unit(xi, inv_i, ONE_FEATURE)
+                e_j = _unit(xj, inv_j[:, None], ONE_FEATURE)
+                part = tl.sum(tl.where(w[:, None] != 0, w[:, None] * (e_i[None, :] - e_j), 0.0), axis=0)
+                total = tl.load(dest + k0 + ks, mask=k_mask, other=0.0) + part.to(ACC)
+                tl.store(dest + k0 + ks, total, mask=k_mask)
+
+
 # --------------------------------------------------------------------------- wrappers
 
 
@@ -1031,6 +1242,86 @@ def all_triplets(
     return (out_sum, out_count) if forward else None
 
 
+def band_gradient(
+    out: Tensor,
+    own: euclid._Points,
+    other: euclid._Points,
+    band: Tensor,
+    scale: Tensor,
+    anchors_own: bool,
+    out0: int,
+    acc: torch.dtype,
+    config: Config,
+) -> None:
+    """Adds a band's gradient (band_grad_kernel's tiles, band_pairs_kernel's listed pairs) to
+    out's rows [out0, out0 + own.n): the band's anchors' (anchors_own: own is them, other the
+    refs) or the other side's (other is the band's anchors)."""
+    n, D = own.c.shape
+    held = lse._held(D, own.scheme, lse.HELD_NARROW)
+    launch = lse._grad_config(config, D, held)
+    k = launch.kwargs
+    grid = (blocks(n, k["BLOCK_N"]), blocks(D, k["BLOCK_F"]))
+    slices, chunk = lse._slices(grid[0] * grid[1], other.n, k["BLOCK_M"])
+    cap = euclid._cap(own.scheme, other.n)
+    planes = torch.empty(slices, n, D, dtype=acc, device=out.device)
+    slot = torch.full((n, cap), ms.NO_COL, dtype=torch.int64, device=out.device)
+    fill = torch.zeros(n, dtype=torch.int32, device=out.device)
+    stride = band.shape[1]
+    band_grad_kernel[(*grid, slices)](
+        own.hi,
+        own.lo,
+        other.hi,
+        other.lo,
+        own.c,
+        own.sq,
+        other.sq,
+        own.group,
+        other.group,
+        scale,
+        band,
+        slot,
+        fill,
+        planes,
+        n,
+        other.n,
+        stride,
+        D,
+        chunk,
+        cap,
+        ANCHORS_OWN=anchors_own,
+        BLOCK_D=held,
+        **lse._launch_flags(own, acc),
+        **launch.launch,
+    )
+    slot.copy_(slot.sort(dim=1).values)  # (the listed pairs in order: the same bits on every run)
+    band_pairs_kernel[(n,)](
+        own.side.raw,
+        other.side.raw,
+        own.side.raw.stride(0),
+        other.side.raw.stride(0),
+        own.side.inv64,
+        other.side.inv64,
+        scale,
+        band,
+        slot,
+        fill,
+        planes,
+        out,
+        n,
+        other.n,
+        out0,
+        stride,
+        D,
+        slices,
+        cap,
+        ANCHORS_OWN=anchors_own,
+        ONE_FEATURE=D == 1,
+        ACC=acc_tl(acc),
+        BLOCK_D=min(128, triton.next_power_of_2(D)),
+        **euclid.PAIRS_CONFIG.launch,
+    )
+
+
 def compile_cases() -> list[CompileCase]:
     """This engine's kernels for tools/triton_check.py: hard_rows_kernel with the TF32 pair (every
     configuration, without refs), bfloat16 operands ("medium") and float64, rows of D = 128
@@ -1131,6 +1422,48 @@ def compile_cases() -> list[CompileCase]:
                     types,
                     dict(SELF=self_, ONE_FEATURE=False, KEPT=POS_CAP),
                     (POSITIVES_CONFIG,),
+                )
+            )
+        # The backward's bands
+        band = {
+            **types,
+            **dict.fromkeys(("N_OWN", "N_OTHER", "BAND_STRIDE", "OUT0"), "i32"),
+            **{f"{side}_{part}": "*" + operand for side in ("own", "other") for part in ("hi", "lo")},
+            **dict.fromkeys(("c_own_ptr", "sq_own_ptr", "sq_other_ptr", "out_ptr", "planes_ptr"), "*" + acc),
+            **dict.fromkeys(("grp_own_ptr", "grp_other_ptr"), "*i32"),
+            **dict.fromkeys(("xo_ptr", "xt_ptr"), "*" + dtype),
+            **dict.fromkeys(("inv_own_ptr", "inv_other_ptr", "scale_ptr"), "*fp64"),
+            **dict.fromkeys(("s_own", "s_other"), "i32"),
+        }
+        band_case = functools.partial(
+            CompileCase, divisible=("N_OWN", "N_OTHER", "BAND_STRIDE", "D", "CHUNK", "CAP", "s_own", "s_other")
+        )
+        for anchors_own in (True, False):
+            suffix = f"{name}{' anchors' if anchors_own else ' refs'}"
+            cases.append(
+                band_case(
+                    f"pair_losses.triplets.band_grad {suffix}",
+                    band_grad_kernel,
+                    band,
+                    dict(ANCHORS_OWN=anchors_own, **flags),
+                    tuple(
+                        lse._grad_config(c, 128, held)
+                        for c in (
+                            BAND_GRAD_CONFIGS
+                            if first and anchors_own
+                            else (lse._default(BAND_GRAD_CONFIGS, torch.float64 if is64 else torch.float32),)
+                        )
+                    ),
+                    tensor_cores=not is64,
+                )
+            )
+            cases.append(
+                band_case(
+                    f"pair_losses.triplets.band_pairs {suffix}",
+                    band_pairs_kernel,
+                    band,
+                    dict(ANCHORS_OWN=anchors_own, ONE_FEATURE=False, ACC=flags["ACC"], BLOCK_D=128),
+                    (euclid.PAIRS_CONFIG,),
                 )
             )
     return cases
