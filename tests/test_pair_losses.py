@@ -1432,8 +1432,8 @@ def test_triton_kernels_round_as_the_cpu_kernels():
     them with -ffp-contract=off): with it, a zero row's exact distances to normalised rows
     (all 1 within an ulp) round otherwise, and batch_hard chose another nearest negative than
     the CPU kernel on an H200. The tensor-core tile kernels (their contract is a bound against
-    float64, with which multi-similarity, contrastive_loss and batch_hard decide on exact values
-    near a threshold or a tie) may fuse;
+    float64, with which multi-similarity, contrastive_loss and the triplets decide on exact
+    values near a threshold or a tie) may fuse;
     the per-row kernels, which form the norms as the CPU kernels do, and the exact cosines may
     not."""
     tp = triton_module()
@@ -1442,6 +1442,7 @@ def test_triton_kernels_round_as_the_cpu_kernels():
     configs += (tp.euclid.PAIRS_CONFIG, *tp.triplets.EXACT_CONFIGS)
     fused = (tp.lse.rows_kernel, tp.lse.grad_kernel, tp.ms.ms_rows_kernel, tp.ms.ms_grad_kernel)
     fused += (tp.euclid.contrastive_rows_kernel, tp.euclid.contrastive_grad_kernel, tp.triplets.hard_rows_kernel)
+    fused += (tp.triplets.triplet_rows_kernel, tp.triplets.band_grad_kernel)
     configs += [c for case in tp.compile_cases() if case.kernel not in fused for c in case.configs]
     assert configs and all(c.launch["enable_fp_fusion"] is False for c in configs)
 

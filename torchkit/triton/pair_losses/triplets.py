@@ -85,7 +85,7 @@ ALL_ROWS_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_P=4, BLOCK_K=16, num_warps=4, num_stages=2),
 )
 ALL_EXACT_CONFIGS = (
-    Config(BLOCK_ROWS=8, BLOCK_C=32, num_warps=4, num_stages=2, fp_fusion=False),
+    Config(BLOCK_ROWS=16, BLOCK_C=32, num_warps=4, num_stages=2, fp_fusion=False),
     Config(BLOCK_ROWS=4, BLOCK_C=16, num_warps=2, num_stages=2, fp_fusion=False),
 )
 # band_grad_kernel's: feature blocks of up to 128 (each block recomputes the tile).
@@ -94,7 +94,7 @@ BAND_GRAD_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=128, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
 )
-POSITIVES_CONFIG = Config(BLOCK_ROWS=16, BLOCK_P=8, num_warps=4, num_stages=2, fp_fusion=False)
+POSITIVES_CONFIG = Config(BLOCK_ROWS=32, BLOCK_P=8, num_warps=4, num_stages=2, fp_fusion=False)
 
 NONE = tl.constexpr(2**31 - 1)  # no column: above every one (the refs are fewer than 2^31)
 
