@@ -85,7 +85,7 @@ ALL_ROWS_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_P=4, BLOCK_K=16, num_warps=4, num_stages=2),
 )
 ALL_EXACT_CONFIGS = (
-    Config(BLOCK_ROWS=16, BLOCK_C=32, num_warps=4, num_stages=2, fp_fusion=False),
+    Config(BLOCK_ROWS=16, BLOCK_C=32, num_warps=8, num_stages=2, fp_fusion=False),
     Config(BLOCK_ROWS=4, BLOCK_C=16, num_warps=2, num_stages=2, fp_fusion=False),
 )
 # band_grad_kernel's: feature blocks of up to 128 (each block recomputes the tile).
