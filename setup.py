@@ -146,6 +146,45 @@ class BuildExtension(cpp_extension.BuildExtension):
         if temp.is_relative_to(Path(tempfile.gettempdir()).resolve()) and not temp.is_relative_to(ROOT):
             self.build_temp = str(ROOT / "build" / "temp")
 
+    def build_extension(self, ext):
+        header = self._precompiled_header(ext)
+        if header is not None:
+            # (-fpch-deps: each object depends on the headers in it, as when it parsed them)
+            pch = ["-Winvalid-pch", "-fpch-deps", "-include", str(header)]
+            ext.extra_compile_args["cxx"] = [*ext.extra_compile_args["cxx"], *pch]
+        super().build_extension(ext)
+
+    def _precompiled_header(self, ext) -> Path | None:
+        """PRECOMPILED compiled by GCC into build_temp with the sources' own flags (through the
+        same compiler wrapper and ninja, which keeps it up to date with its dependencies),
+        beside the copy of it that the sources are then compiled after (-include): GCC reads
+        X.h.gch for X.h when it was compiled with compatible flags, else X.h as text
+        (-Winvalid-pch says so). None (nothing precompiled) for another compiler."""
+        version = subprocess.run([self.compiler.compiler_so[0], "--version"], capture_output=True, text=True)
+        if "Free Software Foundation" not in version.stdout or "clang" in version.stdout:
+            return None
+        out = Path(self.build_temp).resolve() / "precompiled"
+        out.mkdir(parents=True, exist_ok=True)
+        text = PRECOMPILED.read_text()
+        header, source = out / PRECOMPILED.name, out / (PRECOMPILED.stem + ".cpp")  # (a C++ source to distutils)
+        for path in (header, source):
+            if not path.exists() or path.read_text() != text:  # (rewritten only when changed: ninja's mtimes)
+                path.write_text(text)
+        [compiled] = self.compiler.compile(
+            [str(source)],
+            output_dir=str(out),
+            macros=ext.define_macros,
+            include_dirs=ext.include_dirs,
+            debug=self.debug,
+            extra_preargs=["-x", "c++-header"],
+            extra_postargs=ext.extra_compile_args,
+        )
+        link = out / (PRECOMPILED.name + ".gch")
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(compiled)
+        return header
+
     def run(self):
         in_place = self.inplace  # setuptools' run() builds into build_lib, then copies in place
         super().run()
@@ -164,6 +203,8 @@ AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]
 # on the calling thread. torch's own libgomp.so.1, already loaded, serves the pragmas.
 OPENMP_FLAGS = ["-fopenmp"] if platform.system() == "Linux" else []
 NVCC_LANGUAGE_FLAGS = ["--expt-relaxed-constexpr"]
+# The torch headers most sources include, precompiled by GCC (BuildExtension._precompiled_header).
+PRECOMPILED = ROOT / "csrc" / "precompiled.h"
 
 
 def sources(use_cuda: bool) -> list[Path]:
