@@ -148,11 +148,14 @@ class BuildExtension(cpp_extension.BuildExtension):
 
     def build_extension(self, ext):
         header = self._precompiled_header(ext)
-        if header is not None:
+        cxx = ext.extra_compile_args["cxx"]
+        if header is not None:  # (for this build only: a later one precompiles with the flags as given)
             # (-fpch-deps: each object depends on the headers in it, as when it parsed them)
-            pch = ["-Winvalid-pch", "-fpch-deps", "-include", str(header)]
-            ext.extra_compile_args["cxx"] = [*ext.extra_compile_args["cxx"], *pch]
-        super().build_extension(ext)
+            ext.extra_compile_args["cxx"] = [*cxx, "-Winvalid-pch", "-fpch-deps", "-include", str(header)]
+        try:
+            super().build_extension(ext)
+        finally:
+            ext.extra_compile_args["cxx"] = cxx
 
     def _precompiled_header(self, ext) -> Path | None:
         """PRECOMPILED compiled by GCC into build_temp with the sources' own flags (through the
@@ -160,8 +163,11 @@ class BuildExtension(cpp_extension.BuildExtension):
         beside the copy of it that the sources are then compiled after (-include): GCC reads
         X.h.gch for X.h when it was compiled with compatible flags, else X.h as text
         (-Winvalid-pch says so). None (nothing precompiled) for another compiler."""
-        version = subprocess.run([self.compiler.compiler_so[0], "--version"], capture_output=True, text=True)
-        if "Free Software Foundation" not in version.stdout or "clang" in version.stdout:
+        try:
+            version = subprocess.run([self.compiler.compiler_so[0], "--version"], capture_output=True, text=True).stdout
+        except OSError:  # (no such compiler: the build itself says so)
+            return None
+        if "Free Software Foundation" not in version or "clang" in version:
             return None
         out = Path(self.build_temp).resolve() / "precompiled"
         out.mkdir(parents=True, exist_ok=True)
