@@ -116,8 +116,11 @@ HARD_GRAD_CONFIGS = (
     _config(BLOCK_ROWS=16, BLOCK_F=64, num_warps=4, num_stages=2),
     _config(BLOCK_ROWS=8, BLOCK_F=16, num_warps=2, num_stages=2),
 )
+# The per-row kernels (norms, keys, points, Jacobian): 32 rows a program (256 programs at
+# N = 8,192; fewer programs under the interpreter), features 32 at a time (16 x 128 spilled
+# equal_next_kernel's float64 registers, 32 x 64 more of them and the Jacobian's).
 ROW_CONFIGS = (
-    _config(BLOCK_ROWS=16, BLOCK_D=128, num_warps=4, num_stages=2),
+    _config(BLOCK_ROWS=32, BLOCK_D=32, num_warps=4, num_stages=2),
     _config(BLOCK_ROWS=8, BLOCK_D=16, num_warps=2, num_stages=2),
 )
 
