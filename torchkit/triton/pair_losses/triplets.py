@@ -95,6 +95,9 @@ BAND_GRAD_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),
 )
 POSITIVES_CONFIG = Config(BLOCK_ROWS=32, BLOCK_P=8, num_warps=4, num_stages=2, fp_fusion=False)
+# band_pairs_kernel's: 4 rows a program, 32 slots of each and 32 features at a time (as many
+# values as one row's 32 slots of 128 features; a lane per pair in _pair_exact).
+BAND_PAIRS_CONFIG = Config(BLOCK_ROWS=4, BLOCK_C=32, BLOCK_D=32, num_warps=4, num_stages=2, fp_fusion=False)
 
 NONE = tl.constexpr(2**31 - 1)  # no column: above every one (the refs are fewer than 2^31)
 
@@ -950,60 +953,63 @@ def band_pairs_kernel(
     ANCHORS_OWN: tl.constexpr,
     ONE_FEATURE: tl.constexpr,
     ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Own row program_id(0)'s part of a band: band_grad_kernel's slices (planes, in order)
-    and its listed pairs' terms on their exact distances (a row whose list outgrew CAP: every
-    pair of it, its slices left out), Σ_j w_ij (e_i − e_j) from the float64 normalised rows
-    e = x·inv, w = g·scale/d (a NaN distance with a coefficient: NaN), added to out's row
-    OUT0 + row (the bands in order: the same bits on every run)."""
+    """Own rows' part of a band, BLOCK_ROWS rows a program: band_grad_kernel's slices (planes,
+    in order) and the rows' listed pairs' terms on their exact distances (a row whose list
+    outgrew CAP: every pair of it, its slices left out), Σ_j w_ij (e_i − e_j) from the float64
+    normalised rows e = x·inv, w = g·scale/d (a NaN distance with a coefficient: NaN), added to
+    out's rows OUT0 + row (the bands in order: the same bits on every run). The pairs come
+    BLOCK_C slots of each row at a time, their features BLOCK_D at a time."""
     scale = tl.load(scale_ptr)
-    row = tl.program_id(0).to(tl.int64)
-    rows = row + tl.arange(0, 1).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N_OWN
-    inv_i = tl.load(inv_own_ptr + row)
-    fill = tl.load(fill_ptr + rows)
+    inv_i = tl.load(inv_own_ptr + rows, mask=row_mask, other=0.0)
+    fill = tl.load(fill_ptr + rows, mask=row_mask, other=0)
     whole = fill > CAP
     any_whole = tl.max(whole.to(tl.int32), axis=0) > 0
     ks = tl.arange(0, BLOCK_D)
-    dest = out_ptr + (OUT0 + row) * D
+    dest = out_ptr + (OUT0 + rows[:, None]) * D
     for k0 in range(0, D, BLOCK_D):
-        k_mask = k0 + ks < D
-        total = tl.load(dest + k0 + ks, mask=k_mask, other=0.0)
-        if not any_whole:  # (a row taken whole has every pair below)
-            for s in range(0, SLICES):
-                total += tl.load(planes_ptr + (s * N_OWN + row) * D + k0 + ks, mask=k_mask, other=0.0)
-        tl.store(dest + k0 + ks, total, mask=k_mask)
+        k_mask = row_mask[:, None] & (k0 + ks < D)[None, :]
+        total = tl.load(dest + k0 + ks[None, :], mask=k_mask, other=0.0)
+        sliced = k_mask & (whole == 0)[:, None]  # (a row taken whole has every pair below)
+        for s in range(0, SLICES):
+            planes = planes_ptr + (s * N_OWN + rows[:, None]) * D + k0 + ks[None, :]
+            total += tl.load(planes, mask=sliced, other=0.0)
+        tl.store(dest + k0 + ks[None, :], total, mask=k_mask)
     for j0 in range(0 - euclid._span(CAP, BLOCK_C), tl.where(any_whole, N_OTHER, 0), BLOCK_C):
-        cols2, mask2 = euclid._listed(slot_ptr, fill, whole, rows, row_mask, j0, N_OTHER, CAP, BLOCK_C)
+        cols, mask = euclid._listed(slot_ptr, fill, whole, rows, row_mask, j0, N_OTHER, CAP, BLOCK_C)
         if ANCHORS_OWN:
-            g = tl.load(band_ptr + row * BAND_STRIDE + cols2, mask=mask2, other=0)
+            g = tl.load(band_ptr + rows[:, None] * BAND_STRIDE + cols, mask=mask, other=0)
         else:
-            g = tl.load(band_ptr + cols2 * BAND_STRIDE + row, mask=mask2, other=0)
-        mask2 = mask2 & (g != 0)
-        if tl.max(tl.max(mask2.to(tl.int32), axis=1), axis=0) > 0:
+            g = tl.load(band_ptr + cols * BAND_STRIDE + rows[:, None], mask=mask, other=0)
+        mask = mask & (g != 0)
+        if tl.max(tl.max(mask.to(tl.int32), axis=1), axis=0) > 0:
             d = _pair_exact(
-                xo_ptr, xt_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols2, row_mask, mask2, D, ONE_FEATURE
+                xo_ptr, xt_ptr, s_own, s_other, inv_own_ptr, inv_other_ptr, rows, cols, row_mask, mask, D, ONE_FEATURE
             )
-            # (at d = 0 cdist's subgradient 0; one row: the sum is its values)
-            w = tl.sum(tl.where(mask2 & (d != 0), g.to(tl.float64) * scale / tl.where(d == 0, 1.0, d), 0.0), axis=0)
-            cols = tl.sum(cols2, axis=0)
-            mask = tl.sum(mask2.to(tl.int32), axis=0) > 0
+            # (at d = 0 cdist's subgradient 0)
+            w = tl.where(mask & (d != 0), g.to(tl.float64) * scale / tl.where(d == 0, 1.0, d), 0.0)
             inv_j = tl.load(inv_other_ptr + cols, mask=mask, other=0.0)
             for k0 in range(0, D, BLOCK_D):
-                k_mask = k0 + ks < D
-                xi = tl.load(xo_ptr + row * s_own + k0 + ks, mask=k_mask, other=0.0).to(tl.float64)
+                k_mask = (k0 + ks < D)[None, :]
+                xi = tl.load(
+                    xo_ptr + rows[:, None] * s_own + k0 + ks[None, :], mask=row_mask[:, None] & k_mask, other=0.0
+                ).to(tl.float64)
                 xj = tl.load(
-                    xt_ptr + cols[:, None] * s_other + (k0 + ks)[None, :],
-                    mask=mask[:, None] & k_mask[None, :],
+                    xt_ptr + cols[:, :, None] * s_other + (k0 + ks)[None, None, :],
+                    mask=mask[:, :, None] & k_mask[:, None, :],
                     other=0.0,
                 ).to(tl.float64)
-                e_i = _unit(xi, inv_i, ONE_FEATURE)
-                e_j = _unit(xj, inv_j[:, None], ONE_FEATURE)
-                part = tl.sum(tl.where(w[:, None] != 0, w[:, None] * (e_i[None, :] - e_j), 0.0), axis=0)
-                total = tl.load(dest + k0 + ks, mask=k_mask, other=0.0) + part.to(ACC)
-                tl.store(dest + k0 + ks, total, mask=k_mask)
+                e_i = _unit(xi, inv_i[:, None], ONE_FEATURE)
+                e_j = _unit(xj, inv_j[:, :, None], ONE_FEATURE)
+                part = tl.sum(tl.where(w[:, :, None] != 0, w[:, :, None] * (e_i[:, None, :] - e_j), 0.0), axis=1)
+                out_mask = row_mask[:, None] & k_mask
+                total = tl.load(dest + k0 + ks[None, :], mask=out_mask, other=0.0) + part.to(ACC)
+                tl.store(dest + k0 + ks[None, :], total, mask=out_mask)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -1294,7 +1300,7 @@ def band_gradient(
         **launch.launch,
     )
     slot.copy_(slot.sort(dim=1).values)  # (the listed pairs in order: the same bits on every run)
-    band_pairs_kernel[(n,)](
+    band_pairs_kernel[(blocks(n, BAND_PAIRS_CONFIG.kwargs["BLOCK_ROWS"]),)](
         own.side.raw,
         other.side.raw,
         own.side.raw.stride(0),
@@ -1317,8 +1323,7 @@ def band_gradient(
         ANCHORS_OWN=anchors_own,
         ONE_FEATURE=D == 1,
         ACC=acc_tl(acc),
-        BLOCK_D=min(128, triton.next_power_of_2(D)),
-        **euclid.PAIRS_CONFIG.launch,
+        **BAND_PAIRS_CONFIG.launch,
     )
 
 
@@ -1462,8 +1467,8 @@ def compile_cases() -> list[CompileCase]:
                     f"pair_losses.triplets.band_pairs {suffix}",
                     band_pairs_kernel,
                     band,
-                    dict(ANCHORS_OWN=anchors_own, ONE_FEATURE=False, ACC=flags["ACC"], BLOCK_D=128),
-                    (euclid.PAIRS_CONFIG,),
+                    dict(ANCHORS_OWN=anchors_own, ONE_FEATURE=False, ACC=flags["ACC"]),
+                    (BAND_PAIRS_CONFIG,),
                 )
             )
     return cases
