@@ -75,8 +75,8 @@ cuda-build: $(DEPS_STAMP)
 		$(VENV)/bin/pytest tests $(CUDA_SMOKE) -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
 
 # Triton compile check, no GPU needed: every Triton kernel and launch configuration compiled for
-# sm_80 and sm_90 (tools/triton_check.py: registers, spills, shared memory, mma/wgmma), cached
-# in build/triton-cache. Fails on a compile error, spills past 512 bytes, or a tensor-core
+# sm_90, and for sm_80 where it has matrix instructions (tools/triton_check.py: registers, spills,
+# shared memory, mma/wgmma), cached in build/triton-cache. Fails on a compile error, spills past 512 bytes, or a tensor-core
 # kernel without mma/wgmma. Never under the interpreter, which replaces the compiler.
 triton-check: build
 	env -u TRITON_INTERPRET TRITON_CACHE_DIR=$(CURDIR)/build/triton-cache $(PY) tools/triton_check.py
