@@ -124,7 +124,7 @@ def test_vision_extra_keeps_the_torch(tmp_path):
     assert torch_requirement.specifier.contains(RELEASE), (chosen["torchvision"]["version"], str(torch_requirement))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (its tests share a worker with other modules': built once)
 def sdist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out), str(ROOT)])

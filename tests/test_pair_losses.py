@@ -331,12 +331,13 @@ def test_multi_similarity_one_feature_cosines_are_exactly_1_and_minus_1(dtype, d
 
 
 @variants_k
-@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
-def test_any_integer_label_dtype(loss, params, dtype, device):
+def test_any_integer_label_dtype(loss, params, device):
     e = make((40, 6), torch.float32)
     labels = make_labels(40, 5)
     fn = getattr(ops, loss)
-    assert torch.equal(fn(e, labels.to(dtype), **params), fn(e, labels, **params))
+    expected = fn(e, labels, **params)
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        assert torch.equal(fn(e, labels.to(dtype), **params), expected), dtype
 
 
 @variants_k
@@ -1773,10 +1774,10 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
         g = torch.tensor(0.7, dtype=e.dtype)
         mask = [True, ref is not None]
         exp = backward(g, e, labels, ref, ref_labels, stats, *params, mask)
-        for st in on(device, stats, got_stats):
-            out = backward_t(*on(device, g), *inputs, st, *params, mask, config=grad, row_config=row, **more)
-            for a, b in zip(out, exp, strict=True):
-                torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
+        (st,) = on(device, stats)
+        out = backward_t(*on(device, g), *inputs, st, *params, mask, config=grad, row_config=row, **more)
+        for a, b in zip(out, exp, strict=True):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
         for a, b in zip(backward(g, e, labels, ref, ref_labels, got_stats.cpu(), *params, mask), exp, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
@@ -2114,28 +2115,31 @@ WITHOUT_POSITIVES = [
 
 
 @with_kernels([case for case, _ in WITHOUT_POSITIVES], [i for _, i in WITHOUT_POSITIVES])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_a_non_finite_anchor_without_positives_keeps_to_its_own_terms(loss, params, value, device, request):
+def test_a_non_finite_anchor_without_positives_keeps_to_its_own_terms(loss, params, device, request):
     """It adds nothing to the loss, so nothing to any other row's gradient: the loss and the
-    other rows' gradients are those of the batch without it. (Its own gradient is F.normalize's
-    of a non-finite row: NaN.) 70 anchors and 300 refs cross the CPU kernels' tiles; 70 refs
-    the Triton kernels' (of 64 refs; fewer anchors: the interpreter is slow)."""
+    other rows' gradients are those of the batch without it (NaN, inf or -inf). (Its own
+    gradient is F.normalize's of a non-finite row: NaN.) 70 anchors and 300 refs cross the CPU
+    kernels' tiles; 70 refs the Triton kernels' (of 64 refs; fewer anchors: the interpreter is
+    slow)."""
     fn = getattr(ops, loss)
     N, M = (12, 70) if request.node.get_closest_marker("triton") else (70, 300)
     e, refs = make((N, 6), torch.float32), make((M, 6), torch.float32, seed=1)
     labels, ref_labels = make_labels(N, 4), make_labels(M, 4, seed=1)
     bad = N - 5
-    e[bad, 2], labels[bad] = value, 9
-    x, r = e.clone().requires_grad_(), refs.clone().requires_grad_()
-    got = fn(x, labels, **params, ref_embeddings=r, ref_labels=ref_labels)
-    got.backward()
     keep = torch.arange(N) != bad
     x0, r0 = e[keep].clone().requires_grad_(), refs.clone().requires_grad_()
     expected = fn(x0, labels[keep], **params, ref_embeddings=r0, ref_labels=ref_labels)
     expected.backward()
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(r.grad, r0.grad, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(x.grad[keep], x0.grad, rtol=1e-5, atol=1e-7)
+    labels[bad] = 9
+    for value in (float("nan"), float("inf"), -float("inf")):
+        e[bad, 2] = value
+        x, r = e.clone().requires_grad_(), refs.clone().requires_grad_()
+        got = fn(x, labels, **params, ref_embeddings=r, ref_labels=ref_labels)
+        got.backward()
+        msg = lambda m, value=value: f"{value} in the row: {m}"  # noqa: E731
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7, msg=msg)
+        torch.testing.assert_close(r.grad, r0.grad, rtol=1e-5, atol=1e-7, msg=msg)
+        torch.testing.assert_close(x.grad[keep], x0.grad, rtol=1e-5, atol=1e-7, msg=msg)
 
 
 @variants_k
