@@ -24,6 +24,7 @@ INTERPRETER_TEST_BUDGET = 897
 OWN_PROCESSES = {"test_distributed", "test_pair_losses_distributed", "test_ddp", "test_example", "test_packaging"}
 
 
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist's, which reads the groups)
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` skip themselves where no CUDA device is visible; tests that start
     processes join one xdist group."""
