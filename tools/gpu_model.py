@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import os
 import re
 import sys
@@ -712,7 +713,7 @@ def compile_spec(spec: dict) -> dict:
     from triton.compiler import ASTSource
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from triton_check import ptxas_usage
+    from triton_check import usage_of
 
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     signature, constexprs, attrs = {}, {}, {}
@@ -722,13 +723,17 @@ def compile_spec(spec: dict) -> dict:
             constexprs[(i,)] = spec["constexprs"][name]
         elif name in spec["divisible"]:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(
-        ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=spec["options"],
-    )
+    # (registers and spills from the log of Triton's own ptxas run, as triton_check reads them)
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options=spec["options"],
+        )
     ptx = compiled.asm["ptx"]
-    usage = ptxas_usage(ptx, 90)
+    usage = usage_of(ptx, 90, log.getvalue())
     warps = spec["options"].get("num_warps", 4)
     shared = int(compiled.metadata.shared)
     per_warp = -(-max(usage["registers"], 1) * 32 // 256) * 256  # allocated per warp in 256s
