@@ -70,8 +70,9 @@ def commands(include: Path, cuda_home: Path) -> list[tuple[Path, list[str]]]:
     cxx = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", *setup.AVX2_FLAGS, *setup.OPENMP_FLAGS]
     nvcc = [str(cuda_home / "bin" / "nvcc"), "-std=c++17", "-cuda", *setup.NVCC_LANGUAGE_FLAGS]
     nvcc += [f"-I{cuda_home / 'include'}", "-o", os.devnull]
+    cuda_cxx = [f"-I{cuda_home / 'include'}"]  # (the CUDA backend's .cpp files: c10/cuda's headers)
     return [
-        (src, [*(nvcc if src.suffix == ".cu" else cxx), *facts, *includes, str(src)])
+        (src, [*(nvcc if src.suffix == ".cu" else cxx), *facts, *includes, *cuda_cxx, str(src)])
         for src in sorted(setup.sources(use_cuda=True), key=lambda src: src.suffix != ".cu")
     ]
 
