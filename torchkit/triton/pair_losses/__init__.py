@@ -864,7 +864,8 @@ def _triplet_band_backward(
     ids, _ = lse._label_ids(*([a.labels] if self_ else [a.labels, b.labels]))
     sides = (a,) if self_ else (a, b)
     points = _points(a, b, acc, row_config)
-    tiles = [euclid._Points(side, *p, i, row_config) for side, p, i in zip(sides, points, ids, strict=False)]
+    how = euclid._scheme(a.raw.dtype, half_pairs=False)
+    tiles = [euclid._Points(side, *p, i, row_config, how) for side, p, i in zip(sides, points, ids, strict=False)]
     ta, tb = tiles[0], tiles[-1]
     pos = triplets.positives(ta, tb, *pairs)
     step = rows_config.kwargs["BLOCK_N"]

@@ -79,6 +79,10 @@ FP64 = tl.constexpr(0)  # float64 rows, float64 products
 TF32X3 = tl.constexpr(1)  # float32 rows as TF32 hi + lo: hi·hi + hi·lo + lo·hi
 TF32 = tl.constexpr(2)  # float32 rows as TF32
 HALF = tl.constexpr(3)  # bfloat16 or float16 rows, as given or rounded from float32 ("medium")
+# float32 rows as bfloat16 hi + lo (16 of float32's 24 bits): hi·hi + hi·lo + lo·hi. The
+# Euclidean engines' points of bfloat16 and float16 rows (euclid._Points): half the bytes of
+# the TF32 pair and twice its products' rate, within 2^-14 of each product.
+BF16X3 = tl.constexpr(4)
 
 # rows_kernel's modes.
 SUPCON = tl.constexpr(0)
@@ -148,19 +152,34 @@ def _tf32(x):
 
 
 @triton.jit
+def _bf16(x):
+    """x rounded to bfloat16 (to nearest, ties to even), as float32; NaN stays NaN. The GPU's
+    conversion rounds so, the interpreter's truncates: a value rounded here first converts
+    exactly on both, so that operands whose rounding an error bound assumes (euclid's points)
+    are the GPU's under the interpreter too."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _load(hi_ptr, lo_ptr, rows, ks, mask, D, SCHEME: tl.constexpr, INTERPRET: tl.constexpr):
-    """A tile of operands: hi (and lo for TF32X3), 0 in masked lanes; half types upcast under
-    the interpreter, whose bfloat16 arithmetic is on the raw bits (their products are exact in
-    float32, so the result is the GPU's)."""
+    """A tile of operands: hi (and lo for TF32X3 and BF16X3), 0 in masked lanes; half types
+    upcast under the interpreter, whose bfloat16 arithmetic is on the raw bits (their products
+    are exact in float32, so the result is the GPU's)."""
     offsets = rows[:, None] * D + ks[None, :]
     hi = tl.load(hi_ptr + offsets, mask=mask, other=0.0)
     lo = hi
-    if SCHEME == TF32X3:
+    if SCHEME == TF32X3 or SCHEME == BF16X3:  # noqa: SIM109 (constexprs: Triton compares them, not tuples)
         lo = tl.load(lo_ptr + offsets, mask=mask, other=0.0)
     if SCHEME == HALF:
         if INTERPRET:
             hi = hi.to(tl.float32)
             lo = hi
+    if SCHEME == BF16X3:
+        if INTERPRET:
+            hi = hi.to(tl.float32)
+            lo = lo.to(tl.float32)
     return hi, lo
 
 
@@ -173,6 +192,10 @@ def _mma(a_hi, a_lo, b_hi, b_lo, acc, SCHEME: tl.constexpr):
         acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32", out_dtype=tl.float32)
         acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32", out_dtype=tl.float32)
         return tl.dot(a_hi, b_hi, acc, input_precision="tf32", out_dtype=tl.float32)
+    elif SCHEME == BF16X3:
+        acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+        return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
     elif SCHEME == TF32:
         return tl.dot(a_hi, b_hi, acc, input_precision="tf32", out_dtype=tl.float32)
     else:
@@ -929,7 +952,8 @@ def _grad_product(
     """acc + Σ_j g_ij·e_j over a tile (g: ∂loss/∂c; e_j = operand_j·f_j, the other side's
     normalised rows, features fs) on tensor cores by the scheme: the factor goes into g, and g
     is split as the operands are (a TF32 pair; a pair hi + lo of the half type, times the
-    power of two g_scale that keeps hi within float16's range: the caller divides it out).
+    power of two g_scale that keeps hi within float16's range: the caller divides it out; a
+    bfloat16 pair against BF16X3's, gl·fl left out as the forward's lo·lo).
     Where rows are held (BLOCK_D > 0) their loaded operands bh, bl are the features'."""
     g = g * f_b[None, :]
     if BLOCK_D > 0:
@@ -942,6 +966,15 @@ def _grad_product(
         acc = _mma(g_hi, _tf32(g - g_hi), fh, fl, acc, SCHEME)
     elif SCHEME == TF32:
         acc = _mma(_tf32(g), g, fh, fl, acc, SCHEME)
+    elif SCHEME == BF16X3:
+        # (the interpreter's conversion truncates where the GPU's rounds, _bf16: its split is
+        # the coarser, and a gradient within a tolerance there is within it on the GPU)
+        gh = g.to(tl.bfloat16)
+        gl = (g - gh.to(tl.float32)).to(tl.bfloat16)
+        if INTERPRET:
+            gh = gh.to(tl.float32)
+            gl = gl.to(tl.float32)
+        acc = _mma(gh, gl, fh, fl, acc, SCHEME)
     elif SCHEME == HALF:
         # ∂loss/∂c as a pair hi + lo of the operands' type (about 16 bits): the products stay
         # exact in float32, as the forward's.
@@ -1338,8 +1371,9 @@ def _slices(programs: int, columns: int, block: int) -> tuple[int, int]:
 # whole row), by scheme; wider rows are multiplied a BLOCK_K slice at a time. HELD_NARROW:
 # the TF32 pair's to 64 features only, where more lives beside the rows and 128 spill the
 # registers: grad_kernel on sm_80, rows_kernel's NT-Xent positives and proxy-anchor passes,
-# multi-similarity's kernels (ms.py).
-HELD = {FP64.value: 0, TF32X3.value: 128, TF32.value: 128, HALF.value: 128}
+# multi-similarity's kernels (ms.py), the Euclidean engines' backward (euclid.py, triplets.py)
+# and their forward but contrastive_rows_kernel's.
+HELD = {FP64.value: 0, TF32X3.value: 128, TF32.value: 128, HALF.value: 128, BF16X3.value: 128}
 HELD_NARROW = {**HELD, TF32X3.value: 64}
 
 

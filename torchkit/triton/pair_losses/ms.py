@@ -1061,7 +1061,7 @@ def _slack(D: int, side: lse._Operands, acc: torch.dtype) -> float:
 # Slots per anchor for the listed pairs, by the scheme's slack: the pairs within it of a cut
 # are a few where the products are float32-accurate, many more where they are TF32 or
 # bfloat16 ("high", "medium"); an anchor with more is taken whole.
-CAPS = {lse.FP64.value: 32, lse.TF32X3.value: 32, lse.TF32.value: 128, lse.HALF.value: 32}
+CAPS = {lse.FP64.value: 32, lse.TF32X3.value: 32, lse.TF32.value: 128, lse.HALF.value: 32, lse.BF16X3.value: 32}
 CAP_ROUNDED = 512  # float32 rows rounded to bfloat16
 
 
