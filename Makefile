@@ -101,7 +101,7 @@ gpu-model-table: build
 # C++17, the standard torch 2.8 (the oldest supported) builds extensions with; later torch builds
 # them as C++20, so C++20 in csrc passes `make test` and `make cuda-build` and breaks 2.8's build.
 # Every .cpp and .cu is parsed against 2.8's headers, with the nvcc of `make cuda-build`
-# (tools/cxx17_check.py): about two minutes, where `make compat TORCH=2.8` takes ten.
+# (tools/cxx17_check.py, the .cpp files after the precompiled header): about three minutes, where `make compat TORCH=2.8` takes ten.
 cxx17: $(DEPS_STAMP)
 	mkdir -p build && $(PY) tools/cuda_toolkit.py > build/cuda_home
 	$(PY) tools/cxx17_check.py --cuda-home "$$(cat build/cuda_home)"
