@@ -66,19 +66,20 @@ def step(fn, x, labels):
 def exchange(loss: str, x, labels, group) -> None:
     """The collectives of one group= step alone, with their volumes (torchkit/ops/
     _pair_losses_across_ranks.py): the arguments' description, the embeddings and labels
-    all-gathered, the parts all-reduced, then every anchor's stats all-gathered (WHOLE_STATS) or
+    all-gathered, the parts all-reduced, then every anchor's stats all-gathered (whole_stats) or
     the gathered rows' gradient reduce-scattered. The most a ring of the ranks, which overlaps
     its exchange with the tiles, could take off a step."""
     from torchkit import distributed
-    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _gather, _reduce_scatter
-    from torchkit.ops.pair_losses import _PARAMS, _PARTS
+    from torchkit.ops._pair_losses_across_ranks import _gather, _reduce_scatter
+    from torchkit.ops.pair_losses import SPECS
 
     sizes = [r["rows"] for r in distributed._all_gather({"rows": x.shape[0]}, group)]
     _gather(x, sizes, group)
     _gather(labels, sizes, group)
-    dist.all_reduce(torch.zeros(_PARTS[loss], dtype=torch.float64), group=group)
-    if loss in WHOLE_STATS:
-        _gather(torch.zeros(x.shape[0], _PARAMS[loss][1], dtype=x.dtype), sizes, group)
+    spec = SPECS[loss]
+    dist.all_reduce(torch.zeros(spec.parts, dtype=torch.float64), group=group)
+    if spec.whole_stats:
+        _gather(torch.zeros(x.shape[0], spec.columns, dtype=x.dtype), sizes, group)
     else:
         widest = max(sizes)
         _reduce_scatter(x.new_empty(widest, x.shape[1]), x.new_zeros(len(sizes) * widest, x.shape[1]), group=group)

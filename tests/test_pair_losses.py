@@ -781,8 +781,7 @@ def test_shard_opcheck(loss, params, dtype):
     left out of its pairs) and a shard of separate refs, as many as the anchors or fewer; the
     backward with a float64 grad (and, of a shard of the rows, the whole problem's stats where
     the loss takes them)."""
-    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
-
+    spec = ops.pair_losses.SPECS[loss]
     op, backward = raw(loss)
     values = list(params.values())
     rows, labels = make((10, 4), dtype), make_labels(10, 3)
@@ -793,8 +792,8 @@ def test_shard_opcheck(loss, params, dtype):
         e, refs = e.clone().requires_grad_(), refs.clone().requires_grad_()
         check_opcheck(op, (e, e_labels, refs, ref_labels, *values, shard))
         parts, stats = op(e.detach(), e_labels, refs.detach(), ref_labels, *values, shard)
-        assert parts.dtype == torch.float64 and parts.shape == (ops.pair_losses._PARTS[loss],)
-        if shard >= 0 and loss in WHOLE_STATS:
+        assert parts.dtype == torch.float64 and parts.shape == (spec.parts,)
+        if shard >= 0 and spec.whole_stats:
             stats = op(rows, labels, None, None, *values)[1]
         for g in (torch.ones((), dtype=torch.float64), torch.ones((), dtype=dtype)):
             args = (g, e.detach(), e_labels, refs.detach(), ref_labels, stats, *values, [True, True], shard)
@@ -805,9 +804,10 @@ def test_shard_opcheck(loss, params, dtype):
 def test_shards_make_the_whole_loss(loss, params):
     """What group= does, in one process: the parts of two shards of the anchors against every
     row, summed, give the loss, and their backwards the gradient: each shard's rows' whole
-    gradient from the whole problem's stats (WHOLE_STATS), or its rows' as anchors and every
-    row's as its anchors' refs (tests/test_pair_losses_distributed.py runs it across processes)."""
-    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _whole, _whole_stats
+    gradient from the whole problem's stats (a loss whose spec says whole_stats), or its rows'
+    as anchors and every row's as its anchors' refs (tests/test_pair_losses_distributed.py runs
+    it across processes)."""
+    from torchkit.ops._pair_losses_across_ranks import _whole, _whole_stats
 
     op, backward = raw(loss)
     values = list(params.values())
@@ -824,7 +824,7 @@ def test_shards_make_the_whole_loss(loss, params):
     whole_stats = torch.cat([_whole_stats(loss, stats, scale) for _, scale, stats in wholes])
     grad = torch.zeros_like(rows)
     for (a, b), (_, scale, stats) in zip(shards, wholes, strict=True):
-        if loss in WHOLE_STATS:
+        if ops.pair_losses.SPECS[loss].whole_stats:
             g = torch.ones((), dtype=torch.float64)
             ge, gr = backward(g, rows[a:b], labels[a:b], rows, labels, whole_stats, *values, [True, True], a)
             assert not gr.any()  # (the refs' gradient is not computed: zeros)
@@ -877,9 +877,7 @@ def test_shard_is_checked(loss, params):
     with pytest.raises(ValueError, match=rf"^{loss}: shard must be -1"):
         backward(g, rows[2:4], labels[2:4], rows, labels, stats, *values, [True, True], 5)
     # A shard of the rows: the whole problem's stats where the loss takes them, else its own.
-    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
-
-    if loss in WHOLE_STATS:
+    if ops.pair_losses.SPECS[loss].whole_stats:
         match = rf"^{loss}: backward: stats must be \(M, {stats.shape[1]}\) = \(6, .* the whole problem's\), got \[2, "
     else:
         stats, match = op(rows, labels, None, None, *values)[1], rf"^{loss}: backward: stats must be \(N, .*, got \[6, "
@@ -1841,7 +1839,7 @@ def test_triton_shards_match_the_cpu_kernel(loss, params, device):
     fewer); parts and stats, and each backward with a float64 grad: a shard of the rows' from
     the whole problem's stats where the loss takes them (its rows' whole gradient), else from
     its own."""
-    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _whole, _whole_stats
+    from torchkit.ops._pair_losses_across_ranks import _whole, _whole_stats
 
     tp = triton_module()
     op, backward = raw(loss)
@@ -1862,7 +1860,7 @@ def test_triton_shards_match_the_cpu_kernel(loss, params, device):
         got, got_stats = forward_t(e, e_labels, refs, ref_labels, *params, a)
         torch.testing.assert_close(got.cpu(), parts, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
-        st = whole_stats if loss in WHOLE_STATS else stats
+        st = whole_stats if ops.pair_losses.SPECS[loss].whole_stats else stats
         exp = backward(g, rows[a:b], labels[a:b], rows, labels, st, *params, mask, a)
         out = backward_t(g_, e, e_labels, refs, ref_labels, *on(device, st), *params, mask, a)
         for x, y in zip(out, exp, strict=True):
@@ -1884,8 +1882,6 @@ def test_triton_shards_match_the_cpu_kernel(loss, params, device):
 @pytest.mark.parametrize("loss,params", list(dict(TRITON_PARAMS).items()))  # one case per loss
 def test_triton_shard_is_checked(loss, params):
     """test_shard_is_checked's refusals, from the Triton kernels."""
-    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
-
     tp = triton_module()
     name = loss.removesuffix("_loss")
     forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
@@ -1915,7 +1911,7 @@ def test_triton_shard_is_checked(loss, params):
     _, stats = raw(loss)[0](rows[2:4], labels[2:4], rows, labels, *params, 2)
     g = torch.ones((), dtype=torch.float64)
     columns = stats.shape[1]
-    if loss in WHOLE_STATS:  # a shard of the rows' backward takes the whole problem's stats
+    if ops.pair_losses.SPECS[loss].whole_stats:  # a shard of the rows' backward takes the whole problem's stats
         rule, bad = rf"\(M, {columns}\) = \(6, .* whole problem's\)", stats
     else:  # its own
         rule, bad = rf"\(N, {columns}\) = \(2, {columns}\)", stats.repeat(3, 1)
@@ -1983,7 +1979,7 @@ def test_triton_shards_on_cuda_match_the_cpu_kernel(loss, params, dtype):
     """The shards' Triton kernels compiled, on CUDA tensors, against the CPU kernel: a shard of
     the rows (its backward from the whole problem's stats where the loss takes them) and a
     shard of separate refs, with a float64 grad; no host synchronisation."""
-    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS, _whole, _whole_stats
+    from torchkit.ops._pair_losses_across_ranks import _whole, _whole_stats
 
     tp = triton_module()
     name = loss.removesuffix("_loss")
@@ -1997,7 +1993,7 @@ def test_triton_shards_on_cuda_match_the_cpu_kernel(loss, params, dtype):
     wholes = (_whole(loss, p, total, s) for p, s in results)
     whole_stats = torch.cat([_whole_stats(loss, s, scale) for _, scale, s in wholes])
     g, mask = torch.tensor(0.5, dtype=torch.float64), [True, True]
-    whole = whole_stats if loss in WHOLE_STATS else None  # (None: the shard's own)
+    whole = whole_stats if ops.pair_losses.SPECS[loss].whole_stats else None  # (None: the shard's own)
     cases = [(rows[a:b], labels[a:b], whole, a) for a, b in shards] + [(e, e_labels, None, -1)]
     for x, x_labels, stats, shard in cases:
         parts, own_stats = op(x, x_labels, rows, labels, *params, shard)
@@ -2404,8 +2400,6 @@ def test_triton_lse_tiles_inside_the_problem_as_on_its_edges(device):
     without masks, the others with them: in float64 against the CPU kernel, at sizes of
     several blocks of each of the first two configurations (ragged ends), without refs, with
     refs, and a shard whose anchors start inside the refs (the diagonal moved by its offset)."""
-    from torchkit.ops._pair_losses_across_ranks import WHOLE_STATS
-
     tp = triton_module()
     e, labels = make((150, 19), seed=31), make_labels(150, 9, seed=31)
     ref, ref_labels = make((140, 19), seed=32), make_labels(140, 9, seed=32)
@@ -2429,7 +2423,8 @@ def test_triton_lse_tiles_inside_the_problem_as_on_its_edges(device):
                 torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
                 torch.testing.assert_close(got_stats.cpu(), stats, rtol=1e-12, atol=1e-12)
                 want = [True, r is not None]
-                if shard is not None and loss in WHOLE_STATS:  # (a shard's backward takes the whole problem's)
+                # (a shard's backward takes the whole problem's)
+                if shard is not None and ops.pair_losses.SPECS[loss].whole_stats:
                     stats = op(e, labels, None, None, *params)[1]
                 exp = backward(g, x, lab, r, r_lab, stats, *params, want, *extra)
                 out = backward_t(*on(device, g), *inputs, *on(device, stats), *params, want, *extra, config=grad)

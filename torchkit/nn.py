@@ -11,8 +11,7 @@ from torchkit import ops
 from torchkit.ops._common import as_float, as_int, check_bool
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.label_smoothing_cross_entropy import check_reduction
-from torchkit.ops.pair_losses import _PARAMS as _PAIR_PARAMS
-from torchkit.ops.pair_losses import _as_params, _check_params, _check_proxy_params
+from torchkit.ops.pair_losses import SPECS, _as_params, _check_params, _check_proxy_params
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
 __all__ = [
@@ -275,7 +274,7 @@ class _PairLoss(nn.Module):
         super().__init__()
         self.group = group
         name = type(self).__name__
-        kinds = _PAIR_PARAMS[self._op][0]
+        kinds = SPECS[self._op].params
         values = _as_params(name, tuple(params[key] for _, key in kinds), loss=self._op)
         _check_params(name, values, loss=self._op)
         self._params = dict(zip((key for _, key in kinds), values, strict=True))

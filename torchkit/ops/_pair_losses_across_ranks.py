@@ -10,7 +10,7 @@ and counts of the terms and the pairs) instead of the loss. One all-reduce sums 
 PML's batch rules (no positive pair, at most one of each kind, ...) and the mean's
 denominators then hold on the whole problem.
 
-The backward, without ``ref_embeddings`` (WHOLE_STATS): each rank scales its anchors' stats
+The backward, without ``ref_embeddings`` (a loss whose spec says ``whole_stats``): each rank scales its anchors' stats
 to the whole problem's normalisation, the ranks all-gather them (a few numbers per row), and
 each rank's backward op takes its rows' pairs with every row once, as anchor and as ref: its
 rows' whole gradient, N_local × N_global pairs, and nothing goes back through the gather.
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype
-from torchkit.ops.pair_losses import WHOLE_STATS
+from torchkit.ops.pair_losses import SPECS
 
 # The stats column of each of them that holds its shard's own normalisation.
 _NORMALISED_COLUMN = {"supcon_loss": 1, "ntxent_loss": 2, "multi_similarity_loss": 4}
@@ -72,7 +72,7 @@ def loss_across_ranks(
     shards, ref_shards = [r["rows"] for r in everyone], [r["ref_rows"] for r in everyone]
     rank = dist.get_rank(group)
     if ref_embeddings is None:
-        if op in WHOLE_STATS:  # the backward gives each rank its rows' whole gradient: none for the copy
+        if SPECS[op].whole_stats:  # the backward gives each rank its rows' whole gradient: none for the copy
             refs = _gather(embeddings.detach(), shards, group)
         else:
             refs = _Gather.apply(embeddings, shards, rank, group)
@@ -207,7 +207,7 @@ class _ShardLoss(torch.autograd.Function):
         total = parts.clone()
         dist.all_reduce(total, group=group)
         loss, scale, stats = _whole(op, parts, total, stats)
-        if shard >= 0 and op in WHOLE_STATS:
+        if shard >= 0 and SPECS[op].whole_stats:
             stats, scale = _whole_stats(op, stats, scale), scale.new_ones(())
         ctx.save_for_backward(embeddings, refs, labels, ref_labels, stats, scale)
         ctx.op, ctx.params, ctx.shard, ctx.shards, ctx.group = op, params, shard, shards, group
@@ -217,7 +217,7 @@ class _ShardLoss(torch.autograd.Function):
     def backward(ctx, grad):
         embeddings, refs, labels, ref_labels, stats, scale = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
-        if ctx.shard >= 0 and ctx.op in WHOLE_STATS:  # every rank's stats: N_global rows
+        if ctx.shard >= 0 and SPECS[ctx.op].whole_stats:  # every rank's stats: N_global rows
             stats, mask = _gather(stats, ctx.shards, ctx.group), [mask[0], False]
         backward = getattr(torch.ops.torchkit, f"_{ctx.op}_backward").default
         g = grad.double() * scale

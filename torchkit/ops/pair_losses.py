@@ -5,6 +5,7 @@ formulas. The losses themselves are described in csrc/pair_losses.h."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -433,32 +434,41 @@ def _register_proxy_anchor():
     return forward_op
 
 
-# Per loss: its parameters after the tensors, as (kind, name) in the schema's order, and its
-# stats' columns (csrc/pair_losses.h).
-_PARAMS = {
-    "supcon_loss": ((("float", "temperature"),), 2),
-    "ntxent_loss": ((("float", "temperature"),), 3),
-    "contrastive_loss": ((("float", "pos_margin"), ("float", "neg_margin")), 2),
-    "triplet_margin_loss": ((("float", "margin"), ("str", "mining")), 3),
-    "multi_similarity_loss": (
+@dataclass(frozen=True)
+class PairLossSpec:
+    """What every layer reads of one pair loss (the public function, the module, the fake
+    kernels, the losses across ranks; csrc/pair_losses.h for the kernels' side):
+    params: its parameters after the tensors, as (kind, name) in the schema's order;
+    columns: its stats' columns; parts: how many numbers a shard's reducer parts hold;
+    stats_dtype: the stats' dtype where it is not the accumulation type;
+    whole_stats: a shard's backward (shard >= 0) takes the whole problem's stats and gives the
+    rank its rows' whole gradient (torchkit/ops/_pair_losses_across_ranks.py)."""
+
+    params: tuple[tuple[str, str], ...]
+    columns: int
+    parts: int
+    stats_dtype: Optional[torch.dtype] = None
+    whole_stats: bool = False
+
+
+SPECS = {
+    "supcon_loss": PairLossSpec((("float", "temperature"),), columns=2, parts=4, whole_stats=True),
+    "ntxent_loss": PairLossSpec((("float", "temperature"),), columns=3, parts=3, whole_stats=True),
+    "contrastive_loss": PairLossSpec(
+        (("float", "pos_margin"), ("float", "neg_margin")), columns=2, parts=6, whole_stats=True
+    ),
+    "triplet_margin_loss": PairLossSpec(
+        (("float", "margin"), ("str", "mining")), columns=3, parts=2, stats_dtype=torch.int64
+    ),
+    "multi_similarity_loss": PairLossSpec(
         (("float", "alpha"), ("float", "beta"), ("float", "base"), ("optional float", "miner_epsilon")),
-        5,
+        columns=5,
+        parts=4,
+        stats_dtype=torch.float64,
+        whole_stats=True,
     ),
 }
-# A shard's parts (csrc/pair_losses.h): how many.
-_PARTS = {
-    "supcon_loss": 4,
-    "ntxent_loss": 3,
-    "contrastive_loss": 6,
-    "triplet_margin_loss": 2,
-    "multi_similarity_loss": 4,
-}
-# The stats' dtype where it is not the accumulation type (csrc/pair_losses.h).
-_STATS_DTYPE = {"triplet_margin_loss": torch.int64, "multi_similarity_loss": torch.float64}
 _MINING = ("all", "batch_hard", "semi_hard")
-# The losses whose shard backward (shard >= 0) takes the whole problem's stats and gives each
-# rank its rows' whole gradient (csrc/pair_losses.h; torchkit/ops/_pair_losses_across_ranks.py).
-WHOLE_STATS = frozenset({"supcon_loss", "ntxent_loss", "contrastive_loss", "multi_similarity_loss"})
 
 
 def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None) -> Tensor:
@@ -493,7 +503,7 @@ def _as_params(op: str, params: tuple, *, loss: Optional[str] = None) -> tuple:
             return None
         return as_float(op, name, value)
 
-    return tuple(convert(kind, name, v) for (kind, name), v in zip(_PARAMS[loss or op][0], params, strict=True))
+    return tuple(convert(kind, name, v) for (kind, name), v in zip(SPECS[loss or op].params, params, strict=True))
 
 
 def _as_str(op: str, name: str, value: Any) -> str:
@@ -506,7 +516,7 @@ def _check_params(op: str, params: tuple, *, loss: Optional[str] = None) -> None
     """csrc/pair_losses.cpp's parameter checks (check_positive, check_finite, check_margin,
     check_mining), with their messages (comparisons, which Dynamo traces; NaN fails them). ``op`` names the caller in
     messages; ``loss`` (default: ``op``) says whose parameters these are."""
-    for (kind, name), value in zip(_PARAMS[loss or op][0], params, strict=True):
+    for (kind, name), value in zip(SPECS[loss or op].params, params, strict=True):
         if kind == "str":
             if value not in _MINING:
                 raise ValueError(f"{op}: mining must be 'all', 'batch_hard' or 'semi_hard', got '{value}'")
@@ -629,7 +639,8 @@ def _register(op: str) -> tuple:
     callables. A call with shard (the losses across ranks) returns the reducer's parts, which
     carry no gradient: torchkit/ops/_pair_losses_across_ranks.py differentiates them through
     the backward op."""
-    kinds, columns = _PARAMS[op]
+    spec = SPECS[op]
+    kinds, columns = spec.params, spec.columns
     n = len(kinds)
 
     def check_raw(params):
@@ -644,10 +655,10 @@ def _register(op: str) -> tuple:
         _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
         _check_shard(op, shard, embeddings, ref_embeddings)
         _check_params(op, params)
-        dtype = _STATS_DTYPE.get(op, acc_dtype(embeddings))
+        dtype = spec.stats_dtype or acc_dtype(embeddings)
         stats = embeddings.new_empty((embeddings.shape[0], columns), dtype=dtype)
         if shard is not None:
-            return embeddings.new_empty((_PARTS[op],), dtype=torch.float64), stats
+            return embeddings.new_empty((spec.parts,), dtype=torch.float64), stats
         return embeddings.new_empty(()), stats
 
     @torch.library.register_fake(f"torchkit::_{op}_backward")
@@ -658,9 +669,8 @@ def _register(op: str) -> tuple:
         _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
         _check_shard(op, shard, embeddings, ref_embeddings)
         _check_params(op, params)
-        whole = ref_embeddings.shape[0] if shard is not None and shard >= 0 and op in WHOLE_STATS else None
-        stats_dtype = _STATS_DTYPE.get(op)
-        _check_backward(op, grad, embeddings, stats, columns, stats_dtype=stats_dtype, shard=shard, whole=whole)
+        whole = ref_embeddings.shape[0] if shard is not None and shard >= 0 and spec.whole_stats else None
+        _check_backward(op, grad, embeddings, stats, columns, stats_dtype=spec.stats_dtype, shard=shard, whole=whole)
         want_ref = ref_embeddings is not None and output_mask[1]
         ge = torch.empty_like(embeddings, memory_format=torch.contiguous_format) if output_mask[0] else None
         gr = torch.empty_like(ref_embeddings, memory_format=torch.contiguous_format) if want_ref else None
@@ -697,5 +707,5 @@ def _register(op: str) -> tuple:
     return forward_op, backward_op
 
 
-_FORWARD = {op: _register(op)[0] for op in _PARAMS}
+_FORWARD = {op: _register(op)[0] for op in SPECS}
 _PROXY_ANCHOR = _register_proxy_anchor()

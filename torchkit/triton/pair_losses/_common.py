@@ -154,7 +154,8 @@ def _self_pairs(ref_embeddings, shard: int | None) -> tuple[bool, int]:
 
 def _whole_rows(shard: int | None, ref_embeddings) -> int | None:
     """The whole problem's rows, whose stats a shard's backward with shard >= 0 takes (the
-    losses of torchkit.ops.pair_losses.WHOLE_STATS; None: its own anchors')."""
+    losses whose torchkit.ops.pair_losses.SPECS entry says whole_stats; None: its own
+    anchors')."""
     return ref_embeddings.shape[0] if shard is not None and shard >= 0 else None
 
 
