@@ -6,13 +6,15 @@ pair.
 - Points (the package's _points, O(N·D)): F.normalize's rows centred on the float64 mean of the
   finite ones of both sides, rounded once to the accumulation type, and their squared norms, as
   the CPU kernel's make_points; points_operands_kernel lays them out as the products take them
-  (lse's schemes: the TF32 pair by default, TF32 or bfloat16 by PyTorch's fp32-matmul setting,
-  float64 for float64 inputs; the points are float32 for every other input dtype), a NaN entry
-  as 0 (such a row's squared norm is NaN: its pairs are recomputed).
-- Forward (contrastive_rows_kernel): a program per block of anchors and slice of refs (lse's
-  slices), the tile's d² = |c_i|² + |c_j|² − 2c_i·c_j and d in the accumulation type. The tile's
-  d is within a bound of the exact one (_decisions: the scheme's rounding of the products and
-  their sums, the points' and the norms' roundings, the root's); a pair whose d² cancelled
+  (lse's schemes: float32 rows' by PyTorch's fp32-matmul setting, the TF32 pair by default,
+  TF32 or bfloat16; bfloat16 and float16 rows' as a bfloat16 pair whatever the setting
+  (_scheme); float64 for float64 inputs; the points are float32 for every input dtype but
+  float64), a NaN entry as 0 (such a row's squared norm is NaN: its pairs are recomputed).
+- Forward (contrastive_rows_kernel): a program per block of anchors (their rows held whole up
+  to 128 features, lse.HELD) and slice of refs (lse's slices), the tile's d² = |c_i|² +
+  |c_j|² − 2c_i·c_j and d in the accumulation type. The tile's d is within a bound of the
+  exact one (_decisions: the scheme's rounding of the products and their sums, the points'
+  and the norms' roundings, the root's); a pair whose d² cancelled
   (below (|c_i|² + |c_j|²)/16: near-duplicates, a NaN row) or whose d lies within that bound
   of its margin is listed for its anchor (ms._append) and left out of the tile's sums; a pair
   of equal rows (_equal_rows) is at 0, counted or not by its margin, never listed. Per anchor

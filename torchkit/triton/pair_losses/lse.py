@@ -1371,7 +1371,8 @@ def _slices(programs: int, columns: int, block: int) -> tuple[int, int]:
 # whole row), by scheme; wider rows are multiplied a BLOCK_K slice at a time. HELD_NARROW:
 # the TF32 pair's to 64 features only, where more lives beside the rows and 128 spill the
 # registers: grad_kernel on sm_80, rows_kernel's NT-Xent positives and proxy-anchor passes,
-# multi-similarity's kernels (ms.py).
+# multi-similarity's backward (ms.py), the Euclidean engines' backward (euclid.py, triplets.py)
+# and the triplets' forward.
 HELD = {FP64.value: 0, TF32X3.value: 128, TF32.value: 128, HALF.value: 128, BF16X3.value: 128}
 HELD_NARROW = {**HELD, TF32X3.value: 64}
 

@@ -69,9 +69,13 @@ EMPTY_SLOT = tl.constexpr(NO_COL)  # (the kernels')
 
 # Launch configurations (every one run by the tests and compiled by tools/triton_check.py; the
 # first is the default, the last float64's).
+# ms_rows_kernel's: the second the TF32 pair's where its rows are held whole (32 anchors
+# against 16 refs at a time: no spills on sm_80 or sm_90, where 64 x 16 spills 88 bytes in
+# TERMS and 64 x 32 on eight warps 1.3 KB; 128 x 16 on eight spills none either, but the
+# offline model's counted sizes do not split into its tiles, so it is unmeasured).
 ROWS_CONFIGS = (
     Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=3),
-    Config(BLOCK_N=128, BLOCK_M=32, BLOCK_K=16, num_warps=8, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=16, BLOCK_K=32, num_warps=4, num_stages=3),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
 )
 # ms_exact_kernel: float64 cosines summed in feature order (as the CPU kernel's), no FMA;
@@ -1065,6 +1069,14 @@ CAPS = {lse.FP64.value: 32, lse.TF32X3.value: 32, lse.TF32.value: 128, lse.HALF.
 CAP_ROUNDED = 512  # float32 rows rounded to bfloat16
 
 
+def _rows_default(acc: torch.dtype, scheme: int, held: int) -> Config:
+    """ms_rows_kernel's default configuration: float64's, the TF32 pair's rows held whole's, or
+    the first."""
+    if acc == torch.float64:
+        return ROWS_CONFIGS[-1]
+    return ROWS_CONFIGS[1] if scheme == lse.TF32X3.value and held else ROWS_CONFIGS[0]
+
+
 def _cap(side: lse._Operands, M: int) -> int:
     cap = CAP_ROUNDED if side.scheme == lse.HALF.value and side.raw.dtype == torch.float32 else CAPS[side.scheme]
     return max(16, min(cap, triton.next_power_of_2(max(M, 1))))
@@ -1106,12 +1118,13 @@ def multi_similarity_forward(
     alpha, beta, base, eps = params
     mining = eps is not None
     acc = acc_dtype(embeddings)
-    config = config or lse._default(ROWS_CONFIGS, acc)
     row_config = row_config or ROW_CONFIGS[0]
     exact_config = exact_config or EXACT_CONFIGS[0]
     self_, offset = _self_pairs(ref_embeddings, shard)
     a, b, npos = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, self_)
     N, D = embeddings.shape
+    held = lse._held(D, a.scheme)
+    config = config or _rows_default(acc, a.scheme, held)
     M = b.n
     dev = embeddings.device
     pairs = M - int(self_)  # (each anchor's: every ref but itself)
@@ -1163,7 +1176,7 @@ def multi_similarity_forward(
                 SELF=self_,
                 PASS=step,
                 MINING=mining,
-                BLOCK_D=lse._held(D, a.scheme, lse.HELD_NARROW),
+                BLOCK_D=held,
                 **lse._launch_flags(a, acc),
                 **config.launch,
             )
@@ -1467,8 +1480,9 @@ def multi_similarity_backward(
 
 def compile_cases() -> list[CompileCase]:
     """This engine's kernels for tools/triton_check.py: ms_rows_kernel's passes with the TF32
-    pair (every configuration of TERMS with the miner), bfloat16 and float64, rows of D = 128
-    held where the scheme holds them; ms_exact_kernel's passes from float32, bfloat16 and
+    pair (rows of D = 128 held whole, and a slice at a time with every configuration of
+    CANDIDATES and TERMS with the miner), bfloat16 and float64, rows of D = 128 held where the
+    scheme holds them; ms_exact_kernel's passes from float32, bfloat16 and
     float64 inputs; the miner's per-anchor steps and the batch's kernels of each;
     ms_grad_kernel's and ms_pairs_grad_kernel's passes (every configuration of the first: the
     TF32 pair's, without refs, with the miner)."""
@@ -1504,21 +1518,25 @@ def compile_cases() -> list[CompileCase]:
             **dict.fromkeys(("xa_ptr", "xb_ptr", "xo_ptr", "xt_ptr"), "*" + dtype),
             **dict.fromkeys(("inv_a_ptr", "inv_b_ptr", "st_ptr", "inv_own_ptr", "inv_other_ptr", "stats_ptr"), "*fp64"),
         }
-        held = lse._held(128, how.value, lse.HELD_NARROW)
+        rows_held, held = lse._held(128, how.value), lse._held(128, how.value, lse.HELD_NARROW)
         steps = ((EXTREMES, "extremes", True), (CANDIDATES, "candidates", True), (TERMS, "terms", True))
         steps += ((TERMS, "terms all pairs", False),)
         for step, what, mining in steps:
-            every = first and step != EXTREMES and mining
-            cases.append(
-                case(
-                    f"pair_losses.ms.rows {what} {name}",
-                    ms_rows_kernel,
-                    types,
-                    dict(SELF=True, PASS=step, MINING=mining, SCHEME=how, INTERPRET=False, BLOCK_D=held, **flags),
-                    ROWS_CONFIGS if every else (lse._default(ROWS_CONFIGS, torch.float64 if is64 else torch.float32),),
-                    tensor_cores=not is64,
+            # (the TF32 pair's rows also multiplied a slice at a time, as wider rows are)
+            for block_d in (rows_held, 0) if first else (rows_held,):
+                every = first and not block_d and step != EXTREMES and mining
+                default = _rows_default(torch.float64 if is64 else torch.float32, how.value, block_d)
+                flags_ = dict(SELF=True, PASS=step, MINING=mining, SCHEME=how, INTERPRET=False, **flags)
+                cases.append(
+                    case(
+                        f"pair_losses.ms.rows {what} {name}{'' if block_d else ' D loop'}",
+                        ms_rows_kernel,
+                        types,
+                        dict(BLOCK_D=block_d, **flags_),
+                        ROWS_CONFIGS if every else (default,),
+                        tensor_cores=not is64,
+                    )
                 )
-            )
         for step, what in ((THRESHOLDS, "thresholds"), (DECISIONS, "decisions")):
             cases.append(
                 case(
