@@ -634,6 +634,14 @@ def _check_backward(
     check_same_device(op, embeddings=embeddings, stats=stats)
 
 
+def _check_loss_backward(
+    op: str, grad: Tensor, embeddings: Tensor, stats: Tensor, shard: int | None = None, whole: int | None = None
+) -> None:
+    """_check_backward for the pair loss `op`, its stats as its spec lays them out."""
+    spec = SPECS[op]
+    _check_backward(op, grad, embeddings, stats, spec.columns, stats_dtype=spec.stats_dtype, shard=shard, whole=whole)
+
+
 def _register(op: str) -> tuple:
     """The fake kernels and autograd formula of one pair loss; returns its (forward, backward)
     callables. A call with shard (the losses across ranks) returns the reducer's parts, which
@@ -670,7 +678,7 @@ def _register(op: str) -> tuple:
         _check_shard(op, shard, embeddings, ref_embeddings)
         _check_params(op, params)
         whole = ref_embeddings.shape[0] if shard is not None and shard >= 0 and spec.whole_stats else None
-        _check_backward(op, grad, embeddings, stats, columns, stats_dtype=spec.stats_dtype, shard=shard, whole=whole)
+        _check_loss_backward(op, grad, embeddings, stats, shard, whole)
         want_ref = ref_embeddings is not None and output_mask[1]
         ge = torch.empty_like(embeddings, memory_format=torch.contiguous_format) if output_mask[0] else None
         gr = torch.empty_like(ref_embeddings, memory_format=torch.contiguous_format) if want_ref else None

@@ -72,7 +72,7 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_scalars
-from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
+from torchkit.ops.pair_losses import _check_inputs, _check_loss_backward, _check_params
 from torchkit.triton import _launch
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks
@@ -916,7 +916,7 @@ def triplet_margin_backward(
     (csrc/pair_losses.h)."""
     op = "triplet_margin_loss"
     (margin, mining), shard = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard)
-    _check_backward(op, grad, embeddings, stats, 3, stats_dtype=torch.int64, shard=shard)
+    _check_loss_backward(op, grad, embeddings, stats, shard)
     self_ = ref_embeddings is None
     N, D = embeddings.shape
     M = N if self_ else ref_embeddings.shape[0]

@@ -49,7 +49,7 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_scalars
-from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
+from torchkit.ops.pair_losses import _check_inputs, _check_loss_backward, _check_params
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse, ms
@@ -911,7 +911,7 @@ def contrastive_backward(
     op = "contrastive_loss"
     margins, shard = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard)
     whole = _whole_rows(shard, ref_embeddings)
-    _check_backward(op, grad, embeddings, stats, 2, shard=shard, whole=whole)
+    _check_loss_backward(op, grad, embeddings, stats, shard, whole)
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
     want_r = not self_ and bool(output_mask[1])

@@ -58,7 +58,7 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype
-from torchkit.ops.pair_losses import _check_backward, _check_proxy_shard
+from torchkit.ops.pair_losses import _check_backward, _check_loss_backward, _check_proxy_shard
 from torchkit.triton import _math as tm
 from torchkit.triton import float32_products
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot, interpreting
@@ -1717,7 +1717,7 @@ def _backward(
     op = "ntxent_loss" if ntxent else "supcon_loss"
     t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
     whole = _whole_rows(shard, ref_embeddings)
-    _check_backward(op, grad, embeddings, stats, 3 if ntxent else 2, shard=shard, whole=whole)
+    _check_loss_backward(op, grad, embeddings, stats, shard, whole)
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
     want_r = not self_ and bool(output_mask[1])

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from torchkit.ops._common import acc_dtype, check_scalars
-from torchkit.ops.pair_losses import _check_backward, _check_inputs, _check_params
+from torchkit.ops.pair_losses import _check_inputs, _check_loss_backward, _check_params
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse
@@ -1314,7 +1314,7 @@ def multi_similarity_backward(
     params, shard = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard)
     alpha, beta, base, eps = params
     whole = _whole_rows(shard, ref_embeddings)
-    _check_backward(op, grad, embeddings, stats, 5, stats_dtype=torch.float64, shard=shard, whole=whole)
+    _check_loss_backward(op, grad, embeddings, stats, shard, whole)
     mining = eps is not None
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
