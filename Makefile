@@ -77,7 +77,9 @@ cuda-build: $(DEPS_STAMP)
 # Triton compile check, no GPU needed: every Triton kernel and launch configuration compiled for
 # sm_90, and for sm_80 where it has matrix instructions (tools/triton_check.py: registers, spills,
 # shared memory, mma/wgmma), cached in build/triton-cache. Fails on a compile error, spills past 512 bytes, or a tensor-core
-# kernel without mma/wgmma. Never under the interpreter, which replaces the compiler.
+# kernel without mma/wgmma. Never under the interpreter, which replaces the compiler. Each build's
+# facts are recorded in benchmarks/results/triton-check.json under Triton's cache key of that build
+# (commit it with a kernel change): a build whose key is recorded is not compiled again.
 triton-check: build
 	env -u TRITON_INTERPRET TRITON_CACHE_DIR=$(CURDIR)/build/triton-cache $(PY) tools/triton_check.py
 
