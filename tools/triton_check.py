@@ -14,7 +14,8 @@ rerun with nothing changed takes seconds.
 
 Each build's facts are recorded in RECORD (committed with a kernel change, as the model's
 counts are), under Triton's own cache key of that build: the hash of Triton itself, the
-kernel's source with every function it calls and global it reads, the specialisation, the
+kernel's source with every function it calls and global it reads (and their line numbers,
+which the code's debug information holds: an edit above a kernel moves them), the specialisation, the
 options, the target with its ptxas, and the environment variables Triton says change code. A
 build whose key is recorded is not compiled again: its code would be the same, byte for byte,
 as Triton's own cache assumes. So a fresh clone compiles only what changed since the record
