@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <string>
 
 #include "checks.h"
 
@@ -97,6 +98,14 @@ Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Ten
     }
   }
   return p;
+}
+
+void check_own_stats(Problem& p, bool own_stats) {
+  TK_CHECK_VALUE(p.op, !own_stats || (p.shard && p.offset >= 0),
+                 "backward: own_stats needs shard >= 0 (the anchors' rows among the refs: "
+                 "otherwise the stats are the call's own anyway), got shard = ",
+                 p.shard ? std::to_string(p.offset) : std::string("None"));
+  p.own_stats = own_stats;
 }
 
 Problem whole_of(const Problem& p) {
@@ -222,21 +231,21 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   m.def(
       "_supcon_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar temperature, bool[2] "
-      "output_mask, int? shard=None) -> (Tensor, Tensor)");
+      "output_mask, int? shard=None, bool own_stats=False) -> (Tensor, Tensor)");
   m.def(
       "ntxent_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? ref_labels, "
       "Scalar temperature, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "_ntxent_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar temperature, bool[2] "
-      "output_mask, int? shard=None) -> (Tensor, Tensor)");
+      "output_mask, int? shard=None, bool own_stats=False) -> (Tensor, Tensor)");
   m.def(
       "contrastive_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
       "ref_labels, Scalar pos_margin, Scalar neg_margin, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "_contrastive_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar pos_margin, Scalar neg_margin, "
-      "bool[2] output_mask, int? shard=None) -> (Tensor, Tensor)");
+      "bool[2] output_mask, int? shard=None, bool own_stats=False) -> (Tensor, Tensor)");
   m.def(
       "triplet_margin_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
       "ref_labels, Scalar margin, str mining, int? shard=None) -> (Tensor, Tensor)");
@@ -251,7 +260,8 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
   m.def(
       "_multi_similarity_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar alpha, Scalar beta, Scalar base, "
-      "Scalar? miner_epsilon, bool[2] output_mask, int? shard=None) -> (Tensor, Tensor)");
+      "Scalar? miner_epsilon, bool[2] output_mask, int? shard=None, bool own_stats=False) -> "
+      "(Tensor, Tensor)");
   m.def(
       "proxy_anchor_loss(Tensor embeddings, Tensor labels, Tensor proxies, Scalar margin, Scalar "
       "alpha, int? shard=None) -> (Tensor, Tensor)");

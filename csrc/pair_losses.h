@@ -61,7 +61,11 @@
 // refs over ref_embeddings has; the refs' gradient is not computed: zeros where asked). Every
 // other shard's backward (triplet_margin_loss's mining would need every anchor's per-positive
 // counts; shard = −1) takes the shard's stats and returns the refs' gradient from the shard's
-// anchors too, which the caller sums over the ranks.
+// anchors too, which the caller sums over the ranks. own_stats (those four losses, shard >= 0):
+// the backward takes the shard's own stats (N rows) and returns the gradient of the anchors'
+// pairs alone, anchor i's own ref row left out: the refs are a memory that holds the anchors'
+// rows (torchkit.nn.CrossBatchMemory, one process), not every anchor of the problem; the refs'
+// gradient is not computed (zeros where asked).
 //   supcon_loss: Σ of the loss_i in the mean, their count, positive pairs, negative pairs.
 //   ntxent_loss: Σ loss_ip, positive pairs, negative pairs.
 //   contrastive_loss: Σ and count of the positive terms > 0, the same of the negative ones,
@@ -104,6 +108,7 @@ struct Problem {
   bool self = true;                        // ref_embeddings = None: the pairs of the batch itself
   int64_t offset = -1;                     // anchor i is ref row offset + i (0 for self; -1: none)
   bool shard = false;                      // a shard of a larger problem (above)
+  bool own_stats = false;                  // a shard's backward with its own stats (above)
   int64_t grad_first = 0, grad_rows = -1;  // the anchors' gradient rows computed (< 0: all N)
   double temperature = 0;                  // supcon_loss, ntxent_loss
   double pos_margin = 0, neg_margin = 0;   // contrastive_loss
@@ -117,7 +122,7 @@ struct Problem {
   // A shard's loss output: its parts, float64 on like's device.
   at::Tensor parts(std::initializer_list<double> values, const at::Tensor& like) const;
   // Whether a shard's backward of the losses that take the whole problem's stats (above) does.
-  bool takes_whole_stats() const { return shard && offset >= 0; }
+  bool takes_whole_stats() const { return shard && offset >= 0 && !own_stats; }
   // The anchors' gradient rows a backward computes: [grad_first, grad_end()).
   int64_t grad_end() const { return grad_rows < 0 ? N : grad_first + grad_rows; }
 };
@@ -130,6 +135,9 @@ Problem whole_of(const Problem& p);
 Problem check_inputs(const char* op, const at::Tensor& embeddings, const at::Tensor& labels,
                      const std::optional<at::Tensor>& ref_embeddings,
                      const std::optional<at::Tensor>& ref_labels, std::optional<int64_t> shard);
+// own_stats of a backward that takes the whole problem's stats with shard >= 0 (above): only
+// there; sets p.own_stats.
+void check_own_stats(Problem& p, bool own_stats);
 double check_temperature(const char* op, const c10::Scalar& temperature);
 // A margin (or the miner's ε): finite, of either sign, as PML takes them.
 double check_margin(const char* op, const char* name, const c10::Scalar& margin);

@@ -8,10 +8,17 @@ import torch
 from torch import Tensor, nn
 
 from torchkit import ops
-from torchkit.ops._common import as_float, as_int, check_bool
+from torchkit.ops._common import as_float, as_int, check_bool, describe
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.label_smoothing_cross_entropy import check_reduction
-from torchkit.ops.pair_losses import SPECS, _as_params, _check_params, _check_proxy_params
+from torchkit.ops.pair_losses import (
+    SPECS,
+    _as_params,
+    _check_device,
+    _check_inputs,
+    _check_params,
+    _check_proxy_params,
+)
 from torchkit.ops.region_confusion import _check_args, _check_probability, _check_settings, _draw_permutations
 
 __all__ = [
@@ -19,6 +26,7 @@ __all__ = [
     "CDist",
     "ContrastiveLoss",
     "CovariancePool2d",
+    "CrossBatchMemory",
     "LabelSmoothingCrossEntropy",
     "MultiSimilarityLoss",
     "NTXentLoss",
@@ -355,6 +363,111 @@ class MultiSimilarityLoss(_PairLoss):
         group=None,
     ) -> None:
         super().__init__(group, alpha=alpha, beta=beta, base=base, miner_epsilon=miner_epsilon)
+
+
+class CrossBatchMemory(nn.Module):
+    """pytorch-metric-learning's ``CrossBatchMemory(loss, embedding_size, memory_size=1024)``
+    for torchkit's pair losses (``SupConLoss``, ``NTXentLoss``, ``ContrastiveLoss``,
+    ``TripletMarginLoss``, ``MultiSimilarityLoss``): a queue of the last ``memory_size``
+    embeddings (detached) and their labels. Each call enqueues the batch, then takes the loss of
+    its rows as anchors against the whole memory (its filled part until it is full), each row's
+    own copy in the memory left out of its pairs: PML's wrapper without a miner, step by step.
+    ``enqueue_mask`` (a bool per row, as PML's): the rows it marks only join the memory, the
+    others are the anchors and are not enqueued (their pairs with every memory row count). The
+    gradient flows through the anchors alone. Each step costs O(memory · D), nothing
+    batch × memory is stored. The memory takes the dtype and device of the batch."""
+
+    def __init__(self, loss: nn.Module, embedding_size: int, memory_size: int = 1024) -> None:
+        super().__init__()
+        name = "CrossBatchMemory"
+        if not isinstance(loss, _PairLoss):
+            raise TypeError(
+                f"{name}: loss must be one of torchkit.nn's SupConLoss, NTXentLoss, ContrastiveLoss, "
+                f"TripletMarginLoss or MultiSimilarityLoss, got {type(loss).__name__}"
+            )
+        if loss.group is not None:
+            raise ValueError(f"{name}: the loss's group= is not supported (each process keeps its own memory)")
+        self.loss = loss
+        self.embedding_size = as_int(name, "embedding_size", embedding_size)
+        self.memory_size = as_int(name, "memory_size", memory_size)
+        for key, value in (("embedding_size", self.embedding_size), ("memory_size", self.memory_size)):
+            if value <= 0:
+                raise ValueError(f"{name}: {key} must be > 0, got {value}")
+        self.reset_queue()
+
+    def reset_queue(self) -> None:
+        """Empties the memory (PML's reset_queue)."""
+        self.register_buffer("embedding_memory", torch.zeros(self.memory_size, self.embedding_size))
+        self.register_buffer("label_memory", torch.zeros(self.memory_size, dtype=torch.long))
+        self.has_been_filled = False
+        self.queue_idx = 0
+
+    def forward(
+        self, embeddings: Tensor, labels: Tensor, indices_tuple=None, enqueue_mask: Optional[Tensor] = None
+    ) -> Tensor:
+        name = "CrossBatchMemory"
+        if indices_tuple is not None:
+            raise NotImplementedError(
+                f"{name}: indices_tuple (a miner's pairs or triplets) is not supported yet: the loss takes every "
+                "pair of the batch and the memory"
+            )
+        _check_inputs(name, embeddings, labels, None, None)
+        _check_device(self.loss._op, embeddings)
+        if embeddings.shape[1] != self.embedding_size:
+            raise ValueError(
+                f"{name}: embeddings must have embedding_size = {self.embedding_size} features, got shape "
+                f"{list(embeddings.shape)}"
+            )
+        if enqueue_mask is not None:
+            if not isinstance(enqueue_mask, Tensor) or enqueue_mask.dtype != torch.bool:
+                raise TypeError(f"{name}: enqueue_mask must be a bool Tensor, got {describe(enqueue_mask)}")
+            if enqueue_mask.shape != labels.shape or enqueue_mask.device != embeddings.device:
+                raise ValueError(
+                    f"{name}: enqueue_mask must be 1-D with one entry per row of embeddings ({embeddings.shape[0]}), "
+                    f"on its device ({embeddings.device}), got shape {list(enqueue_mask.shape)} on "
+                    f"{enqueue_mask.device}"
+                )
+            queued, queued_labels = embeddings[enqueue_mask], labels[enqueue_mask]
+            embeddings, labels = embeddings[~enqueue_mask], labels[~enqueue_mask]
+        else:
+            queued, queued_labels = embeddings, labels
+        if queued.shape[0] > self.memory_size:
+            raise ValueError(
+                f"{name}: a step enqueues at most memory_size = {self.memory_size} rows, got {queued.shape[0]} "
+                "(a larger batch would overwrite its own rows)"
+            )
+        if self.embedding_memory.dtype != embeddings.dtype or self.embedding_memory.device != embeddings.device:
+            self.embedding_memory = self.embedding_memory.to(embeddings.device, embeddings.dtype)
+        if self.label_memory.dtype != labels.dtype or self.label_memory.device != labels.device:
+            self.label_memory = self.label_memory.to(labels.device, labels.dtype)
+        first = self.queue_idx
+        self._enqueue(queued, queued_labels)
+        memory = self.embedding_memory if self.has_been_filled else self.embedding_memory[: self.queue_idx]
+        memory_labels = self.label_memory if self.has_been_filled else self.label_memory[: self.queue_idx]
+        params = tuple(getattr(self.loss, key) for key in self.loss._params)
+        if enqueue_mask is not None:  # (anchors apart from the memory: every pair counts)
+            loss = getattr(ops, self.loss._op)
+            keywords = dict(zip(self.loss._params, params, strict=True))
+            return loss(embeddings, labels, **keywords, ref_embeddings=memory, ref_labels=memory_labels)
+        if first + queued.shape[0] > self.memory_size:  # the batch wraps: the memory from its first row on
+            memory = torch.cat([memory[first:], memory[:first]])
+            memory_labels = torch.cat([memory_labels[first:], memory_labels[:first]])
+            first = 0
+        from torchkit.ops._pair_losses_across_ranks import loss_against_memory
+
+        return loss_against_memory(self.loss._op, embeddings, labels, memory, memory_labels, params, first)
+
+    def _enqueue(self, embeddings: Tensor, labels: Tensor) -> None:
+        n = embeddings.shape[0]
+        rows = torch.arange(self.queue_idx, self.queue_idx + n, device=embeddings.device) % self.memory_size
+        self.embedding_memory[rows] = embeddings.detach()
+        self.label_memory[rows] = labels.detach()
+        before, self.queue_idx = self.queue_idx, (self.queue_idx + n) % self.memory_size
+        if n > 0 and self.queue_idx <= before:
+            self.has_been_filled = True
+
+    def extra_repr(self) -> str:
+        return f"embedding_size={self.embedding_size}, memory_size={self.memory_size}"
 
 
 class ProxyAnchorLoss(nn.Module):

@@ -805,10 +805,11 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
                                         const std::optional<Tensor>& ref_labels,
                                         const Tensor& stats, const c10::Scalar& temperature,
                                         std::array<bool, 2> output_mask,
-                                        std::optional<int64_t> shard) {
+                                        std::optional<int64_t> shard, bool own_stats) {
   Problem call = check_inputs(NTXENT ? "ntxent_loss" : "supcon_loss", embeddings, labels,
                               ref_embeddings, ref_labels, shard);
   call.temperature = check_temperature(call.op, temperature);
+  check_own_stats(call, own_stats);
   const Problem p = call.takes_whole_stats() ? whole_of(call) : call;
   check_backward_inputs(p, grad, embeddings, stats, NTXENT ? kNTXentStats : kSupConStats);
   const bool want_e = output_mask[0], want_r = !call.self && output_mask[1];
@@ -834,7 +835,7 @@ std::tuple<Tensor, Tensor> backward_cpu(const Tensor& grad, const Tensor& embedd
         }
         if (want_e)
           ge = rows_grad<acc_t>(p, in.a, in.b, in.lab, in.ref_lab, pg, true, false, gv).to(dtype);
-        if (want_r)
+        if (want_r && !p.own_stats)
           gr = rows_grad<acc_t>(p, in.b, in.a, in.ref_lab, in.lab, pg, false, false, gv).to(dtype);
       });
   return outputs();
@@ -877,9 +878,10 @@ std::tuple<Tensor, Tensor> ms_backward_cpu(
     const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
     const Tensor& stats, const c10::Scalar& alpha, const c10::Scalar& beta, const c10::Scalar& base,
     const std::optional<c10::Scalar>& miner_epsilon, std::array<bool, 2> output_mask,
-    std::optional<int64_t> shard) {
-  const Problem call = ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base,
-                                  miner_epsilon, shard);
+    std::optional<int64_t> shard, bool own_stats) {
+  Problem call = ms_problem(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base,
+                            miner_epsilon, shard);
+  check_own_stats(call, own_stats);
   const Problem p = call.takes_whole_stats() ? whole_of(call) : call;
   check_backward_inputs(p, grad, embeddings, stats, kMultiSimilarityStats, at::kDouble);
   const bool want_e = output_mask[0], want_r = !call.self && output_mask[1];
@@ -906,7 +908,8 @@ std::tuple<Tensor, Tensor> ms_backward_cpu(
         const MultiSimilarityTerms<acc_t> terms{p, ms, sp};
         const acc_t w = static_cast<acc_t>(sp[kMultiSimilarityStats - 1]);  // 1/N in every row
         if (want_e) ge = cos_rows_grad<acc_t>(p, in, terms, w, true, g).to(dtype);
-        if (want_r && !p.self) gr = cos_rows_grad<acc_t>(p, in, terms, w, false, g).to(dtype);
+        if (want_r && !p.self && !p.own_stats)
+          gr = cos_rows_grad<acc_t>(p, in, terms, w, false, g).to(dtype);
       });
   return outputs();
 }

@@ -840,11 +840,12 @@ std::tuple<Tensor, Tensor> contrastive_backward_cpu(
     const Tensor& grad, const Tensor& embeddings, const Tensor& labels,
     const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
     const Tensor& stats, const c10::Scalar& pos_margin, const c10::Scalar& neg_margin,
-    std::array<bool, 2> output_mask, std::optional<int64_t> shard) {
+    std::array<bool, 2> output_mask, std::optional<int64_t> shard, bool own_stats) {
   Problem call =
       check_inputs("contrastive_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   call.pos_margin = check_margin(call.op, "pos_margin", pos_margin);
   call.neg_margin = check_margin(call.op, "neg_margin", neg_margin);
+  check_own_stats(call, own_stats);
   const bool whole = call.takes_whole_stats();
   const Problem p = whole ? whole_of(call) : call;
   check_backward_inputs(p, grad, embeddings, stats, kContrastiveStats);
@@ -866,7 +867,7 @@ std::tuple<Tensor, Tensor> contrastive_backward_cpu(
         } else {
           prepare(in, p, embeddings, labels, ref_embeddings, ref_labels);
         }
-        auto [e, r] = contrastive_backward<acc_t>(p, in, st, want_e, want_r,
+        auto [e, r] = contrastive_backward<acc_t>(p, in, st, want_e, want_r && !p.own_stats,
                                                   static_cast<acc_t>(grad.item<double>()),
                                                   embeddings.scalar_type());
         ge = e;

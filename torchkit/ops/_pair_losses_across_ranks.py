@@ -25,6 +25,11 @@ one process, and only the sums' order differs.
 Before any data moves, the ranks exchange a description of their arguments, so that an
 argument one rank refuses, or that the ranks disagree on, raises the same exception on every
 rank instead of leaving the others waiting.
+
+One process whose refs are a memory that holds its anchors' rows (torchkit.nn.CrossBatchMemory,
+loss_against_memory) is the one-rank case: the anchors are a shard of the memory (each anchor's
+own copy left out), its parts are the whole problem's, and its backward takes the shard's own
+stats (the backward ops' own_stats): the anchors' pairs alone, nothing through the memory.
 """
 
 from __future__ import annotations
@@ -196,32 +201,47 @@ class _Gather(torch.autograd.Function):
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def loss_against_memory(
+    op: str, embeddings: Tensor, labels: Tensor, memory: Tensor, memory_labels: Tensor, params: tuple, offset: int
+) -> Tensor:
+    """``op``'s loss of the anchors ``embeddings`` against ``memory``, whose rows [offset,
+    offset + N) are the anchors' own (detached) copies, left out of their pairs: PML's
+    CrossBatchMemory step, differentiable in the anchors alone."""
+    return _ShardLoss.apply(embeddings, memory.detach(), op, labels, memory_labels, params, offset, None, None)
+
+
 class _ShardLoss(torch.autograd.Function):
     """The whole problem's loss from this rank's shard (its anchors against every rank's rows),
-    differentiable in the anchors and the refs."""
+    differentiable in the anchors and the refs; group None: one process's anchors against a
+    memory that holds them (loss_against_memory)."""
 
     @staticmethod
     def forward(ctx, embeddings, refs, op, labels, ref_labels, params, shard, shards, group):
         forward = getattr(torch.ops.torchkit, op).default
         parts, stats = forward(embeddings, labels, refs, ref_labels, *params, shard)
         total = parts.clone()
-        dist.all_reduce(total, group=group)
+        if group is not None:
+            dist.all_reduce(total, group=group)
         loss, scale, stats = _whole(op, parts, total, stats)
-        if shard >= 0 and SPECS[op].whole_stats:
+        whole = group is not None and shard >= 0 and SPECS[op].whole_stats
+        if whole:
             stats, scale = _whole_stats(op, stats, scale), scale.new_ones(())
         ctx.save_for_backward(embeddings, refs, labels, ref_labels, stats, scale)
-        ctx.op, ctx.params, ctx.shard, ctx.shards, ctx.group = op, params, shard, shards, group
+        ctx.op, ctx.params, ctx.shard, ctx.shards, ctx.group, ctx.whole = op, params, shard, shards, group, whole
         return loss.to(embeddings.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         embeddings, refs, labels, ref_labels, stats, scale = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
-        if ctx.shard >= 0 and SPECS[ctx.op].whole_stats:  # every rank's stats: N_global rows
+        own_stats = ()
+        if ctx.whole:  # every rank's stats: N_global rows
             stats, mask = _gather(stats, ctx.shards, ctx.group), [mask[0], False]
+        elif ctx.shard >= 0 and SPECS[ctx.op].whole_stats:  # (the anchors' pairs alone: nothing for the memory)
+            own_stats, mask = (True,), [mask[0], False]
         backward = getattr(torch.ops.torchkit, f"_{ctx.op}_backward").default
         g = grad.double() * scale
-        ge, gr = backward(g, embeddings, labels, refs, ref_labels, stats, *ctx.params, mask, ctx.shard)
+        ge, gr = backward(g, embeddings, labels, refs, ref_labels, stats, *ctx.params, mask, ctx.shard, *own_stats)
         return (ge if mask[0] else None), (gr if mask[1] else None), *(None,) * 7
 
 

@@ -48,7 +48,8 @@ def supcon_loss(
         labels (Tensor[N]): any integer dtype; pairs of equal labels are positives.
         temperature: finite and > 0.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
-            itself (PML's ``ref_emb``: a cross-batch memory, another view); then every
+            itself (PML's ``ref_emb``: another view, a memory; PML's CrossBatchMemory is
+            ``torchkit.nn.CrossBatchMemory``); then every
             (anchor, ref) pair counts, none is left out as "itself".
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
         group (optional): a ``torch.distributed`` process group: every rank passes its own
@@ -600,6 +601,24 @@ def _check_shard(op: str, shard: Optional[int], embeddings: Tensor, ref_embeddin
         )
 
 
+def _check_own_stats(op: str, own_stats: bool, shard: Optional[int]) -> None:
+    """csrc/pair_losses.cpp's check_own_stats: own_stats only for a shard with its anchors among
+    the refs (shard >= 0)."""
+    if own_stats and (shard is None or shard < 0):
+        raise ValueError(
+            f"{op}: backward: own_stats needs shard >= 0 (the anchors' rows among the refs: otherwise the stats "
+            f"are the call's own anyway), got shard = {shard}"
+        )
+
+
+def _whole_rows(op: str, shard: Optional[int], own_stats: bool, ref_embeddings: Optional[Tensor]) -> Optional[int]:
+    """The rows of the whole problem whose stats a shard's backward takes (its refs': shard >= 0
+    of a loss whose spec says whole_stats, without own_stats), or None: it takes the call's own."""
+    if shard is None or shard < 0 or own_stats or not SPECS[op].whole_stats:
+        return None
+    return ref_embeddings.shape[0]
+
+
 def _check_backward(
     op: str,
     grad: Tensor,
@@ -672,12 +691,14 @@ def _register(op: str) -> tuple:
     @torch.library.register_fake(f"torchkit::_{op}_backward")
     def _(grad, embeddings, labels, ref_embeddings, ref_labels, stats, *rest):
         params, output_mask, shard = rest[:n], rest[n], (rest[n + 1] if len(rest) > n + 1 else None)
+        own_stats = rest[n + 2] if len(rest) > n + 2 else False
         # The CPU kernel's checks, in its order: the forward's, then grad's and stats'.
         check_raw(params)
         _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
         _check_shard(op, shard, embeddings, ref_embeddings)
         _check_params(op, params)
-        whole = ref_embeddings.shape[0] if shard is not None and shard >= 0 and spec.whole_stats else None
+        _check_own_stats(op, own_stats, shard)
+        whole = _whole_rows(op, shard, own_stats, ref_embeddings)
         _check_loss_backward(op, grad, embeddings, stats, shard, whole)
         want_ref = ref_embeddings is not None and output_mask[1]
         ge = torch.empty_like(embeddings, memory_format=torch.contiguous_format) if output_mask[0] else None

@@ -52,7 +52,11 @@ either forward's stats. Nothing N×M exists:
   on the device like the loss. The backward of a shard of the rows takes the whole problem's
   stats and is the refs' own problem (without refs) restricted to the anchors' rows: own
   rows [shard, shard + N) against every row, as anchor and as ref (lse.grad_kernel's and
-  ms_grad_kernel's and euclid's OFFSET). proxy_anchor_loss's shard
+  ms_grad_kernel's and euclid's OFFSET). With own_stats (a memory that holds the anchors'
+  rows) it is the same problem as anchor alone: the shard's stats at the own rows of the
+  refs' (_common._own_rows), the other rows not anchors (ANCHORS_OTHER off; euclid's kernels,
+  which take each pair from both rows with the same weights, at half the grad).
+  proxy_anchor_loss's shard
   (one rank's embeddings) is its forward's per-proxy log-sums without the 1.
   triplet_margin_loss's shard is its forward with refs, triplets.hard_rows_kernel and
   triplets.triplet_rows_kernel leaving out anchor i's pair with ref row OFFSET + i, returning the

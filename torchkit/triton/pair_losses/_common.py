@@ -152,11 +152,13 @@ def _self_pairs(ref_embeddings, shard: int | None) -> tuple[bool, int]:
     return ref_embeddings is None, 0
 
 
-def _whole_rows(shard: int | None, ref_embeddings) -> int | None:
-    """The whole problem's rows, whose stats a shard's backward with shard >= 0 takes (the
-    losses whose torchkit.ops.pair_losses.SPECS entry says whole_stats; None: its own
-    anchors')."""
-    return ref_embeddings.shape[0] if shard is not None and shard >= 0 else None
+def _own_rows(stats: Tensor, shard: int, M: int) -> Tensor:
+    """A shard's own stats (own_stats: N rows) as the rows [shard, shard + N) of M, the others
+    0: the refs' problem's layout, which a backward of the anchors' pairs alone (ANCHORS_OTHER
+    off) reads at OFFSET + row, as with the whole problem's stats."""
+    padded = stats.new_zeros((M, stats.shape[1]))
+    padded[shard : shard + stats.shape[0]] = stats
+    return padded
 
 
 def _parts(*values: Tensor) -> Tensor:

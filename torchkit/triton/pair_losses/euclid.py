@@ -49,11 +49,11 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype, check_scalars
-from torchkit.ops.pair_losses import _check_inputs, _check_loss_backward, _check_params
+from torchkit.ops.pair_losses import _check_inputs, _check_loss_backward, _check_own_stats, _check_params, _whole_rows
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse, ms
-from torchkit.triton.pair_losses._common import _pair_exact, _self_pairs, _shard, _unit, _whole_rows, _zeros
+from torchkit.triton.pair_losses._common import _pair_exact, _self_pairs, _shard, _unit, _zeros
 
 # Launch configurations (every one run by the tests and compiled by tools/triton_check.py; the
 # first is the default, the last float64's).
@@ -899,6 +899,7 @@ def contrastive_backward(
     neg_margin,
     output_mask,
     shard=None,
+    own_stats=False,
     *,
     config=None,
     row_config=None,
@@ -910,8 +911,10 @@ def contrastive_backward(
 
     op = "contrastive_loss"
     margins, shard = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard)
-    whole = _whole_rows(shard, ref_embeddings)
+    _check_own_stats(op, own_stats, shard)
+    whole = _whole_rows(op, shard, own_stats, ref_embeddings)
     _check_loss_backward(op, grad, embeddings, stats, shard, whole)
+    among = shard is not None and shard >= 0  # (the anchors are ref rows: the refs' problem)
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
     want_r = not self_ and bool(output_mask[1])
@@ -922,16 +925,16 @@ def contrastive_backward(
         return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
-    if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
+    if among:  # the refs' problem without refs, of whose rows the anchors are some
         a = b = _sides(ref_embeddings, ref_labels, None, None, acc, row_config, half_pairs=True)[0]
     else:
         a, b, _ = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, half_pairs=True)
-    pairs_self = self_ or whole is not None
+    pairs_self = self_ or among
     st = stats.contiguous()
     bits = [float_bits(v) for v in margins]
     err = float_bits(_error(D, a.scheme, acc))
 
-    def rows_grad(own: _Points, other: _Points, like: Tensor, offset: int = 0) -> Tensor:
+    def rows_grad(own: _Points, other: _Points, like: Tensor, offset: int = 0, g_loss: Tensor = grad) -> Tensor:
         held = lse._held(D, own.scheme, lse.HELD_NARROW)
         launch = lse._grad_config(config or _grad_default(acc, own.scheme, held), D, held)
         k = launch.kwargs
@@ -1007,7 +1010,7 @@ def contrastive_backward(
             rows.exp,
             rows.inv,
             rows.clamped,
-            grad,
+            g_loss,
             st,
             out,
             n,
@@ -1021,8 +1024,12 @@ def contrastive_backward(
         )
         return out
 
-    if whole is not None:  # (a is b: the refs)
-        ge = rows_grad(b.narrow(shard, N), b, embeddings, shard) if want_e else empty
+    if among:  # (a is b: the refs)
+        # own_stats: the anchors' pairs alone, the refs a memory that holds their rows. The
+        # kernels take each pair from both its rows (SELF), with the same weights in every row:
+        # half of that, exactly, is the anchor's side alone.
+        g = grad if whole is not None else grad * 0.5
+        ge = rows_grad(b.narrow(shard, N), b, embeddings, shard, g) if want_e else empty
         return ge, _zeros(want_r, ref_embeddings, empty)
     if self_:
         return rows_grad(a, a, embeddings), empty

@@ -58,16 +58,22 @@ import triton.language as tl
 from torch import Tensor
 
 from torchkit.ops._common import acc_dtype
-from torchkit.ops.pair_losses import _check_backward, _check_loss_backward, _check_proxy_shard
+from torchkit.ops.pair_losses import (
+    _check_backward,
+    _check_loss_backward,
+    _check_own_stats,
+    _check_proxy_shard,
+    _whole_rows,
+)
 from torchkit.triton import _math as tm
 from torchkit.triton import float32_products
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot, interpreting
 from torchkit.triton.pair_losses._common import (
     NORM_EPS,
     _check,
+    _own_rows,
     _proxy_check,
     _self_pairs,
-    _whole_rows,
     _zeros,
 )
 
@@ -1711,13 +1717,16 @@ def _backward(
     temperature,
     output_mask,
     shard,
+    own_stats,
     config,
     row_config,
 ):
     op = "ntxent_loss" if ntxent else "supcon_loss"
     t, shard = _check(op, embeddings, labels, ref_embeddings, ref_labels, temperature, shard)
-    whole = _whole_rows(shard, ref_embeddings)
+    _check_own_stats(op, own_stats, shard)
+    whole = _whole_rows(op, shard, own_stats, ref_embeddings)
     _check_loss_backward(op, grad, embeddings, stats, shard, whole)
+    among = shard is not None and shard >= 0  # (the anchors are ref rows: the refs' problem)
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
     want_r = not self_ and bool(output_mask[1])
@@ -1728,13 +1737,13 @@ def _backward(
         return _zeros(want_e, embeddings, empty), _zeros(want_r, ref_embeddings, empty)
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
-    if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
+    if among:  # the refs' problem without refs, of whose rows the anchors are some
         a = b = _Operands(ref_embeddings, *_label_ids(ref_labels)[0], acc, row_config)
     else:
         a, b, _ = _sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
     # Per anchor: coef, shift, w and log S (coef_kernel).
     loss = LOSS_NTXENT if ntxent else LOSS_SUPCON
-    stats = stats.contiguous()
+    stats = _own_rows(stats, shard, M) if among and whole is None else stats.contiguous()
     anchors = stats.shape[0]
     flat = torch.empty(4 * anchors + 1, dtype=acc, device=stats.device)  # (and the flag: some anchor has terms)
     grid = (blocks(anchors, BATCH_CONFIG.kwargs["BLOCK_ROWS"]),)
@@ -1742,15 +1751,15 @@ def _backward(
         stats, flat, anchors, LOSS=loss, ACC=acc_tl(acc), IS64=acc == torch.float64, **BATCH_CONFIG.launch
     )
     terms, live = flat[: 4 * anchors].view(4, anchors).unbind(0), flat[4 * anchors :]
-    pairs_self = self_ or whole is not None
+    pairs_self = self_ or among
     careful = _careful(1.0 / t, 0.0, acc)
 
     def rows_grad(own, other, anchors_own: bool, anchors_other: bool, like: Tensor, offset=0) -> Tensor:
         common = (terms, pairs_self, anchors_own, anchors_other, loss, 1.0 / t, grad, like, config, row_config)
         return _grad(own, other, *common, offset, careful, live=live)
 
-    if whole is not None:
-        ge = rows_grad(b.narrow(shard, N), b, True, True, embeddings, offset=shard) if want_e else empty
+    if among:  # (own_stats: the anchors' pairs alone, the refs a memory that holds their rows)
+        ge = rows_grad(b.narrow(shard, N), b, True, whole is not None, embeddings, offset=shard) if want_e else empty
         return ge, _zeros(want_r, ref_embeddings, empty)
     if self_:
         return rows_grad(a, a, True, True, embeddings), empty
@@ -1769,12 +1778,13 @@ def supcon_backward(
     temperature,
     output_mask,
     shard=None,
+    own_stats=False,
     *,
     config=None,
     row_config=None,
 ):
     """torchkit::_supcon_loss_backward's CUDA kernel."""
-    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard)
+    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard, own_stats)
     return _backward(False, *args, config, row_config)
 
 
@@ -1788,12 +1798,13 @@ def ntxent_backward(
     temperature,
     output_mask,
     shard=None,
+    own_stats=False,
     *,
     config=None,
     row_config=None,
 ):
     """torchkit::_ntxent_loss_backward's CUDA kernel."""
-    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard)
+    args = (grad, embeddings, labels, ref_embeddings, ref_labels, stats, temperature, output_mask, shard, own_stats)
     return _backward(True, *args, config, row_config)
 
 

@@ -50,11 +50,11 @@ import triton
 import triton.language as tl
 
 from torchkit.ops._common import acc_dtype, check_scalars
-from torchkit.ops.pair_losses import _check_inputs, _check_loss_backward, _check_params
+from torchkit.ops.pair_losses import _check_inputs, _check_loss_backward, _check_own_stats, _check_params, _whole_rows
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse
-from torchkit.triton.pair_losses._common import _feature, _self_pairs, _shard, _unit, _whole_rows, _zeros
+from torchkit.triton.pair_losses._common import _feature, _own_rows, _self_pairs, _shard, _unit, _zeros
 
 # ms_rows_kernel's passes.
 EXTREMES = tl.constexpr(0)
@@ -1301,6 +1301,7 @@ def multi_similarity_backward(
     miner_epsilon,
     output_mask,
     shard=None,
+    own_stats=False,
     *,
     config=None,
     row_config=None,
@@ -1313,8 +1314,10 @@ def multi_similarity_backward(
     op = "multi_similarity_loss"
     params, shard = _ms_check(embeddings, labels, ref_embeddings, ref_labels, alpha, beta, base, miner_epsilon, shard)
     alpha, beta, base, eps = params
-    whole = _whole_rows(shard, ref_embeddings)
+    _check_own_stats(op, own_stats, shard)
+    whole = _whole_rows(op, shard, own_stats, ref_embeddings)
     _check_loss_backward(op, grad, embeddings, stats, shard, whole)
+    among = shard is not None and shard >= 0  # (the anchors are ref rows: the refs' problem)
     mining = eps is not None
     self_ = ref_embeddings is None
     want_e = bool(output_mask[0])
@@ -1327,12 +1330,12 @@ def multi_similarity_backward(
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     config = config or lse._default(GRAD_CONFIGS, acc)
-    if whole is not None:  # the refs' problem without refs, of whose rows the anchors are some
+    if among:  # the refs' problem without refs, of whose rows the anchors are some
         a = b = lse._Operands(ref_embeddings, *lse._label_ids(ref_labels)[0], acc, row_config)
     else:
         a, b, _ = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
-    pairs_self = self_ or whole is not None
-    st = stats.contiguous()
+    pairs_self = self_ or among
+    st = _own_rows(stats, shard, M) if among and whole is None else stats.contiguous()
     slack = _slack(D, a, acc)
     # The anchors' numbers (the stats' rows: the whole problem's for a shard) as _ms_terms and
     # _near take them: ms_planes_kernel's planes.
@@ -1341,7 +1344,7 @@ def multi_similarity_backward(
         sa = _Side(a.raw, a.labels, acc, row_config, normalised=False)
         sb = sa if b is a else _Side(b.raw, b.labels, acc, row_config, normalised=False)
         groups = _equal_rows(sa, sb, row_config)
-        cos = _self_cos(sb if whole is not None else sa, row_config)
+        cos = _self_cos(sb if among else sa, row_config)
     anchors = st.shape[0]
     planes = torch.empty(6 if mining else 3, anchors, dtype=acc, device=st.device)
     launch = _planes_config(row_config, 1)
@@ -1465,11 +1468,12 @@ def multi_similarity_backward(
     if not mining:  # (no groups, no exact cosines: the labels stand in for the groups)
         sa = sb = None
         groups = (a.labels, b.labels)
-    if whole is not None:  # (a is b: the refs)
+    if among:  # (a is b: the refs; own_stats: the anchors' pairs alone, the refs a memory that holds their rows)
         own = b.narrow(shard, N)
         sides = (sb.narrow(shard, N), sb) if mining else None
         own_groups = groups[0].narrow(0, shard, N)
-        ge = rows_grad(own, b, sides, own_groups, groups[1], True, True, embeddings, shard) if want_e else empty
+        others = whole is not None
+        ge = rows_grad(own, b, sides, own_groups, groups[1], True, others, embeddings, shard) if want_e else empty
         return ge, _zeros(want_r, ref_embeddings, empty)
     if self_:
         return rows_grad(a, a, (sa, sa), *groups, True, True, embeddings), empty
