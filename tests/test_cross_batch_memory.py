@@ -2,6 +2,8 @@
 over consecutive batches (the memory filling, wrapping and full), on the CPU kernels and the
 Triton kernels; its checks; and the raw backward ops' own_stats that it runs on."""
 
+import itertools
+
 import pytest
 import torch
 from pytorch_metric_learning import losses, miners
@@ -120,6 +122,20 @@ def test_the_memory_is_detached_and_follows_the_batch():
     ours.reset_queue()
     assert not ours.has_been_filled and ours.queue_idx == 0 and not ours.embedding_memory.any()
     assert "memory_size=8" in repr(ours) and "ContrastiveLoss" in repr(ours)
+
+
+def test_under_torch_compile():
+    """A compiled training step with the memory in it takes the eager steps' losses and
+    gradients, the memory's state included."""
+    compiled, eager = (tnn.CrossBatchMemory(tnn.SupConLoss(0.1), 5, memory_size=13) for _ in range(2))
+    layer = torch.nn.Linear(5, 5).double()
+    step = torch.compile(lambda memory, x, labels: memory(layer(x), labels))
+    for e, labels in itertools.islice(batches(torch.float64, seed=11), 3):
+        got, want = step(compiled, e, labels), eager(layer(e), labels)
+        grads = [torch.autograd.grad(loss, layer.weight)[0] for loss in (got, want)]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-14)
+    assert compiled.queue_idx == eager.queue_idx and torch.equal(compiled.embedding_memory, eager.embedding_memory)
 
 
 def test_refuses_what_it_cannot_take():
