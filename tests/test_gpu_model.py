@@ -286,7 +286,8 @@ def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
     (wgmma); counts claiming tensor-core work that a kernel's SASS lacks are named."""
     from torchkit.triton import bilinear_pool, pair_losses
 
-    monkeypatch.setattr(gpu_model, "CACHE", str(tmp_path))
+    monkeypatch.setattr(gpu_model, "CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gpu_model, "COMMITTED_COMPILED", str(tmp_path / "compiled.json"))
     g = torch.Generator().manual_seed(0)
     with gpu_model.counting() as launches:
         e, labels = torch.randn(32, 128, generator=g), torch.arange(32) // 8
@@ -301,7 +302,14 @@ def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
     ]
     assert any(k.startswith("dot:fp32-tf32") and v for k, v in grad.counts.items())
     assert not any(k.startswith("dot:") and v for k, v in scalar.counts.items())
-    gpu_model.compile_launches([grad, scalar, gemm], 1)
+    gpu_model.compile_launches([grad, scalar, gemm], 1, record=True)
+    # The record seeds a fresh clone's cache: nothing compiled again, the same facts.
+    facts = [launch.compiled for launch in (grad, scalar, gemm)]
+    monkeypatch.setattr(gpu_model, "CACHE", str(tmp_path / "fresh"))
+    with monkeypatch.context() as m:
+        m.setattr("subprocess.run", lambda *a, **k: pytest.fail("compiled what the record holds"))
+        gpu_model.compile_launches([grad, scalar, gemm], 1)
+    assert [launch.compiled for launch in (grad, scalar, gemm)] == facts
     for launch in (grad, gemm):
         assert launch.compiled["mma"] == "wgmma" and launch.compiled["sass"]["loops"]["tensor"] > 0
         assert launch.compiled["registers"] > 0 and gpu_model.cross_check(launch) == []

@@ -24,7 +24,9 @@ fresh clone counts only the cases whose kernels changed since.
 Each launch is compiled for sm_90 as the GPU would compile it (compile_spec(): its
 specialisation, in a process without the interpreter, cached in build/gpu-model): registers,
 spills, shared memory, CTAs per SM, and for every tl.dot lowered to FMAs (IEEE float32) the
-shared-memory wavefronts its operand loads cost, bank conflicts included (fma_dots()).
+shared-memory wavefronts its operand loads cost, bank conflicts included (fma_dots()). Those
+facts are committed too (COMMITTED_COMPILED, written with --output, by the same keys and
+Triton's version), so that a fresh clone compiles only the launches whose kernels changed.
 
 The prediction (predict()) turns a launch's counts into the time each resource needs (GPUS,
 PIPES: per-SM rates and peaks, with sources) and takes the largest: tensor cores, the FP32,
@@ -555,6 +557,7 @@ CACHE = os.path.join(ROOT, "build", "gpu-model")
 # Every case's extrapolated counts as make gpu-model-table last counted them, keyed as the
 # cache is (count_cases): a fresh clone recounts only the cases whose kernels changed since.
 COMMITTED_COUNTS = os.path.join(ROOT, "benchmarks", "results", "model-counts.json")
+COMMITTED_COMPILED = os.path.join(ROOT, "benchmarks", "results", "model-compiled.json")
 MAX_REGISTERS, MAX_SHARED, MAX_WARPS, MAX_CTAS = 65536, 228 * 1024, 64, 32  # per SM, sm_90
 
 _ALIAS = re.compile(r"^(#\w+) = #ttg\.(\w+)<\{(.*)\}>", re.M)
@@ -895,18 +898,27 @@ def _digest(modules, *parts) -> str:
     return digest.hexdigest()
 
 
-def compile_launches(launches: list[Launch], jobs: int) -> None:
+def compile_launches(launches: list[Launch], jobs: int, record: bool | None = None) -> None:
     """Attach each launch's compiled facts (compile_spec) as launch.compiled, compiling each
     distinct specialisation once, on `jobs` processes without the interpreter; cached in
-    build/gpu-model by the kernels' sources, how the facts are drawn, and the specialisation."""
+    build/gpu-model by the kernels' sources, how the facts are drawn, and the specialisation,
+    and seeded by COMMITTED_COMPILED where it was written by this Triton. record: rewrite
+    COMMITTED_COMPILED with these launches' facts (True: theirs alone; False: beside those it
+    holds; None: leave it)."""
     import hashlib
+    import json
     import subprocess
 
     import triton
 
     os.makedirs(CACHE, exist_ok=True)
     path = os.path.join(CACHE, f"compiled-{triton.__version__}.pkl")
-    cache = _load(path) if os.path.exists(path) else {}
+    committed = {}
+    if os.path.exists(COMMITTED_COMPILED):
+        with open(COMMITTED_COMPILED) as f:
+            kept = json.load(f)
+        committed = kept["launches"] if kept["triton"] == triton.__version__ else {}
+    cache = {**committed, **(_load(path) if os.path.exists(path) else {})}
     parts = (compile_spec, sass_mix, fma_dots, _operand_wavefronts)
     launches = [x for x in launches if "module" in (x.spec or {})]  # (not the rows of torch operations)
     source = {m: _digest([m], *parts) for m in {x.spec["module"] for x in launches}}
@@ -924,6 +936,13 @@ def compile_launches(launches: list[Launch], jobs: int) -> None:
         _dump(cache, path)
     for launch in launches:
         launch.compiled = cache[keys[id(launch)]]
+    if record is not None:
+        facts = {**({} if record else committed), **{keys[id(x)]: cache[keys[id(x)]] for x in launches}}
+        lines = [f"  {json.dumps(key)}: {json.dumps(facts[key])}" for key in sorted(facts)]
+        head = '{"written by": "make gpu-model-table (tools/gpu_model.py: compile_launches)", '
+        head += f'"triton": {json.dumps(triton.__version__)}, "launches": {{'
+        with open(COMMITTED_COMPILED, "w") as f:
+            f.write("\n".join([head, ",\n".join(lines), "}}"]) + "\n")
 
 
 # --------------------------------------------------------------------------- the GPUs
@@ -1669,7 +1688,9 @@ def main(argv=None) -> int:
         i: launches[:forward] if every[i].pass_ == "forward" else launches for i, (launches, forward) in both.items()
     }
     ours, goals = recorded(args.gpu)
-    compile_launches([launch for i in chosen for launch in counted[i]], args.jobs)
+    # (--output: the record rewritten, with every case's launches or beside the others')
+    record = (not args.cases) if args.output else None
+    compile_launches([launch for i in chosen for launch in counted[i]], args.jobs, record)
     peak = {i: predict(counted[i], args.gpu) for i in chosen}
     seen = {i: ours[every[i].name] for i in chosen if every[i].name in ours}
     samples = {i: (peak[i]["launches"], seen[i]) for i in seen}
