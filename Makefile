@@ -91,7 +91,7 @@ triton-check: build
 # factor (REGRESSION). MODEL_CASES: substrings of the case names to take (CI's default: every
 # op but the slowest to count, all and semi-hard triplets, multi-similarity and proxy-anchor),
 # MODEL_FLAGS: e.g. --gpu h100. gpu-model-table counts every case and rewrites
-# benchmarks/results/model.md, model.json and model-counts.json (commit them with a kernel change:
+# benchmarks/results/model.md, model.json, model-counts.json and model-compiled.json (commit them with a kernel change:
 # the committed counts seed the cache, so that CI counts only the cases whose kernels changed).
 MODEL_CASES ?= supcon ntxent contrastive batch_hard cdist bilinear
 MODEL_RUN = TRITON_INTERPRET=1 TRITON_CACHE_DIR=$(CURDIR)/build/triton-cache $(PY) tools/gpu_model.py
