@@ -735,14 +735,6 @@ def _error(D: int, scheme: int, acc: torch.dtype) -> float:
     return operand + (2 * products * D + 16) * u
 
 
-def _rows_default(acc: torch.dtype, scheme: int, held: int) -> Config:
-    """contrastive_rows_kernel's default configuration: float64's, the TF32 pair's rows held
-    whole's, or the first."""
-    if acc == torch.float64:
-        return ROWS_CONFIGS[-1]
-    return ROWS_CONFIGS[1] if scheme == lse.TF32X3.value and held else ROWS_CONFIGS[0]
-
-
 def _grad_default(acc: torch.dtype, scheme: int, held: int) -> Config:
     """contrastive_grad_kernel's default configuration: float64's, the bfloat16 pair's rows held
     whole's, or the first."""
@@ -803,7 +795,7 @@ def contrastive_forward(
     if N > 0 and M > 0:
         # (the anchors' rows held whole up to 128 features, the TF32 pair's too: lse.HELD)
         held = lse._held(D, a.scheme)
-        config = config or _rows_default(acc, a.scheme, held)
+        config = config or lse._held_default(ROWS_CONFIGS, acc, a.scheme, held)
         k = config.kwargs
         programs = blocks(N, k["BLOCK_N"])
         slices, chunk = lse._slices(programs, M, k["BLOCK_M"])
@@ -1114,7 +1106,7 @@ def compile_cases() -> list[CompileCase]:
                     contrastive_rows_kernel,
                     types,
                     dict(SELF=self_, **{**tiles, "BLOCK_D": rows_held}),
-                    (_rows_default(f64, how.value, rows_held),),
+                    (lse._held_default(ROWS_CONFIGS, f64, how.value, rows_held),),
                     tensor_cores=not is64,
                 )
             )

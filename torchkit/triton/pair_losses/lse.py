@@ -1408,20 +1408,23 @@ def _grad_held(D: int, scheme: int, device: torch.device) -> int:
     return _held(D, scheme, HELD if _arch(device) >= 90 else HELD_NARROW)
 
 
-def _rows_default(acc: torch.dtype, scheme: int, held: int) -> Config:
-    """rows_kernel's default configuration: float64's, the TF32 pair's rows held whole's, or
-    the first."""
+def _held_default(configs: tuple, acc: torch.dtype, scheme: int, held: int) -> Config:
+    """A hot kernel's default configuration among `configs` (the engines' rows kernels and
+    this one's grad_kernel): float64's (the last), the TF32 pair's rows held whole's (the
+    second), or the first."""
     if acc == torch.float64:
-        return ROWS_CONFIGS[-1]
-    return ROWS_CONFIGS[1] if scheme == TF32X3.value and held else ROWS_CONFIGS[0]
+        return configs[-1]
+    return configs[1] if scheme == TF32X3.value and held else configs[0]
+
+
+def _rows_default(acc: torch.dtype, scheme: int, held: int) -> Config:
+    """rows_kernel's default configuration (_held_default)."""
+    return _held_default(ROWS_CONFIGS, acc, scheme, held)
 
 
 def _grad_default(acc: torch.dtype, scheme: int, held: int) -> Config:
-    """grad_kernel's default configuration: float64's, the TF32 pair's rows held whole's, or
-    the first."""
-    if acc == torch.float64:
-        return GRAD_CONFIGS[-1]
-    return GRAD_CONFIGS[1] if scheme == TF32X3.value and held else GRAD_CONFIGS[0]
+    """grad_kernel's default configuration (_held_default)."""
+    return _held_default(GRAD_CONFIGS, acc, scheme, held)
 
 
 def _grad_config(config: Config, D: int, held: int) -> Config:

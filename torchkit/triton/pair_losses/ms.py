@@ -1069,14 +1069,6 @@ CAPS = {lse.FP64.value: 32, lse.TF32X3.value: 32, lse.TF32.value: 128, lse.HALF.
 CAP_ROUNDED = 512  # float32 rows rounded to bfloat16
 
 
-def _rows_default(acc: torch.dtype, scheme: int, held: int) -> Config:
-    """ms_rows_kernel's default configuration: float64's, the TF32 pair's rows held whole's, or
-    the first."""
-    if acc == torch.float64:
-        return ROWS_CONFIGS[-1]
-    return ROWS_CONFIGS[1] if scheme == lse.TF32X3.value and held else ROWS_CONFIGS[0]
-
-
 def _cap(side: lse._Operands, M: int) -> int:
     cap = CAP_ROUNDED if side.scheme == lse.HALF.value and side.raw.dtype == torch.float32 else CAPS[side.scheme]
     return max(16, min(cap, triton.next_power_of_2(max(M, 1))))
@@ -1124,7 +1116,7 @@ def multi_similarity_forward(
     a, b, npos = lse._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config, self_)
     N, D = embeddings.shape
     held = lse._held(D, a.scheme)
-    config = config or _rows_default(acc, a.scheme, held)
+    config = config or lse._held_default(ROWS_CONFIGS, acc, a.scheme, held)
     M = b.n
     dev = embeddings.device
     pairs = M - int(self_)  # (each anchor's: every ref but itself)
@@ -1529,7 +1521,7 @@ def compile_cases() -> list[CompileCase]:
             # (the TF32 pair's rows also multiplied a slice at a time, as wider rows are)
             for block_d in (rows_held, 0) if first else (rows_held,):
                 every = first and not block_d and step != EXTREMES and mining
-                default = _rows_default(torch.float64 if is64 else torch.float32, how.value, block_d)
+                default = lse._held_default(ROWS_CONFIGS, torch.float64 if is64 else torch.float32, how.value, block_d)
                 flags_ = dict(SELF=True, PASS=step, MINING=mining, SCHEME=how, INTERPRET=False, **flags)
                 cases.append(
                     case(
