@@ -13,18 +13,25 @@ import pytest
 import torch
 from common import ROOFLINE, run  # benchmarks/ is on sys.path (rootdir-less test folder)
 from pytorch_metric_learning import losses, miners
+from pytorch_metric_learning.distances import CosineSimilarity
 
 from torchkit import ops, reference
 
 PML = "pytorch-metric-learning"
-# Each loss with its default parameters, and the triplet loss with each mining.
+# Each loss with its default parameters, the triplet loss with each mining, and the Euclidean
+# losses with PML's CosineSimilarity() as its users configure them (distance="cosine").
 VARIANTS = {
     "supcon_loss": ("supcon_loss", {"temperature": 0.1}),
     "ntxent_loss": ("ntxent_loss", {"temperature": 0.07}),
-    "contrastive_loss": ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0}),
-    "triplet all": ("triplet_margin_loss", {"margin": 0.05, "mining": "all"}),
-    "triplet semi_hard": ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard"}),
-    "triplet batch_hard": ("triplet_margin_loss", {"margin": 0.05, "mining": "batch_hard"}),
+    "contrastive_loss": ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0, "distance": "euclidean"}),
+    "contrastive_loss cosine": ("contrastive_loss", {"pos_margin": 1.0, "neg_margin": 0.0, "distance": "cosine"}),
+    "triplet all": ("triplet_margin_loss", {"margin": 0.05, "mining": "all", "distance": "euclidean"}),
+    "triplet semi_hard": ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard", "distance": "euclidean"}),
+    "triplet batch_hard": ("triplet_margin_loss", {"margin": 0.05, "mining": "batch_hard", "distance": "euclidean"}),
+    "triplet batch_hard cosine": (
+        "triplet_margin_loss",
+        {"margin": 0.1, "mining": "batch_hard", "distance": "cosine"},
+    ),
     "multi_similarity_loss": ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": 0.1}),
 }
 BUDGET = 8 * 2**30  # bytes a peer may ask for on this machine (24 GiB, shared)
@@ -33,23 +40,24 @@ BUDGET = 8 * 2**30  # bytes a peer may ask for on this machine (24 GiB, shared)
 def pml_fn(variant):
     """PML's loss with the miner the mining names, as fn(embeddings, labels)."""
     loss, params = VARIANTS[variant]
+    distance = {"distance": CosineSimilarity()} if params.get("distance") == "cosine" else {}
     if loss == "supcon_loss":
         return losses.SupConLoss(**params)
     if loss == "ntxent_loss":
         return losses.NTXentLoss(**params)
     if loss == "contrastive_loss":
-        return losses.ContrastiveLoss(**params)
+        return losses.ContrastiveLoss(params["pos_margin"], params["neg_margin"], **distance)
     if loss == "multi_similarity_loss":
         ms = losses.MultiSimilarityLoss(alpha=params["alpha"], beta=params["beta"], base=params["base"])
         ms_miner = miners.MultiSimilarityMiner(epsilon=params["miner_epsilon"])
         return lambda e, labels: ms(e, labels, ms_miner(e, labels))
-    triplet = losses.TripletMarginLoss(margin=params["margin"])
+    triplet = losses.TripletMarginLoss(margin=params["margin"], **distance)
     if params["mining"] == "all":
         return triplet
     miner = (
-        miners.BatchHardMiner()
+        miners.BatchHardMiner(**distance)
         if params["mining"] == "batch_hard"
-        else miners.TripletMarginMiner(margin=params["margin"], type_of_triplets="semihard")
+        else miners.TripletMarginMiner(margin=params["margin"], type_of_triplets="semihard", **distance)
     )
     return lambda e, labels: triplet(e, labels, miner(e, labels))
 
@@ -192,6 +200,8 @@ def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, row
         pytest.skip("collapsed batches: torchkit and PML only")
     if impl == TRITON and device != "cuda":
         pytest.skip("Triton kernels: on CUDA tensors (the tests run them interpreted)")
+    if impl == TRITON and params.get("distance") == "cosine":
+        pytest.skip("Triton kernels: the Euclidean distance only")
     if impl == FLEX and (device != "cuda" or loss not in FLEX_LOSSES):
         pytest.skip("flex_attention: SupCon and NT-Xent (no mining), on CUDA (its backward does not run on the CPU)")
     if per_class == 2 and loss != "ntxent_loss":
@@ -229,6 +239,8 @@ def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, row
 
     if loss == "triplet_margin_loss":
         case = f"{case} {params['mining']}"
+    if params.get("distance") == "cosine":
+        case = f"{case} cosine"
     run(benchmark, step, op=loss, case=case, pass_=pass_, impl=impl, device=device, **extra)
 
 

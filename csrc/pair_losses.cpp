@@ -155,6 +155,13 @@ Mining check_mining(const char* op, c10::string_view mining) {
   return Mining::SemiHard;
 }
 
+Distance check_distance(const char* op, c10::string_view distance) {
+  if (distance == "euclidean") return Distance::Euclidean;
+  TK_CHECK_VALUE(op, distance == "cosine", "distance must be 'euclidean' or 'cosine', got '",
+                 distance, "'");
+  return Distance::Cosine;
+}
+
 Problem check_proxy_inputs(const at::Tensor& embeddings, const at::Tensor& labels,
                            const at::Tensor& proxies, const c10::Scalar& margin,
                            const c10::Scalar& alpha) {
@@ -241,18 +248,21 @@ TORCH_LIBRARY_FRAGMENT(torchkit, m) {
       "output_mask, int? shard=None, bool own_stats=False) -> (Tensor, Tensor)");
   m.def(
       "contrastive_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
-      "ref_labels, Scalar pos_margin, Scalar neg_margin, int? shard=None) -> (Tensor, Tensor)");
+      "ref_labels, Scalar pos_margin, Scalar neg_margin, str distance=\"euclidean\", int? "
+      "shard=None) -> (Tensor, Tensor)");
   m.def(
       "_contrastive_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
       "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar pos_margin, Scalar neg_margin, "
-      "bool[2] output_mask, int? shard=None, bool own_stats=False) -> (Tensor, Tensor)");
+      "str distance, bool[2] output_mask, int? shard=None, bool own_stats=False) -> (Tensor, "
+      "Tensor)");
   m.def(
       "triplet_margin_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
-      "ref_labels, Scalar margin, str mining, int? shard=None) -> (Tensor, Tensor)");
+      "ref_labels, Scalar margin, str mining, str distance=\"euclidean\", int? shard=None) -> "
+      "(Tensor, Tensor)");
   m.def(
       "_triplet_margin_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, Tensor? "
-      "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar margin, str mining, bool[2] "
-      "output_mask, int? shard=None) -> (Tensor, Tensor)");
+      "ref_embeddings, Tensor? ref_labels, Tensor stats, Scalar margin, str mining, str "
+      "distance, bool[2] output_mask, int? shard=None) -> (Tensor, Tensor)");
   m.def(
       "multi_similarity_loss(Tensor embeddings, Tensor labels, Tensor? ref_embeddings, Tensor? "
       "ref_labels, Scalar alpha, Scalar beta, Scalar base, Scalar? miner_epsilon, int? "

@@ -18,6 +18,13 @@
 //   loss = mean over every positive pair, 0 if the batch has no positive or no negative pair.
 //   stats (N, 3): log S_i, log R_i = log Σ_p (q_ip / (q_ip + tiny)) / (exp(x_ip) + S_i), and
 //   1/(number of positive pairs) (0 for a zero loss).
+// The contrastive and triplet losses take a distance: "euclidean" (PML's LpDistance, its
+// default) or "cosine" (PML's CosineSimilarity, a similarity s: margins on the other side,
+// relu(pos_margin − s) and relu(s − neg_margin) for the contrastive pairs, relu(s_an − s_ap +
+// margin) per triplet, the hardest positive the least similar). Their kernels take d = −s as
+// the cosine's distance, which orders pairs as a distance does (near first): the triplet
+// terms are then the Euclidean ones, and the contrastive terms those of margins −pos_margin
+// and −neg_margin.
 // contrastive_loss (ContrastiveLoss + AvgNonZeroReducer), d_ij the Euclidean distance:
 //   loss = mean of the positive pairs' relu(d − pos_margin) > 0 + mean of the negative pairs'
 //   relu(neg_margin − d) > 0 (a mean over nothing is 0); 0 when the batch has at most one
@@ -101,21 +108,23 @@ constexpr int64_t kTripletParts = 2;
 constexpr int64_t kMultiSimilarityParts = 4;
 
 enum class Mining { All, BatchHard, SemiHard };
+enum class Distance { Euclidean, Cosine };
 
 struct Problem {
   const char* op = nullptr;
-  int64_t N = 0, M = 0, D = 0;             // anchors, ref rows (M = N without refs), features
-  bool self = true;                        // ref_embeddings = None: the pairs of the batch itself
-  int64_t offset = -1;                     // anchor i is ref row offset + i (0 for self; -1: none)
-  bool shard = false;                      // a shard of a larger problem (above)
-  bool own_stats = false;                  // a shard's backward with its own stats (above)
-  int64_t grad_first = 0, grad_rows = -1;  // the anchors' gradient rows computed (< 0: all N)
-  double temperature = 0;                  // supcon_loss, ntxent_loss
-  double pos_margin = 0, neg_margin = 0;   // contrastive_loss
-  double margin = 0;                       // triplet_margin_loss
-  Mining mining = Mining::All;             // triplet_margin_loss
-  double alpha = 0, beta = 0, base = 0;    // multi_similarity_loss
-  std::optional<double> miner_epsilon;     // multi_similarity_loss; none: no miner
+  int64_t N = 0, M = 0, D = 0;              // anchors, ref rows (M = N without refs), features
+  bool self = true;                         // ref_embeddings = None: the pairs of the batch itself
+  int64_t offset = -1;                      // anchor i is ref row offset + i (0 for self; -1: none)
+  bool shard = false;                       // a shard of a larger problem (above)
+  bool own_stats = false;                   // a shard's backward with its own stats (above)
+  int64_t grad_first = 0, grad_rows = -1;   // the anchors' gradient rows computed (< 0: all N)
+  double temperature = 0;                   // supcon_loss, ntxent_loss
+  double pos_margin = 0, neg_margin = 0;    // contrastive_loss
+  double margin = 0;                        // triplet_margin_loss
+  Mining mining = Mining::All;              // triplet_margin_loss
+  Distance distance = Distance::Euclidean;  // contrastive_loss, triplet_margin_loss
+  double alpha = 0, beta = 0, base = 0;     // multi_similarity_loss
+  std::optional<double> miner_epsilon;      // multi_similarity_loss; none: no miner
 
   // Whether anchor i and ref row j are one row (not a pair).
   bool itself(int64_t i, int64_t j) const { return offset >= 0 && j == offset + i; }
@@ -145,6 +154,7 @@ double check_margin(const char* op, const char* name, const c10::Scalar& margin)
 double check_positive(const char* op, const char* name, const c10::Scalar& value);
 double check_finite(const char* op, const char* name, const c10::Scalar& value);
 Mining check_mining(const char* op, c10::string_view mining);
+Distance check_distance(const char* op, c10::string_view distance);
 // proxy_anchor_loss's inputs: labels in [0, C) (read: CPU tensors), margin finite, alpha > 0.
 Problem check_proxy_inputs(const at::Tensor& embeddings, const at::Tensor& labels,
                            const at::Tensor& proxies, const c10::Scalar& margin,

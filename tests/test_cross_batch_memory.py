@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 from pytorch_metric_learning import losses, miners
+from pytorch_metric_learning.distances import CosineSimilarity
 from test_pair_losses import kernels, make, make_labels, raw
 from testing import check_opcheck
 
@@ -18,6 +19,16 @@ LOSSES = {
     "ntxent": (lambda: tnn.NTXentLoss(0.07), lambda: losses.NTXentLoss(0.07), None),
     "contrastive": (lambda: tnn.ContrastiveLoss(0.1, 0.8), lambda: losses.ContrastiveLoss(0.1, 0.8), None),
     "triplet": (lambda: tnn.TripletMarginLoss(0.2), lambda: losses.TripletMarginLoss(0.2), None),
+    "contrastive-cosine": (
+        lambda: tnn.ContrastiveLoss(0.9, 0.1, distance="cosine"),
+        lambda: losses.ContrastiveLoss(0.9, 0.1, distance=CosineSimilarity()),
+        None,
+    ),
+    "triplet-batch_hard-cosine": (
+        lambda: tnn.TripletMarginLoss(0.2, "batch_hard", distance="cosine"),
+        lambda: losses.TripletMarginLoss(0.2, distance=CosineSimilarity()),
+        lambda: miners.BatchHardMiner(distance=CosineSimilarity()),
+    ),
     "triplet-batch_hard": (
         lambda: tnn.TripletMarginLoss(0.2, "batch_hard"),
         lambda: losses.TripletMarginLoss(0.2),
@@ -175,7 +186,7 @@ def test_own_stats_backward(loss):
     params = {
         "supcon_loss": (0.1,),
         "ntxent_loss": (0.07,),
-        "contrastive_loss": (0.0, 1.0),
+        "contrastive_loss": (0.0, 1.0, "euclidean"),
         "multi_similarity_loss": (2.0, 50.0, 0.5, 0.1),
     }[loss]
     op, backward = raw(loss)

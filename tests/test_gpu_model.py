@@ -292,7 +292,9 @@ def test_the_compiled_code_agrees_with_the_counts(tmp_path, monkeypatch):
     with gpu_model.counting() as launches:
         e, labels = torch.randn(32, 128, generator=g), torch.arange(32) // 8
         _, stats = pair_losses.triplet_margin_forward(e, labels, None, None, 0.05, "all")
-        pair_losses.triplet_margin_backward(torch.ones(()), e, labels, None, None, stats, 0.05, "all", [True, False])
+        pair_losses.triplet_margin_backward(
+            torch.ones(()), e, labels, None, None, stats, 0.05, "all", "euclidean", [True, False]
+        )
         bilinear_pool.forward(torch.randn(1, 64, 7, 7, generator=g).relu(), None, 1e-5, 1e-12)
     grad = next(launch for launch in launches if launch.kernel == "band_grad_kernel")
     scalar = next(launch for launch in launches if launch.kernel == "positives_kernel")

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from pytorch_metric_learning import losses, miners
+from pytorch_metric_learning.distances import CosineSimilarity
 from testing import (
     check_compile,
     check_compiled_refuses_like_eager,
@@ -30,26 +31,41 @@ COLUMNS = {
     "multi_similarity_loss": 5,
 }
 NAMES = list(COLUMNS)
-# Each loss with its default parameters, and the triplet loss with each mining.
+# Each loss with its default parameters, the triplet loss with each mining, and the Euclidean
+# losses with distance="cosine" (before their defaults: dict(VARIANTS)[loss] is the last).
 VARIANTS = [
     ("supcon_loss", {"temperature": 0.1}),
     ("ntxent_loss", {"temperature": 0.07}),
-    ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0}),
-    ("triplet_margin_loss", {"margin": 0.05, "mining": "all"}),
-    ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard"}),
-    ("triplet_margin_loss", {"margin": 0.05, "mining": "batch_hard"}),
+    ("contrastive_loss", {"pos_margin": 1.0, "neg_margin": 0.0, "distance": "cosine"}),
+    ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0, "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard", "distance": "cosine"}),
+    ("triplet_margin_loss", {"margin": 0.05, "mining": "all", "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": 0.05, "mining": "semi_hard", "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": 0.05, "mining": "batch_hard", "distance": "euclidean"}),
     ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": 0.1}),
 ]
-VARIANT_IDS = [loss if loss != "triplet_margin_loss" else f"triplet-{p['mining']}" for loss, p in VARIANTS]
+
+
+def _variant_id(loss, params):
+    name = loss if loss != "triplet_margin_loss" else f"triplet-{params['mining']}"
+    return f"{name}-cosine" if params.get("distance") == "cosine" else name
+
+
+VARIANT_IDS = [_variant_id(*v) for v in VARIANTS]
 # ... and with other parameters, for the comparisons with PML.
 CONFIGS = [
     *VARIANTS,
     ("supcon_loss", {"temperature": 0.5}),
     ("ntxent_loss", {"temperature": 0.5}),
-    ("contrastive_loss", {"pos_margin": 0.3, "neg_margin": 1.2}),
-    ("triplet_margin_loss", {"margin": 0.3, "mining": "all"}),
-    ("triplet_margin_loss", {"margin": 0.3, "mining": "semi_hard"}),
-    ("triplet_margin_loss", {"margin": 0.0, "mining": "batch_hard"}),
+    ("contrastive_loss", {"pos_margin": 0.3, "neg_margin": 1.2, "distance": "euclidean"}),
+    ("contrastive_loss", {"pos_margin": 0.8, "neg_margin": 0.3, "distance": "cosine"}),
+    ("contrastive_loss", {"pos_margin": 0.0, "neg_margin": 1.0, "distance": "cosine"}),
+    ("triplet_margin_loss", {"margin": 0.3, "mining": "all", "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": 0.3, "mining": "semi_hard", "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": 0.0, "mining": "batch_hard", "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": 0.2, "mining": "all", "distance": "cosine"}),
+    ("triplet_margin_loss", {"margin": 0.1, "mining": "batch_hard", "distance": "cosine"}),
+    ("triplet_margin_loss", {"margin": -0.05, "mining": "semi_hard", "distance": "cosine"}),
     ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": None}),
     ("multi_similarity_loss", {"alpha": 1.0, "beta": 10.0, "base": 0.2, "miner_epsilon": 0.5}),
 ]
@@ -66,6 +82,8 @@ TRITON_MARK = pytest.mark.triton("pair_losses")
 
 
 def has_triton(loss, params=None):
+    if params is not None and params.get("distance", "euclidean") != "euclidean":
+        return False  # (the CPU kernel's alone: test_triton_refuses_the_cosine_distance)
     return loss in TRITON or (loss == "triplet_margin_loss" and params["mining"] in TRITON_MINING)
 
 
@@ -107,6 +125,8 @@ def make_labels(n, classes, seed=0, dtype=torch.int64):
 def pml(loss, params):
     """PML's loss (with the miner the parameters name) as a function of the inputs."""
 
+    distance = {"distance": CosineSimilarity()} if params.get("distance") == "cosine" else {}
+
     def fn(embeddings, labels, ref=None, ref_labels=None):
         kw = dict(ref_emb=ref, ref_labels=ref_labels)
         if loss == "supcon_loss":
@@ -114,7 +134,8 @@ def pml(loss, params):
         if loss == "ntxent_loss":
             return losses.NTXentLoss(**params)(embeddings, labels, **kw)
         if loss == "contrastive_loss":
-            return losses.ContrastiveLoss(**params)(embeddings, labels, **kw)
+            margins = {k: v for k, v in params.items() if k != "distance"}
+            return losses.ContrastiveLoss(**margins, **distance)(embeddings, labels, **kw)
         if loss == "multi_similarity_loss":
             ms = losses.MultiSimilarityLoss(alpha=params["alpha"], beta=params["beta"], base=params["base"])
             if params["miner_epsilon"] is None:
@@ -122,13 +143,13 @@ def pml(loss, params):
             miner = miners.MultiSimilarityMiner(epsilon=params["miner_epsilon"])
             return ms(embeddings, labels, miner(embeddings, labels, ref, ref_labels), **kw)
         margin, mining = params["margin"], params["mining"]
-        triplet = losses.TripletMarginLoss(margin=margin)
+        triplet = losses.TripletMarginLoss(margin=margin, **distance)
         if mining == "all":
             return triplet(embeddings, labels, **kw)
         miner = (
-            miners.BatchHardMiner()
+            miners.BatchHardMiner(**distance)
             if mining == "batch_hard"
-            else miners.TripletMarginMiner(margin=margin, type_of_triplets="semihard")
+            else miners.TripletMarginMiner(margin=margin, type_of_triplets="semihard", **distance)
         )
         return triplet(embeddings, labels, miner(embeddings, labels, ref, ref_labels), **kw)
 
@@ -483,9 +504,12 @@ def exact_distances(e, r):
     return d
 
 
-def exact_euclidean_loss(loss, params, e, labels):
+def exact_pair_loss(loss, params, e, labels):
     """contrastive_loss or triplet_margin_loss ("all", "semi_hard") on exact_distances, as PML
-    defines them: the means of the terms > 0."""
+    defines them: the means of the terms > 0. distance="cosine": the float64 reference, whose
+    similarities are exact at these ties (0 with a zero row, 1 between equal rows)."""
+    if params.get("distance") == "cosine":
+        return ref_fn(loss, params)(e.double(), labels)
     d = exact_distances(e, e)
     same = labels[:, None] == labels[None, :]
     positive = same & ~torch.eye(len(labels), dtype=torch.bool)
@@ -596,13 +620,87 @@ def test_collapsed_batches(loss, params, dtype, device):
                 assert (a.double() - b).abs().max() <= grad_tol * max(b.abs().max(), 1e-3), (seed, r is None)
         if loss in ("contrastive_loss", "triplet_margin_loss") and params.get("mining") != "batch_hard":
             e, labels = collapsed(24, dtype, seed)
-            exp = exact_euclidean_loss(loss, params, e, labels)
+            exp = exact_pair_loss(loss, params, e, labels)
             assert abs(ours(loss, params)(e, labels).double() - exp).item() <= tol * exp.abs().item(), seed
             if loss == "contrastive_loss":  # the positive pair one ulp apart counts at pos_margin 0
                 _, stats = raw(loss)[0](e, labels, None, None, 0.0, 1.0)
                 d = exact_distances(e, e)
                 positive = (labels[:, None] == labels[None, :]) & ~torch.eye(24, dtype=torch.bool)
                 assert round(1 / stats[4, 0].item()) == (d[positive] > 0).sum() > 0, seed
+
+
+# distance="cosine" (PML's CosineSimilarity()): its configurations meet PML in float64 and float32
+# in test_matches_pytorch_metric_learning; here the half types, and the choices on adversarial data.
+COSINE = [pytest.param(loss, p, id=i) for (loss, p), i in zip(CONFIGS, CONFIG_IDS, strict=True) if "cosine" in i]
+
+
+@pytest.mark.parametrize("loss,params", COSINE)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cosine_half_types_match_pytorch_metric_learning(loss, params, dtype):
+    """float16 and bfloat16 inputs (float32 accumulation) against PML in float64 on the same
+    rounded values, with and without refs: within the type's rounding of the result."""
+    e, labels = make((60, 16), seed=3).to(dtype), make_labels(60, 6)
+    ref, ref_labels = make((25, 16), seed=4).to(dtype), make_labels(25, 6, seed=5)
+    eps = torch.finfo(dtype).eps
+    for r, rl in ((None, None), (ref, ref_labels)):
+        got, got_grads = loss_and_grads(ours(loss, params), e, labels, r, rl)
+        exp, exp_grads = loss_and_grads(pml(loss, params), e.double(), labels, None if r is None else r.double(), rl)
+        assert got.dtype == dtype
+        assert abs(got.double() - exp).item() <= 2 * eps * exp.abs().item()  # (0 for the semi-hard margin < 0)
+        for a, b in zip(got_grads, exp_grads, strict=True):
+            assert a.dtype == dtype and (a.double() - b).abs().max() <= 4 * eps * b.abs().max()
+
+
+def quarter_turns(n, D, seed):
+    """n float32 rows in one plane turned into D dimensions, at angles k·π/2 + ε (k = i mod 4,
+    |ε| <= 5e-7), labels k mod 2: positives at cosine about ±1, negatives about 0: near
+    neg_margin = 0, and pos_margin = 1 or a triplet margin of 1, within float32's error of a
+    product of D terms (a tile's: ~(D + 4)·6e-8), where only the exact cosine decides. The
+    float64 reference on the same float32 values gives those exact cosines."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
+    k = torch.arange(n) % 4
+    theta = k * torch.pi / 2 + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 1e-6
+    plane = torch.stack([theta.cos(), theta.sin()], 1) * (1 + torch.rand(n, 1, generator=g, dtype=torch.float64))
+    return (plane @ q[:2]).float(), k % 2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cosine_contrastive_counts_the_exact_similarities(seed):
+    """Which terms count (stats: 1/count of each kind) is the float64 reference's on every pair
+    of quarter_turns, and so is the loss."""
+    e, labels = quarter_turns(64, 24, seed)
+    params = {"pos_margin": 1.0, "neg_margin": 0.0, "distance": "cosine"}
+    _, stats = raw("contrastive_loss")[0](e, labels, None, None, *params.values())
+    s = -reference._distances(e.double(), labels, None, None, "cosine")[0]
+    same = labels[:, None] == labels[None, :]
+    positive = same & ~torch.eye(64, dtype=torch.bool)
+    pos, neg = (1.0 - s[positive] > 0).sum().item(), (s[~same] - 0.0 > 0).sum().item()
+    near = (s[~same].abs() < 1.5e-6).sum().item()
+    assert near == (~same).sum().item()  # (every negative pair within float32's tile error of 0)
+    assert 0 < neg < near and pos > 0
+    assert (round(1 / stats[0, 0].item()), round(1 / stats[0, 1].item())) == (pos, neg)
+    exp = reference.contrastive_loss(e.double(), labels, **params)
+    torch.testing.assert_close(ops.contrastive_loss(e, labels, **params).double(), exp, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("mining", ["all", "semi_hard"])
+def test_cosine_triplets_count_the_exact_similarities(mining):
+    """Per anchor, its triplets counted (stats' third column) are those with s_an − s_ap + 1 > 0
+    (semi_hard: and s_ap > s_an) on the exact cosines: at margin 1 the near-duplicate
+    positives' triplets hinge on the sign of s_an ≈ 0."""
+    e, labels = quarter_turns(48, 16, 2)
+    _, stats = raw("triplet_margin_loss")[0](e, labels, None, None, 1.0, mining, "cosine")
+    s = -reference._distances(e.double(), labels, None, None, "cosine")[0]
+    same = labels[:, None] == labels[None, :]
+    positive = same & ~torch.eye(48, dtype=torch.bool)
+    hit = (s[:, None, :] - s[:, :, None] + 1 > 0) & positive[:, :, None] & ~same[:, None, :]  # [a, p, n]
+    if mining == "semi_hard":
+        hit &= s[:, :, None] > s[:, None, :]
+    term = s[:, None, :] - s[:, :, None] + 1
+    near = (term.abs() < 1.5e-6) & positive[:, :, None] & ~same[:, None, :]
+    assert 0 < (hit & near).sum() < near.sum()  # (the tiles cannot tell these)
+    assert torch.equal(stats[:, 2], hit.sum((1, 2)))
 
 
 @kernels
@@ -699,7 +797,7 @@ def test_zero_embedding_is_normalised_as_f_normalize(loss, params, device):
     got, (g,) = loss_and_grads(ours(loss, params), e, labels)
     exp, (g_exp,) = loss_and_grads(pml(loss, params), e, labels)
     if loss == "contrastive_loss" or params.get("mining") == "semi_hard":
-        exp = exact_euclidean_loss(loss, params, e, labels)
+        exp = exact_pair_loss(loss, params, e, labels)
     torch.testing.assert_close(got, exp)
     if loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss"):
         torch.testing.assert_close(g, g_exp)
@@ -890,6 +988,9 @@ def test_shard_is_checked(loss, params):
 # (log-sum-exp rows, Euclidean margins) checks that its kernels take what compile passes.
 @with_kernels(VARIANTS, VARIANT_IDS, triton=lambda loss, params: loss in ("supcon_loss", "contrastive_loss"))
 def test_compile_dynamic(loss, params, device):
+    # (the losses share their Python functions' code objects: each variant's guards would count
+    # toward Dynamo's recompile limit of those of the variants before it on this worker)
+    torch._dynamo.reset()
     fn = getattr(ops, loss)
     for N in (20, 33):
         e = make((N, 8), torch.float32).requires_grad_()
@@ -915,8 +1016,8 @@ MODULES = {
 OTHER_PARAMS = {
     "supcon_loss": {"temperature": 0.2},
     "ntxent_loss": {"temperature": 0.2},
-    "contrastive_loss": {"pos_margin": 0.1, "neg_margin": 0.8},
-    "triplet_margin_loss": {"margin": 0.2, "mining": "semi_hard"},
+    "contrastive_loss": {"pos_margin": 0.1, "neg_margin": 0.8, "distance": "cosine"},
+    "triplet_margin_loss": {"margin": 0.2, "mining": "semi_hard", "distance": "cosine"},
     "multi_similarity_loss": {"alpha": 1.0, "beta": 20.0, "base": 0.3, "miner_epsilon": None},
 }
 
@@ -945,11 +1046,11 @@ def test_ref_labels_that_are_labels_count_every_pair(loss, params):
 
 # PML's parameters of either sign (its own miner test takes margin −0.05).
 NEGATIVE = [
-    ("contrastive_loss", {"pos_margin": -0.1, "neg_margin": 0.5}),
-    ("contrastive_loss", {"pos_margin": 0.2, "neg_margin": -0.3}),
-    ("triplet_margin_loss", {"margin": -0.05, "mining": "all"}),
-    ("triplet_margin_loss", {"margin": -0.05, "mining": "semi_hard"}),
-    ("triplet_margin_loss", {"margin": -0.05, "mining": "batch_hard"}),
+    ("contrastive_loss", {"pos_margin": -0.1, "neg_margin": 0.5, "distance": "euclidean"}),
+    ("contrastive_loss", {"pos_margin": 0.2, "neg_margin": -0.3, "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": -0.05, "mining": "all", "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": -0.05, "mining": "semi_hard", "distance": "euclidean"}),
+    ("triplet_margin_loss", {"margin": -0.05, "mining": "batch_hard", "distance": "euclidean"}),
     ("multi_similarity_loss", {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": -0.05}),
 ]
 NEGATIVE_IDS = ["-".join([loss.removesuffix("_loss"), *map(str, p.values())]) for loss, p in NEGATIVE]
@@ -1170,6 +1271,13 @@ def bad_cases(loss):
                 r"mining must be 'all', 'batch_hard' or 'semi_hard', got 'hard'",
             )
         )
+    cases.append(
+        (
+            lambda: fn(e4, l6, distance="manhattan"),
+            ValueError,
+            r"distance must be 'euclidean' or 'cosine', got 'manhattan'",
+        )
+    )
     return cases
 
 
@@ -1308,6 +1416,23 @@ def test_mining_must_be_a_string():
         ops.triplet_margin_loss(e4, l6, mining=1)
 
 
+@pytest.mark.bad_input
+@pytest.mark.parametrize("loss", ["contrastive_loss", "triplet_margin_loss"])
+def test_distance_is_checked(loss):
+    """A string, as the raw op's schema takes it (not PML's distance objects, which the message
+    names the strings of), refused eagerly, by the raw op, its fake kernel and the module."""
+    fn, op = getattr(ops, loss), raw(loss)[0]
+    with pytest.raises(TypeError, match=rf"^{loss}: distance must be a str, one of 'euclidean', 'cosine'; got int 1"):
+        fn(e4, l6, distance=1)
+    params = [v if k != "distance" else "dot" for k, v in dict(VARIANTS)[loss].items()]
+    for device in ("cpu", "meta"):
+        with pytest.raises(ValueError, match=rf"^{loss}: distance must be 'euclidean' or 'cosine', got 'dot'"):
+            op(e4.to(device), l6.to(device), None, None, *params)
+    module = {"contrastive_loss": torchkit.nn.ContrastiveLoss, "triplet_margin_loss": torchkit.nn.TripletMarginLoss}
+    with pytest.raises(ValueError, match=r"distance must be 'euclidean' or 'cosine', got 'dot'"):
+        module[loss](distance="dot")
+
+
 def backward_bad_cases(loss):
     """(arguments of the raw backward op, exception, message) for each kind of bad input."""
     columns = COLUMNS[loss]
@@ -1402,7 +1527,7 @@ def test_triplet_backward_refuses_stats_pointing_outside_the_rows(device):
     bad = stats.clone()
     bad[0] = torch.tensor([6, 1, 1])
     with pytest.raises(ValueError, match=r"backward: stats row 0 is not the forward's .* got \[6, 1, 1\]"):
-        backward(torch.ones_like(value), e4, l6, None, None, bad, 0.05, "batch_hard", [True, False])
+        backward(torch.ones_like(value), e4, l6, None, None, bad, 0.05, "batch_hard", "euclidean", [True, False])
 
 
 def triton_module():
@@ -1654,7 +1779,8 @@ def _check_groups(tp, dtype, device):
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
 @pytest.mark.parametrize(
-    "loss,params", [("contrastive_loss", (0.0, 1.0)), ("triplet_margin_loss", (0.05, "batch_hard"))]
+    "loss,params",
+    [("contrastive_loss", (0.0, 1.0, "euclidean")), ("triplet_margin_loss", (0.05, "batch_hard", "euclidean"))],
 )
 def test_triton_breaks_a_zero_rows_ties_as_the_cpu_kernel(loss, params, device):
     """A zero row's distances to the normalised rows are 1 within an ulp: on neg_margin = 1 and
@@ -1676,7 +1802,14 @@ def test_triton_breaks_a_zero_rows_ties_as_the_cpu_kernel(loss, params, device):
 @pytest.mark.triton("pair_losses", dispatch=False)  # (the ops: the CPU kernels)
 @TRITON_DEVICE
 @pytest.mark.parametrize(
-    "params", [(0.0, 1.0), (0.2, "all"), (0.2, "semi_hard"), (0.2, "batch_hard")], ids=lambda p: str(p[-1])
+    "params",
+    [
+        (0.0, 1.0, "euclidean"),
+        (0.2, "all", "euclidean"),
+        (0.2, "semi_hard", "euclidean"),
+        (0.2, "batch_hard", "euclidean"),
+    ],
+    ids=lambda p: str(p[1]),
 )
 def test_triton_one_feature_rows_as_the_cpu_kernel(params, device):
     """At D = 1 the exact distances divide (rows exactly ±1, x/eps where clamped): the Triton
@@ -1723,10 +1856,10 @@ def triton_problems():
 TRITON_PARAMS = [
     ("supcon_loss", (0.3,)),
     ("ntxent_loss", (0.3,)),
-    ("contrastive_loss", (0.3, 1.2)),
-    ("triplet_margin_loss", (0.05, "batch_hard")),
-    ("triplet_margin_loss", (0.05, "all")),
-    ("triplet_margin_loss", (0.3, "semi_hard")),
+    ("contrastive_loss", (0.3, 1.2, "euclidean")),
+    ("triplet_margin_loss", (0.05, "batch_hard", "euclidean")),
+    ("triplet_margin_loss", (0.05, "all", "euclidean")),
+    ("triplet_margin_loss", (0.3, "semi_hard", "euclidean")),
     ("multi_similarity_loss", (2.0, 50.0, 0.5, 0.1)),
     ("multi_similarity_loss", (1.0, 10.0, 0.2, None)),
 ]
@@ -1746,7 +1879,7 @@ def test_triton_every_configuration_matches_the_cpu_kernel(loss, params, which, 
     forward_t, backward_t = getattr(tp, f"{name}_forward"), getattr(tp, f"{name}_backward")
     pick = lambda configs: configs[min(which, len(configs) - 1)]  # noqa: E731
     exact = loss != "supcon_loss" and loss != "ntxent_loss"  # float64 tiles beside ACC's
-    hard = params[-1] == "batch_hard"
+    hard = params[1] == "batch_hard"
     triplets = loss == "triplet_margin_loss" and not hard  # all, semi_hard
     engine = {"multi_similarity_loss": tp.ms, "contrastive_loss": tp.euclid}.get(loss, tp.triplets if hard else None)
     rows = pick(tp.triplets.ALL_ROWS_CONFIGS if triplets else engine.ROWS_CONFIGS if engine else tp.lse.ROWS_CONFIGS)
@@ -1794,14 +1927,14 @@ def test_triton_triplets_in_chunks_of_positives_and_bands_of_anchors(monkeypatch
     e, labels = make((40, 6), seed=25), make_labels(40, 2)
     ref, ref_labels = make((23, 6), seed=26), make_labels(23, 2, seed=4)
     for r, rl in ((None, None), (ref, ref_labels)):
-        value, stats = op(e, labels, r, rl, 0.2, mining)
+        value, stats = op(e, labels, r, rl, 0.2, mining, "euclidean")
         inputs = on(device, e, labels, r, rl)
-        got, got_stats = tp.triplet_margin_forward(*inputs, 0.2, mining)
+        got, got_stats = tp.triplet_margin_forward(*inputs, 0.2, mining, "euclidean")
         torch.testing.assert_close(got.cpu(), value, rtol=1e-12, atol=1e-12)
         assert torch.equal(got_stats.cpu(), stats)
         g, mask = torch.tensor(0.7, dtype=e.dtype), [True, r is not None]
-        exp = backward(g, e, labels, r, rl, stats, 0.2, mining, mask)
-        out = tp.triplet_margin_backward(*on(device, g), *inputs, got_stats, 0.2, mining, mask)
+        exp = backward(g, e, labels, r, rl, stats, 0.2, mining, "euclidean", mask)
+        out = tp.triplet_margin_backward(*on(device, g), *inputs, got_stats, 0.2, mining, "euclidean", mask)
         for a, b in zip(out, exp, strict=True):
             torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-13)
 
@@ -1823,8 +1956,8 @@ def test_triton_backward_checks_its_inputs(loss, params):
         backward_t(torch.ones((), dtype=torch.float64), e4, l6, None, None, stats, *params, [True, False])
     name_, bad, rule = {
         "multi_similarity_loss": ("alpha", (0.0, *params[1:]), "finite and > 0"),
-        "contrastive_loss": ("neg_margin", (0.0, float("nan")), "finite,"),
-        "triplet_margin_loss": ("margin", (float("inf"), "batch_hard"), "finite,"),
+        "contrastive_loss": ("neg_margin", (0.0, float("nan"), "euclidean"), "finite,"),
+        "triplet_margin_loss": ("margin", (float("inf"), "batch_hard", "euclidean"), "finite,"),
     }.get(loss, ("temperature", (0.0,), "finite and > 0"))
     with pytest.raises(ValueError, match=rf"{name_} must be {rule}"):
         getattr(tp, f"{name}_forward")(e4, l6, None, None, *bad)
@@ -1876,6 +2009,28 @@ def test_triton_shards_match_the_cpu_kernel(loss, params, device):
         out = backward_t(*on(device, g), *inputs, got_stats, *params, mask, -1)
         for x, y in zip(out, exp, strict=True):
             torch.testing.assert_close(x.cpu(), y, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.triton("pair_losses", dispatch=False)
+@TRITON_DEVICE
+def test_triton_refuses_the_cosine_distance(device):
+    """distance="cosine" has the CPU kernel alone: the Triton kernels (the CUDA ones) refuse it
+    by name, forward and backward, after the distance's own check."""
+    tp = triton_module()
+    e, labels = on(device, e4, l6)
+    stats = torch.zeros(6, 3, dtype=torch.int64, device=e.device)
+    g, mask = torch.ones((), device=e.device), [True, False]
+    calls = [
+        lambda d: tp.contrastive_forward(e, labels, None, None, 1.0, 0.0, d),
+        lambda d: tp.contrastive_backward(g, e, labels, None, None, stats[:, :2].float(), 1.0, 0.0, d, mask),
+        lambda d: tp.triplet_margin_forward(e, labels, None, None, 0.1, "all", d),
+        lambda d: tp.triplet_margin_backward(g, e, labels, None, None, stats, 0.1, "all", d, mask),
+    ]
+    for call in calls:
+        with pytest.raises(NotImplementedError, match=r"^\w+: distance='cosine' has no CUDA kernel yet"):
+            call("cosine")
+        with pytest.raises(ValueError, match=r"^\w+: distance must be 'euclidean' or 'cosine', got 'l1'"):
+            call("l1")
 
 
 @pytest.mark.triton("pair_losses")
@@ -2531,7 +2686,7 @@ def contrastive_problems(dtype):
     a tie with neg_margin = 1)."""
     e, labels = make((90, 19), seed=41), make_labels(90, 9, seed=41)
     ref, ref_labels = make((70, 19), seed=42), make_labels(70, 9, seed=42)
-    yield "random", e.to(dtype), labels, ref.to(dtype), ref_labels, (0.3, 1.2)
+    yield "random", e.to(dtype), labels, ref.to(dtype), ref_labels, (0.3, 1.2, "euclidean")
     directions = make((2, 19), seed=43)
     e, ref = make((64, 19), seed=44), make((56, 19), seed=45)
     e[:50] = directions[torch.arange(50) % 2] + 1e-7 * e[:50]
@@ -2541,13 +2696,13 @@ def contrastive_problems(dtype):
     x = torch.nn.functional.normalize(e.double(), dim=1)
     pos = next(j for j in range(51, 64) if e_labels[j] == e_labels[50])
     neg = next(j for j in range(51, 64) if e_labels[j] != e_labels[50])
-    margins = ((x[50] - x[pos]).norm().item(), (x[50] - x[neg]).norm().item())
+    margins = ((x[50] - x[pos]).norm().item(), (x[50] - x[neg]).norm().item(), "euclidean")
     yield "ties", e, e_labels, ref, ref_labels, margins
-    yield "near-duplicates", e, e_labels, ref, ref_labels, (0.0, 1.0)
+    yield "near-duplicates", e, e_labels, ref, ref_labels, (0.0, 1.0, "euclidean")
     e = directions[:1].expand(40, 19).clone()
     e[7] = 0
     ref_labels = make_labels(30, 3, seed=47)
-    yield "collapsed", e.to(dtype), make_labels(40, 3, seed=46), e[:30].to(dtype), ref_labels, (0.0, 1.0)
+    yield "collapsed", e.to(dtype), make_labels(40, 3, seed=46), e[:30].to(dtype), ref_labels, (0.0, 1.0, "euclidean")
 
 
 @pytest.mark.triton("pair_losses", dispatch=False)
@@ -2638,11 +2793,11 @@ def test_triton_batch_hard_chooses_as_float64_on_tensor_core_tiles(monkeypatch, 
         for name, e, labels, ref, ref_labels in batch_hard_problems(dtype):
             for r, r_lab, shard in ((None, None, None), (ref, ref_labels, -1)):
                 extra = () if shard is None else (shard,)
-                value, stats = op(e, labels, r, r_lab, 0.05, "batch_hard", *extra)
+                value, stats = op(e, labels, r, r_lab, 0.05, "batch_hard", "euclidean", *extra)
                 try:
                     torch.set_float32_matmul_precision(setting)
                     got, got_stats = tp.triplet_margin_forward(
-                        *on(device, e, labels, r, r_lab), 0.05, "batch_hard", *extra
+                        *on(device, e, labels, r, r_lab), 0.05, "batch_hard", "euclidean", *extra
                     )
                 finally:
                     torch.set_float32_matmul_precision(before)

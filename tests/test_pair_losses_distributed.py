@@ -24,6 +24,8 @@ LOSSES = {
     "triplet_all": (ops.triplet_margin_loss, dict(margin=0.3, mining="all")),
     "triplet_semi_hard": (ops.triplet_margin_loss, dict(margin=0.3, mining="semi_hard")),
     "triplet_batch_hard": (ops.triplet_margin_loss, dict(margin=0.3, mining="batch_hard")),
+    "contrastive_cosine": (ops.contrastive_loss, dict(pos_margin=0.9, neg_margin=0.1, distance="cosine")),
+    "triplet_all_cosine": (ops.triplet_margin_loss, dict(margin=0.2, mining="all", distance="cosine")),
     "multi_similarity": (ops.multi_similarity_loss, dict(miner_epsilon=0.1)),
     "multi_similarity_no_miner": (ops.multi_similarity_loss, dict(miner_epsilon=None)),
 }

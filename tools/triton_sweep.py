@@ -143,7 +143,7 @@ def sweep_pair_losses(results: dict) -> None:
         for i, config in enumerate(kernels.ms.GRAD_CONFIGS):
             t = milliseconds(lambda c=config, args=args: kernels.multi_similarity_backward(*args, config=c))
             rows.append(("multi_similarity.grad", i, repr(config), t))
-        margins = (0.0, 1.0)
+        margins = (0.0, 1.0, "euclidean")
         for i, config in enumerate(kernels.euclid.ROWS_CONFIGS):
             args = (e, labels, r, rl, *margins)
             t = milliseconds(lambda c=config, args=args: kernels.contrastive_forward(*args, config=c))
@@ -154,21 +154,21 @@ def sweep_pair_losses(results: dict) -> None:
             t = milliseconds(lambda c=config, args=args: kernels.contrastive_backward(*args, config=c))
             rows.append(("contrastive.grad", i, repr(config), t))
         for i, config in enumerate(kernels.triplets.ROWS_CONFIGS):
-            args = (e, labels, r, rl, 0.05, "batch_hard")
+            args = (e, labels, r, rl, 0.05, "batch_hard", "euclidean")
             t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_forward(*args, config=c))
             rows.append(("triplet_batch_hard.rows", i, repr(config), t))
-        value, stats = kernels.triplet_margin_forward(e, labels, r, rl, 0.05, "batch_hard")
-        args = (torch.ones_like(value), e, labels, r, rl, stats, 0.05, "batch_hard", [True, r is not None])
+        value, stats = kernels.triplet_margin_forward(e, labels, r, rl, 0.05, "batch_hard", "euclidean")
+        args = (torch.ones_like(value), e, labels, r, rl, stats, 0.05, "batch_hard", "euclidean", [True, r is not None])
         for i, config in enumerate(kernels.HARD_GRAD_CONFIGS):
             t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_backward(*args, config=c))
             rows.append(("triplet_batch_hard.grad", i, repr(config), t))
         for mining in ("all", "semi_hard"):
             for i, config in enumerate(kernels.triplets.ALL_ROWS_CONFIGS):
-                args = (e, labels, r, rl, 0.05, mining)
+                args = (e, labels, r, rl, 0.05, mining, "euclidean")
                 t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_forward(*args, config=c))
                 rows.append((f"triplet_{mining}.rows", i, repr(config), t))
-            value, stats = kernels.triplet_margin_forward(e, labels, r, rl, 0.05, mining)
-            args = (torch.ones_like(value), e, labels, r, rl, stats, 0.05, mining, [True, r is not None])
+            value, stats = kernels.triplet_margin_forward(e, labels, r, rl, 0.05, mining, "euclidean")
+            args = (torch.ones_like(value), e, labels, r, rl, stats, 0.05, mining, "euclidean", [True, r is not None])
             for i, config in enumerate(kernels.triplets.BAND_GRAD_CONFIGS):
                 t = milliseconds(lambda c=config, args=args: kernels.triplet_margin_backward(*args, config=c))
                 rows.append((f"triplet_{mining}.grad", i, repr(config), t))

@@ -327,22 +327,26 @@ class NTXentLoss(_PairLoss):
 
 class ContrastiveLoss(_PairLoss):
     """pytorch-metric-learning's ``ContrastiveLoss(pos_margin=0, neg_margin=1)`` on the fused
-    kernel; see :func:`torchkit.ops.contrastive_loss`."""
+    kernel (``distance="cosine"``: with ``distance=CosineSimilarity()``); see
+    :func:`torchkit.ops.contrastive_loss`."""
 
     _op = "contrastive_loss"
 
-    def __init__(self, pos_margin: float = 0.0, neg_margin: float = 1.0, *, group=None) -> None:
-        super().__init__(group, pos_margin=pos_margin, neg_margin=neg_margin)
+    def __init__(
+        self, pos_margin: float = 0.0, neg_margin: float = 1.0, *, distance: str = "euclidean", group=None
+    ) -> None:
+        super().__init__(group, pos_margin=pos_margin, neg_margin=neg_margin, distance=distance)
 
 
 class TripletMarginLoss(_PairLoss):
     """pytorch-metric-learning's ``TripletMarginLoss(margin=0.05)`` with the miner ``mining``
-    names, on the fused kernel; see :func:`torchkit.ops.triplet_margin_loss`."""
+    names, on the fused kernel (``distance="cosine"``: both with
+    ``distance=CosineSimilarity()``); see :func:`torchkit.ops.triplet_margin_loss`."""
 
     _op = "triplet_margin_loss"
 
-    def __init__(self, margin: float = 0.05, mining: str = "all", *, group=None) -> None:
-        super().__init__(group, margin=margin, mining=mining)
+    def __init__(self, margin: float = 0.05, mining: str = "all", *, distance: str = "euclidean", group=None) -> None:
+        super().__init__(group, margin=margin, mining=mining, distance=distance)
 
 
 class MultiSimilarityLoss(_PairLoss):

@@ -206,11 +206,22 @@ def _pairs(embeddings, labels, temperature, ref_embeddings, ref_labels):
     return e @ r.T / temperature, pairs, positive, negative
 
 
-def _distances(embeddings, labels, ref_embeddings, ref_labels):
+def _distances(embeddings, labels, ref_embeddings, ref_labels, distance="euclidean"):
     """Euclidean distances of the normalised rows, computed from their differences (PML's
-    torch.cdist takes the matmul form, which returns ~0 for near-duplicates), and the masks."""
+    torch.cdist takes the matmul form, which returns ~0 for near-duplicates), and the masks.
+    distance="cosine": −s, the cosine similarity negated, which orders pairs as a distance;
+    between unit rows (F.normalize's of a norm above its eps) with s > 1/2, s = 1 − d²/2: the
+    distance keeps the digits of 1 − s of near-duplicates (and is 0 between equal rows) where
+    the rounded products give 1 ± ulp."""
     e, r, _, positive, negative = _rows(embeddings, labels, ref_embeddings, ref_labels)
-    return torch.cdist(e, r, compute_mode="donot_use_mm_for_euclid_dist"), positive, negative
+    d = torch.cdist(e, r, compute_mode="donot_use_mm_for_euclid_dist")
+    if distance == "cosine":
+        x, y = embeddings, embeddings if ref_embeddings is None else ref_embeddings
+        unit = [(v.norm(dim=1) > 1e-12) & v.isfinite().all(1) for v in (x, y)]
+        s = e @ r.T
+        s = torch.where(unit[0][:, None] & unit[1][None, :] & (s > 0.5), 1 - d * d / 2, s)
+        return -s, positive, negative
+    return d, positive, negative
 
 
 def _no_loss(positive: Tensor, negative: Tensor) -> bool:
@@ -270,13 +281,18 @@ def contrastive_loss(
     pos_margin: float = 0.0,
     neg_margin: float = 1.0,
     *,
+    distance: str = "euclidean",
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
 ) -> Tensor:
-    """pytorch-metric-learning's ContrastiveLoss with its defaults, on the full N×M matrix."""
-    d, positive, negative = _distances(embeddings, labels, ref_embeddings, ref_labels)
+    """pytorch-metric-learning's ContrastiveLoss with its defaults (distance="cosine": with
+    CosineSimilarity()), on the full N×M matrix."""
+    d, positive, negative = _distances(embeddings, labels, ref_embeddings, ref_labels, distance)
     if positive.sum() <= 1 and negative.sum() <= 1:  # PML: every index list of length <= 1
         return (embeddings * 0).sum()
+    if distance == "cosine":  # similarities: the margins on the other side
+        s = -d
+        return _mean_non_zero(F.relu(pos_margin - s[positive])) + _mean_non_zero(F.relu(s[negative] - neg_margin))
     return _mean_non_zero(F.relu(d[positive] - pos_margin)) + _mean_non_zero(F.relu(neg_margin - d[negative]))
 
 
@@ -286,13 +302,16 @@ def triplet_margin_loss(
     margin: float = 0.05,
     *,
     mining: str = "all",
+    distance: str = "euclidean",
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
 ) -> Tensor:
-    """pytorch-metric-learning's TripletMarginLoss with its defaults, on the triplets of all of
-    them, TripletMarginMiner's semihard ones or BatchHardMiner's, from the full N×M matrix (and,
-    but for batch_hard, an N×M×M mask)."""
-    d, positive, negative = _distances(embeddings, labels, ref_embeddings, ref_labels)
+    """pytorch-metric-learning's TripletMarginLoss with its defaults (distance="cosine": loss
+    and miner with CosineSimilarity()), on the triplets of all of them, TripletMarginMiner's
+    semihard ones or BatchHardMiner's, from the full N×M matrix (and, but for batch_hard, an
+    N×M×M mask). With cosine, d = −s: s_an − s_ap + margin is d_ap − d_an + margin, and the
+    hardest positive and negative are the same rows."""
+    d, positive, negative = _distances(embeddings, labels, ref_embeddings, ref_labels, distance)
     if mining == "batch_hard":
         far = d.masked_fill(~positive, float("-inf")).max(1)  # ties: the first index
         near = d.masked_fill(~negative, float("inf")).min(1)

@@ -13,6 +13,13 @@
 // choice that close to its threshold is made on the exact distance.
 // Backward: per tile ∂loss/∂d_ij (from the forward's statistics) becomes w_ij = ∂loss/∂d_ij / d_ij
 // and Σ_j w_ij (c_i − c_j) one GEMM; then the normalisation's Jacobian per row.
+//
+// distance="cosine" (pair_losses.h) runs on the same code with d = −s: the rows are not centred
+// (c = e, the normalised rows), a tile's d is −c_i·c_j, within (D + 4)·u·(|c_i|² + |c_j|²)/2 of
+// the exact −s (a dot product of D terms, the rows rounded once), which is computed directly
+// from the inputs and their float64 1/norms where a choice is that close to its threshold; no
+// entry cancels. Backward: ∂d/∂e_i = −e_j, so w_ij = ∂loss/∂d_ij and the GEMM's −Σ_j w_ij c_j
+// alone.
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
@@ -37,12 +44,13 @@ using namespace cpu;
 template <typename acc_t>
 struct Points {
   Side side;              // the rows as F.normalize leaves them (the Jacobian's)
-  Tensor centred;         // (n, D): e − μ rounded once, contiguous (the GEMMs')
+  Tensor centred;         // (n, D): e − μ rounded once, contiguous (the GEMMs'); cosine: μ = 0
   std::vector<acc_t> sq;  // |centred_i|²
   const acc_t* raw = nullptr;
   const double* inv = nullptr;
   const acc_t* c = nullptr;
   int64_t D = 0;
+  bool cosine = false;
   // Per row: all zero (F.normalize leaves it 0), and normalised to norm 1 exactly in exact
   // arithmetic (1/norm in (0, 1/eps): its norm finite and above eps). A zero row lies at distance
   // exactly 1 from a unit one, which the sum of squares below rounds to 1 ± 1e-16: a negative pair
@@ -62,10 +70,15 @@ struct Points {
     const acc_t* y;
     double fx, fy;  // 1/n_i and 1/n_j, or n_i = max(|x_i|, eps) and n_j where D = 1
     bool divide;
-    double diff(int64_t k) const {
-      const double a = static_cast<double>(x[k]), b = static_cast<double>(y[k]);
-      return divide ? a / fx - b / fy : a * fx - b * fy;
+    double left(int64_t k) const {
+      const double a = static_cast<double>(x[k]);
+      return divide ? a / fx : a * fx;
     }
+    double right(int64_t k) const {
+      const double b = static_cast<double>(y[k]);
+      return divide ? b / fy : b * fy;
+    }
+    double diff(int64_t k) const { return left(k) - right(k); }
   };
   // F.normalize's divisor of a one-feature row: its norm is |x| exactly.
   static double clamp(acc_t x) {
@@ -76,7 +89,27 @@ struct Points {
     return D == 1 ? Pair{raw + i, o.raw + j, clamp(raw[i]), clamp(o.raw[j]), true}
                   : Pair{raw + i * D, o.raw + j * D, inv[i], o.inv[j], false};
   }
+  // The cosine's distance −s = −e_i·e_j directly, in float64 (the same bits for (i, j) and
+  // (j, i)). Between unit rows (normalised to norm 1 exactly in exact arithmetic): equal ones
+  // at s = 1 exactly, and near ones (s > 1/2) at s = 1 − |e_i − e_j|²/2, whose differences
+  // keep the digits of 1 − s that the products round away (a near-duplicate positive counts
+  // at contrastive_loss's pos_margin = 1 as the exact term says; an equal one does not).
+  double cosine_distance(int64_t i, const Points& o, int64_t j) const {
+    const bool units = unit[i] && o.unit[j];
+    if (units && group[i] == o.group[j]) return -1.0;
+    const Pair p = pair(i, o, j);
+    double s = 0;
+    for (int64_t k = 0; k < D; ++k) s += p.left(k) * p.right(k);
+    if (!(units && s > 0.5)) return -s;
+    double d2 = 0;
+    for (int64_t k = 0; k < D; ++k) {
+      const double v = p.diff(k);
+      d2 += v * v;
+    }
+    return d2 / 2 - 1;
+  }
   double direct(int64_t i, const Points& o, int64_t j) const {
+    if (cosine) return cosine_distance(i, o, j);
     if (group[i] == o.group[j]) return 0.0;  // equal rows: every difference is 0
     if (zero[i] != o.zero[j] && (zero[i] ? o.unit[j] : unit[i])) return 1.0;
     const Pair p = pair(i, o, j);
@@ -90,10 +123,11 @@ struct Points {
 };
 
 // Both sides' points centred on one mean: that of the finite normalised rows of both (rows
-// with a NaN or ∞ give NaN distances whatever the mean); without tiles, the direct
-// distances' inputs only.
+// with a NaN or ∞ give NaN distances whatever the mean; cosine: not centred); without tiles,
+// the direct distances' inputs only.
 template <typename acc_t>
-void make_points(Points<acc_t>& a, Points<acc_t>* b, const Tensor& x, const Tensor* y, bool tiles) {
+void make_points(Points<acc_t>& a, Points<acc_t>* b, const Tensor& x, const Tensor* y, bool tiles,
+                 bool cosine) {
   a.side = side(x);
   if (b != nullptr) b->side = side(*y);
   const std::vector<int64_t> groups = equal_rows(a.side, b != nullptr ? &b->side : nullptr);
@@ -105,6 +139,7 @@ void make_points(Points<acc_t>& a, Points<acc_t>* b, const Tensor& x, const Tens
   for (Points<acc_t>* pts : {&a, b}) {
     if (pts == nullptr) continue;
     pts->D = D;
+    pts->cosine = cosine;
     pts->raw = pts->side.raw.template const_data_ptr<acc_t>();
     pts->inv = pts->side.inv64.template const_data_ptr<double>();
     const int64_t n = pts->side.raw.size(0);
@@ -123,7 +158,7 @@ void make_points(Points<acc_t>& a, Points<acc_t>* b, const Tensor& x, const Tens
   }
   if (!tiles) return;
   for (Points<acc_t>* pts : {&a, b}) {
-    if (pts == nullptr) continue;
+    if (pts == nullptr || cosine) continue;
     const int64_t n = pts->side.raw.size(0);
     for (int64_t i = 0; i < n; ++i) {
       if (!(pts->inv[i] > 0) || std::isinf(pts->inv[i])) continue;
@@ -181,13 +216,16 @@ struct Inputs {
   // product of D terms, the norms rounded once), which moves d by at most e/d (and a rounding
   // of the square root: 4u·d more), so |d − t|·d > e + 4u·d² settles it; one multiplication,
   // where an interval would take two square roots. Near 0 (d² <= e) nothing is clear.
+  // (cosine: d = −c_i·c_j is within e/2 of the exact −s, whatever d.)
   bool clear(int64_t i, int64_t j, double d, double t) const {
     const double e = error_scale * (static_cast<double>(a.sq[i]) + static_cast<double>(b->sq[j]));
+    if (a.cosine) return std::abs(d - t) > e / 2;
     return std::abs(d - t) * d > e + 4 * kUnit * d * d;
   }
   // How far the exact distance may be from the tile's d (clear's bound; ∞ near 0).
   double slack(int64_t i, int64_t j, double d) const {
     const double e = error_scale * (static_cast<double>(a.sq[i]) + static_cast<double>(b->sq[j]));
+    if (a.cosine) return e / 2;
     return d * d > e ? e / d + 4 * kUnit * d : std::numeric_limits<double>::infinity();
   }
   static constexpr double kUnit = std::numeric_limits<acc_t>::epsilon() / 2;
@@ -201,7 +239,7 @@ void prepare(Inputs<acc_t>& in, const Problem& p, const Tensor& embeddings, cons
              const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
              bool tiles = true) {
   make_points<acc_t>(in.a, p.self ? nullptr : &in.b_own, embeddings,
-                     p.self ? nullptr : &*ref_embeddings, tiles);
+                     p.self ? nullptr : &*ref_embeddings, tiles, p.distance == Distance::Cosine);
   in.b = p.self ? &in.a : &in.b_own;
   in.self = p.self;
   in.error_scale = (static_cast<double>(p.D) + 4) * Inputs<acc_t>::kUnit;
@@ -213,8 +251,8 @@ void prepare(Inputs<acc_t>& in, const Problem& p, const Tensor& embeddings, cons
 
 // The tile's row r (row i of one side against rows b0.. of the other; anchors_own: the rows are
 // anchors) turned from products into distances in place; direct[c] says which entries were
-// computed directly (cancelled, or not finite), and exact[c] (where given) holds those in
-// float64, before their rounding to acc_t.
+// computed directly (cancelled, or not finite; cosine: none), and exact[c] (where given) holds
+// those in float64, before their rounding to acc_t.
 template <typename acc_t>
 void distance_row(const Inputs<acc_t>& in, bool anchors_own, acc_t* x, int64_t i, int64_t b0,
                   int64_t dj, bool* direct, double* exact = nullptr) {
@@ -222,6 +260,11 @@ void distance_row(const Inputs<acc_t>& in, bool anchors_own, acc_t* x, int64_t i
   const Points<acc_t>& own = anchors_own ? in.a : *in.b;
   const Points<acc_t>& other = anchors_own ? *in.b : in.a;
   using V = at::vec::Vectorized<acc_t>;
+  if (own.cosine) {
+    at::vec::map([](V v) { return V(0) - v; }, x, x, dj);
+    std::fill(direct, direct + dj, false);
+    return;
+  }
   const acc_t si = own.sq[i];
   const acc_t* sq = other.sq.data() + b0;
   // d² = |c_i|² + |c_j|² − 2 c_i·c_j and its square root, vectorised; then the entries to
@@ -281,7 +324,7 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
         const bool positive = own_lab[i] == other_lab[j];
         double g = anchors_own ? coef(i, j, d, positive) : coef(j, i, d, positive);
         if (symmetric) g += coef(j, i, d, positive);
-        const double w = g == 0 || d == 0 ? 0.0 : g / static_cast<double>(d);
+        const double w = own.cosine ? g : g == 0 || d == 0 ? 0.0 : g / static_cast<double>(d);
         if (direct[c] && w != 0) {
           if (!any_direct) std::fill(acc.begin(), acc.end(), 0.0);
           any_direct = true;
@@ -295,6 +338,7 @@ Tensor rows_grad(const Problem& p, const Inputs<acc_t>& in, bool anchors_own, ac
       }
       acc_t* orow = op + (i - first) * D;
       const acc_t* ci = own.c + i * D;
+      if (own.cosine) continue;  // (no Σ_j w_ij·c_i term, no direct entry)
       for (int64_t k = 0; k < D; ++k) {
         orow[k] += static_cast<acc_t>(row_sum) * ci[k] +
                    (any_direct ? static_cast<acc_t>(acc[k]) : acc_t(0));
@@ -328,9 +372,13 @@ std::tuple<Tensor, Tensor> gradients(const Problem& p, const Inputs<acc_t>& in, 
 // ---------------------------------------------------------------------------- contrastive
 
 // A positive pair's term relu(d − pos_margin) and a negative's relu(neg_margin − d); NaN
-// counts (PML's reducer drops it: `losses > 0` is false).
+// counts (PML's reducer drops it: `losses > 0` is false). Cosine (d = −s): PML's
+// relu(pos_margin − s) and relu(s − neg_margin) are these at the margins negated.
 struct ContrastiveTerms {
   double pos_margin, neg_margin;
+  explicit ContrastiveTerms(const Problem& p)
+      : pos_margin(p.distance == Distance::Cosine ? -p.pos_margin : p.pos_margin),
+        neg_margin(p.distance == Distance::Cosine ? -p.neg_margin : p.neg_margin) {}
   double term(double d, bool positive) const { return positive ? d - pos_margin : neg_margin - d; }
   static bool counted(double t) { return !(t <= 0); }
   // The tile's distance d of anchor i and ref row j, exact where it decides whether the term
@@ -356,7 +404,7 @@ std::tuple<Tensor, Tensor> contrastive_forward(const Problem& p, const Tensor& e
   using acc_t = at::opmath_type<scalar_t>;
   Inputs<acc_t> in;
   prepare(in, p, embeddings, labels, ref_embeddings, ref_labels);
-  const ContrastiveTerms t{p.pos_margin, p.neg_margin};
+  const ContrastiveTerms t(p);
   std::vector<PairSums> rows(p.N);
   if (p.N > 0 && p.M > 0) {
     for_each_tile(in.a.centred, in.b->centred, [&](Tensor& s, int64_t a0, int64_t b0) {
@@ -424,7 +472,7 @@ std::tuple<Tensor, Tensor> contrastive_backward(const Problem& p, const Inputs<a
                                                 acc_t grad, at::ScalarType dtype) {
   const acc_t* st = stats.const_data_ptr<acc_t>();
   const double w_pos = st[0], w_neg = st[1];  // every row holds the same two
-  const ContrastiveTerms t{p.pos_margin, p.neg_margin};
+  const ContrastiveTerms t(p);
   return gradients<acc_t>(
       p, in, want_e, want_r, grad, dtype,
       [&](int64_t a, int64_t r, acc_t d, bool positive) {
@@ -686,13 +734,19 @@ std::tuple<Tensor, Tensor> triplet_forward(const Problem& p, const Tensor& embed
   return {scalar_of_type(loss, embeddings.options()), stats};
 }
 
-// ∂/∂e of the pair (i, j)'s distance times g, into row i of out (float64 differences).
+// ∂/∂e of the pair (i, j)'s distance times g, into row i of out (float64 differences; cosine:
+// ∂(−e_i·e_j)/∂e_i = −e_j).
 template <typename acc_t>
 void add_pair(acc_t* out_row, const Points<acc_t>& own, int64_t i, const Points<acc_t>& other,
               int64_t j, double d, double g) {
+  const auto pr = own.pair(i, other, j);
+  if (own.cosine) {
+    if (g == 0) return;
+    for (int64_t k = 0; k < own.D; ++k) out_row[k] -= static_cast<acc_t>(g * pr.right(k));
+    return;
+  }
   if (g == 0 || d == 0) return;
   const double w = g / d;
-  const auto pr = own.pair(i, other, j);
   for (int64_t k = 0; k < own.D; ++k) out_row[k] += static_cast<acc_t>(w * pr.diff(k));
 }
 
@@ -822,12 +876,13 @@ std::tuple<Tensor, Tensor> contrastive_cpu(const Tensor& embeddings, const Tenso
                                            const std::optional<Tensor>& ref_embeddings,
                                            const std::optional<Tensor>& ref_labels,
                                            const c10::Scalar& pos_margin,
-                                           const c10::Scalar& neg_margin,
+                                           const c10::Scalar& neg_margin, c10::string_view distance,
                                            std::optional<int64_t> shard) {
   Problem p =
       check_inputs("contrastive_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   p.pos_margin = check_margin(p.op, "pos_margin", pos_margin);
   p.neg_margin = check_margin(p.op, "neg_margin", neg_margin);
+  p.distance = check_distance(p.op, distance);
   std::tuple<Tensor, Tensor> result;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, embeddings.scalar_type(), "contrastive_loss_cpu", [&] {
@@ -840,11 +895,13 @@ std::tuple<Tensor, Tensor> contrastive_backward_cpu(
     const Tensor& grad, const Tensor& embeddings, const Tensor& labels,
     const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
     const Tensor& stats, const c10::Scalar& pos_margin, const c10::Scalar& neg_margin,
-    std::array<bool, 2> output_mask, std::optional<int64_t> shard, bool own_stats) {
+    c10::string_view distance, std::array<bool, 2> output_mask, std::optional<int64_t> shard,
+    bool own_stats) {
   Problem call =
       check_inputs("contrastive_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   call.pos_margin = check_margin(call.op, "pos_margin", pos_margin);
   call.neg_margin = check_margin(call.op, "neg_margin", neg_margin);
+  call.distance = check_distance(call.op, distance);
   check_own_stats(call, own_stats);
   const bool whole = call.takes_whole_stats();
   const Problem p = whole ? whole_of(call) : call;
@@ -880,11 +937,12 @@ std::tuple<Tensor, Tensor> triplet_cpu(const Tensor& embeddings, const Tensor& l
                                        const std::optional<Tensor>& ref_embeddings,
                                        const std::optional<Tensor>& ref_labels,
                                        const c10::Scalar& margin, c10::string_view mining,
-                                       std::optional<int64_t> shard) {
+                                       c10::string_view distance, std::optional<int64_t> shard) {
   Problem p =
       check_inputs("triplet_margin_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   p.margin = check_margin(p.op, "margin", margin);
   p.mining = check_mining(p.op, mining);
+  p.distance = check_distance(p.op, distance);
   // A positive pair counts its triplets in an int32 (at most M).
   TK_CHECK_VALUE(p.op, p.M <= std::numeric_limits<int32_t>::max(),
                  "at most 2^31 - 1 rows of ref_embeddings (or embeddings) are supported, got ",
@@ -901,11 +959,12 @@ std::tuple<Tensor, Tensor> triplet_backward_cpu(
     const Tensor& grad, const Tensor& embeddings, const Tensor& labels,
     const std::optional<Tensor>& ref_embeddings, const std::optional<Tensor>& ref_labels,
     const Tensor& stats, const c10::Scalar& margin, c10::string_view mining,
-    std::array<bool, 2> output_mask, std::optional<int64_t> shard) {
+    c10::string_view distance, std::array<bool, 2> output_mask, std::optional<int64_t> shard) {
   Problem p =
       check_inputs("triplet_margin_loss", embeddings, labels, ref_embeddings, ref_labels, shard);
   p.margin = check_margin(p.op, "margin", margin);
   p.mining = check_mining(p.op, mining);
+  p.distance = check_distance(p.op, distance);
   check_backward_inputs(p, grad, embeddings, stats, kTripletStats, at::kLong);
   const bool want_e = output_mask[0], want_r = !p.self && output_mask[1];
   Tensor ge, gr;

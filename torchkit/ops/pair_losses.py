@@ -125,6 +125,7 @@ def contrastive_loss(
     pos_margin: float = 0.0,
     neg_margin: float = 1.0,
     *,
+    distance: str = "euclidean",
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
     group=None,
@@ -140,11 +141,19 @@ def contrastive_loss(
     at distance exactly 1, adding nothing at ``neg_margin=1``, where PML's rounding counts
     ~1e-16). Memory O((N + M)·D), whatever N.
 
+    ``distance="cosine"`` is ``ContrastiveLoss(pos_margin, neg_margin,
+    distance=CosineSimilarity())``: on the cosine similarity s, the mean of the positive pairs'
+    ``relu(pos_margin − s)`` > 0 plus that of the negative pairs' ``relu(s − neg_margin)`` > 0
+    (PML's users set ``pos_margin=1, neg_margin=0`` or so: the defaults are the Euclidean
+    distance's), whether a term is > 0 decided on the exact similarity.
+
     Args:
         embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
             accumulate in float32).
         labels (Tensor[N]): any integer dtype; pairs of equal labels are positives.
         pos_margin, neg_margin: finite, of either sign (as PML takes them).
+        distance: "euclidean" (PML's default ``LpDistance()``) or "cosine"
+            (``CosineSimilarity()``).
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -163,7 +172,9 @@ def contrastive_loss(
 
         >>> loss = torchkit.ops.contrastive_loss(model(images), labels, neg_margin=1.0)
     """
-    return _loss("contrastive_loss", embeddings, labels, (pos_margin, neg_margin), ref_embeddings, ref_labels, group)
+    return _loss(
+        "contrastive_loss", embeddings, labels, (pos_margin, neg_margin, distance), ref_embeddings, ref_labels, group
+    )
 
 
 def triplet_margin_loss(
@@ -172,6 +183,7 @@ def triplet_margin_loss(
     margin: float = 0.05,
     *,
     mining: str = "all",
+    distance: str = "euclidean",
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
     group=None,
@@ -196,12 +208,19 @@ def triplet_margin_loss(
     O((N + M)·D) plus, for "all" and "semi_hard", a few numbers per positive pair, however
     many triplets there are.
 
+    ``distance="cosine"`` is PML's loss and miner with ``distance=CosineSimilarity()``: per
+    triplet ``relu(s_an − s_ap + margin)`` on the cosine similarities, semi-hard triplets those
+    with ``s_ap > s_an``, batch-hard the least similar positive and the most similar negative;
+    choices and ties as above, on the exact similarities.
+
     Args:
         embeddings (Tensor[N, D]): float32, float64, float16 or bfloat16 (reduced types
             accumulate in float32).
         labels (Tensor[N]): any integer dtype.
         margin: finite, of either sign (as PML takes it; semi_hard mines none below 0).
         mining: "all", "semi_hard" or "batch_hard".
+        distance: "euclidean" (PML's default ``LpDistance()``) or "cosine"
+            (``CosineSimilarity()``).
         ref_embeddings (Tensor[M, D], optional): the positives' and negatives' rows instead
             of the batch itself (PML's ``ref_emb``).
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -220,7 +239,9 @@ def triplet_margin_loss(
 
         >>> loss = torchkit.ops.triplet_margin_loss(model(images), labels, 0.2, mining="batch_hard")
     """
-    return _loss("triplet_margin_loss", embeddings, labels, (margin, mining), ref_embeddings, ref_labels, group)
+    return _loss(
+        "triplet_margin_loss", embeddings, labels, (margin, mining, distance), ref_embeddings, ref_labels, group
+    )
 
 
 def multi_similarity_loss(
@@ -456,10 +477,10 @@ SPECS = {
     "supcon_loss": PairLossSpec((("float", "temperature"),), columns=2, parts=4, whole_stats=True),
     "ntxent_loss": PairLossSpec((("float", "temperature"),), columns=3, parts=3, whole_stats=True),
     "contrastive_loss": PairLossSpec(
-        (("float", "pos_margin"), ("float", "neg_margin")), columns=2, parts=6, whole_stats=True
+        (("float", "pos_margin"), ("float", "neg_margin"), ("str", "distance")), columns=2, parts=6, whole_stats=True
     ),
     "triplet_margin_loss": PairLossSpec(
-        (("float", "margin"), ("str", "mining")), columns=3, parts=2, stats_dtype=torch.int64
+        (("float", "margin"), ("str", "mining"), ("str", "distance")), columns=3, parts=2, stats_dtype=torch.int64
     ),
     "multi_similarity_loss": PairLossSpec(
         (("float", "alpha"), ("float", "beta"), ("float", "base"), ("optional float", "miner_epsilon")),
@@ -469,7 +490,16 @@ SPECS = {
         whole_stats=True,
     ),
 }
-_MINING = ("all", "batch_hard", "semi_hard")
+# The values of each str parameter, in csrc/pair_losses.cpp's messages' order.
+_CHOICES = {"mining": ("all", "batch_hard", "semi_hard"), "distance": ("euclidean", "cosine")}
+# The forward schemas' defaults of parameters (csrc/pair_losses.cpp).
+_DEFAULTS = {"distance": "euclidean"}
+
+
+def _choices(name: str) -> str:
+    """'a', 'b' or 'c'."""
+    quoted = [f"'{v}'" for v in _CHOICES[name]]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None) -> Tensor:
@@ -509,18 +539,21 @@ def _as_params(op: str, params: tuple, *, loss: Optional[str] = None) -> tuple:
 
 def _as_str(op: str, name: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{op}: {name} must be a str, one of {', '.join(map(repr, _MINING))}; got {describe(value)}")
+        raise TypeError(
+            f"{op}: {name} must be a str, one of {', '.join(map(repr, _CHOICES[name]))}; got {describe(value)}"
+        )
     return value
 
 
 def _check_params(op: str, params: tuple, *, loss: Optional[str] = None) -> None:
     """csrc/pair_losses.cpp's parameter checks (check_positive, check_finite, check_margin,
-    check_mining), with their messages (comparisons, which Dynamo traces; NaN fails them). ``op`` names the caller in
-    messages; ``loss`` (default: ``op``) says whose parameters these are."""
+    check_mining, check_distance), with their messages (comparisons, which Dynamo traces; NaN
+    fails them). ``op`` names the caller in messages; ``loss`` (default: ``op``) says whose
+    parameters these are."""
     for (kind, name), value in zip(SPECS[loss or op].params, params, strict=True):
         if kind == "str":
-            if value not in _MINING:
-                raise ValueError(f"{op}: mining must be 'all', 'batch_hard' or 'semi_hard', got '{value}'")
+            if value not in _CHOICES[name]:
+                raise ValueError(f"{op}: {name} must be {_choices(name)}, got '{value}'")
         elif value is None:
             continue
         elif name in ("temperature", "alpha", "beta"):
@@ -676,8 +709,10 @@ def _register(op: str) -> tuple:
         # (a str argument is the schema's: the dispatcher refuses anything else)
 
     @torch.library.register_fake(f"torchkit::{op}")
-    def _(embeddings, labels, ref_embeddings, ref_labels, *rest):
-        params, shard = rest[:n], (rest[n] if len(rest) > n else None)
+    def _(embeddings, labels, ref_embeddings, ref_labels, *rest, **named):
+        # (the schema's defaults, which a call may leave out: distance, shard)
+        rest = (*rest, *(named.get(key, _DEFAULTS[key]) for _, key in kinds[len(rest) :]))
+        params, shard = rest[:n], named.get("shard", rest[n] if len(rest) > n else None)
         check_raw(params)
         _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
         _check_shard(op, shard, embeddings, ref_embeddings)

@@ -84,6 +84,7 @@ from torchkit.triton.pair_losses import euclid, lse, ms, triplets
 from torchkit.triton.pair_losses._common import (
     NORM_EPS,
     ORDERED_BLOCK,
+    _euclidean_only,
     _feature,
     _pair_exact,
     _parts,
@@ -731,13 +732,14 @@ def _points(a: _Side, b: _Side, acc: torch.dtype, config: Config) -> list:
     return [(*points, group) for points, group in zip(out * (2 if a is b else 1), groups, strict=True)]
 
 
-def _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard) -> tuple:
+def _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, distance, shard) -> tuple:
     op = "triplet_margin_loss"
     check_scalars(op, ("float", "margin", margin))
     _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
     shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
-    params = (float(margin), mining)
+    params = (float(margin), mining, distance)
     _check_params(op, params)
+    _euclidean_only(op, distance)
     M = embeddings.shape[0] if ref_embeddings is None else ref_embeddings.shape[0]
     if M > 2**31 - 1:  # (the CPU kernel's limit, kept: one op, one contract)
         raise ValueError(f"{op}: at most 2^31 - 1 rows of ref_embeddings (or embeddings) are supported, got {M}")
@@ -794,6 +796,7 @@ def triplet_margin_forward(
     ref_labels,
     margin,
     mining,
+    distance="euclidean",
     shard=None,
     *,
     config=None,
@@ -803,7 +806,9 @@ def triplet_margin_forward(
     """torchkit::triplet_margin_loss's CUDA kernel (any device under the interpreter; config:
     triplets.triplet_rows_kernel's with exact_config its triplet_exact_kernel's, or batch_hard's
     triplets.hard_rows_kernel's with exact_config its hard_pick_kernel's)."""
-    (margin, mining), shard = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard)
+    (margin, mining, _), shard = _triplet_check(
+        embeddings, labels, ref_embeddings, ref_labels, margin, mining, distance, shard
+    )
     self_, offset = _self_pairs(ref_embeddings, shard)
     acc = acc_dtype(embeddings)
     hard = mining == "batch_hard"
@@ -907,6 +912,7 @@ def triplet_margin_backward(
     stats,
     margin,
     mining,
+    distance,
     output_mask,
     shard=None,
     *,
@@ -919,7 +925,9 @@ def triplet_margin_backward(
     rows_config). A shard's takes its own stats and gives the refs' gradient from its anchors
     (csrc/pair_losses.h)."""
     op = "triplet_margin_loss"
-    (margin, mining), shard = _triplet_check(embeddings, labels, ref_embeddings, ref_labels, margin, mining, shard)
+    (margin, mining, _), shard = _triplet_check(
+        embeddings, labels, ref_embeddings, ref_labels, margin, mining, distance, shard
+    )
     _check_loss_backward(op, grad, embeddings, stats, shard)
     self_ = ref_embeddings is None
     N, D = embeddings.shape

@@ -191,3 +191,12 @@ def _proxy_check(embeddings, labels, proxies, margin, alpha) -> tuple[float, flo
             inside = ((labels >= 0) & (labels < C)).all()
             torch._assert_async(inside, f"{op}: labels must lie in [0, C) = [0, {C}) (a row of proxies each)")
     return margin, alpha
+
+
+def _euclidean_only(op: str, distance: str) -> None:
+    """The Euclidean losses' kernels compute distance="euclidean" (the CPU kernel both)."""
+    if distance != "euclidean":
+        raise NotImplementedError(
+            f"{op}: distance='{distance}' has no CUDA kernel yet (the CPU kernel has one); compute the loss on CPU "
+            f"tensors, e.g. {op}(embeddings.cpu(), labels.cpu(), distance='{distance}')"
+        )

@@ -53,7 +53,7 @@ from torchkit.ops.pair_losses import _check_inputs, _check_loss_backward, _check
 from torchkit.triton import _math as tm
 from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks, float_bits, hot
 from torchkit.triton.pair_losses import lse, ms
-from torchkit.triton.pair_losses._common import _pair_exact, _self_pairs, _shard, _unit, _zeros
+from torchkit.triton.pair_losses._common import _euclidean_only, _pair_exact, _self_pairs, _shard, _unit, _zeros
 
 # Launch configurations (every one run by the tests and compiled by tools/triton_check.py; the
 # first is the default, the last float64's).
@@ -749,14 +749,16 @@ def _cap(scheme: int, M: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(max(M, 1))))
 
 
-def _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard) -> tuple:
+def _contrastive_check(
+    embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, distance, shard
+) -> tuple:
     op = "contrastive_loss"
     check_scalars(op, ("float", "pos_margin", pos_margin), ("float", "neg_margin", neg_margin))
     _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
     shard = _shard(op, shard, embeddings, labels, ref_embeddings, ref_labels)
-    params = (float(pos_margin), float(neg_margin))
-    _check_params(op, params)
-    return params, shard
+    _check_params(op, (float(pos_margin), float(neg_margin), distance))
+    _euclidean_only(op, distance)
+    return (float(pos_margin), float(neg_margin)), shard
 
 
 def contrastive_forward(
@@ -766,6 +768,7 @@ def contrastive_forward(
     ref_labels,
     pos_margin,
     neg_margin,
+    distance="euclidean",
     shard=None,
     *,
     config=None,
@@ -775,7 +778,9 @@ def contrastive_forward(
     """torchkit::contrastive_loss's CUDA kernel (any device under the interpreter)."""
     from torchkit.triton.pair_losses import ROW_CONFIGS
 
-    margins, shard = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard)
+    margins, shard = _contrastive_check(
+        embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, distance, shard
+    )
     acc = acc_dtype(embeddings)
     row_config = row_config or ROW_CONFIGS[0]
     exact_config = exact_config or EXACT_CONFIGS[0]
@@ -889,6 +894,7 @@ def contrastive_backward(
     stats,
     pos_margin,
     neg_margin,
+    distance,
     output_mask,
     shard=None,
     own_stats=False,
@@ -902,7 +908,9 @@ def contrastive_backward(
     from torchkit.triton.pair_losses import ROW_CONFIGS
 
     op = "contrastive_loss"
-    margins, shard = _contrastive_check(embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, shard)
+    margins, shard = _contrastive_check(
+        embeddings, labels, ref_embeddings, ref_labels, pos_margin, neg_margin, distance, shard
+    )
     _check_own_stats(op, own_stats, shard)
     whole = _whole_rows(op, shard, own_stats, ref_embeddings)
     _check_loss_backward(op, grad, embeddings, stats, shard, whole)
