@@ -282,18 +282,25 @@ def contrastive_loss(
     neg_margin: float = 1.0,
     *,
     distance: str = "euclidean",
+    indices_tuple: Optional[tuple] = None,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
 ) -> Tensor:
     """pytorch-metric-learning's ContrastiveLoss with its defaults (distance="cosine": with
-    CosineSimilarity()), on the full N×M matrix."""
+    CosineSimilarity()), on the full N×M matrix; indices_tuple: on the pairs it lists (a
+    miner's; triplets (a, p, n) as the pairs (a, p) and (a, n))."""
     d, positive, negative = _distances(embeddings, labels, ref_embeddings, ref_labels, distance)
-    if positive.sum() <= 1 and negative.sum() <= 1:  # PML: every index list of length <= 1
+    if indices_tuple is None:
+        a1, p = positive.nonzero(as_tuple=True)
+        a2, n = negative.nonzero(as_tuple=True)
+    else:
+        a1, p, a2, n = indices_tuple if len(indices_tuple) == 4 else (*indices_tuple[:2], *indices_tuple[::2])
+    if all(len(t) <= 1 for t in (a1, p, a2, n)):  # PML: every index list of length <= 1
         return (embeddings * 0).sum()
     if distance == "cosine":  # similarities: the margins on the other side
         s = -d
-        return _mean_non_zero(F.relu(pos_margin - s[positive])) + _mean_non_zero(F.relu(s[negative] - neg_margin))
-    return _mean_non_zero(F.relu(d[positive] - pos_margin)) + _mean_non_zero(F.relu(neg_margin - d[negative]))
+        return _mean_non_zero(F.relu(pos_margin - s[a1, p])) + _mean_non_zero(F.relu(s[a2, n] - neg_margin))
+    return _mean_non_zero(F.relu(d[a1, p] - pos_margin)) + _mean_non_zero(F.relu(neg_margin - d[a2, n]))
 
 
 def triplet_margin_loss(
@@ -303,6 +310,7 @@ def triplet_margin_loss(
     *,
     mining: str = "all",
     distance: str = "euclidean",
+    indices_tuple: Optional[tuple] = None,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
 ) -> Tensor:
@@ -310,8 +318,18 @@ def triplet_margin_loss(
     and miner with CosineSimilarity()), on the triplets of all of them, TripletMarginMiner's
     semihard ones or BatchHardMiner's, from the full N×M matrix (and, but for batch_hard, an
     N×M×M mask). With cosine, d = −s: s_an − s_ap + margin is d_ap − d_an + margin, and the
-    hardest positive and negative are the same rows."""
+    hardest positive and negative are the same rows. indices_tuple (mining="all"): on the
+    triplets it lists (a miner's; pairs as PML converts them: each positive pair with each
+    negative pair of its anchor)."""
     d, positive, negative = _distances(embeddings, labels, ref_embeddings, ref_labels, distance)
+    if indices_tuple is not None:
+        if len(indices_tuple) == 3:
+            a, p, n = indices_tuple
+        else:
+            a1, p1, a2, n2 = indices_tuple
+            i, j = torch.where(a1[:, None] == a2[None, :])
+            a, p, n = a1[i], p1[i], n2[j]
+        return _mean_non_zero(F.relu(d[a, p] - d[a, n] + margin))
     if mining == "batch_hard":
         far = d.masked_fill(~positive, float("-inf")).max(1)  # ties: the first index
         near = d.masked_fill(~negative, float("inf")).min(1)

@@ -126,6 +126,7 @@ def contrastive_loss(
     neg_margin: float = 1.0,
     *,
     distance: str = "euclidean",
+    indices_tuple: Optional[tuple] = None,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
     group=None,
@@ -154,6 +155,11 @@ def contrastive_loss(
         pos_margin, neg_margin: finite, of either sign (as PML takes them).
         distance: "euclidean" (PML's default ``LpDistance()``) or "cosine"
             (``CosineSimilarity()``).
+        indices_tuple (optional): the pairs ``(anchors, positives, anchors, negatives)`` or
+            triplets ``(anchors, positives, negatives)`` (as the pairs (a, p) and (a, n)) a PML
+            miner returns, index tensors into the embeddings (anchors) and the refs (the
+            embeddings without refs): PML's loss given ``indices_tuple``, on those pairs alone,
+            in O(list · D); the labels are not read. Not with ``group``.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -173,7 +179,14 @@ def contrastive_loss(
         >>> loss = torchkit.ops.contrastive_loss(model(images), labels, neg_margin=1.0)
     """
     return _loss(
-        "contrastive_loss", embeddings, labels, (pos_margin, neg_margin, distance), ref_embeddings, ref_labels, group
+        "contrastive_loss",
+        embeddings,
+        labels,
+        (pos_margin, neg_margin, distance),
+        ref_embeddings,
+        ref_labels,
+        group,
+        indices_tuple,
     )
 
 
@@ -184,6 +197,7 @@ def triplet_margin_loss(
     *,
     mining: str = "all",
     distance: str = "euclidean",
+    indices_tuple: Optional[tuple] = None,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
     group=None,
@@ -221,6 +235,13 @@ def triplet_margin_loss(
         mining: "all", "semi_hard" or "batch_hard".
         distance: "euclidean" (PML's default ``LpDistance()``) or "cosine"
             (``CosineSimilarity()``).
+        indices_tuple (optional): the triplets ``(anchors, positives, negatives)`` or pairs
+            ``(anchors, positives, anchors, negatives)`` (each positive pair with each negative
+            pair of its anchor, as PML converts them) a PML miner returns, index tensors into
+            the embeddings (anchors) and the refs (the embeddings without refs): PML's loss
+            given ``indices_tuple``, on those triplets alone, in O(list · D) (pairs: O(positive
+            pairs × negative pairs), as PML); with ``mining="all"``, the labels not read. Not
+            with ``group``.
         ref_embeddings (Tensor[M, D], optional): the positives' and negatives' rows instead
             of the batch itself (PML's ``ref_emb``).
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -240,7 +261,14 @@ def triplet_margin_loss(
         >>> loss = torchkit.ops.triplet_margin_loss(model(images), labels, 0.2, mining="batch_hard")
     """
     return _loss(
-        "triplet_margin_loss", embeddings, labels, (margin, mining, distance), ref_embeddings, ref_labels, group
+        "triplet_margin_loss",
+        embeddings,
+        labels,
+        (margin, mining, distance),
+        ref_embeddings,
+        ref_labels,
+        group,
+        indices_tuple,
     )
 
 
@@ -502,7 +530,7 @@ def _choices(name: str) -> str:
     return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
-def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None) -> Tensor:
+def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None, indices_tuple=None) -> Tensor:
     def check() -> tuple:
         check_tensor(op, "embeddings", embeddings)
         check_tensor(op, "labels", labels)
@@ -516,12 +544,32 @@ def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None
         _check_params(op, checked)
         return checked
 
+    if indices_tuple is not None:
+        return _listed(op, embeddings, labels, params, ref_embeddings, ref_labels, group, indices_tuple, check)
     if group is not None:
         from torchkit.ops._pair_losses_across_ranks import loss_across_ranks
 
         return loss_across_ranks(op, embeddings, labels, ref_embeddings, ref_labels, group, check)
     loss, _ = _FORWARD[op](embeddings, labels, ref_embeddings, ref_labels, *check())
     return loss
+
+
+def _listed(op, embeddings, labels, params, ref_embeddings, ref_labels, group, indices_tuple, check) -> Tensor:
+    """The loss on the pairs or triplets indices_tuple lists (torchkit/ops/_listed_pairs.py):
+    the inputs checked as for every pair, the labels not read."""
+    from torchkit.ops._listed_pairs import check_indices_tuple, listed_loss
+
+    checked = check()
+    if group is not None:
+        raise NotImplementedError(f"{op}: indices_tuple with group= is not supported: give one of them")
+    if op == "triplet_margin_loss" and checked[1] != "all":
+        raise ValueError(
+            f"{op}: indices_tuple and mining='{checked[1]}' both choose the triplets: give indices_tuple with "
+            "mining='all' (the default), or mining alone"
+        )
+    M = embeddings.shape[0] if ref_embeddings is None else ref_embeddings.shape[0]
+    indices = check_indices_tuple(op, indices_tuple, embeddings.shape[0], M, embeddings.device)
+    return listed_loss(op, embeddings, ref_embeddings, indices, checked)
 
 
 def _as_params(op: str, params: tuple, *, loss: Optional[str] = None) -> tuple:

@@ -1,0 +1,259 @@
+"""contrastive_loss and triplet_margin_loss on the pairs or triplets a pytorch-metric-learning
+miner returns (indices_tuple=, torchkit/ops/_listed_pairs.py): against PML's losses fed the same
+miner's output, in every dtype, with and without refs, for both distances; against the loss
+over every pair or triplet; the exact distances' ties; its checks; compile and the modules."""
+
+import pytest
+import torch
+from pytorch_metric_learning import losses, miners
+from pytorch_metric_learning.distances import CosineSimilarity
+from test_pair_losses import exact_pair_loss, make, make_labels
+from testing import check_compile
+
+import torchkit
+from torchkit import ops, reference
+
+# (name, miner given the distance's keyword arguments): PML's miners of pairs and of triplets.
+MINERS = {
+    "PairMarginMiner": lambda kw: miners.PairMarginMiner(0.2, 0.8, **kw),
+    "TripletMarginMiner-hard": lambda kw: miners.TripletMarginMiner(0.1, type_of_triplets="hard", **kw),
+    "TripletMarginMiner-easy": lambda kw: miners.TripletMarginMiner(0.1, type_of_triplets="easy", **kw),
+    "TripletMarginMiner-semihard": lambda kw: miners.TripletMarginMiner(0.3, type_of_triplets="semihard", **kw),
+    "BatchEasyHardMiner": lambda kw: miners.BatchEasyHardMiner(**kw),
+    "BatchHardMiner": lambda kw: miners.BatchHardMiner(**kw),
+    "MultiSimilarityMiner": lambda kw: miners.MultiSimilarityMiner(0.1),
+}
+LOSSES = {
+    # name: (torchkit's function, PML's loss given the distance's keyword arguments)
+    "contrastive_loss": (
+        lambda e, labels, distance, **kw: ops.contrastive_loss(e, labels, 0.1, 0.8, distance=distance, **kw),
+        lambda kw: losses.ContrastiveLoss(0.1, 0.8, **kw),
+    ),
+    "triplet_margin_loss": (
+        lambda e, labels, distance, **kw: ops.triplet_margin_loss(e, labels, 0.2, distance=distance, **kw),
+        lambda kw: losses.TripletMarginLoss(0.2, **kw),
+    ),
+}
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def pml_kwargs(distance):
+    return {"distance": CosineSimilarity()} if distance == "cosine" else {}
+
+
+def mined(miner, distance, e, labels, ref=None, ref_labels=None):
+    m = MINERS[miner](pml_kwargs(distance))
+    return m(e, labels) if ref is None else m(e, labels, ref, ref_labels)
+
+
+def ours_and_pml(loss, distance, dtype, e, labels, ref, ref_labels, tuple_of, pml_dtype=None):
+    """Loss and gradients of torchkit's and PML's (in pml_dtype: the inputs' own by default) on
+    the same tuple."""
+    ours, theirs = LOSSES[loss]
+    results = []
+    for fn, dt in (
+        (
+            lambda x, r: ours(x, labels, distance, indices_tuple=tuple_of, ref_embeddings=r, ref_labels=ref_labels),
+            dtype,
+        ),
+        (lambda x, r: theirs(pml_kwargs(distance))(x, labels, tuple_of, r, ref_labels), pml_dtype or dtype),
+    ):
+        x = e.to(dt).requires_grad_()
+        r = None if ref is None else ref.to(dt).requires_grad_()
+        out = fn(x, r)
+        leaves = [x] if r is None else [x, r]
+        grads = torch.autograd.grad(out, leaves, allow_unused=True)
+        results.append(
+            (out.detach(), [torch.zeros_like(v) if g is None else g for v, g in zip(leaves, grads, strict=True)])
+        )
+    return results
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("miner", list(MINERS))
+def test_matches_pytorch_metric_learning(miner, loss, distance):
+    """Every miner's pairs or triplets into each loss, with and without refs: float64 and
+    float32 against PML in the same dtype (values and gradients)."""
+    e, labels = make((48, 12), seed=11), make_labels(48, 6, seed=11)
+    ref, ref_labels = make((30, 12), seed=12), make_labels(30, 6, seed=12)
+    for r, rl in ((None, None), (ref, ref_labels)):
+        for dtype, tol in TOLERANCE.items():
+            x, y = e.to(dtype), None if r is None else r.to(dtype)
+            tuple_of = mined(miner, distance, x, labels, y, rl)
+            (got, got_grads), (want, want_grads) = ours_and_pml(loss, distance, dtype, x, labels, y, rl, tuple_of)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            for a, b in zip(got_grads, want_grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_types_match_pytorch_metric_learning(dtype, loss, distance):
+    """float16 and bfloat16 inputs (float64 per listed pair, one rounding of the loss) against
+    PML in float64 on the same rounded values, pairs and triplets."""
+    e, labels = make((40, 10), seed=13).to(dtype), make_labels(40, 5, seed=13)
+    eps = torch.finfo(dtype).eps
+    for miner in ("PairMarginMiner", "TripletMarginMiner-hard"):
+        tuple_of = mined(miner, distance, e.double(), labels)
+        (got, (g,)), (want, (g64,)) = ours_and_pml(
+            loss, distance, dtype, e, labels, None, None, tuple_of, pml_dtype=torch.float64
+        )
+        assert got.dtype == g.dtype == dtype
+        assert abs(got.double() - want).item() <= eps * want.abs().item()
+        assert (g.double() - g64).abs().max() <= eps * g64.abs().max()
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_every_pair_or_triplet_is_the_loss_without_a_list(dtype, distance):
+    """Listing every pair (contrastive) or every triplet (triplet) gives the kernels' loss on
+    the whole batch, gradients included: on random rows, and on a collapsed batch (equal rows,
+    zero rows of either sign, a row one ulp from another) where only exact distances and
+    similarities agree."""
+    from test_pair_losses import collapsed
+
+    e, labels = make((30, 7), seed=14).to(dtype), make_labels(30, 4, seed=14)
+    z, z_labels = collapsed(24, dtype, seed=0)
+    for x, lab in ((e, labels), (z, z_labels)):
+        same = lab[:, None] == lab[None, :]
+        positive = same & ~torch.eye(len(lab), dtype=torch.bool)
+        pairs = (*positive.nonzero(as_tuple=True), *(~same).nonzero(as_tuple=True))
+        triplets = torch.where(positive[:, :, None] & ~same[:, None, :])
+        for loss, tuple_of, params in (
+            ("contrastive_loss", pairs, dict(pos_margin=1.0, neg_margin=0.0) if distance == "cosine" else {}),
+            ("triplet_margin_loss", triplets, dict(margin=0.0)),
+        ):
+            fn = getattr(ops, loss)
+            leaves = [x.clone().requires_grad_() for _ in range(2)]
+            got = fn(leaves[0], lab, **params, distance=distance, indices_tuple=tuple_of)
+            want = fn(leaves[1], lab, **params, distance=distance)
+            tol = 1e-12 if dtype == torch.float64 else 1e-5
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            (g,), (g_want,) = torch.autograd.grad(got, leaves[:1]), torch.autograd.grad(want, leaves[1:])
+            assert (g - g_want).abs().max() <= tol * g_want.abs().max()  # (a zero row's: ~1e12 · the others')
+
+
+def test_ties_are_exact():
+    """Zero rows (at exactly 1 from every unit row, cosine 0) and equal rows (distance 0, cosine
+    1) decide the terms on PML's margins as exact arithmetic does: the float64 exact loss, not
+    PML's rounding (collapsed batches of test_pair_losses)."""
+    from test_pair_losses import collapsed
+
+    e, labels = collapsed(24, torch.float64, seed=1)
+    same = labels[:, None] == labels[None, :]
+    positive = same & ~torch.eye(24, dtype=torch.bool)
+    pairs = (*positive.nonzero(as_tuple=True), *(~same).nonzero(as_tuple=True))
+    for params in (
+        {"pos_margin": 0.0, "neg_margin": 1.0, "distance": "euclidean"},
+        {"pos_margin": 1.0, "neg_margin": 0.0, "distance": "cosine"},
+    ):
+        got = ops.contrastive_loss(e, labels, **params, indices_tuple=pairs)
+        torch.testing.assert_close(got, exact_pair_loss("contrastive_loss", params, e, labels), rtol=1e-12, atol=0)
+
+
+def test_reference_takes_the_tuple_as_pml():
+    e, labels = make((30, 6), seed=15), make_labels(30, 4, seed=15)
+    for distance in ("euclidean", "cosine"):
+        for miner in ("PairMarginMiner", "TripletMarginMiner-hard"):
+            t = mined(miner, distance, e, labels)
+            for loss, kwargs in (
+                ("contrastive_loss", dict(pos_margin=0.1, neg_margin=0.8)),
+                ("triplet_margin_loss", {}),
+            ):
+                want = getattr(ops, loss)(e, labels, **kwargs, distance=distance, indices_tuple=t)
+                got = getattr(reference, loss)(e, labels, **kwargs, distance=distance, indices_tuple=t)
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_pml_rules_for_short_lists():
+    """PML's rules: a contrastive loss whose every list holds at most one index is 0, a
+    triplet loss without triplets is 0, both with zero gradients (NaN rows included)."""
+    e = make((6, 3)).requires_grad_()
+    labels = make_labels(6, 2)
+    one, none = torch.tensor([0]), torch.tensor([], dtype=torch.long)
+    with torch.no_grad():
+        e[5] = float("nan")
+    for loss, t in (
+        ("contrastive_loss", (one, torch.tensor([1]), one, torch.tensor([2]))),
+        ("triplet_margin_loss", (none, none, none)),
+        ("triplet_margin_loss", (one, torch.tensor([1]), torch.tensor([2]), torch.tensor([3]))),  # no match
+    ):
+        out = getattr(ops, loss)(e, labels, indices_tuple=t)
+        (g,) = torch.autograd.grad(out, e)
+        assert out.item() == 0 and not g.any(), loss
+
+
+e6, l6 = make((6, 4), torch.float32), make_labels(6, 3)
+r4 = make((4, 4), torch.float32, seed=1)
+BAD = [
+    ([torch.tensor([0])], TypeError, r"indices_tuple must be a tuple of 3 index tensors .* got list of 1$"),
+    (torch.tensor([0, 1, 2]), TypeError, r"indices_tuple must be a tuple of 3 index tensors .* got Tensor"),
+    ((torch.tensor([0]), [1], torch.tensor([2])), TypeError, r"indices_tuple\[1\] must be a Tensor of indices"),
+    ((torch.tensor([0.0]),) * 3, TypeError, r"indices_tuple\[0\] must have an integer dtype, got Float"),
+    ((torch.tensor([[0]]),) * 3, ValueError, r"indices_tuple\[0\] must be 1-D, got shape \[1, 1\]"),
+    (
+        (torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([2])),
+        ValueError,
+        r"indices_tuple's three .* one length .* \[2, 1, 1\]",
+    ),
+    (
+        (torch.tensor([0]), torch.tensor([1]), torch.tensor([2, 3])),
+        ValueError,
+        r"indices_tuple's three .* one length .* \[1, 1, 2\]",
+    ),
+    ((torch.tensor([0]), torch.tensor([1]), torch.tensor([6])), IndexError, r"indices_tuple\[2\] .* \[0, 6\), got 6"),
+    ((torch.tensor([-1]), torch.tensor([1]), torch.tensor([2])), IndexError, r"indices_tuple\[0\] .* \[0, 6\), got -1"),
+]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("bad,exc,match", BAD)
+def test_bad_tuples_are_refused(loss, bad, exc, match):
+    with pytest.raises(exc, match=rf"^{loss}: {match}"):
+        getattr(ops, loss)(e6, l6, indices_tuple=bad)
+
+
+@pytest.mark.bad_input
+def test_refs_and_other_options_are_checked():
+    """With refs, positives and negatives index the refs; the triplet loss refuses a mining
+    beside the tuple, both refuse group=."""
+    t = (torch.tensor([5]), torch.tensor([4]), torch.tensor([1]))
+    with pytest.raises(
+        IndexError, match=r"indices_tuple\[1\] must index the rows of ref_embeddings .* \[0, 4\), got 4"
+    ):
+        ops.contrastive_loss(e6, l6, indices_tuple=t, ref_embeddings=r4, ref_labels=l6[:4])
+    with pytest.raises(ValueError, match=r"indices_tuple and mining='batch_hard' both choose the triplets"):
+        ops.triplet_margin_loss(e6, l6, mining="batch_hard", indices_tuple=t)
+    with pytest.raises(NotImplementedError, match=r"^contrastive_loss: indices_tuple with group= is not supported"):
+        ops.contrastive_loss(e6, l6, indices_tuple=t, group=object())
+    with pytest.raises(ValueError, match=r"^triplet_margin_loss: margin must be finite"):  # (the loss's own checks)
+        ops.triplet_margin_loss(e6, l6, float("nan"), indices_tuple=t)
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_compile(loss):
+    torch._dynamo.reset()
+    fn = LOSSES[loss][0]
+    for n in (20, 27):
+        e, labels = make((n, 5), torch.float32, seed=n).requires_grad_(), make_labels(n, 4, seed=n)
+        pairs = mined("PairMarginMiner", "euclidean", e.detach(), labels)
+        triplets = mined("TripletMarginMiner-hard", "cosine", e.detach(), labels)
+        check_compile(
+            lambda x, lab, a1, p, a2, nn: fn(x, lab, "euclidean", indices_tuple=(a1, p, a2, nn)), e, labels, *pairs
+        )
+        check_compile(lambda x, lab, a, p, nn: fn(x, lab, "cosine", indices_tuple=(a, p, nn)), e, labels, *triplets)
+
+
+def test_modules_take_the_tuple_by_keyword():
+    e, labels = make((20, 5), seed=16), make_labels(20, 4, seed=16)
+    t = mined("TripletMarginMiner-hard", "euclidean", e, labels)
+    m = torchkit.nn.TripletMarginLoss(0.2)
+    assert m(e, labels, indices_tuple=t) == ops.triplet_margin_loss(e, labels, 0.2, indices_tuple=t)
+    with pytest.raises(TypeError, match=r"^TripletMarginLoss: ref_embeddings must be a Tensor .* indices_tuple="):
+        m(e, labels, t)  # (PML's positional order)
+    with pytest.raises(NotImplementedError, match=r"^SupConLoss: indices_tuple .* not supported yet"):
+        torchkit.nn.SupConLoss()(e, labels, indices_tuple=t)

@@ -1,0 +1,171 @@
+"""contrastive_loss and triplet_margin_loss over the pairs or triplets a pytorch-metric-learning
+miner returns (indices_tuple=): PML's loss on that list, in O(list · D) time and memory, never
+the N×M matrix PML computes to index it.
+
+The list's rows are gathered and normalised as F.normalize does, in float64 (every float32,
+float16 and bfloat16 value exactly, F.normalize's norm without over- or underflow), and each
+listed pair's distance taken directly from its rows' difference, as the kernels' exact
+distances are (csrc/cpu/pair_losses_euclidean_cpu.cpp): equal rows at 0, a zero row at exactly
+1 from a row of norm > eps; for distance="cosine" the similarity is the products' sum, or
+1 − d²/2 between near rows (s > 1/2) of norm > eps, exactly 1 between equal ones. The terms,
+which count and the means are then PML's, in float64, and the loss is rounded once to the
+inputs' dtype; autograd differentiates the whole (float64 per listed pair, O(list · D)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchkit.ops._common import describe, dtype_name
+
+_EPS = 1e-12  # F.normalize's
+
+
+def check_indices_tuple(op: str, indices_tuple, N: int, M: int, device: torch.device) -> tuple[Tensor, ...]:
+    """The tuple as PML's miners return it: 3 index tensors (anchors, positives, negatives:
+    triplets) or 4 (anchors, positives, anchors, negatives: pairs), 1-D, of an integer dtype,
+    on the embeddings' device; anchors index the N embeddings, the others the M refs (the
+    embeddings themselves without refs). As int64."""
+    if not isinstance(indices_tuple, (tuple, list)) or len(indices_tuple) not in (3, 4):
+        raise TypeError(
+            f"{op}: indices_tuple must be a tuple of 3 index tensors (anchors, positives, negatives) or 4 "
+            f"(anchors, positives, anchors, negatives), as pytorch-metric-learning's miners return; got "
+            f"{describe(indices_tuple)}"
+            + (f" of {len(indices_tuple)}" if isinstance(indices_tuple, (tuple, list)) else "")
+        )
+    triplets = len(indices_tuple) == 3
+    for k, t in enumerate(indices_tuple):
+        name = f"indices_tuple[{k}]"
+        if not torch.is_tensor(t):
+            raise TypeError(f"{op}: {name} must be a Tensor of indices, got {describe(t)}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{op}: {name} must have an integer dtype, got {dtype_name(t.dtype)}")
+        if t.dim() != 1:
+            raise ValueError(f"{op}: {name} must be 1-D, got shape {list(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{op}: embeddings and {name} must be on the same device, got {device} and {t.device}")
+    sizes = [t.shape[0] for t in indices_tuple]
+    if triplets and not sizes[0] == sizes[1] == sizes[2]:
+        raise ValueError(f"{op}: indices_tuple's three tensors must have one length (one triplet each), got {sizes}")
+    if not triplets and (sizes[0] != sizes[1] or sizes[2] != sizes[3]):
+        raise ValueError(
+            f"{op}: indices_tuple's anchors and positives, and its anchors and negatives, must have one length "
+            f"(one pair each), got {sizes}"
+        )
+    out = tuple(t.long() for t in indices_tuple)
+    for k, t in enumerate(out):
+        anchors = k == 0 or (k == 2 and not triplets)
+        high, rows = (N, "embeddings") if anchors else (M, "ref_embeddings (or embeddings without them)")
+        _check_range(op, f"indices_tuple[{k}]", t, high, rows)
+    return out
+
+
+def _check_range(op: str, name: str, t: Tensor, high: int, rows: str) -> None:
+    """Indices in [0, high): the first bad one named where the values are read on the host
+    (CPU tensors, eagerly), else a device-side assertion (no synchronisation)."""
+    what = f"{op}: {name} must index the rows of {rows}, in [0, {high})"
+    if t.numel() == 0:
+        return
+    ok = ((t >= 0) & (t < high)).all()
+    if torch.compiler.is_compiling() or t.device.type != "cpu":
+        torch._assert_async(ok, what)
+    elif not bool(ok):
+        bad = int(t[(t < 0) | (t >= high)][0])
+        raise IndexError(f"{what}, got {bad}")
+
+
+def _normalised(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """F.normalize's rows of x in float64, with per row whether it is all zero and whether it
+    is a unit row (its norm finite and above eps: norm 1 in exact arithmetic). The norm is
+    taken of the row scaled by a power of two near its largest entry (two exact factors), so
+    that it neither overflows nor underflows anywhere in float64's range."""
+    x = x.double()
+    top = x.abs().amax(1, keepdim=True)
+    finite = top.isfinite() & (top > 0)
+    # (a power of two within a factor 2 of the largest entry: log2's rounding may reach the next)
+    exponent = torch.where(finite, torch.log2(torch.where(finite, top, 1.0)).floor(), 0.0)
+    half = (exponent / 2).floor()
+    scaled = x * torch.pow(2.0, -half) * torch.pow(2.0, half - exponent)
+    norm = torch.linalg.vector_norm(scaled, dim=1, keepdim=True)
+    norm = norm * torch.pow(2.0, half) * torch.pow(2.0, exponent - half)
+    norm = torch.where(finite, norm, top)  # 0, ∞ or NaN: the row's own
+    e = x / norm.clamp_min(_EPS)
+    zero = (x == 0).all(1)
+    unit = (norm.squeeze(1) > _EPS) & norm.squeeze(1).isfinite()
+    return e, zero, unit
+
+
+def _exactly(v: Tensor, value: float, where: Tensor) -> Tensor:
+    """v with `value` where `where` holds, keeping v's gradient there (v is within an ulp of
+    value there, so that value − v is exact and v + (value − v) rounds to value)."""
+    return torch.where(where, v + (value - v).detach(), v)
+
+
+def pair_values(embeddings: Tensor, refs: Tensor, rows: Tensor, cols: Tensor, distance: str, same_rows: bool) -> Tensor:
+    """Per listed pair (row rows[k] of embeddings, row cols[k] of refs), float64: the Euclidean
+    distance of the normalised rows, or their cosine similarity (module docstring)."""
+    x, zx, ux = _normalised(embeddings.index_select(0, rows))
+    y, zy, uy = _normalised(refs.index_select(0, cols))
+    diff = x - y
+    # (equal inputs give equal normalised rows, and rows of one tensor at one index are equal)
+    equal = (diff == 0).all(1) | (rows == cols if same_rows else torch.zeros_like(ux))
+    if distance == "euclidean":
+        d = torch.linalg.vector_norm(diff, dim=1)  # (its gradient at 0 is 0, cdist's)
+        return _exactly(d, 1.0, (zx & uy) | (ux & zy))
+    s = (x * y).sum(1)
+    units = ux & uy
+    near = units & (s > 0.5)
+    s = torch.where(near, 1 - (diff * diff).sum(1) / 2, s)
+    return _exactly(s, 1.0, units & equal)
+
+
+def _mean_above_zero(terms: Tensor, counted: Tensor | None = None) -> Tensor:
+    """PML's AvgNonZeroReducer over the terms where `counted` (all), NaN terms kept (the loss
+    is then NaN, where PML drops them); 0 for none."""
+    kept = ~(terms <= 0)
+    if counted is not None:
+        kept = kept & counted
+    total = torch.where(kept, terms, 0.0).sum()
+    return total / kept.sum().clamp_min(1)
+
+
+def _zero(embeddings: Tensor, refs: Tensor | None) -> Tensor:
+    """A loss of 0 that carries zero gradients to the inputs (NaN inputs included)."""
+    out = embeddings.flatten()[:0].sum()
+    return out if refs is None else out + refs.flatten()[:0].sum()
+
+
+def listed_loss(op: str, embeddings, refs, indices, params) -> Tensor:
+    """contrastive_loss or triplet_margin_loss (op) with params (as its spec lists them) on the
+    checked indices: PML's loss on the pairs or triplets they list."""
+    rows = embeddings if refs is None else refs
+    same = refs is None
+    if op == "contrastive_loss":
+        pos_margin, neg_margin, distance = params
+        a1, p, a2, n = indices if len(indices) == 4 else (indices[0], indices[1], indices[0], indices[2])
+        if all(t.shape[0] <= 1 for t in (a1, p, a2, n)):  # PML: every index list of at most one
+            return _zero(embeddings, refs)
+        pos = pair_values(embeddings, rows, a1, p, distance, same)
+        neg = pair_values(embeddings, rows, a2, n, distance, same)
+        if distance == "cosine":  # similarities: the margins on the other side
+            loss = _mean_above_zero(pos_margin - pos) + _mean_above_zero(neg - neg_margin)
+        else:
+            loss = _mean_above_zero(pos - pos_margin) + _mean_above_zero(neg_margin - neg)
+        return loss.to(embeddings.dtype)
+    margin, _, distance = params
+    sign = -1.0 if distance == "cosine" else 1.0  # s_an − s_ap is −(d_ap − d_an) with d = −s
+    if len(indices) == 3:
+        a, p, n = indices
+        if a.shape[0] == 0:
+            return _zero(embeddings, refs)
+        ap = pair_values(embeddings, rows, a, p, distance, same)
+        an = pair_values(embeddings, rows, a, n, distance, same)
+        return _mean_above_zero(sign * (ap - an) + margin).to(embeddings.dtype)
+    # Pairs: PML's triplets of each positive pair with each negative pair of its anchor.
+    a1, p, a2, n = indices
+    match = a1[:, None] == a2[None, :]
+    ap = pair_values(embeddings, rows, a1, p, distance, same)
+    an = pair_values(embeddings, rows, a2, n, distance, same)
+    terms = sign * (ap[:, None] - an[None, :]) + margin
+    return _mean_above_zero(terms, match).to(embeddings.dtype)
