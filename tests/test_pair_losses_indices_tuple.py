@@ -1,7 +1,8 @@
-"""contrastive_loss and triplet_margin_loss on the pairs or triplets a pytorch-metric-learning
-miner returns (indices_tuple=, torchkit/ops/_listed_pairs.py): against PML's losses fed the same
-miner's output, in every dtype, with and without refs, for both distances; against the loss
-over every pair or triplet; the exact distances' ties; its checks; compile and the modules."""
+"""The pair losses on the pairs or triplets a pytorch-metric-learning miner returns
+(indices_tuple=, torchkit/ops/_listed_pairs.py): against PML's losses fed the same miner's
+output, in every dtype, with and without refs, for both distances of the Euclidean losses;
+against the loss over every pair or triplet; the exact distances' ties; its checks; compile
+and the modules."""
 
 import pytest
 import torch
@@ -33,7 +34,25 @@ LOSSES = {
         lambda e, labels, distance, **kw: ops.triplet_margin_loss(e, labels, 0.2, distance=distance, **kw),
         lambda kw: losses.TripletMarginLoss(0.2, **kw),
     ),
+    # (cosine similarity only: distance is "cosine" for them)
+    "supcon_loss": (
+        lambda e, labels, distance, **kw: ops.supcon_loss(e, labels, 0.1, **kw),
+        lambda kw: losses.SupConLoss(0.1),
+    ),
+    "ntxent_loss": (
+        lambda e, labels, distance, **kw: ops.ntxent_loss(e, labels, 0.2, **kw),
+        lambda kw: losses.NTXentLoss(0.2),
+    ),
+    "multi_similarity_loss": (
+        lambda e, labels, distance, **kw: ops.multi_similarity_loss(
+            e, labels, 2.0, 40.0, 0.5, miner_epsilon=None, **kw
+        ),
+        lambda kw: losses.MultiSimilarityLoss(2.0, 40.0, 0.5),
+    ),
 }
+EUCLIDEAN = ("contrastive_loss", "triplet_margin_loss")
+# (loss, distance): the Euclidean losses with both, the others with their cosine.
+LOSS_DISTANCES = [(loss, d) for loss in LOSSES for d in (("euclidean", "cosine") if loss in EUCLIDEAN else ("cosine",))]
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
@@ -69,14 +88,13 @@ def ours_and_pml(loss, distance, dtype, e, labels, ref, ref_labels, tuple_of, pm
     return results
 
 
-@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
-@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("loss,distance", LOSS_DISTANCES)
 @pytest.mark.parametrize("miner", list(MINERS))
 def test_matches_pytorch_metric_learning(miner, loss, distance):
     """Every miner's pairs or triplets into each loss, with and without refs: float64 and
     float32 against PML in the same dtype (values and gradients)."""
-    e, labels = make((48, 12), seed=11), make_labels(48, 6, seed=11)
-    ref, ref_labels = make((30, 12), seed=12), make_labels(30, 6, seed=12)
+    e, labels = make((32, 12), seed=11), make_labels(32, 5, seed=11)
+    ref, ref_labels = make((24, 12), seed=12), make_labels(24, 5, seed=12)
     for r, rl in ((None, None), (ref, ref_labels)):
         for dtype, tol in TOLERANCE.items():
             x, y = e.to(dtype), None if r is None else r.to(dtype)
@@ -88,8 +106,7 @@ def test_matches_pytorch_metric_learning(miner, loss, distance):
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
-@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("loss,distance", LOSS_DISTANCES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_types_match_pytorch_metric_learning(dtype, loss, distance):
     """float16 and bfloat16 inputs (float64 per listed pair, one rounding of the loss) against
@@ -112,28 +129,38 @@ def test_every_pair_or_triplet_is_the_loss_without_a_list(dtype, distance):
     """Listing every pair (contrastive) or every triplet (triplet) gives the kernels' loss on
     the whole batch, gradients included: on random rows, and on a collapsed batch (equal rows,
     zero rows of either sign, a row one ulp from another) where only exact distances and
-    similarities agree."""
+    similarities agree; on rows of no feature (all zero)."""
     from test_pair_losses import collapsed
 
     e, labels = make((30, 7), seed=14).to(dtype), make_labels(30, 4, seed=14)
     z, z_labels = collapsed(24, dtype, seed=0)
-    for x, lab in ((e, labels), (z, z_labels)):
+    for x, lab in ((e, labels), (z, z_labels), (e[:9, :0], labels[:9])):  # (and rows without features)
         same = lab[:, None] == lab[None, :]
         positive = same & ~torch.eye(len(lab), dtype=torch.bool)
         pairs = (*positive.nonzero(as_tuple=True), *(~same).nonzero(as_tuple=True))
         triplets = torch.where(positive[:, :, None] & ~same[:, None, :])
-        for loss, tuple_of, params in (
+        cases = [
             ("contrastive_loss", pairs, dict(pos_margin=1.0, neg_margin=0.0) if distance == "cosine" else {}),
             ("triplet_margin_loss", triplets, dict(margin=0.0)),
-        ):
+        ]
+        cases = [(loss, t, {**params, "distance": distance}) for loss, t, params in cases]
+        if distance == "cosine":
+            cases += [
+                ("supcon_loss", pairs, {}),
+                ("ntxent_loss", pairs, dict(temperature=0.5)),
+                ("multi_similarity_loss", pairs, dict(miner_epsilon=None)),
+            ]
+        for loss, tuple_of, params in cases:
             fn = getattr(ops, loss)
             leaves = [x.clone().requires_grad_() for _ in range(2)]
-            got = fn(leaves[0], lab, **params, distance=distance, indices_tuple=tuple_of)
-            want = fn(leaves[1], lab, **params, distance=distance)
+            got = fn(leaves[0], lab, **params, indices_tuple=tuple_of)
+            want = fn(leaves[1], lab, **params)
             tol = 1e-12 if dtype == torch.float64 else 1e-5
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
             (g,), (g_want,) = torch.autograd.grad(got, leaves[:1]), torch.autograd.grad(want, leaves[1:])
-            assert (g - g_want).abs().max() <= tol * g_want.abs().max()  # (a zero row's: ~1e12 · the others')
+            assert g.shape == g_want.shape
+            if g.numel():  # (relative to the largest entry: a zero row's is ~1e12 times the others')
+                assert (g - g_want).abs().max() <= tol * g_want.abs().max()
 
 
 def test_ties_are_exact():
@@ -213,8 +240,9 @@ BAD = [
 @pytest.mark.parametrize("loss", list(LOSSES))
 @pytest.mark.parametrize("bad,exc,match", BAD)
 def test_bad_tuples_are_refused(loss, bad, exc, match):
+    extra = {"miner_epsilon": None} if loss == "multi_similarity_loss" else {}
     with pytest.raises(exc, match=rf"^{loss}: {match}"):
-        getattr(ops, loss)(e6, l6, indices_tuple=bad)
+        getattr(ops, loss)(e6, l6, indices_tuple=bad, **extra)
 
 
 @pytest.mark.bad_input
@@ -228,13 +256,20 @@ def test_refs_and_other_options_are_checked():
         ops.contrastive_loss(e6, l6, indices_tuple=t, ref_embeddings=r4, ref_labels=l6[:4])
     with pytest.raises(ValueError, match=r"indices_tuple and mining='batch_hard' both choose the triplets"):
         ops.triplet_margin_loss(e6, l6, mining="batch_hard", indices_tuple=t)
+    with pytest.raises(ValueError, match=r"indices_tuple and miner_epsilon=0.1 .* both choose the pairs"):
+        ops.multi_similarity_loss(e6, l6, indices_tuple=t)
+    both = (torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([1, 4]), torch.tensor([3, 5]))
+    for loss in ("supcon_loss", "multi_similarity_loss"):  # (PML's matrix losses assert it)
+        with pytest.raises(ValueError, match=rf"^{loss}: indices_tuple lists a pair both as a positive and as a"):
+            getattr(ops, loss)(e6, l6, indices_tuple=both, **({"miner_epsilon": None} if "multi" in loss else {}))
     with pytest.raises(NotImplementedError, match=r"^contrastive_loss: indices_tuple with group= is not supported"):
         ops.contrastive_loss(e6, l6, indices_tuple=t, group=object())
     with pytest.raises(ValueError, match=r"^triplet_margin_loss: margin must be finite"):  # (the loss's own checks)
         ops.triplet_margin_loss(e6, l6, float("nan"), indices_tuple=t)
 
 
-@pytest.mark.parametrize("loss", list(LOSSES))
+# (NT-Xent and multi-similarity run supcon_loss's primitives: per-pair values, scattered sums)
+@pytest.mark.parametrize("loss", ["contrastive_loss", "triplet_margin_loss", "supcon_loss"])
 def test_compile(loss):
     torch._dynamo.reset()
     fn = LOSSES[loss][0]
@@ -255,5 +290,7 @@ def test_modules_take_the_tuple_by_keyword():
     assert m(e, labels, indices_tuple=t) == ops.triplet_margin_loss(e, labels, 0.2, indices_tuple=t)
     with pytest.raises(TypeError, match=r"^TripletMarginLoss: ref_embeddings must be a Tensor .* indices_tuple="):
         m(e, labels, t)  # (PML's positional order)
-    with pytest.raises(NotImplementedError, match=r"^SupConLoss: indices_tuple .* not supported yet"):
-        torchkit.nn.SupConLoss()(e, labels, indices_tuple=t)
+    pairs = mined("PairMarginMiner", "cosine", e, labels)
+    assert torchkit.nn.MultiSimilarityLoss()(e, labels, indices_tuple=pairs) == losses.MultiSimilarityLoss()(
+        e, labels, pairs
+    )

@@ -273,8 +273,7 @@ class CovariancePool2d(nn.Module):
 class _PairLoss(nn.Module):
     """A pair loss of torchkit.ops as PML's module: its parameters at construction,
     ``forward(embeddings, labels, ref_embeddings=None, ref_labels=None, *, indices_tuple=None)``
-    as PML's ``(embeddings, labels, indices_tuple, ref_emb=, ref_labels=)`` (indices_tuple: the
-    contrastive and triplet losses). ``group``: the loss across the ranks of
+    as PML's ``(embeddings, labels, indices_tuple, ref_emb=, ref_labels=)``. ``group``: the loss across the ranks of
     that process group (the functions' ``group=``)."""
 
     _op: str
@@ -307,11 +306,6 @@ class _PairLoss(nn.Module):
             )
         params = {key: getattr(self, key) for key in self._params}
         if indices_tuple is not None:
-            if self._op not in ("contrastive_loss", "triplet_margin_loss"):
-                raise NotImplementedError(
-                    f"{name}: indices_tuple (a miner's pairs or triplets) is not supported yet: ContrastiveLoss and "
-                    "TripletMarginLoss take it"
-                )
             params["indices_tuple"] = indices_tuple
         return getattr(ops, self._op)(
             embeddings, labels, **params, ref_embeddings=ref_embeddings, ref_labels=ref_labels, group=self.group

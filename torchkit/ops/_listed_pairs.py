@@ -1,6 +1,6 @@
-"""contrastive_loss and triplet_margin_loss over the pairs or triplets a pytorch-metric-learning
-miner returns (indices_tuple=): PML's loss on that list, in O(list · D) time and memory, never
-the N×M matrix PML computes to index it.
+"""The pair losses over the pairs or triplets a pytorch-metric-learning miner returns
+(indices_tuple=): PML's loss on that list, in O(list · D) time and memory, never the N×M
+matrix PML computes to index it (nor NT-Xent's positive × negative pairs one).
 
 The list's rows are gathered and normalised as F.normalize does, in float64 (every float32,
 float16 and bfloat16 value exactly, F.normalize's norm without over- or underflow), and each
@@ -10,6 +10,9 @@ distances are (csrc/cpu/pair_losses_euclidean_cpu.cpp): equal rows at 0, a zero 
 1 − d²/2 between near rows (s > 1/2) of norm > eps, exactly 1 between equal ones. The terms,
 which count and the means are then PML's, in float64, and the loss is rounded once to the
 inputs' dtype; autograd differentiates the whole (float64 per listed pair, O(list · D)).
+SupCon and multi-similarity are PML's "matrix" losses: a pair listed twice counts once (its
+mask entry), per anchor sums are scattered over the listed pairs; NT-Xent and the Euclidean
+losses count every listed pair, as PML indexes them.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def _normalised(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     taken of the row scaled by a power of two near its largest entry (two exact factors), so
     that it neither overflows nor underflows anywhere in float64's range."""
     x = x.double()
-    top = x.abs().amax(1, keepdim=True)
+    top = x.abs().amax(1, keepdim=True) if x.shape[1] > 0 else x.new_zeros(x.shape[0], 1)  # (D = 0: zero rows)
     finite = top.isfinite() & (top > 0)
     # (a power of two within a factor 2 of the largest entry: log2's rounding may reach the next)
     exponent = torch.where(finite, torch.log2(torch.where(finite, top, 1.0)).floor(), 0.0)
@@ -136,16 +139,76 @@ def _zero(embeddings: Tensor, refs: Tensor | None) -> Tensor:
     return out if refs is None else out + refs.flatten()[:0].sum()
 
 
+def _first_of_each(keys: Tensor) -> Tensor:
+    """Per entry, whether it is the first of its value in keys (a mask's entry set once),
+    without a data-dependent size (torch.unique's)."""
+    order = torch.sort(keys, stable=True)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = order.values[1:] != order.values[:-1]
+    return torch.zeros_like(first).scatter(0, order.indices, first)
+
+
+def _segment_logsumexp(x: Tensor, index: Tensor, n: int, keep: Tensor) -> Tensor:
+    """Per segment k < n: log Σ exp(x) over its entries (index = k) where keep; −∞ for none.
+    The shift is detached (as PML's max), and dropped entries give exp(−∞) = 0, no gradient."""
+    masked = torch.where(keep, x, float("-inf"))
+    top = torch.full((n,), float("-inf"), dtype=x.dtype, device=x.device)
+    top = top.scatter_reduce(0, index, masked.detach(), "amax").detach()
+    shift = torch.where(top.isfinite(), top, 0.0)  # (none: −∞; NaN stays in the sum below)
+    total = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, index, torch.exp(masked - shift[index]))
+    return shift + torch.log(total)
+
+
+def _pair_masks(op: str, a1, p, a2, n, M: int) -> tuple[Tensor, Tensor]:
+    """PML's masks of a "matrix" loss as weights of the listed pairs: each (anchor, ref) entry
+    once; refused as PML's assertion refuses it, a pair listed both positive and negative."""
+    pos_keys, neg_keys = a1 * M + p, a2 * M + n
+    both = torch.isin(pos_keys, neg_keys).any()
+    what = f"{op}: indices_tuple lists a pair both as a positive and as a negative (PML asserts each is either)"
+    if torch.compiler.is_compiling() or both.device.type != "cpu":
+        torch._assert_async(~both, what)
+    elif bool(both):
+        raise ValueError(what)
+    return _first_of_each(pos_keys), _first_of_each(neg_keys)
+
+
 def listed_loss(op: str, embeddings, refs, indices, params) -> Tensor:
-    """contrastive_loss or triplet_margin_loss (op) with params (as its spec lists them) on the
-    checked indices: PML's loss on the pairs or triplets they list."""
+    """The pair loss op with params (as its spec lists them) on the checked indices: PML's
+    loss on the pairs or triplets they list."""
     rows = embeddings if refs is None else refs
     same = refs is None
-    if op == "contrastive_loss":
-        pos_margin, neg_margin, distance = params
+    if op != "triplet_margin_loss":
         a1, p, a2, n = indices if len(indices) == 4 else (indices[0], indices[1], indices[0], indices[2])
         if all(t.shape[0] <= 1 for t in (a1, p, a2, n)):  # PML: every index list of at most one
             return _zero(embeddings, refs)
+    if op in ("supcon_loss", "ntxent_loss", "multi_similarity_loss"):
+        if op != "multi_similarity_loss" and (a1.shape[0] == 0 or a2.shape[0] == 0):  # (PML's rule for them)
+            return _zero(embeddings, refs)
+        pos = pair_values(embeddings, rows, a1, p, "cosine", same)
+        neg = pair_values(embeddings, rows, a2, n, "cosine", same)
+        N = embeddings.shape[0]
+        if op == "ntxent_loss":  # per positive pair, against its anchor's listed negatives
+            x, y = pos / params[0], neg / params[0]
+            negatives = _segment_logsumexp(y, a2, N, torch.ones_like(a2, dtype=torch.bool))
+            q = torch.exp(x - torch.logaddexp(x, negatives[a1]))
+            tiny = torch.finfo(torch.float64 if embeddings.dtype == torch.float64 else torch.float32).tiny
+            return (-torch.log(q + tiny)).mean().to(embeddings.dtype)
+        w_pos, w_neg = _pair_masks(op, a1, p, a2, n, rows.shape[0])
+        positives = torch.zeros(N, dtype=torch.float64, device=pos.device).index_add(0, a1, w_pos.double())
+        if op == "supcon_loss":
+            x, y = pos / params[0], neg / params[0]
+            lse = _segment_logsumexp(torch.cat([x, y]), torch.cat([a1, a2]), N, torch.cat([w_pos, w_neg]))
+            summed = torch.zeros(N, dtype=torch.float64, device=pos.device)
+            summed = summed.index_add(0, a1, torch.where(w_pos, x - lse[a1], 0.0))
+            per_anchor = -torch.where(positives > 0, summed / positives.clamp_min(1), 0.0)
+            return _mean_above_zero(per_anchor).to(embeddings.dtype)
+        alpha, beta, base, _ = params
+        zero = torch.zeros(N, dtype=torch.float64, device=pos.device)
+        lp = torch.logaddexp(zero, _segment_logsumexp(alpha * (base - pos), a1, N, w_pos))
+        ln = torch.logaddexp(zero, _segment_logsumexp(beta * (neg - base), a2, N, w_neg))
+        return (lp / alpha + ln / beta).mean().to(embeddings.dtype)
+    if op == "contrastive_loss":
+        pos_margin, neg_margin, distance = params
         pos = pair_values(embeddings, rows, a1, p, distance, same)
         neg = pair_values(embeddings, rows, a2, n, distance, same)
         if distance == "cosine":  # similarities: the margins on the other side

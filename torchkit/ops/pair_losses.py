@@ -29,6 +29,7 @@ def supcon_loss(
     labels: Tensor,
     temperature: float = 0.1,
     *,
+    indices_tuple: Optional[tuple] = None,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
     group=None,
@@ -47,6 +48,12 @@ def supcon_loss(
             accumulate in float32).
         labels (Tensor[N]): any integer dtype; pairs of equal labels are positives.
         temperature: finite and > 0.
+        indices_tuple (optional): the pairs ``(anchors, positives, anchors, negatives)`` (or
+            triplets ``(a, p, n)``, as the pairs (a, p) and (a, n)) a PML miner returns, index
+            tensors into the embeddings (anchors) and the refs (the embeddings without refs):
+            PML's loss given ``indices_tuple``, each anchor's sums over its listed pairs (a
+            pair listed twice counts once, PML's mask), in O(list · D); the labels are not
+            read. Not with ``group``.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``: another view, a memory; PML's CrossBatchMemory is
             ``torchkit.nn.CrossBatchMemory``); then every
@@ -69,7 +76,7 @@ def supcon_loss(
         >>> emb = model(images)  # (N, 128)
         >>> loss = torchkit.ops.supcon_loss(emb, labels, temperature=0.1)
     """
-    return _loss("supcon_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels, group)
+    return _loss("supcon_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels, group, indices_tuple)
 
 
 def ntxent_loss(
@@ -77,6 +84,7 @@ def ntxent_loss(
     labels: Tensor,
     temperature: float = 0.07,
     *,
+    indices_tuple: Optional[tuple] = None,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
     group=None,
@@ -96,6 +104,12 @@ def ntxent_loss(
         labels (Tensor[N]): any integer dtype; pairs of equal labels are positives (for
             SimCLR, the two views of an image share a label).
         temperature: finite and > 0.
+        indices_tuple (optional): the pairs ``(anchors, positives, anchors, negatives)`` (or
+            triplets ``(a, p, n)``, as the pairs (a, p) and (a, n)) a PML miner returns, index
+            tensors into the embeddings (anchors) and the refs (the embeddings without refs):
+            PML's loss given ``indices_tuple``, each listed positive pair against its anchor's
+            listed negatives, in O(list · D) (PML: O(positive pairs × negative pairs)); the
+            labels are not read. Not with ``group``.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -116,7 +130,7 @@ def ntxent_loss(
         >>> z = model(torch.cat([view1, view2]))  # (2B, 128)
         >>> loss = torchkit.ops.ntxent_loss(z, torch.arange(B).repeat(2), temperature=0.5)
     """
-    return _loss("ntxent_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels, group)
+    return _loss("ntxent_loss", embeddings, labels, (temperature,), ref_embeddings, ref_labels, group, indices_tuple)
 
 
 def contrastive_loss(
@@ -280,6 +294,7 @@ def multi_similarity_loss(
     base: float = 0.5,
     *,
     miner_epsilon: Optional[float] = 0.1,
+    indices_tuple: Optional[tuple] = None,
     ref_embeddings: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
     group=None,
@@ -304,6 +319,12 @@ def multi_similarity_loss(
         miner_epsilon: the miner's ε, finite, of either sign; None: no miner, every pair. The
             default mines with ε = 0.1, where ``torchkit.nn.MultiSimilarityLoss``, as PML's
             module, defaults to no miner.
+        indices_tuple (optional): the pairs ``(anchors, positives, anchors, negatives)`` (or
+            triplets ``(a, p, n)``, as the pairs (a, p) and (a, n)) another PML miner returns,
+            index tensors into the embeddings (anchors) and the refs (the embeddings without
+            refs), with ``miner_epsilon=None``: PML's loss given ``indices_tuple``, each
+            anchor's sums over its listed pairs (a pair listed twice counts once, PML's mask),
+            in O(list · D); the labels are not read. Not with ``group``.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``).
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -331,6 +352,7 @@ def multi_similarity_loss(
         ref_embeddings,
         ref_labels,
         group,
+        indices_tuple,
     )
 
 
@@ -566,6 +588,11 @@ def _listed(op, embeddings, labels, params, ref_embeddings, ref_labels, group, i
         raise ValueError(
             f"{op}: indices_tuple and mining='{checked[1]}' both choose the triplets: give indices_tuple with "
             "mining='all' (the default), or mining alone"
+        )
+    if op == "multi_similarity_loss" and checked[3] is not None:
+        raise ValueError(
+            f"{op}: indices_tuple and miner_epsilon={checked[3]:g} (the function's default miner) both choose the "
+            "pairs: give indices_tuple with miner_epsilon=None, or the miner alone"
         )
     M = embeddings.shape[0] if ref_embeddings is None else ref_embeddings.shape[0]
     indices = check_indices_tuple(op, indices_tuple, embeddings.shape[0], M, embeddings.device)
