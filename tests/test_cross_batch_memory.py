@@ -149,6 +149,77 @@ def test_under_torch_compile():
     assert compiled.queue_idx == eager.queue_idx and torch.equal(compiled.embedding_memory, eager.embedding_memory)
 
 
+# A PML miner in both wrappers (torchkit's losses then take its tuples: indices_tuple=).
+MINED = {
+    "contrastive-PairMarginMiner": (
+        lambda: tnn.ContrastiveLoss(0.1, 0.8),
+        lambda: losses.ContrastiveLoss(0.1, 0.8),
+        lambda: miners.PairMarginMiner(0.3, 0.7),
+    ),
+    "triplet-TripletMarginMiner": (
+        lambda: tnn.TripletMarginLoss(0.2),
+        lambda: losses.TripletMarginLoss(0.2),
+        lambda: miners.TripletMarginMiner(0.2, type_of_triplets="hard"),
+    ),
+    "triplet-cosine-BatchHardMiner": (
+        lambda: tnn.TripletMarginLoss(0.2, distance="cosine"),
+        lambda: losses.TripletMarginLoss(0.2, distance=CosineSimilarity()),
+        lambda: miners.BatchHardMiner(distance=CosineSimilarity()),
+    ),
+    "supcon-MultiSimilarityMiner": (
+        lambda: tnn.SupConLoss(0.1),
+        lambda: losses.SupConLoss(0.1),
+        lambda: miners.MultiSimilarityMiner(0.1),
+    ),
+    "ntxent-BatchEasyHardMiner": (
+        lambda: tnn.NTXentLoss(0.1),
+        lambda: losses.NTXentLoss(0.1),
+        lambda: miners.BatchEasyHardMiner(),
+    ),
+    "multi_similarity-PairMarginMiner": (
+        lambda: tnn.MultiSimilarityLoss(),
+        lambda: losses.MultiSimilarityLoss(),
+        lambda: miners.PairMarginMiner(0.3, 0.7),
+    ),
+}
+
+
+@pytest.mark.parametrize("memory", MEMORIES)
+@pytest.mark.parametrize("name", list(MINED))
+def test_miners_match_pytorch_metric_learning_step_by_step(name, memory):
+    """miner= in both wrappers: the miner's batch × memory tuples less each anchor's own copy,
+    step by step, in float64 and float32 (PML in its dtype)."""
+    ours, theirs, miner = MINED[name]
+    for dtype in (torch.float64, torch.float32):
+        a = tnn.CrossBatchMemory(ours(), 5, memory_size=memory, miner=miner())
+        b = losses.CrossBatchMemory(theirs(), 5, memory_size=memory, miner=miner())
+        for e, labels in batches(dtype):
+            x, y = e.clone().requires_grad_(), e.clone().requires_grad_()
+            loss, want = a(x, labels), b(y, labels)
+            loss.backward()
+            want.backward()
+            tol = 1e-12 if dtype == torch.float64 else 2e-5
+            torch.testing.assert_close(loss, want, rtol=tol, atol=tol)
+            torch.testing.assert_close(x.grad, y.grad, rtol=tol, atol=tol)
+
+
+def test_given_indices_tuple_joins_the_memory_pairs_as_pmls():
+    """forward's indices_tuple is appended to the memory's pairs (its positives and negatives
+    taken as memory rows, as PML's wrapper does), converted to their form."""
+    for tuple_of in (
+        lambda n: (torch.arange(n - 1), torch.arange(1, n), torch.arange(n - 1).flip(0)),  # triplets
+        lambda n: (torch.arange(n), torch.arange(n).flip(0), torch.tensor([0]), torch.tensor([1])),  # pairs
+    ):
+        for ours, theirs in (
+            (tnn.ContrastiveLoss(0.1, 0.8), losses.ContrastiveLoss(0.1, 0.8)),
+            (tnn.TripletMarginLoss(0.2), losses.TripletMarginLoss(0.2)),
+        ):
+            a, b = tnn.CrossBatchMemory(ours, 5, memory_size=13), losses.CrossBatchMemory(theirs, 5, memory_size=13)
+            for e, labels in batches(torch.float64):
+                t = tuple_of(len(e))
+                torch.testing.assert_close(a(e, labels, t), b(e, labels, t), rtol=1e-12, atol=1e-12)
+
+
 def test_refuses_what_it_cannot_take():
     loss = tnn.SupConLoss()
     with pytest.raises(TypeError, match=r"loss must be one of torchkit\.nn's SupConLoss"):
@@ -171,9 +242,13 @@ def test_refuses_what_it_cannot_take():
         memory(e[:3], labels[:3], enqueue_mask=torch.ones(3))
     with pytest.raises(ValueError, match="enqueue_mask must be 1-D with one entry per row of embeddings \\(3\\)"):
         memory(e[:3], labels[:3], enqueue_mask=torch.ones(4, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="indices_tuple"):
-        memory(e[:3], labels[:3], (torch.arange(2), torch.arange(2), torch.arange(2)))
+    with pytest.raises(IndexError, match=r"^CrossBatchMemory: indices_tuple\[1\] must index .* \[0, 3\), got 3"):
+        memory(e[:3], labels[:3], (torch.arange(2), torch.arange(2, 4), torch.arange(2)))
+    with pytest.raises(ValueError, match="indices_tuple and enqueue_mask are mutually exclusive"):
+        memory(e[:3], labels[:3], (torch.arange(2),) * 3, enqueue_mask=torch.ones(3, dtype=torch.bool))
     assert memory.queue_idx == 0  # (nothing refused was enqueued)
+    with pytest.raises(TypeError, match=r"miner must be a pytorch-metric-learning miner .* got str"):
+        tnn.CrossBatchMemory(loss, 4, miner="hard")
     with pytest.raises(ValueError, match="group= is not supported"):
         tnn.CrossBatchMemory(tnn.NTXentLoss(group=object()), 4)
 

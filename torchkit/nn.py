@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from torchkit import ops
 from torchkit.ops._common import as_float, as_int, check_bool, describe
+from torchkit.ops._listed_pairs import check_indices_tuple
 from torchkit.ops.covariance_pool import MAX_ITERATIONS
 from torchkit.ops.label_smoothing_cross_entropy import check_reduction
 from torchkit.ops.pair_losses import (
@@ -380,18 +381,21 @@ class MultiSimilarityLoss(_PairLoss):
 
 
 class CrossBatchMemory(nn.Module):
-    """pytorch-metric-learning's ``CrossBatchMemory(loss, embedding_size, memory_size=1024)``
-    for torchkit's pair losses (``SupConLoss``, ``NTXentLoss``, ``ContrastiveLoss``,
-    ``TripletMarginLoss``, ``MultiSimilarityLoss``): a queue of the last ``memory_size``
-    embeddings (detached) and their labels. Each call enqueues the batch, then takes the loss of
-    its rows as anchors against the whole memory (its filled part until it is full), each row's
-    own copy in the memory left out of its pairs: PML's wrapper without a miner, step by step.
+    """pytorch-metric-learning's ``CrossBatchMemory(loss, embedding_size, memory_size=1024,
+    miner=None)`` for torchkit's pair losses (``SupConLoss``, ``NTXentLoss``,
+    ``ContrastiveLoss``, ``TripletMarginLoss``, ``MultiSimilarityLoss``): a queue of the last
+    ``memory_size`` embeddings (detached) and their labels. Each call enqueues the batch, then
+    takes the loss of its rows as anchors against the whole memory (its filled part until it is
+    full), each row's own copy in the memory left out of its pairs: PML's wrapper, step by step.
     ``enqueue_mask`` (a bool per row, as PML's): the rows it marks only join the memory, the
     others are the anchors and are not enqueued (their pairs with every memory row count). The
-    gradient flows through the anchors alone. Each step costs O(memory · D), nothing
-    batch × memory is stored. The memory takes the dtype and device of the batch."""
+    gradient flows through the anchors alone. Without a miner each step costs O(memory · D),
+    nothing batch × memory is stored. ``miner`` (a PML miner, or any callable of
+    ``(embeddings, labels, ref_emb, ref_labels)``) chooses the batch × memory pairs or triplets
+    the loss takes (its ``indices_tuple=``), and ``forward``'s ``indices_tuple`` adds to them, as
+    PML's do. The memory takes the dtype and device of the batch."""
 
-    def __init__(self, loss: nn.Module, embedding_size: int, memory_size: int = 1024) -> None:
+    def __init__(self, loss: nn.Module, embedding_size: int, memory_size: int = 1024, miner=None) -> None:
         super().__init__()
         name = "CrossBatchMemory"
         if not isinstance(loss, _PairLoss):
@@ -401,7 +405,12 @@ class CrossBatchMemory(nn.Module):
             )
         if loss.group is not None:
             raise ValueError(f"{name}: the loss's group= is not supported (each process keeps its own memory)")
+        if miner is not None and not callable(miner):
+            raise TypeError(
+                f"{name}: miner must be a pytorch-metric-learning miner (a callable) or None, got {describe(miner)}"
+            )
         self.loss = loss
+        self.miner = miner
         self.embedding_size = as_int(name, "embedding_size", embedding_size)
         self.memory_size = as_int(name, "memory_size", memory_size)
         for key, value in (("embedding_size", self.embedding_size), ("memory_size", self.memory_size)):
@@ -420,11 +429,8 @@ class CrossBatchMemory(nn.Module):
         self, embeddings: Tensor, labels: Tensor, indices_tuple=None, enqueue_mask: Optional[Tensor] = None
     ) -> Tensor:
         name = "CrossBatchMemory"
-        if indices_tuple is not None:
-            raise NotImplementedError(
-                f"{name}: indices_tuple (a miner's pairs or triplets) is not supported yet: the loss takes every "
-                "pair of the batch and the memory"
-            )
+        if indices_tuple is not None and enqueue_mask is not None:
+            raise ValueError(f"{name}: indices_tuple and enqueue_mask are mutually exclusive (as PML's)")
         _check_inputs(name, embeddings, labels, None, None)
         _check_device(self.loss._op, embeddings)
         if embeddings.shape[1] != self.embedding_size:
@@ -454,11 +460,18 @@ class CrossBatchMemory(nn.Module):
             self.embedding_memory = self.embedding_memory.to(embeddings.device, embeddings.dtype)
         if self.label_memory.dtype != labels.dtype or self.label_memory.device != labels.device:
             self.label_memory = self.label_memory.to(labels.device, labels.dtype)
+        if indices_tuple is not None:  # (refused before anything is enqueued: the memory's rows after it)
+            rows = self.memory_size if self.has_been_filled else min(self.memory_size, self.queue_idx + queued.shape[0])
+            check_indices_tuple(name, indices_tuple, embeddings.shape[0], rows, embeddings.device)
         first = self.queue_idx
         self._enqueue(queued, queued_labels)
         memory = self.embedding_memory if self.has_been_filled else self.embedding_memory[: self.queue_idx]
         memory_labels = self.label_memory if self.has_been_filled else self.label_memory[: self.queue_idx]
         params = tuple(getattr(self.loss, key) for key in self.loss._params)
+        if self.miner is not None or indices_tuple is not None:
+            own = None if enqueue_mask is not None else (first + torch.arange(queued.shape[0])) % self.memory_size
+            indices = self._listed(embeddings, labels, memory, memory_labels, own, indices_tuple)
+            return self.loss(embeddings, labels, memory, memory_labels, indices_tuple=indices)
         if enqueue_mask is not None:  # (anchors apart from the memory: every pair counts)
             loss = getattr(ops, self.loss._op)
             keywords = dict(zip(self.loss._params, params, strict=True))
@@ -470,6 +483,31 @@ class CrossBatchMemory(nn.Module):
         from torchkit.ops._pair_losses_across_ranks import loss_against_memory
 
         return loss_against_memory(self.loss._op, embeddings, labels, memory, memory_labels, params, first)
+
+    def _listed(self, embeddings, labels, memory, memory_labels, own, indices_tuple) -> tuple:
+        """PML's create_indices_tuple: the miner's batch × memory pairs or triplets (every pair
+        without one), less each anchor's pairs with its own copy (own: its memory row; None with
+        enqueue_mask), then the given indices_tuple's appended in the same form."""
+        if self.miner is not None:
+            mined = tuple(self.miner(embeddings, labels, memory, memory_labels))
+        else:
+            same = labels[:, None] == memory_labels[None, :]
+            mined = (*same.nonzero(as_tuple=True), *(~same).nonzero(as_tuple=True))
+        if own is not None and len(mined) in (3, 4):
+            own = own.to(mined[0].device)
+            keep = mined[1] != own[mined[0]]  # (a positive that is the anchor's own copy)
+            mined = (
+                tuple(t[keep] for t in mined[:3]) if len(mined) == 3 else (*(t[keep] for t in mined[:2]), *mined[2:])
+            )
+        if indices_tuple is not None:
+            given = tuple(indices_tuple)
+            if len(given) == 3 and len(mined) == 4:  # (PML's conversions: triplets as pairs, and back)
+                given = (given[0], given[1], given[0], given[2])
+            elif len(given) == 4 and len(mined) == 3:
+                p, n = torch.where(given[0][:, None] == given[2][None, :])
+                given = (given[0][p], given[1][p], given[3][n])
+            mined = tuple(torch.cat([x, y.to(x.device)]) for x, y in zip(mined, given, strict=True))
+        return mined
 
     def _enqueue(self, embeddings: Tensor, labels: Tensor) -> None:
         n = embeddings.shape[0]
