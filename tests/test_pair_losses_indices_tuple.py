@@ -294,3 +294,17 @@ def test_modules_take_the_tuple_by_keyword():
     assert torchkit.nn.MultiSimilarityLoss()(e, labels, indices_tuple=pairs) == losses.MultiSimilarityLoss()(
         e, labels, pairs
     )
+
+
+def test_needs_no_kernel():
+    """The listed loss is PyTorch operations on O(list · D) tensors: any device, meta included
+    (where the losses' kernels are not asked for), shapes and dtypes as on the CPU."""
+    e, labels = make((12, 4), torch.float32).to("meta"), make_labels(12, 3).to("meta")
+    pairs = tuple(torch.tensor(v, device="meta") for v in ([0, 1], [1, 0], [0, 2], [3, 3]))
+    for loss, extra in (
+        ("contrastive_loss", {}),
+        ("supcon_loss", {}),
+        ("multi_similarity_loss", {"miner_epsilon": None}),
+    ):
+        out = getattr(ops, loss)(e, labels, indices_tuple=pairs, **extra)
+        assert out.device.type == "meta" and out.shape == () and out.dtype == torch.float32

@@ -432,7 +432,8 @@ class CrossBatchMemory(nn.Module):
         if indices_tuple is not None and enqueue_mask is not None:
             raise ValueError(f"{name}: indices_tuple and enqueue_mask are mutually exclusive (as PML's)")
         _check_inputs(name, embeddings, labels, None, None)
-        _check_device(self.loss._op, embeddings)
+        if self.miner is None and indices_tuple is None:  # (a miner's tuples need no kernel: any device)
+            _check_device(self.loss._op, embeddings)
         if embeddings.shape[1] != self.embedding_size:
             raise ValueError(
                 f"{name}: embeddings must have embedding_size = {self.embedding_size} features, got shape "

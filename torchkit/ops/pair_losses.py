@@ -553,13 +553,14 @@ def _choices(name: str) -> str:
 
 
 def _loss(op, embeddings, labels, params, ref_embeddings, ref_labels, group=None, indices_tuple=None) -> Tensor:
-    def check() -> tuple:
+    def check(kernel: bool = True) -> tuple:
         check_tensor(op, "embeddings", embeddings)
         check_tensor(op, "labels", labels)
         check_tensor(op, "ref_embeddings", ref_embeddings, optional=True)
         check_tensor(op, "ref_labels", ref_labels, optional=True)
         checked = _as_params(op, params)
-        _check_device(op, embeddings)
+        if kernel:  # (indices_tuple's loss runs no kernel: any device)
+            _check_device(op, embeddings)
         # Checked here too, not only by the kernels and the fake kernel: torch.compile then
         # raises eager's own exception, where a fake kernel's is wrapped in its TorchRuntimeError.
         _check_inputs(op, embeddings, labels, ref_embeddings, ref_labels)
@@ -581,7 +582,7 @@ def _listed(op, embeddings, labels, params, ref_embeddings, ref_labels, group, i
     the inputs checked as for every pair, the labels not read."""
     from torchkit.ops._listed_pairs import check_indices_tuple, listed_loss
 
-    checked = check()
+    checked = check(kernel=False)
     if group is not None:
         raise NotImplementedError(f"{op}: indices_tuple with group= is not supported: give one of them")
     if op == "triplet_margin_loss" and checked[1] != "all":
