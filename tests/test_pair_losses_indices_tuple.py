@@ -297,7 +297,7 @@ def test_modules_take_the_tuple_by_keyword():
 
 
 def test_needs_no_kernel():
-    """The listed loss is PyTorch operations on O(list · D) tensors: any device, meta included
+    """The listed loss is PyTorch operations (and torchkit.ops.cdist): any device, meta included
     (where the losses' kernels are not asked for), shapes and dtypes as on the CPU."""
     e, labels = make((12, 4), torch.float32).to("meta"), make_labels(12, 3).to("meta")
     pairs = tuple(torch.tensor(v, device="meta") for v in ([0, 1], [1, 0], [0, 2], [3, 3]))
@@ -308,3 +308,33 @@ def test_needs_no_kernel():
     ):
         out = getattr(ops, loss)(e, labels, indices_tuple=pairs, **extra)
         assert out.device.type == "meta" and out.shape == () and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+def test_gathered_rows_and_the_matrix_give_one_loss(monkeypatch, distance):
+    """A short list gathers its pairs' rows, a long one indexes the exact N × M matrix
+    (_listed_pairs.GATHER_FRACTION): both give the same values and gradients, ties included
+    (a collapsed batch's equal and zero rows), with and without refs."""
+    from test_pair_losses import collapsed
+
+    from torchkit.ops import _listed_pairs
+
+    e, labels = collapsed(24, torch.float64, seed=2)
+    ref, ref_labels = e[:10].flip(0).clone(), labels[:10].flip(0)
+    results = []
+    for fraction in (0.0, float("inf")):
+        monkeypatch.setattr(_listed_pairs, "GATHER_FRACTION", fraction)
+        out = []
+        for r, rl in ((None, None), (ref, ref_labels)):
+            x, y = e.clone().requires_grad_(), None if r is None else r.clone().requires_grad_()
+            t = mined("TripletMarginMiner-easy", distance, e, labels, r, rl)
+            loss = ops.triplet_margin_loss(
+                x, labels, 0.1, distance=distance, indices_tuple=t, ref_embeddings=y, ref_labels=rl
+            )
+            loss = loss + ops.contrastive_loss(
+                x, labels, 0.9, 0.1, distance=distance, indices_tuple=t, ref_embeddings=y, ref_labels=rl
+            )
+            out += [loss, *torch.autograd.grad(loss, [x] if y is None else [x, y])]
+        results.append(out)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * max(1.0, b.abs().max().item()))

@@ -1,15 +1,16 @@
 """The pair losses over the pairs or triplets a pytorch-metric-learning miner returns
-(indices_tuple=): PML's loss on that list, in O(list · D) time and memory, never the N×M
-matrix PML computes to index it (nor NT-Xent's positive × negative pairs one).
+(indices_tuple=): PML's loss on that list: a short list (at most GATHER_FRACTION of the N × M
+pairs) in O(list · D) time and memory, never the N × M matrix PML computes to index it, a
+longer one from that matrix, exact (nor NT-Xent's positive × negative pairs matrix, ever).
 
-The list's rows are gathered and normalised as F.normalize does, in float64 (every float32,
-float16 and bfloat16 value exactly, F.normalize's norm without over- or underflow), and each
-listed pair's distance taken directly from its rows' difference, as the kernels' exact
-distances are (csrc/cpu/pair_losses_euclidean_cpu.cpp): equal rows at 0, a zero row at exactly
-1 from a row of norm > eps; for distance="cosine" the similarity is the products' sum, or
-1 − d²/2 between near rows (s > 1/2) of norm > eps, exactly 1 between equal ones. The terms,
-which count and the means are then PML's, in float64, and the loss is rounded once to the
-inputs' dtype; autograd differentiates the whole (float64 per listed pair, O(list · D)).
+The rows are normalised as F.normalize does, in float64 (every float32, float16 and bfloat16
+value exactly, F.normalize's norm without over- or underflow), and each listed pair's
+distance is exact, as the kernels' are (csrc/cpu/pair_losses_euclidean_cpu.cpp): taken from
+its rows' difference (a short list) or from torchkit.ops.cdist of the rows (a long one);
+equal rows at 0, a zero row at exactly 1 from a row of norm > eps. For distance="cosine" the
+similarity is the products' sum, or 1 − d²/2 between near rows (s > 1/2) of norm > eps,
+exactly 1 between equal ones. The terms, which count and the means are then PML's, in
+float64, and the loss is rounded once to the inputs' dtype; autograd differentiates the whole.
 SupCon and multi-similarity are PML's "matrix" losses: a pair listed twice counts once (its
 mask entry), per anchor sums are scattered over the listed pairs; NT-Xent and the Euclidean
 losses count every listed pair, as PML indexes them.
@@ -105,22 +106,35 @@ def _exactly(v: Tensor, value: float, where: Tensor) -> Tensor:
     return torch.where(where, v + (value - v).detach(), v)
 
 
+# A list of at most this fraction of the N × M pairs gathers its pairs' rows (O(list · D));
+# a longer one (a triplet miner's lists reach N·M·(M/classes)) takes the pairs' values from the
+# N × M matrix, as PML does, but exact (torchkit.ops.cdist on the float64 rows).
+GATHER_FRACTION = 0.25
+
+
 def pair_values(embeddings: Tensor, refs: Tensor, rows: Tensor, cols: Tensor, distance: str, same_rows: bool) -> Tensor:
     """Per listed pair (row rows[k] of embeddings, row cols[k] of refs), float64: the Euclidean
     distance of the normalised rows, or their cosine similarity (module docstring)."""
-    x, zx, ux = _normalised(embeddings.index_select(0, rows))
-    y, zy, uy = _normalised(refs.index_select(0, cols))
-    diff = x - y
-    # (equal inputs give equal normalised rows, and rows of one tensor at one index are equal)
-    equal = (diff == 0).all(1) | (rows == cols if same_rows else torch.zeros_like(ux))
-    if distance == "euclidean":
+    if rows.shape[0] <= GATHER_FRACTION * embeddings.shape[0] * refs.shape[0]:
+        x, zx, ux = _normalised(embeddings.index_select(0, rows))
+        y, zy, uy = _normalised(refs.index_select(0, cols))
+        diff = x - y
         d = torch.linalg.vector_norm(diff, dim=1)  # (its gradient at 0 is 0, cdist's)
+        s = (x * y).sum(1) if distance == "cosine" else None
+    else:
+        e, ze, ue = _normalised(embeddings)
+        r, zr, ur = (e, ze, ue) if same_rows else _normalised(refs)
+        from torchkit.ops.cdist import cdist
+
+        d = cdist(e, None if same_rows else r)[rows, cols]  # (exact: equal rows at 0)
+        s = (e @ r.T)[rows, cols] if distance == "cosine" else None
+        zx, ux, zy, uy = ze[rows], ue[rows], zr[cols], ur[cols]
+    if distance == "euclidean":
         return _exactly(d, 1.0, (zx & uy) | (ux & zy))
-    s = (x * y).sum(1)
     units = ux & uy
     near = units & (s > 0.5)
-    s = torch.where(near, 1 - (diff * diff).sum(1) / 2, s)
-    return _exactly(s, 1.0, units & equal)
+    s = torch.where(near, 1 - d * d / 2, s)
+    return _exactly(s, 1.0, units & (d == 0))  # (equal rows: at distance exactly 0)
 
 
 def _mean_above_zero(terms: Tensor, counted: Tensor | None = None) -> Tensor:

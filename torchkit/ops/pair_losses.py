@@ -52,8 +52,8 @@ def supcon_loss(
             triplets ``(a, p, n)``, as the pairs (a, p) and (a, n)) a PML miner returns, index
             tensors into the embeddings (anchors) and the refs (the embeddings without refs):
             PML's loss given ``indices_tuple``, each anchor's sums over its listed pairs (a
-            pair listed twice counts once, PML's mask), in O(list · D); the labels are not
-            read. Not with ``group``.
+            pair listed twice counts once, PML's mask); a short list in O(list · D)
+            (docs/ops.md). The labels are not read. Not with ``group``.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``: another view, a memory; PML's CrossBatchMemory is
             ``torchkit.nn.CrossBatchMemory``); then every
@@ -108,8 +108,8 @@ def ntxent_loss(
             triplets ``(a, p, n)``, as the pairs (a, p) and (a, n)) a PML miner returns, index
             tensors into the embeddings (anchors) and the refs (the embeddings without refs):
             PML's loss given ``indices_tuple``, each listed positive pair against its anchor's
-            listed negatives, in O(list · D) (PML: O(positive pairs × negative pairs)); the
-            labels are not read. Not with ``group``.
+            listed negatives (PML: O(positive pairs × negative pairs)); a short list in
+            O(list · D) (docs/ops.md). The labels are not read. Not with ``group``.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -172,8 +172,9 @@ def contrastive_loss(
         indices_tuple (optional): the pairs ``(anchors, positives, anchors, negatives)`` or
             triplets ``(anchors, positives, negatives)`` (as the pairs (a, p) and (a, n)) a PML
             miner returns, index tensors into the embeddings (anchors) and the refs (the
-            embeddings without refs): PML's loss given ``indices_tuple``, on those pairs alone,
-            in O(list · D); the labels are not read. Not with ``group``.
+            embeddings without refs): PML's loss given ``indices_tuple``, on those pairs; a
+            short list in O(list · D) (docs/ops.md). The labels are not read. Not with
+            ``group``.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``); then every (anchor, ref) pair counts.
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -253,9 +254,9 @@ def triplet_margin_loss(
             ``(anchors, positives, anchors, negatives)`` (each positive pair with each negative
             pair of its anchor, as PML converts them) a PML miner returns, index tensors into
             the embeddings (anchors) and the refs (the embeddings without refs): PML's loss
-            given ``indices_tuple``, on those triplets alone, in O(list · D) (pairs: O(positive
-            pairs × negative pairs), as PML); with ``mining="all"``, the labels not read. Not
-            with ``group``.
+            given ``indices_tuple``, on those triplets (pairs: O(positive pairs × negative
+            pairs), as PML); a short list in O(list · D) (docs/ops.md). With ``mining="all"``,
+            the labels not read. Not with ``group``.
         ref_embeddings (Tensor[M, D], optional): the positives' and negatives' rows instead
             of the batch itself (PML's ``ref_emb``).
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
@@ -323,8 +324,9 @@ def multi_similarity_loss(
             triplets ``(a, p, n)``, as the pairs (a, p) and (a, n)) another PML miner returns,
             index tensors into the embeddings (anchors) and the refs (the embeddings without
             refs), with ``miner_epsilon=None``: PML's loss given ``indices_tuple``, each
-            anchor's sums over its listed pairs (a pair listed twice counts once, PML's mask),
-            in O(list · D); the labels are not read. Not with ``group``.
+            anchor's sums over its listed pairs (a pair listed twice counts once, PML's mask);
+            a short list in O(list · D) (docs/ops.md). The labels are not read. Not with
+            ``group``.
         ref_embeddings (Tensor[M, D], optional): the pairs' other side instead of the batch
             itself (PML's ``ref_emb``).
         ref_labels (Tensor[M], optional): their labels; given with ``ref_embeddings``.
