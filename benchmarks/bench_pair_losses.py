@@ -244,6 +244,62 @@ def test_pair_loss(benchmark, variant, case, N, D, per_class, dtype, device, row
     run(benchmark, step, op=loss, case=case, pass_=pass_, impl=impl, device=device, **extra)
 
 
+# The losses given a PML miner's tuple (indices_tuple=): the miner runs once, untimed (both
+# take its output); torchkit's loss on the list against PML's loss on the same list.
+MINED = {
+    "contrastive_loss PairMarginMiner": (
+        "contrastive_loss",
+        lambda: miners.PairMarginMiner(0.8, 1.2),
+        lambda: losses.ContrastiveLoss(0.0, 1.0),
+    ),
+    "triplet_margin_loss TripletMarginMiner hard": (
+        "triplet_margin_loss",
+        lambda: miners.TripletMarginMiner(0.05, type_of_triplets="hard"),
+        lambda: losses.TripletMarginLoss(0.05),
+    ),
+    "triplet_margin_loss BatchHardMiner": (
+        "triplet_margin_loss",
+        lambda: miners.BatchHardMiner(),
+        lambda: losses.TripletMarginLoss(0.05),
+    ),
+    "supcon_loss MultiSimilarityMiner": (
+        "supcon_loss",
+        lambda: miners.MultiSimilarityMiner(0.1),
+        lambda: losses.SupConLoss(0.1),
+    ),
+}
+
+
+@pytest.mark.parametrize("pass_", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", ["torchkit", PML])
+@pytest.mark.parametrize("variant", list(MINED))
+def test_pair_loss_on_a_miners_tuple(benchmark, variant, impl, pass_):
+    loss, miner, pml_loss = MINED[variant]
+    N, D = 1024, 512
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(N, D, generator=g)
+    labels = torch.arange(N) // 8
+    tuple_of = miner()(e, labels)
+    if impl == PML:
+        fn = functools.partial(pml_loss(), indices_tuple=tuple_of)
+    else:
+        fn = functools.partial(getattr(ops, loss), indices_tuple=tuple_of)
+    if pass_ == "forward":
+
+        def step():
+            with torch.no_grad():
+                fn(e, labels)
+    else:
+        e.requires_grad_()
+
+        def step():
+            fn(e, labels).backward()
+            e.grad = None
+
+    case = f"N={N} D={D} 8/class fp32 {variant.split(' ', 1)[1]} ({len(tuple_of[0])} listed)"
+    run(benchmark, step, op=loss, case=case, pass_=pass_, impl=impl, device="cpu")
+
+
 @torch.no_grad()
 def proxy_roofline(e, proxies, backward=False):
     s = e @ proxies.T

@@ -338,3 +338,24 @@ def test_gathered_rows_and_the_matrix_give_one_loss(monkeypatch, distance):
         results.append(out)
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("fraction", [0.0, float("inf")])  # (the matrix, the gathered rows)
+def test_rows_not_finite(monkeypatch, fraction):
+    """A NaN or ∞ row in a listed pair makes the loss NaN (PML drops such terms, see docs); one
+    in no listed pair takes no part: the loss and the other rows' gradients are finite, its
+    own gradient 0."""
+    from torchkit.ops import _listed_pairs
+
+    monkeypatch.setattr(_listed_pairs, "GATHER_FRACTION", fraction)
+    e, labels = make((12, 4), seed=17), make_labels(12, 3, seed=17)
+    e[10, 1], e[11, 2] = float("nan"), float("inf")
+    pairs = (torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5]), torch.tensor([0, 1]), torch.tensor([6, 7]))
+    for loss in ("contrastive_loss", "supcon_loss", "triplet_margin_loss"):
+        x = e.clone().requires_grad_()
+        out = getattr(ops, loss)(x, labels, indices_tuple=pairs)
+        (g,) = torch.autograd.grad(out, x)
+        assert out.isfinite() and g[:10].isfinite().all() and not g[10:].any(), loss
+        for bad in (10, 11):
+            listed = (pairs[0], torch.tensor([bad, 4, 5]), *pairs[2:])  # (anchor 0: in a triplet too)
+            assert getattr(ops, loss)(e, labels, indices_tuple=listed).isnan(), (loss, bad)

@@ -112,29 +112,39 @@ def _exactly(v: Tensor, value: float, where: Tensor) -> Tensor:
 GATHER_FRACTION = 0.25
 
 
-def pair_values(embeddings: Tensor, refs: Tensor, rows: Tensor, cols: Tensor, distance: str, same_rows: bool) -> Tensor:
-    """Per listed pair (row rows[k] of embeddings, row cols[k] of refs), float64: the Euclidean
-    distance of the normalised rows, or their cosine similarity (module docstring)."""
+def pair_values(embeddings: Tensor, refs: Tensor, pairs: list, distance: str, same_rows: bool) -> list[Tensor]:
+    """Per list of pairs (rows, cols) (row rows[k] of embeddings, row cols[k] of refs), its
+    values, float64: the Euclidean distance of the normalised rows, or their cosine similarity
+    (module docstring). The rows are normalised once, and the lists taken together."""
+    sizes = [rows.shape[0] for rows, _ in pairs]
+    rows, cols = torch.cat([r for r, _ in pairs]), torch.cat([c for _, c in pairs])
+    # Rows holding NaN or ∞ are normalised as zeros and their pairs' values made NaN after: a
+    # row in no listed pair then takes no part (its gradient 0, not 0 · NaN), as in the kernels.
+    bad_e = ~embeddings.isfinite().all(1)
+    e, ze, ue = _normalised(torch.where(bad_e[:, None], 0.0, embeddings))
+    if same_rows:
+        bad_r, r, zr, ur = bad_e, e, ze, ue
+    else:
+        bad_r = ~refs.isfinite().all(1)
+        r, zr, ur = _normalised(torch.where(bad_r[:, None], 0.0, refs))
     if rows.shape[0] <= GATHER_FRACTION * embeddings.shape[0] * refs.shape[0]:
-        x, zx, ux = _normalised(embeddings.index_select(0, rows))
-        y, zy, uy = _normalised(refs.index_select(0, cols))
-        diff = x - y
-        d = torch.linalg.vector_norm(diff, dim=1)  # (its gradient at 0 is 0, cdist's)
+        x, y = e.index_select(0, rows), r.index_select(0, cols)
+        d = torch.linalg.vector_norm(x - y, dim=1)  # (its gradient at 0 is 0, cdist's)
         s = (x * y).sum(1) if distance == "cosine" else None
     else:
-        e, ze, ue = _normalised(embeddings)
-        r, zr, ur = (e, ze, ue) if same_rows else _normalised(refs)
         from torchkit.ops.cdist import cdist
 
         d = cdist(e, None if same_rows else r)[rows, cols]  # (exact: equal rows at 0)
         s = (e @ r.T)[rows, cols] if distance == "cosine" else None
-        zx, ux, zy, uy = ze[rows], ue[rows], zr[cols], ur[cols]
+    zx, ux, zy, uy = ze[rows], ue[rows], zr[cols], ur[cols]
     if distance == "euclidean":
-        return _exactly(d, 1.0, (zx & uy) | (ux & zy))
-    units = ux & uy
-    near = units & (s > 0.5)
-    s = torch.where(near, 1 - d * d / 2, s)
-    return _exactly(s, 1.0, units & (d == 0))  # (equal rows: at distance exactly 0)
+        values = _exactly(d, 1.0, (zx & uy) | (ux & zy))
+    else:
+        units = ux & uy
+        s = torch.where(units & (s > 0.5), 1 - d * d / 2, s)
+        values = _exactly(s, 1.0, units & (d == 0))  # (equal rows: at distance exactly 0)
+    values = torch.where(bad_e[rows] | bad_r[cols], float("nan"), values)
+    return list(values.split(sizes))
 
 
 def _mean_above_zero(terms: Tensor, counted: Tensor | None = None) -> Tensor:
@@ -198,8 +208,7 @@ def listed_loss(op: str, embeddings, refs, indices, params) -> Tensor:
     if op in ("supcon_loss", "ntxent_loss", "multi_similarity_loss"):
         if op != "multi_similarity_loss" and (a1.shape[0] == 0 or a2.shape[0] == 0):  # (PML's rule for them)
             return _zero(embeddings, refs)
-        pos = pair_values(embeddings, rows, a1, p, "cosine", same)
-        neg = pair_values(embeddings, rows, a2, n, "cosine", same)
+        pos, neg = pair_values(embeddings, rows, [(a1, p), (a2, n)], "cosine", same)
         N = embeddings.shape[0]
         if op == "ntxent_loss":  # per positive pair, against its anchor's listed negatives
             x, y = pos / params[0], neg / params[0]
@@ -223,8 +232,7 @@ def listed_loss(op: str, embeddings, refs, indices, params) -> Tensor:
         return (lp / alpha + ln / beta).mean().to(embeddings.dtype)
     if op == "contrastive_loss":
         pos_margin, neg_margin, distance = params
-        pos = pair_values(embeddings, rows, a1, p, distance, same)
-        neg = pair_values(embeddings, rows, a2, n, distance, same)
+        pos, neg = pair_values(embeddings, rows, [(a1, p), (a2, n)], distance, same)
         if distance == "cosine":  # similarities: the margins on the other side
             loss = _mean_above_zero(pos_margin - pos) + _mean_above_zero(neg - neg_margin)
         else:
@@ -236,13 +244,11 @@ def listed_loss(op: str, embeddings, refs, indices, params) -> Tensor:
         a, p, n = indices
         if a.shape[0] == 0:
             return _zero(embeddings, refs)
-        ap = pair_values(embeddings, rows, a, p, distance, same)
-        an = pair_values(embeddings, rows, a, n, distance, same)
+        ap, an = pair_values(embeddings, rows, [(a, p), (a, n)], distance, same)
         return _mean_above_zero(sign * (ap - an) + margin).to(embeddings.dtype)
     # Pairs: PML's triplets of each positive pair with each negative pair of its anchor.
     a1, p, a2, n = indices
     match = a1[:, None] == a2[None, :]
-    ap = pair_values(embeddings, rows, a1, p, distance, same)
-    an = pair_values(embeddings, rows, a2, n, distance, same)
+    ap, an = pair_values(embeddings, rows, [(a1, p), (a2, n)], distance, same)
     terms = sign * (ap[:, None] - an[None, :]) + margin
     return _mean_above_zero(terms, match).to(embeddings.dtype)
