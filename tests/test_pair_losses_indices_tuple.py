@@ -334,6 +334,10 @@ def test_gathered_rows_and_the_matrix_give_one_loss(monkeypatch, distance):
             loss = loss + ops.contrastive_loss(
                 x, labels, 0.9, 0.1, distance=distance, indices_tuple=t, ref_embeddings=y, ref_labels=rl
             )
+            if distance == "cosine":  # (the matrix losses: PML's dense masks on a long list)
+                kw = dict(indices_tuple=t, ref_embeddings=y, ref_labels=rl)
+                loss = loss + ops.supcon_loss(x, labels, **kw) + ops.ntxent_loss(x, labels, **kw)
+                loss = loss + ops.multi_similarity_loss(x, labels, miner_epsilon=None, **kw)
             out += [loss, *torch.autograd.grad(loss, [x] if y is None else [x, y])]
         results.append(out)
     for a, b in zip(*results, strict=True):

@@ -112,39 +112,86 @@ def _exactly(v: Tensor, value: float, where: Tensor) -> Tensor:
 GATHER_FRACTION = 0.25
 
 
-def pair_values(embeddings: Tensor, refs: Tensor, pairs: list, distance: str, same_rows: bool) -> list[Tensor]:
-    """Per list of pairs (rows, cols) (row rows[k] of embeddings, row cols[k] of refs), its
-    values, float64: the Euclidean distance of the normalised rows, or their cosine similarity
-    (module docstring). The rows are normalised once, and the lists taken together."""
-    sizes = [rows.shape[0] for rows, _ in pairs]
-    rows, cols = torch.cat([r for r, _ in pairs]), torch.cat([c for _, c in pairs])
-    # Rows holding NaN or ∞ are normalised as zeros and their pairs' values made NaN after: a
-    # row in no listed pair then takes no part (its gradient 0, not 0 · NaN), as in the kernels.
-    bad_e = ~embeddings.isfinite().all(1)
-    e, ze, ue = _normalised(torch.where(bad_e[:, None], 0.0, embeddings))
-    if same_rows:
-        bad_r, r, zr, ur = bad_e, e, ze, ue
-    else:
-        bad_r = ~refs.isfinite().all(1)
-        r, zr, ur = _normalised(torch.where(bad_r[:, None], 0.0, refs))
-    if rows.shape[0] <= GATHER_FRACTION * embeddings.shape[0] * refs.shape[0]:
-        x, y = e.index_select(0, rows), r.index_select(0, cols)
-        d = torch.linalg.vector_norm(x - y, dim=1)  # (its gradient at 0 is 0, cdist's)
-        s = (x * y).sum(1) if distance == "cosine" else None
-    else:
-        from torchkit.ops.cdist import cdist
+def _rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """_normalised's rows of x, with per row whether it holds NaN or ∞: such a row is
+    normalised as zeros and its pairs' values made NaN after, so that a row in no listed pair
+    takes no part (its gradient 0, not 0 · NaN), as in the kernels."""
+    bad = ~x.isfinite().all(1)
+    return (*_normalised(torch.where(bad[:, None], 0.0, x)), bad)
 
-        d = cdist(e, None if same_rows else r)[rows, cols]  # (exact: equal rows at 0)
-        s = (e @ r.T)[rows, cols] if distance == "cosine" else None
-    zx, ux, zy, uy = ze[rows], ue[rows], zr[cols], ur[cols]
+
+def _value_matrix(embeddings: Tensor, refs: Tensor, distance: str, same_rows: bool) -> Tensor:
+    """pair_values of every (embeddings row, refs row) pair, N × M: exact distances from
+    torchkit.ops.cdist of the float64 rows (as PML computes its matrix, but exact)."""
+    from torchkit.ops.cdist import cdist
+
+    e, ze, ue, bad_e = _rows(embeddings)
+    r, zr, ur, bad_r = (e, ze, ue, bad_e) if same_rows else _rows(refs)
+    d = cdist(e, None if same_rows else r)  # (exact: equal rows at 0)
+    s = e @ r.T if distance == "cosine" else None
+    return _values(d, s, ze[:, None], ue[:, None], zr[None, :], ur[None, :], bad_e[:, None] | bad_r[None, :], distance)
+
+
+def _values(d, s, zx, ux, zy, uy, bad, distance: str) -> Tensor:
+    """The pairs' values from their float64 distances d (and cosines s) and their rows' flags."""
     if distance == "euclidean":
         values = _exactly(d, 1.0, (zx & uy) | (ux & zy))
     else:
         units = ux & uy
         s = torch.where(units & (s > 0.5), 1 - d * d / 2, s)
         values = _exactly(s, 1.0, units & (d == 0))  # (equal rows: at distance exactly 0)
-    values = torch.where(bad_e[rows] | bad_r[cols], float("nan"), values)
+    return torch.where(bad, float("nan"), values)
+
+
+def pair_values(embeddings: Tensor, refs: Tensor, pairs: list, distance: str, same_rows: bool) -> list[Tensor]:
+    """Per list of pairs (rows, cols) (row rows[k] of embeddings, row cols[k] of refs), its
+    values, float64: the Euclidean distance of the normalised rows, or their cosine similarity
+    (module docstring). The rows are normalised once, and the lists taken together."""
+    sizes = [rows.shape[0] for rows, _ in pairs]
+    rows, cols = torch.cat([r for r, _ in pairs]), torch.cat([c for _, c in pairs])
+    if not _short(rows.shape[0], embeddings, refs):
+        return list(_value_matrix(embeddings, refs, distance, same_rows)[rows, cols].split(sizes))
+    e, ze, ue, bad_e = _rows(embeddings)
+    r, zr, ur, bad_r = (e, ze, ue, bad_e) if same_rows else _rows(refs)
+    x, y = e.index_select(0, rows), r.index_select(0, cols)
+    d = torch.linalg.vector_norm(x - y, dim=1)  # (its gradient at 0 is 0, cdist's)
+    s = (x * y).sum(1) if distance == "cosine" else None
+    values = _values(d, s, ze[rows], ue[rows], zr[cols], ur[cols], bad_e[rows] | bad_r[cols], distance)
     return list(values.split(sizes))
+
+
+def _short(pairs: int, embeddings: Tensor, refs: Tensor) -> bool:
+    """Whether a list of this many pairs is taken pair by pair (GATHER_FRACTION)."""
+    return pairs <= GATHER_FRACTION * embeddings.shape[0] * refs.shape[0]
+
+
+def _masked_logsumexp(x: Tensor, keep: Tensor) -> Tensor:
+    """Per row, log Σ exp(x) over the entries where keep; −∞ for none (shift detached, dropped
+    entries exp(−∞) = 0: no gradient, no NaN)."""
+    masked = torch.where(keep, x, float("-inf"))
+    top = masked.detach().amax(1, keepdim=True)
+    shift = torch.where(top.isfinite(), top, 0.0)
+    return (shift + torch.log(torch.exp(masked - shift).sum(1, keepdim=True))).squeeze(1)
+
+
+def _dense_matrix_loss(op: str, embeddings, refs, same, a1, p, a2, n, params) -> Tensor:
+    """SupCon or multi-similarity on a long list: PML's own masks (N × M) and sums over the
+    exact N × M cosine matrix."""
+    s = _value_matrix(embeddings, refs, "cosine", same)
+    pos = torch.zeros_like(s, dtype=torch.bool).index_put((a1, p), torch.ones_like(a1, dtype=torch.bool))
+    neg = torch.zeros_like(s, dtype=torch.bool).index_put((a2, n), torch.ones_like(a2, dtype=torch.bool))
+    _check_disjoint(op, (pos & neg).any())
+    if op == "supcon_loss":
+        x = s / params[0]
+        lse = _masked_logsumexp(x, pos | neg)
+        count = pos.sum(1)
+        summed = torch.where(pos, x - lse[:, None], 0.0).sum(1)
+        return _mean_above_zero(-torch.where(count > 0, summed / count.clamp_min(1), 0.0))
+    alpha, beta, base, _ = params
+    zero = torch.zeros(s.shape[0], dtype=s.dtype, device=s.device)
+    lp = torch.logaddexp(zero, _masked_logsumexp(alpha * (base - s), pos))
+    ln = torch.logaddexp(zero, _masked_logsumexp(beta * (s - base), neg))
+    return (lp / alpha + ln / beta).mean()
 
 
 def _mean_above_zero(terms: Tensor, counted: Tensor | None = None) -> Tensor:
@@ -187,13 +234,16 @@ def _pair_masks(op: str, a1, p, a2, n, M: int) -> tuple[Tensor, Tensor]:
     """PML's masks of a "matrix" loss as weights of the listed pairs: each (anchor, ref) entry
     once; refused as PML's assertion refuses it, a pair listed both positive and negative."""
     pos_keys, neg_keys = a1 * M + p, a2 * M + n
-    both = torch.isin(pos_keys, neg_keys).any()
+    _check_disjoint(op, torch.isin(pos_keys, neg_keys).any())
+    return _first_of_each(pos_keys), _first_of_each(neg_keys)
+
+
+def _check_disjoint(op: str, both: Tensor) -> None:
     what = f"{op}: indices_tuple lists a pair both as a positive and as a negative (PML asserts each is either)"
     if torch.compiler.is_compiling() or both.device.type != "cpu":
         torch._assert_async(~both, what)
     elif bool(both):
         raise ValueError(what)
-    return _first_of_each(pos_keys), _first_of_each(neg_keys)
 
 
 def listed_loss(op: str, embeddings, refs, indices, params) -> Tensor:
@@ -208,6 +258,8 @@ def listed_loss(op: str, embeddings, refs, indices, params) -> Tensor:
     if op in ("supcon_loss", "ntxent_loss", "multi_similarity_loss"):
         if op != "multi_similarity_loss" and (a1.shape[0] == 0 or a2.shape[0] == 0):  # (PML's rule for them)
             return _zero(embeddings, refs)
+        if op != "ntxent_loss" and not _short(a1.shape[0] + a2.shape[0], embeddings, rows):
+            return _dense_matrix_loss(op, embeddings, rows, same, a1, p, a2, n, params).to(embeddings.dtype)
         pos, neg = pair_values(embeddings, rows, [(a1, p), (a2, n)], "cosine", same)
         N = embeddings.shape[0]
         if op == "ntxent_loss":  # per positive pair, against its anchor's listed negatives
