@@ -749,6 +749,50 @@ def test_multi_similarity_miner_decides_on_exact_cosines(side, device):
 
 
 @kernels
+@pytest.mark.parametrize("refs", [False, True])
+@pytest.mark.parametrize("side", [1, -1])
+def test_multi_similarity_miner_decides_on_exact_cosines_among_many(side, refs, device):
+    """As above, with the near positive among 17 rows, past its anchor's own column (or the
+    first nine rows against the others as refs, where there is none): its choice (loss and
+    gradients against PML in float64) is the float64 cosines' wherever the pair lies in a row."""
+    n = torch.tensor([0.5403023, 0.84147096], dtype=torch.float32)
+    s_n = (n[0].double() / n.double().norm()).item()
+    far = torch.tensor([[-1.0, 0.1 * k] for k in range(1, 9)])  # (cosines with the anchor < 0)
+    e = torch.cat([torch.tensor([[1.0, 0.0]]), far, positive_at(0.1, s_n, side)[None], n[None], far[:6]])
+    labels = torch.tensor([0] + [1] * 8 + [0, 1] + [2] * 6)
+    params = {"alpha": 2.0, "beta": 50.0, "base": 0.5, "miner_epsilon": 0.1}
+    args = (e[:9], labels[:9], e[9:], labels[9:]) if refs else (e, labels)
+    leaves = [a.clone().requires_grad_() if a.is_floating_point() else a for a in args]
+    got = ops.multi_similarity_loss(
+        leaves[0], leaves[1], **params, **(dict(ref_embeddings=leaves[2], ref_labels=leaves[3]) if refs else {})
+    )
+    grads = torch.autograd.grad(got, [x for x in leaves if x.is_floating_point()])
+    exp_leaves = [a.double().clone().requires_grad_() if a.is_floating_point() else a for a in args]
+    exp = pml("multi_similarity_loss", params)(*exp_leaves)
+    exp_grads = torch.autograd.grad(exp, [x for x in exp_leaves if x.is_floating_point()])
+    torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-6)
+    for g, x in zip(grads, exp_grads, strict=True):
+        torch.testing.assert_close(g.double(), x, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("miner_epsilon", [0.1, None])
+def test_multi_similarity_on_refs_past_one_strip(miner_epsilon):
+    """Eight anchors against 140,000 refs: more than the CPU kernel keeps of a block's cosines
+    at once (2^20), so that its two passes (the miner's thresholds, then the terms) form the
+    tiles twice; loss and gradients as the float64 reference's."""
+    e, labels = make((8, 3), seed=1), make_labels(8, 50, seed=1)
+    refs, ref_labels = make((140_000, 3), seed=2), make_labels(140_000, 50, seed=2)
+    params = dict(miner_epsilon=miner_epsilon, ref_labels=ref_labels)
+    grads = []
+    for fn in (ops.multi_similarity_loss, reference.multi_similarity_loss):
+        x, r = e.clone().requires_grad_(), refs.clone().requires_grad_()
+        out = fn(x, labels, ref_embeddings=r, **params)
+        grads.append((out, *torch.autograd.grad(out, (x, r))))
+    for got, exp in zip(*grads, strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-12)
+
+
+@kernels
 def test_triplet_batch_hard_picks_the_exact_hardest_positive(device):
     """Two positives 1e-7 apart (their float32 distances tie within rounding): the one the
     gradient reaches is the float64 reference's farthest, for each of 60 anchors (one batch:

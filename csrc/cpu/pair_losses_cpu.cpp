@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -358,11 +360,76 @@ int64_t cos_row(const Problem& p, const Inputs& in, acc_t* x, int64_t i, int64_t
   return scaled_row<acc_t>(unit, in, x, i, b0, dj);
 }
 
+// A loss's ∂loss/∂s in the form the tiles take vectorised: for anchor a's pair of cosine s, a
+// negative's weight·exp(neg_slope·(s − neg_shift) + neg_c[a]), a positive's
+// pos_w[a]·exp(pos_slope·(s − pos_shift) + pos_c[a]) (the exponent formed in double, as the
+// scalar terms form it), where the miner keeps the pair. The miner's choice is certain outside
+// a band of s per anchor and kind ([neg_lo, neg_hi]: kept above, dropped below; [pos_lo,
+// pos_hi]: kept below, dropped above; bands of −∞ or +∞ without a miner); within it, and for
+// NaN, the pair is left to the loss's scalar terms, which decide on the exact cosine. Only
+// where the exponents' parts are finite (ordinary()): elsewhere every pair takes the scalar
+// terms, as they handle ±∞.
+template <typename acc_t>
+struct VectorTerms {
+  double neg_slope = 0, neg_shift = 0, pos_slope = 0, pos_shift = 0;
+  std::vector<double> neg_c, pos_c;
+  std::vector<acc_t> pos_w, neg_lo, neg_hi, pos_lo, pos_hi;
+
+  explicit VectorTerms(int64_t anchors)
+      : neg_c(anchors),
+        pos_c(anchors),
+        pos_w(anchors),
+        neg_lo(anchors, -std::numeric_limits<acc_t>::infinity()),
+        neg_hi(anchors, -std::numeric_limits<acc_t>::infinity()),
+        pos_lo(anchors, std::numeric_limits<acc_t>::infinity()),
+        pos_hi(anchors, std::numeric_limits<acc_t>::infinity()) {}
+
+  bool ordinary() const {
+    auto finite = [](const auto& v) {
+      return std::all_of(v.begin(), v.end(), [](auto x) { return std::isfinite(x); });
+    };
+    return std::isfinite(neg_slope * (1 + std::abs(neg_shift))) &&
+           std::isfinite(pos_slope * (1 + std::abs(pos_shift))) && finite(neg_c) && finite(pos_c) &&
+           finite(pos_w);
+  }
+};
+
+// The acc_t values just past a double band [lo, hi] of values formed as a sum of terms of
+// magnitude up to `scale` (outward by a few units of either type's rounding at that scale, so
+// that a comparison of an acc_t s with them decides as the double comparison of s, ± ε and
+// the threshold would, rounding included).
+template <typename acc_t>
+std::pair<acc_t, acc_t> outside(double lo, double hi, double scale) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double pad = 8 * std::numeric_limits<acc_t>::epsilon() * (1 + scale);
+  auto down = [&](double v) {
+    if (std::isinf(v)) return static_cast<acc_t>(v);
+    const double m = v - pad;
+    acc_t f = static_cast<acc_t>(m);
+    return static_cast<double>(f) > m ? std::nextafter(f, static_cast<acc_t>(-kInf)) : f;
+  };
+  auto up = [&](double v) {
+    if (std::isinf(v)) return static_cast<acc_t>(v);
+    const double m = v + pad;
+    acc_t f = static_cast<acc_t>(m);
+    return static_cast<double>(f) < m ? std::nextafter(f, static_cast<acc_t>(kInf)) : f;
+  };
+  return {down(lo), up(hi)};
+}
+
+// Multi-similarity's forward: per block of anchors, its strip of cosines (for_each_strip: one
+// GEMM while the strip fits) read twice, for the miner's thresholds (each anchor's hardest
+// negative and positive, exact) and then for the terms. Both passes are vectorised over a
+// row; a pair whose choice lies within the tile's slack of its threshold, and a row holding
+// NaN, take the scalar choices (MultiSimilarity::mined, Extreme), which decide on the exact
+// cosine.
 template <typename scalar_t>
 std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
                                       const Tensor& embeddings) {
   using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
   constexpr int64_t S = kMultiSimilarityStats;
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
   MultiSimilarity<acc_t> ms(p, in);
   Tensor stats = at::zeros({p.N, S}, in.a.rows.options().dtype(at::kDouble));
   double* st = stats.data_ptr<double>();
@@ -377,86 +444,157 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
   const int64_t* lab = in.lab.const_data_ptr<int64_t>();
   const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
   const bool mining = p.miner_epsilon.has_value();
-  // The miner's thresholds: each anchor's hardest negative and positive, exact.
-  std::vector<int64_t> pairs(2 * p.N, 0);  // per anchor: [negative, positive] pairs
-  if (mining) {
-    std::vector<Extreme<true>> negative(p.N);
-    std::vector<Extreme<false>> positive(p.N);
-    for_each_tile(in.a.rows, in.b.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
-      const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
+  const double eps = mining ? *p.miner_epsilon : 0.0;
+  std::vector<int64_t> pairs(2 * p.N, 0);  // per anchor: [negative, positive] pairs kept
+  std::vector<char> sides(2 * p.N, 0);     // per anchor: [a negative, a positive] exists
+  std::vector<LogSumExp> lse(2 * p.N);     // per anchor: [negatives, positives]
+  for (LogSumExp& l : lse) l.add(0.0);     // the 1
+  auto prepare = [&](Tensor& s, int64_t a0, int64_t b0) {
+    for (int64_t r = 0; r < s.size(0); ++r)
+      cos_row<acc_t>(p, in, s.data_ptr<acc_t>() + r * s.stride(0), a0 + r, b0, s.size(1));
+  };
+  for_each_strip(in.a.rows, in.b.rows, prepare, [&](auto& tiles, int64_t a0, int64_t di) {
+    const int64_t width = strip_width(p.N, p.M);
+    std::vector<acc_t> kind(width), neg(width), pos(width), y(width), z(width);
+    // The columns' kinds for anchor i (1: a positive pair), its own row's column, and the
+    // row's values per kind: negatives (−∞ elsewhere), positives (+∞ elsewhere).
+    auto split = [&](const acc_t* x, int64_t i, int64_t b0, int64_t dj) {
+      const int64_t own = p.offset < 0 ? -1 : p.offset + i;
+      const int64_t self_col = own >= b0 && own < b0 + dj ? own - b0 : -1;
+      const int64_t li = lab[i];
+      for (int64_t c = 0; c < dj; ++c) {
+        kind[c] = ref_lab[b0 + c] == li ? 1 : 0;
+        neg[c] = kind[c] != 0 ? -kInf : x[c];
+        pos[c] = kind[c] != 0 ? x[c] : kInf;
+      }
+      if (self_col >= 0) neg[self_col] = -kInf, pos[self_col] = kInf;
+      return self_col;
+    };
+    std::vector<Extreme<true>> negative(mining ? di : 0);
+    std::vector<Extreme<false>> positive(mining ? di : 0);
+    if (mining) {  // the thresholds
+      tiles([&](Tensor& s, int64_t b0) {
+        const int64_t dj = s.size(1);
+        for (int64_t r = 0; r < di; ++r) {
+          const int64_t i = a0 + r;
+          const acc_t* x = s.data_ptr<acc_t>() + r * s.stride(0);
+          const int64_t self_col = split(x, i, b0, dj);
+          auto exact = [&](int64_t j) { return ms.exact(i, j); };
+          // The tile's extremes first, then only the candidates within two slacks of them are
+          // offered: the others cannot be the exact extreme. A NaN offers every pair.
+          const acc_t top = at::vec::reduce_all<acc_t>(
+              [](V u, V v) { return at::vec::maximum(u, v); }, neg.data(), dj);
+          const acc_t bottom = at::vec::reduce_all<acc_t>(
+              [](V u, V v) { return at::vec::minimum(u, v); }, pos.data(), dj);
+          const bool nan = std::isnan(top) || std::isnan(bottom);
+          const double near = 2 * ms.slack;  // (the vector test below it, outward)
+          const V over = V(nan ? -kInf : std::nextafter(static_cast<acc_t>(top - near), -kInf));
+          const V under = V(nan ? kInf : std::nextafter(static_cast<acc_t>(bottom + near), kInf));
+          for (int64_t c = 0; c < dj; c += V::size()) {
+            const int64_t n = std::min<int64_t>(V::size(), dj - c);
+            const V offered =
+                (V::loadu(neg.data() + c, n) >= over) | (V::loadu(pos.data() + c, n) <= under);
+            if ((~offered.zero_mask() & ((1 << n) - 1)) == 0 && !nan) continue;
+            for (int64_t k = c; k < c + n; ++k) {
+              if (k == self_col) continue;
+              const double v = x[k];
+              if (kind[k] != 0) {
+                sides[2 * i + 1] = 1;
+                if (nan || v <= bottom + near) positive[r].offer(b0 + k, v, ms.slack, exact);
+              } else {
+                sides[2 * i] = 1;
+                if (nan || v >= top - near) negative[r].offer(b0 + k, v, ms.slack, exact);
+              }
+            }
+          }
+          if (top > -kInf) sides[2 * i] = 1;
+          if (bottom < kInf) sides[2 * i + 1] = 1;
+        }
+      });
       for (int64_t r = 0; r < di; ++r) {
         const int64_t i = a0 + r;
-        acc_t* x = s.data_ptr<acc_t>() + r * stride;
-        const int64_t self_col = cos_row<acc_t>(p, in, x, i, b0, dj);
-        auto exact = [&](int64_t j) { return ms.exact(i, j); };
-        // The tile's extremes first (branch-free), then only the candidates within two slacks
-        // of them are offered: the others cannot be the exact extreme.
-        acc_t top = -std::numeric_limits<acc_t>::infinity();
-        acc_t bottom = std::numeric_limits<acc_t>::infinity();
-        bool nan = false;
-        for (int64_t c = 0; c < dj; ++c) {
-          const bool pos = ref_lab[b0 + c] == lab[i];
-          nan = nan || std::isnan(x[c]);
-          top = pos || c == self_col ? top : std::max(top, x[c]);
-          bottom = pos && c != self_col ? std::min(bottom, x[c]) : bottom;
-        }
-        const double near = 2 * ms.slack;
-        for (int64_t c = 0; c < dj; ++c) {
-          if (c == self_col) continue;
+        if (negative[r].index >= 0)
+          ms.hard_negative[i] =
+              negative[r].slack == 0 ? negative[r].value : ms.exact(i, negative[r].index);
+        if (positive[r].index >= 0)
+          ms.hard_positive[i] =
+              positive[r].slack == 0 ? positive[r].value : ms.exact(i, positive[r].index);
+      }
+    }
+    // The terms: log(1 + Σ exp(α(base − s))) over the kept positives, log(1 + Σ exp(β(s −
+    // base))) over the kept negatives. The miner's choice is certain outside a band per kind
+    // (VectorTerms's), and made by MultiSimilarity::mined within it.
+    tiles([&](Tensor& s, int64_t b0) {
+      const int64_t dj = s.size(1);
+      for (int64_t r = 0; r < di; ++r) {
+        const int64_t i = a0 + r;
+        const acc_t* x = s.data_ptr<acc_t>() + r * s.stride(0);
+        const int64_t self_col = split(x, i, b0, dj);
+        for (int64_t c = 0; c < dj; ++c) {  // (as the scalar choices form them: in double)
           const double v = x[c];
-          if (ref_lab[b0 + c] == lab[i]) {
-            if (nan || v <= bottom + near) positive[i].offer(b0 + c, v, ms.slack, exact);
-          } else if (nan || v >= top - near) {
-            negative[i].offer(b0 + c, v, ms.slack, exact);
+          y[c] = static_cast<acc_t>(p.beta * (v - p.base));
+          z[c] = static_cast<acc_t>(p.alpha * (p.base - v));
+        }
+        acc_t neg_lo = -kInf, neg_hi = -kInf, pos_lo = kInf, pos_hi = kInf;
+        if (mining) {
+          const double tp = ms.hard_positive[i], tn = ms.hard_negative[i];
+          const double slack = ms.slack;
+          std::tie(neg_lo, neg_hi) =
+              outside<acc_t>(tp - eps - slack, tp - eps + slack, std::abs(tp) + eps + 1);
+          std::tie(pos_lo, pos_hi) =
+              outside<acc_t>(tn + eps - slack, tn + eps + slack, std::abs(tn) + eps + 1);
+        }
+        int64_t kept_negatives = 0, kept_positives = 0;
+        for (int64_t c = 0; c < dj; c += V::size()) {
+          const int64_t n = std::min<int64_t>(V::size(), dj - c);
+          const int lanes = (1 << n) - 1;
+          const V sv = V::loadu(x + c, n), is_pos = V::loadu(kind.data() + c, n) != V(0);
+          const V keep_neg = (sv > V(neg_hi)) & ~is_pos;
+          const V keep_pos = (sv < V(pos_lo)) & is_pos;
+          const V decided = V::blendv((sv > V(neg_hi)) | (sv < V(neg_lo)),
+                                      (sv < V(pos_lo)) | (sv > V(pos_hi)), is_pos);
+          V::blendv(V(-kInf), V::loadu(y.data() + c, n), keep_neg).store(y.data() + c, n);
+          V::blendv(V(-kInf), V::loadu(z.data() + c, n), keep_pos).store(z.data() + c, n);
+          const int open = decided.zero_mask() & lanes;
+          const bool self_here = self_col >= c && self_col < c + n;
+          if (open == 0 && !self_here) {
+            kept_negatives += __builtin_popcount(~keep_neg.zero_mask() & lanes);
+            kept_positives += __builtin_popcount(~keep_pos.zero_mask() & lanes);
+            continue;
+          }
+          for (int64_t k = c; k < c + n; ++k) {  // the lanes one at a time
+            y[k] = z[k] = -kInf;
+            if (k == self_col) continue;
+            const bool is_positive = kind[k] != 0;
+            const double v = x[k];
+            if (!ms.mined(i, b0 + k, v, is_positive)) continue;
+            if (is_positive) {
+              ++kept_positives;
+              z[k] = static_cast<acc_t>(p.alpha * (p.base - v));
+            } else {
+              ++kept_negatives;
+              y[k] = static_cast<acc_t>(p.beta * (v - p.base));
+            }
           }
         }
+        pairs[2 * i] += kept_negatives;
+        pairs[2 * i + 1] += kept_positives;
+        lse[2 * i].add(y.data(), dj);
+        lse[2 * i + 1].add(z.data(), dj);
       }
     });
+  });
+  // PML's miner returns nothing without a positive or a negative pair: the loss is 0. (A
+  // shard's anchors see every ref: without a negative the whole problem has none, and anchors
+  // without positives keep no pair.)
+  if (mining) {
     bool any[2] = {false, false};
     for (int64_t i = 0; i < p.N; ++i) {
-      if (negative[i].index >= 0) {
-        any[0] = true;
-        ms.hard_negative[i] =
-            negative[i].slack == 0 ? negative[i].value : ms.exact(i, negative[i].index);
-      }
-      if (positive[i].index >= 0) {
-        any[1] = true;
-        ms.hard_positive[i] =
-            positive[i].slack == 0 ? positive[i].value : ms.exact(i, positive[i].index);
-      }
+      any[0] = any[0] || sides[2 * i];
+      any[1] = any[1] || sides[2 * i + 1];
     }
-    // PML's miner returns nothing without a positive or a negative pair: the loss is 0. (A
-    // shard's anchors see every ref: without a negative the whole problem has none, and
-    // anchors without positives keep no pair.)
     if (!any[0] || !any[1]) return zero();
   }
-  // The terms: log(1 + Σ exp(α(base − s))) over the kept positives, log(1 + Σ exp(β(s − base)))
-  // over the kept negatives.
-  std::vector<LogSumExp> lse(2 * p.N);  // per anchor: [negatives, positives]
-  for (LogSumExp& l : lse) l.add(0.0);  // the 1
-  for_each_tile(in.a.rows, in.b.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
-    const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
-    acc_t y[kCols];  // the kept negatives' β(s − base), −∞ for the other entries
-    for (int64_t r = 0; r < di; ++r) {
-      const int64_t i = a0 + r;
-      acc_t* x = s.data_ptr<acc_t>() + r * stride;
-      const int64_t self_col = cos_row<acc_t>(p, in, x, i, b0, dj);
-      for (int64_t c = 0; c < dj; ++c) {
-        y[c] = -std::numeric_limits<acc_t>::infinity();
-        if (c == self_col) continue;
-        const bool positive = ref_lab[b0 + c] == lab[i];
-        if (!ms.mined(i, b0 + c, x[c], positive)) continue;
-        ++pairs[2 * i + positive];
-        const double s_ij = x[c];
-        if (positive) {
-          lse[2 * i + 1].add(p.alpha * (p.base - s_ij));  // (few: one at a time)
-        } else {
-          y[c] = static_cast<acc_t>(p.beta * (s_ij - p.base));
-        }
-      }
-      lse[2 * i].add(y, dj);
-    }
-  });
   int64_t kept[2] = {0, 0};
   for (int64_t i = 0; i < p.N; ++i) {
     kept[0] += pairs[2 * i];
@@ -488,9 +626,10 @@ std::tuple<Tensor, Tensor> ms_forward(const Problem& p, const Inputs& in,
 // ∂loss/∂E for the rows of `own` against `other` (rows_grad's roles) of a loss whose
 // ∂loss/∂s is, for anchor i's negative j, weight·exp(terms.negative(i, j, s)) (an exponent,
 // −∞ where the pair does not count), and for its positive j terms.positive(i, j, s): per
-// tile (both anchors' terms without refs: s is symmetric), the negatives' exponentials
-// vectorised and the positives (few) one at a time, times other's scale into one GEMM; then
-// the normalisation's Jacobian. Of the anchors, the rows p asks for (own_rows).
+// tile (both anchors' terms without refs: s is symmetric), vectorised over a row by the
+// terms' vector_form() (the pairs in a miner's band and NaN one at a time, by the scalar
+// terms), times other's scale into one GEMM; then the normalisation's Jacobian. Of the
+// anchors, the rows p asks for (own_rows).
 template <typename acc_t, typename Terms>
 Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc_t weight,
                      bool anchors_own, acc_t grad) {
@@ -505,41 +644,101 @@ Tensor cos_rows_grad(const Problem& p, const Inputs& in, const Terms& terms, acc
   const Tensor mine = own.rows.narrow(0, first, rows);
   Tensor out = at::zeros_like(mine);
   const GemmRows summed = gemm_rows(other.rows);
+  // The terms of the anchors of the tile's rows (anchors_own) and of its columns (the other
+  // side's rows: without refs, the same anchors' other direction).
+  const bool row_terms = anchors_own, column_terms = !anchors_own || p.self;
+  const std::optional<VectorTerms<acc_t>> vt = terms.vector_form();
+  // Anchor i's term for its pair j of cosine s, scalar (the band's pairs, NaN, and every pair
+  // where the terms are not ordinary).
+  auto scalar_term = [&](int64_t i, int64_t j, double s_ij) -> double {
+    if (la[i] == lb[j]) return terms.positive(i, j, s_ij);
+    return weight * std::exp(static_cast<acc_t>(terms.negative(i, j, s_ij)));
+  };
+  auto pair_grad = [&](int64_t i, int64_t j, double s_ij) -> acc_t {
+    if (anchors_own ? p.itself(i, j) : p.itself(j, i)) return 0;
+    double g = anchors_own ? scalar_term(i, j, s_ij) : scalar_term(j, i, s_ij);
+    if (p.self) g += scalar_term(j, i, s_ij);
+    return static_cast<acc_t>(g);
+  };
   for_each_tile(mine, other.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
     const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
-    acc_t e1[kCols], e2[kCols];
+    acc_t positive[kCols];  // 1 where the pair is positive, else 0
+    acc_t e_row[kCols], e_column[kCols];
     for (int64_t r = 0; r < di; ++r) {
       const int64_t i = first + a0 + r;
       acc_t* x = s.data_ptr<acc_t>() + r * stride;
       const acc_t scale = io[i];
-      for (int64_t c = 0; c < dj; ++c) {
-        const int64_t j = b0 + c;
-        x[c] = x[c] * ib[j] * scale;  // s, as cos_row forms it
-        e1[c] = e2[c] = -std::numeric_limits<acc_t>::infinity();
-        const bool itself = anchors_own ? p.itself(i, j) : p.itself(j, i);
-        if (itself || la[anchors_own ? i : j] == lb[anchors_own ? j : i]) continue;
-        const double s_ij = x[c];
-        e1[c] = static_cast<acc_t>(anchors_own ? terms.negative(i, j, s_ij)
-                                               : terms.negative(j, i, s_ij));
-        if (p.self) e2[c] = static_cast<acc_t>(terms.negative(j, i, s_ij));
+      at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, x, ib + b0, dj);
+      if (!vt) {
+        for (int64_t c = 0; c < dj; ++c) x[c] = pair_grad(i, b0 + c, x[c]) * ib[b0 + c];
+        continue;
       }
-      int64_t c = 0;
-      for (; c + V::size() <= dj; c += V::size()) {
-        const V g = V(weight) * (V::loadu(e1 + c).exp() + V::loadu(e2 + c).exp());
-        g.store(e1 + c);
-      }
-      for (; c < dj; ++c) e1[c] = weight * (std::exp(e1[c]) + std::exp(e2[c]));
-      for (c = 0; c < dj; ++c) {
-        const int64_t j = b0 + c;
-        double g = e1[c];
-        const bool itself = anchors_own ? p.itself(i, j) : p.itself(j, i);
-        if (!itself && la[anchors_own ? i : j] == lb[anchors_own ? j : i]) {
-          const double s_ij = x[c];
-          g = anchors_own ? terms.positive(i, j, s_ij) : terms.positive(j, i, s_ij);
-          if (p.self) g += terms.positive(j, i, s_ij);
+      const int64_t own_label = anchors_own ? la[i] : lb[i];
+      const int64_t* other_labels = (anchors_own ? lb : la) + b0;
+      for (int64_t c = 0; c < dj; ++c) positive[c] = other_labels[c] == own_label ? 1 : 0;
+      // The exponents, in double as the scalar terms form them: of the row's anchor (e_row)
+      // and of the columns' (e_column).
+      if (row_terms) {
+        const double nc = vt->neg_c[i], pc = vt->pos_c[i];
+        for (int64_t c = 0; c < dj; ++c) {
+          const double sc = x[c];
+          e_row[c] =
+              static_cast<acc_t>(positive[c] != 0 ? vt->pos_slope * (sc - vt->pos_shift) + pc
+                                                  : vt->neg_slope * (sc - vt->neg_shift) + nc);
         }
-        x[c] = static_cast<acc_t>(g) * ib[j];
       }
+      if (column_terms) {
+        const double *nc = vt->neg_c.data() + b0, *pc = vt->pos_c.data() + b0;
+        for (int64_t c = 0; c < dj; ++c) {
+          const double sc = x[c];
+          e_column[c] =
+              static_cast<acc_t>(positive[c] != 0 ? vt->pos_slope * (sc - vt->pos_shift) + pc[c]
+                                                  : vt->neg_slope * (sc - vt->neg_shift) + nc[c]);
+        }
+      }
+      // One direction's terms from its exponents e: its anchors' values by at (V loads of
+      // per-column arrays, or the row's broadcast); decided: the lanes whose choice is certain.
+      auto direction = [&](const V& sv, const V& pos, const V& e, auto at, V& decided) {
+        const V keep = V::blendv((sv > at(vt->neg_hi)), (sv < at(vt->pos_lo)), pos);
+        const V drop = V::blendv((sv < at(vt->neg_lo)), (sv > at(vt->pos_hi)), pos);
+        decided = decided & (keep | drop);
+        const V coef = V::blendv(V(weight), at(vt->pos_w), pos);
+        return V::blendv(V(0), coef * e.exp(), keep);
+      };
+      for (int64_t c = 0; c < dj; c += V::size()) {
+        const int64_t n = std::min<int64_t>(V::size(), dj - c);
+        const V sv = V::loadu(x + c, n), pos = V::loadu(positive + c, n) != V(0);
+        // (every bit set: the comparisons' true)
+        V decided = V(0) == V(0);
+        V g(0);
+        if (row_terms) {
+          g = g + direction(
+                      sv, pos, V::loadu(e_row + c, n),
+                      [&](const std::vector<acc_t>& v) { return V(v[i]); }, decided);
+        }
+        if (column_terms) {
+          g = g + direction(
+                      sv, pos, V::loadu(e_column + c, n),
+                      [&](const std::vector<acc_t>& v) { return V::loadu(v.data() + b0 + c, n); },
+                      decided);
+        }
+        g = g * V::loadu(ib + b0 + c, n);
+        const int open = decided.zero_mask() & ((1 << n) - 1);  // the band's lanes and NaN
+        if (open == 0) {
+          g.store(x + c, n);
+          continue;
+        }
+        acc_t cosine[V::size()];
+        sv.store(cosine, n);
+        g.store(x + c, n);
+        for (int64_t k = 0; k < n; ++k) {
+          if (open & (1 << k)) x[c + k] = pair_grad(i, b0 + c + k, cosine[k]) * ib[b0 + c + k];
+        }
+      }
+      // The batch's pair of a row with itself: none.
+      const int64_t me = p.offset < 0 ? -1 : (anchors_own ? p.offset + i : i - p.offset);
+      if (me >= b0 && me < b0 + dj && (anchors_own ? p.itself(i, me) : p.itself(me, i)))
+        x[me - b0] = 0;
     }
     Tensor dst = out.narrow(0, a0, di);
     blas::addmm_(dst, s, summed.rows.narrow(0, b0, dj));
@@ -564,6 +763,28 @@ struct MultiSimilarityTerms {
   double positive(int64_t i, int64_t j, double s) const {
     if (!ms.mined(i, j, s, true)) return 0.0;
     return -st[i * S + 4] * std::exp(p.alpha * (p.base - s) - st[i * S + 2]);
+  }
+  // The miner's bands: a negative is kept where s + ε > its anchor's hardest positive, a
+  // positive where s − ε < its hardest negative, certain beyond the tiles' slack.
+  std::optional<VectorTerms<acc_t>> vector_form() const {
+    VectorTerms<acc_t> v(p.N);
+    v.neg_slope = p.beta;
+    v.neg_shift = v.pos_shift = p.base;
+    v.pos_slope = -p.alpha;
+    for (int64_t a = 0; a < p.N; ++a) {
+      v.neg_c[a] = -st[a * S + 3];
+      v.pos_c[a] = -st[a * S + 2];
+      v.pos_w[a] = static_cast<acc_t>(-st[a * S + 4]);
+      if (!p.miner_epsilon) continue;
+      const double eps = *p.miner_epsilon, slack = ms.slack;
+      const double tp = ms.hard_positive[a], tn = ms.hard_negative[a];
+      std::tie(v.neg_lo[a], v.neg_hi[a]) =
+          outside<acc_t>(tp - eps - slack, tp - eps + slack, std::abs(tp) + eps + 1);
+      std::tie(v.pos_lo[a], v.pos_hi[a]) =
+          outside<acc_t>(tn + eps - slack, tn + eps + slack, std::abs(tn) + eps + 1);
+    }
+    if (!v.ordinary()) return std::nullopt;
+    return v;
   }
 };
 
@@ -649,6 +870,20 @@ struct ProxyAnchorTerms {
   double positive(int64_t c, int64_t, double s) const {
     return -static_cast<double>(st[c * S + 2]) *
            std::exp(p.alpha * (p.margin - s) - static_cast<double>(st[c * S]));
+  }
+  std::optional<VectorTerms<acc_t>> vector_form() const {
+    VectorTerms<acc_t> v(p.N);
+    v.neg_slope = p.alpha;
+    v.neg_shift = -p.margin;
+    v.pos_slope = -p.alpha;
+    v.pos_shift = p.margin;
+    for (int64_t c = 0; c < p.N; ++c) {
+      v.neg_c[c] = -static_cast<double>(st[c * S + 1]);
+      v.pos_c[c] = -static_cast<double>(st[c * S]);
+      v.pos_w[c] = -st[c * S + 2];
+    }
+    if (!v.ordinary()) return std::nullopt;
+    return v;
   }
 };
 

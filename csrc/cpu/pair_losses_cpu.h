@@ -34,19 +34,25 @@ constexpr double kNormEps = 1e-12;  // F.normalize's, as PML's CosineSimilarity 
 // Each row's L2 norm in double, without over- or underflow (scaled by the power of two of its
 // largest |entry| first): F.normalize's norm, also where the accumulation type's own sum of
 // squares would leave its range (float32 rows past ~1e19, where F.normalize divides by ∞).
+// The largest |entry| is exact in acc_t; the sum of squares runs in kNormLanes independent
+// partial sums (the loop vectorises: one dependent double addition per entry made it most of
+// a proxy-anchor forward's time), added in a fixed order.
+constexpr int64_t kNormLanes = 8;
+
 template <typename acc_t>
 std::vector<double> row_norms(const Tensor& a) {
+  using V = Vectorized<acc_t>;
   const int64_t N = a.size(0), D = a.size(1);
   std::vector<double> out(N);
   const acc_t* base = a.const_data_ptr<acc_t>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const acc_t* row = base + i * D;
-      double top = 0;
-      for (int64_t k = 0; k < D; ++k) {
-        const double v = std::abs(static_cast<double>(row[k]));
-        if (std::isnan(v) || v > top) top = v;
-      }
+      // NaN-propagating: a row holding NaN has a NaN norm.
+      const double top = D == 0 ? 0.0
+                                : static_cast<double>(at::vec::map_reduce_all<acc_t>(
+                                      [](V v) { return v.abs(); },
+                                      [](V u, V v) { return at::vec::maximum(u, v); }, row, D));
       if (!(top > 0) || std::isinf(top)) {  // 0, ∞ or NaN
         out[i] = top;
         continue;
@@ -58,20 +64,29 @@ std::vector<double> row_norms(const Tensor& a) {
       // normal; two, both exact, to scale a row of tiny entries up; std::ldexp itself for rows
       // near the largest double, where 2^-e is subnormal.
       const int s = -e;
-      double sum = 0;
+      double sums[kNormLanes] = {};
       if (s >= -1022) {
         const int half = s > 1023 ? s / 2 : s;
         const double f1 = std::ldexp(1.0, half), f2 = std::ldexp(1.0, s - half);
-        for (int64_t k = 0; k < D; ++k) {
+        int64_t k = 0;
+        for (; k + kNormLanes <= D; k += kNormLanes) {
+          for (int64_t u = 0; u < kNormLanes; ++u) {
+            const double v = static_cast<double>(row[k + u]) * f1 * f2;
+            sums[u] += v * v;
+          }
+        }
+        for (; k < D; ++k) {
           const double v = static_cast<double>(row[k]) * f1 * f2;
-          sum += v * v;
+          sums[k % kNormLanes] += v * v;
         }
       } else {
         for (int64_t k = 0; k < D; ++k) {
           const double v = std::ldexp(static_cast<double>(row[k]), s);
-          sum += v * v;
+          sums[k % kNormLanes] += v * v;
         }
       }
+      double sum = 0;
+      for (int64_t u = 0; u < kNormLanes; ++u) sum += sums[u];
       out[i] = std::ldexp(std::sqrt(sum), e);
     }
   });
@@ -219,6 +234,55 @@ void for_each_tile(const Tensor& a, const Tensor& b, Fn fn) {
         blas::mm_out(s, a.narrow(0, a0, di), b.narrow(0, b0, dj).t());
         fn(s, a0, b0);
       }
+    }
+  });
+}
+
+// The most entries (rows × columns) of a block's strip that for_each_strip keeps whole:
+// 4 MiB of float32 per thread.
+constexpr int64_t kStripEntries = int64_t{1} << 20;
+
+// Runs fn(tiles, a0, di) for each block of a's rows (for_each_tile's tasks), where
+// tiles(visit) calls visit(s, b0) for the block's tiles s = a[a0:a0+di] · b[b0:b0+dj]ᵀ in
+// increasing b0, each given to prepare(s, a0, b0) (in place) first, as often as fn calls it.
+// A block's whole strip (di × B) is one tile where it holds at most kStripEntries entries:
+// formed and prepared once however often fn visits it (a loss that reads its pairs twice, a
+// miner's extremes and then the terms, at the cost of one GEMM); past that, kCols-wide tiles
+// are formed and prepared again on each visit. (Whole or not is a function of the sizes alone:
+// the same tiles on any number of threads.)
+inline int64_t strip_width(int64_t A, int64_t B) {  // (for_each_strip's tiles' most columns)
+  return rows_per_task(A) * B <= kStripEntries ? B : kCols;
+}
+
+template <typename Prepare, typename Fn>
+void for_each_strip(const Tensor& a, const Tensor& b, Prepare prepare, Fn fn) {
+  const int64_t A = a.size(0), B = b.size(0);
+  const int64_t rows = rows_per_task(A);
+  const int64_t blocks = (A + rows - 1) / rows;
+  const int64_t width = strip_width(A, B);
+  const bool whole = width == B;
+  const at::ThreadLocalState state;  // (for_each_tile's reason)
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
+    const blas::Sequential sequential;
+    Tensor scratch = at::empty({rows, width}, a.options());
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t a0 = blk * rows, di = std::min(rows, A - a0);
+      const Tensor block = a.narrow(0, a0, di);
+      bool formed = false;
+      auto tiles = [&](auto&& visit) {
+        for (int64_t b0 = 0; b0 < B; b0 += width) {
+          const int64_t dj = std::min(width, B - b0);
+          Tensor s = scratch.narrow(0, 0, di).narrow(1, 0, dj);
+          if (!(whole && formed)) {
+            blas::mm_out(s, block, b.narrow(0, b0, dj).t());
+            prepare(s, a0, b0);
+          }
+          visit(s, b0);
+        }
+        formed = true;
+      };
+      fn(tiles, a0, di);
     }
   });
 }
