@@ -86,6 +86,16 @@ struct LogSumExp {
     sum = sum * std::exp(max - top) + std::exp(x - top);
     max = top;
   }
+  // Folds in another running log-sum-exp (of terms after this one's), or a block's largest
+  // term and Σ exp(x − it).
+  void merge(double top_of, double sum_of) {
+    const double top = std::isnan(top_of) || top_of > max ? top_of : max;
+    if (top == -std::numeric_limits<double>::infinity()) return;
+    if (top == std::numeric_limits<double>::infinity()) return overflow();
+    sum = sum * std::exp(max - top) + sum_of * std::exp(top_of - top);
+    max = top;
+  }
+  void merge(const LogSumExp& other) { merge(other.max, other.sum); }
   // A term of +∞ (a finite parameter's product past the accumulation type): the sum is +∞,
   // where the shift by the maximum would make it ∞ − ∞ = NaN.
   void overflow() {
@@ -790,42 +800,108 @@ struct MultiSimilarityTerms {
 
 // ---------------------------------------------------------------------------- proxy anchor
 
-// The proxies are the anchors (rows of the tiles, label c for proxy c) and the embeddings
-// the refs: per proxy, log(1 + Σ_its positives exp(α(margin − s))) and
-// log(1 + Σ_its negatives exp(α(s + margin))), folded over the tiles.
+// The proxies are the anchors (label c for proxy c) and the embeddings the refs, but the
+// tiles' rows are the embeddings: proxies are few (a few hundred classes, often fewer than a
+// task's rows would need to keep every thread busy), and a tile whose rows were proxies would
+// pack its block of embeddings again for every few proxies. The embeddings' blocks
+// (rows_per_task) are grouped into at most kSlots contiguous slots, spread over the threads; a
+// slot's blocks are taken in order against the proxies kCols at a time, and fn(s, slot, e0, c0)
+// gets each tile s = e[e0:e0+de] · proxies[c0:c0+dc]ᵀ. The slots are a function of the sizes
+// alone: what a slot sums is the same on any number of threads.
+constexpr int64_t kSlots = 16;
+
+inline int64_t proxy_slots(int64_t N) {
+  const int64_t rows = rows_per_task(N);
+  return std::min(kSlots, (N + rows - 1) / rows);
+}
+
+template <typename Fn>
+void for_each_proxy_tile(const Tensor& e, const Tensor& proxies, Fn fn) {
+  const int64_t N = e.size(0), C = proxies.size(0);
+  const int64_t rows = rows_per_task(N), blocks = (N + rows - 1) / rows;
+  const int64_t slots = proxy_slots(N);
+  const at::ThreadLocalState state;  // (for_each_tile's reason)
+  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
+    const blas::Sequential sequential;
+    Tensor scratch = at::empty({rows, kCols}, e.options());
+    for (int64_t slot = begin; slot < end; ++slot) {
+      for (int64_t blk = slot * blocks / slots; blk < (slot + 1) * blocks / slots; ++blk) {
+        const int64_t e0 = blk * rows, de = std::min(rows, N - e0);
+        for (int64_t c0 = 0; c0 < C; c0 += kCols) {
+          const int64_t dc = std::min(kCols, C - c0);
+          Tensor s = scratch.narrow(0, 0, de).narrow(1, 0, dc);
+          blas::mm_out(s, e.narrow(0, e0, de), proxies.narrow(0, c0, dc).t());
+          fn(s, slot, e0, c0);
+        }
+      }
+    }
+  });
+}
+
+// Per proxy, log(1 + Σ_its positives exp(α(margin − s))) and log(1 + Σ_its negatives
+// exp(α(s + margin))): each tile's columns folded over its rows (vectorised across the
+// proxies; an embedding's one positive, its label's column, one at a time) into its slot's
+// running sums, the slots then merged in order.
 template <typename scalar_t>
 std::tuple<Tensor, Tensor> proxy_anchor_forward(const Problem& p, const Inputs& in,
                                                 const Tensor& embeddings) {
   using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
   constexpr int64_t S = kProxyAnchorStats;
-  const int64_t C = p.N;
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  const int64_t C = p.N, N = p.M;
   Tensor stats = at::zeros({C, S}, in.a.rows.options());
   acc_t* st = stats.data_ptr<acc_t>();
   std::vector<LogSumExp> lse(2 * C);  // per proxy: [negatives, positives]
   if (!p.shard)
     for (LogSumExp& l : lse) l.add(0.0);  // the 1 (a shard's caller adds it to the sums)
   std::vector<char> with_positives(C, 0);
-  const int64_t* lab = in.lab.const_data_ptr<int64_t>();
   const int64_t* ref_lab = in.ref_lab.const_data_ptr<int64_t>();
-  if (C > 0 && p.M > 0) {
-    for_each_tile(in.a.rows, in.b.rows, [&](Tensor& s, int64_t a0, int64_t b0) {
-      const int64_t di = s.size(0), dj = s.size(1), stride = s.stride(0);
-      acc_t y[kCols];  // the negatives' α(s + margin), −∞ for the positives
-      for (int64_t r = 0; r < di; ++r) {
-        const int64_t c = a0 + r;
+  for (int64_t r = 0; r < N; ++r) with_positives[ref_lab[r]] = 1;  // (labels in [0, C))
+  if (C > 0 && N > 0) {
+    const int64_t slots = proxy_slots(N);
+    std::vector<LogSumExp> partial(slots * 2 * C);  // per slot and proxy: [negatives, positives]
+    const acc_t* inv_p = in.a.scale.const_data_ptr<acc_t>();
+    const acc_t* inv_e = in.b.scale.const_data_ptr<acc_t>();
+    for_each_proxy_tile(in.b.rows, in.a.rows, [&](Tensor& s, int64_t slot, int64_t e0, int64_t c0) {
+      const int64_t de = s.size(0), dc = s.size(1), stride = s.stride(0);
+      LogSumExp* fold = partial.data() + slot * 2 * C;
+      acc_t top[kCols], sum[kCols];  // per column: the negatives' largest term, Σ exp(· − it)
+      std::fill(top, top + dc, -kInf);
+      std::fill(sum, sum + dc, acc_t(0));
+      for (int64_t r = 0; r < de; ++r) {
         acc_t* x = s.data_ptr<acc_t>() + r * stride;
-        cos_row<acc_t>(p, in, x, c, b0, dj);
-        for (int64_t k = 0; k < dj; ++k) {
-          const double s_ck = x[k];
-          y[k] = static_cast<acc_t>(p.alpha * (s_ck + p.margin));
-          if (ref_lab[b0 + k] != lab[c]) continue;
-          y[k] = -std::numeric_limits<acc_t>::infinity();
-          with_positives[c] = 1;
-          lse[2 * c + 1].add(p.alpha * (p.margin - s_ck));  // (few: one at a time)
+        const acc_t scale = inv_e[e0 + r];
+        at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, x, inv_p + c0, dc);
+        const int64_t own = ref_lab[e0 + r] - c0;  // the embedding's positive: its label's column
+        if (own >= 0 && own < dc) {
+          fold[2 * (c0 + own) + 1].add(p.alpha * (p.margin - static_cast<double>(x[own])));
         }
-        lse[2 * c].add(y, dj);
+        for (int64_t c = 0; c < dc; ++c)  // (in double, as the scalar terms form them)
+          x[c] = static_cast<acc_t>(p.alpha * (static_cast<double>(x[c]) + p.margin));
+        if (own >= 0 && own < dc) x[own] = -kInf;
+        for (int64_t c = 0; c < dc; c += V::size()) {
+          const int64_t n = std::min<int64_t>(V::size(), dc - c);
+          at::vec::maximum(V::loadu(top + c, n), V::loadu(x + c, n)).store(top + c, n);
+        }
       }
+      // (a column of −∞ alone sums 0: shifted by 0, not by −∞)
+      acc_t shift[kCols];
+      for (int64_t c = 0; c < dc; ++c) shift[c] = top[c] == -kInf ? acc_t(0) : top[c];
+      for (int64_t r = 0; r < de; ++r) {
+        const acc_t* x = s.data_ptr<acc_t>() + r * stride;
+        for (int64_t c = 0; c < dc; c += V::size()) {
+          const int64_t n = std::min<int64_t>(V::size(), dc - c);
+          const V term = (V::loadu(x + c, n) - V::loadu(shift + c, n)).exp();
+          (V::loadu(sum + c, n) + term).store(sum + c, n);
+        }
+      }
+      for (int64_t c = 0; c < dc; ++c) fold[2 * (c0 + c)].merge(top[c], sum[c]);
     });
+    for (int64_t slot = 0; slot < slots; ++slot) {
+      for (int64_t k = 0; k < 2 * C; ++k) lse[k].merge(partial[slot * 2 * C + k]);
+    }
   }
   if (p.shard) {  // per proxy: log Σ over its positives, over its negatives, whether any
     Tensor parts = at::empty({C, 3}, stats.options().dtype(at::kDouble));
@@ -886,6 +962,82 @@ struct ProxyAnchorTerms {
     return v;
   }
 };
+
+// The most entries (slots × C × D) of the slots' partial proxy gradients that
+// proxy_anchor_grads keeps: 16 MiB of float32.
+constexpr int64_t kSlotEntries = int64_t{1} << 22;
+
+// Both gradients of proxy anchor's loss in one pass over the tiles (for_each_proxy_tile, the
+// embeddings as rows): per tile, ∂loss/∂s once (vectorised by the terms' vector_form, where
+// it is ordinary), into the block's embeddings' gradient (the tile times the proxies' rows)
+// and into its slot's partial gradient of the proxies (the tile's transpose times the block's
+// rows); the slots' partials summed in order. One GEMM of the tile where the two gradients
+// apart (cos_rows_grad, each side's rows as anchors) form it twice, and no block of a few
+// proxies' rows that packs the embeddings again. Returns {∂/∂proxies, ∂/∂embeddings}.
+template <typename acc_t>
+std::pair<Tensor, Tensor> proxy_anchor_grads(const Problem& p, const Inputs& in,
+                                             const ProxyAnchorTerms<acc_t>& terms, acc_t weight,
+                                             acc_t grad) {
+  using V = Vectorized<acc_t>;
+  const Side &proxies = in.a, &embeddings = in.b;
+  const int64_t C = p.N, N = p.M, D = p.D;
+  const int64_t slots = proxy_slots(N);
+  const int64_t* labels = in.ref_lab.const_data_ptr<int64_t>();
+  const acc_t* inv_p = proxies.scale.const_data_ptr<acc_t>();
+  const acc_t* inv_e = embeddings.scale.const_data_ptr<acc_t>();
+  const GemmRows p_rows = gemm_rows(proxies.rows), e_rows = gemm_rows(embeddings.rows);
+  Tensor ge = at::zeros_like(embeddings.rows);
+  Tensor partial = at::zeros({slots, C, D}, proxies.rows.options());
+  const std::optional<VectorTerms<acc_t>> vt = terms.vector_form();
+  for_each_proxy_tile(
+      embeddings.rows, proxies.rows, [&](Tensor& s, int64_t slot, int64_t e0, int64_t c0) {
+        const int64_t de = s.size(0), dc = s.size(1), stride = s.stride(0);
+        // ∂loss/∂s times the proxy's scale (for the embeddings' gradient) in s, times the
+        // embedding's (for the proxies') in t.
+        Tensor t = at::empty({de, dc}, s.options());
+        acc_t* tp = t.data_ptr<acc_t>();
+        acc_t e[kCols];
+        for (int64_t r = 0; r < de; ++r) {
+          const int64_t j = e0 + r;
+          acc_t* x = s.data_ptr<acc_t>() + r * stride;
+          const acc_t scale = inv_e[j];
+          at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, x, inv_p + c0, dc);
+          const int64_t own = labels[j] - c0;  // the embedding's positive pair: its label's column
+          const double s_own = own >= 0 && own < dc ? static_cast<double>(x[own]) : 0.0;
+          if (vt) {
+            const double* nc = vt->neg_c.data() + c0;
+            for (int64_t c = 0; c < dc; ++c)  // (in double, as the scalar terms form them)
+              e[c] = static_cast<acc_t>(
+                  vt->neg_slope * (static_cast<double>(x[c]) - vt->neg_shift) + nc[c]);
+            at::vec::map([weight](V v) { return V(weight) * v.exp(); }, x, e, dc);
+          } else {
+            for (int64_t c = 0; c < dc; ++c)
+              x[c] = weight * std::exp(static_cast<acc_t>(terms.negative(c0 + c, j, x[c])));
+          }
+          if (own >= 0 && own < dc) x[own] = static_cast<acc_t>(terms.positive(c0 + own, j, s_own));
+          at::vec::map([scale](V v) { return v * V(scale); }, tp + r * dc, x, dc);
+          at::vec::map2([](V v, V inv) { return v * inv; }, x, x, inv_p + c0, dc);
+        }
+        Tensor dst = ge.narrow(0, e0, de);
+        blas::addmm_(dst, s, p_rows.rows.narrow(0, c0, dc));
+        add_nonfinite<acc_t>(p_rows, dst, s, c0);
+        Tensor mine = partial[slot].narrow(0, c0, dc);
+        blas::addmm_(mine, t.t(), e_rows.rows.narrow(0, e0, de));
+        // (add_nonfinite's rule, the tile transposed: a proxy's row NaN where it weighs an
+        // embedding row that is not finite)
+        for (auto it = std::lower_bound(e_rows.nonfinite.begin(), e_rows.nonfinite.end(), e0);
+             it != e_rows.nonfinite.end() && *it < e0 + de; ++it) {
+          for (int64_t c = 0; c < dc; ++c) {
+            if (tp[(*it - e0) * dc + c] != acc_t(0)) mine[c].fill_(NAN);
+          }
+        }
+      });
+  Tensor gp = partial[0].clone();
+  for (int64_t slot = 1; slot < slots; ++slot) gp.add_(partial[slot]);
+  through_normalisation<acc_t>(gp, proxies, grad);
+  through_normalisation<acc_t>(ge, embeddings, grad);
+  return {gp, ge};
+}
 
 // ---------------------------------------------------------------------------- the ops
 
@@ -1201,6 +1353,13 @@ std::tuple<Tensor, Tensor> proxy_anchor_backward_cpu(const Tensor& grad, const T
         const acc_t w = sp[3];  // α/C in every row
         const acc_t g = static_cast<acc_t>(grad.item<double>());
         const auto dtype = embeddings.scalar_type();
+        if (want_p && want_e && proxy_slots(p.M) * p.N * p.D <= kSlotEntries) {
+          const auto [proxies_grad, embeddings_grad] =
+              proxy_anchor_grads<acc_t>(p, in, terms, w, g);
+          gp = proxies_grad.to(dtype);
+          ge = embeddings_grad.to(dtype);
+          return;
+        }
         if (want_p) gp = cos_rows_grad<acc_t>(p, in, terms, w, true, g).to(dtype);
         if (want_e) ge = cos_rows_grad<acc_t>(p, in, terms, w, false, g).to(dtype);
       });

@@ -34,10 +34,11 @@ constexpr double kNormEps = 1e-12;  // F.normalize's, as PML's CosineSimilarity 
 // Each row's L2 norm in double, without over- or underflow (scaled by the power of two of its
 // largest |entry| first): F.normalize's norm, also where the accumulation type's own sum of
 // squares would leave its range (float32 rows past ~1e19, where F.normalize divides by ∞).
-// The largest |entry| is exact in acc_t; the sum of squares runs in kNormLanes independent
-// partial sums (the loop vectorises: one dependent double addition per entry made it most of
-// a proxy-anchor forward's time), added in a fixed order.
-constexpr int64_t kNormLanes = 8;
+// Each row's squares are summed in feature order (the Triton kernels' norm64_kernel sums them
+// so: an exact cosine is the same bits on either), kNormRows rows at once, interleaved: one
+// dependent double addition per entry of a single row made this most of a proxy-anchor
+// forward's time.
+constexpr int64_t kNormRows = 8;
 
 template <typename acc_t>
 std::vector<double> row_norms(const Tensor& a) {
@@ -46,48 +47,58 @@ std::vector<double> row_norms(const Tensor& a) {
   std::vector<double> out(N);
   const acc_t* base = a.const_data_ptr<acc_t>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const acc_t* row = base + i * D;
-      // NaN-propagating: a row holding NaN has a NaN norm.
-      const double top = D == 0 ? 0.0
-                                : static_cast<double>(at::vec::map_reduce_all<acc_t>(
-                                      [](V v) { return v.abs(); },
-                                      [](V u, V v) { return at::vec::maximum(u, v); }, row, D));
-      if (!(top > 0) || std::isinf(top)) {  // 0, ∞ or NaN
-        out[i] = top;
-        continue;
-      }
-      int e = 0;
-      std::frexp(top, &e);
-      // row·2^-e as std::ldexp rounds it, by normal powers of two (std::ldexp per entry costs
-      // more than the rest of a loss's preparation): one factor, rounding once, where 2^-e is
-      // normal; two, both exact, to scale a row of tiny entries up; std::ldexp itself for rows
-      // near the largest double, where 2^-e is subnormal.
-      const int s = -e;
-      double sums[kNormLanes] = {};
-      if (s >= -1022) {
-        const int half = s > 1023 ? s / 2 : s;
-        const double f1 = std::ldexp(1.0, half), f2 = std::ldexp(1.0, s - half);
-        int64_t k = 0;
-        for (; k + kNormLanes <= D; k += kNormLanes) {
-          for (int64_t u = 0; u < kNormLanes; ++u) {
-            const double v = static_cast<double>(row[k + u]) * f1 * f2;
-            sums[u] += v * v;
-          }
+    for (int64_t i0 = begin; i0 < end; i0 += kNormRows) {
+      const int64_t rows = std::min(kNormRows, end - i0);
+      // Per row: its entries, the factors that scale it (0 for a row done otherwise), the
+      // exponent to scale its norm back by, and its running sum.
+      const acc_t* row[kNormRows];
+      double f1[kNormRows] = {}, f2[kNormRows] = {}, sum[kNormRows] = {};
+      int exponent[kNormRows] = {};
+      bool summed[kNormRows] = {};
+      for (int64_t u = 0; u < kNormRows; ++u) {
+        row[u] = base + (i0 + std::min(u, rows - 1)) * D;
+        if (u >= rows) continue;
+        // NaN-propagating: a row holding NaN has a NaN norm.
+        const double top = D == 0
+                               ? 0.0
+                               : static_cast<double>(at::vec::map_reduce_all<acc_t>(
+                                     [](V v) { return v.abs(); },
+                                     [](V x, V y) { return at::vec::maximum(x, y); }, row[u], D));
+        if (!(top > 0) || std::isinf(top)) {  // 0, ∞ or NaN
+          out[i0 + u] = top;
+          continue;
         }
-        for (; k < D; ++k) {
-          const double v = static_cast<double>(row[k]) * f1 * f2;
-          sums[k % kNormLanes] += v * v;
+        int e = 0;
+        std::frexp(top, &e);
+        // row·2^-e as std::ldexp rounds it, by normal powers of two (std::ldexp per entry
+        // costs more than the rest of a loss's preparation): one factor, rounding once, where
+        // 2^-e is normal; two, both exact, to scale a row of tiny entries up; std::ldexp
+        // itself for rows near the largest double, where 2^-e is subnormal.
+        const int s = -e;
+        exponent[u] = e;
+        if (s >= -1022) {
+          const int half = s > 1023 ? s / 2 : s;
+          f1[u] = std::ldexp(1.0, half);
+          f2[u] = std::ldexp(1.0, s - half);
+          summed[u] = true;
+          continue;
         }
-      } else {
+        double total = 0;
         for (int64_t k = 0; k < D; ++k) {
-          const double v = std::ldexp(static_cast<double>(row[k]), s);
-          sums[k % kNormLanes] += v * v;
+          const double v = std::ldexp(static_cast<double>(row[u][k]), s);
+          total += v * v;
+        }
+        out[i0 + u] = std::ldexp(std::sqrt(total), e);
+      }
+      for (int64_t k = 0; k < D; ++k) {
+        for (int64_t u = 0; u < kNormRows; ++u) {
+          const double v = static_cast<double>(row[u][k]) * f1[u] * f2[u];
+          sum[u] += v * v;
         }
       }
-      double sum = 0;
-      for (int64_t u = 0; u < kNormLanes; ++u) sum += sums[u];
-      out[i] = std::ldexp(std::sqrt(sum), e);
+      for (int64_t u = 0; u < rows; ++u) {
+        if (summed[u]) out[i0 + u] = std::ldexp(std::sqrt(sum[u]), exponent[u]);
+      }
     }
   });
   return out;
