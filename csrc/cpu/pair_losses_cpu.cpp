@@ -987,7 +987,9 @@ std::pair<Tensor, Tensor> proxy_anchor_grads(const Problem& p, const Inputs& in,
   const acc_t* inv_e = embeddings.scale.const_data_ptr<acc_t>();
   const GemmRows p_rows = gemm_rows(proxies.rows), e_rows = gemm_rows(embeddings.rows);
   Tensor ge = at::zeros_like(embeddings.rows);
-  Tensor partial = at::zeros({slots, C, D}, proxies.rows.options());
+  // (each slot's first tile of a block of proxies writes its rows: nothing to zero first)
+  Tensor partial = at::empty({slots, C, D}, proxies.rows.options());
+  const int64_t rows = rows_per_task(N), blocks = (N + rows - 1) / rows;
   const std::optional<VectorTerms<acc_t>> vt = terms.vector_form();
   for_each_proxy_tile(
       embeddings.rows, proxies.rows, [&](Tensor& s, int64_t slot, int64_t e0, int64_t c0) {
@@ -1022,7 +1024,8 @@ std::pair<Tensor, Tensor> proxy_anchor_grads(const Problem& p, const Inputs& in,
         blas::addmm_(dst, s, p_rows.rows.narrow(0, c0, dc));
         add_nonfinite<acc_t>(p_rows, dst, s, c0);
         Tensor mine = partial[slot].narrow(0, c0, dc);
-        blas::addmm_(mine, t.t(), e_rows.rows.narrow(0, e0, de));
+        const bool first = e0 == slot * blocks / slots * rows;  // (the slot's first block)
+        blas::addmm_(mine, t.t(), e_rows.rows.narrow(0, e0, de), first ? 0.0 : 1.0);
         // (add_nonfinite's rule, the tile transposed: a proxy's row NaN where it weighs an
         // embedding row that is not finite)
         for (auto it = std::lower_bound(e_rows.nonfinite.begin(), e_rows.nonfinite.end(), e0);
@@ -1032,8 +1035,17 @@ std::pair<Tensor, Tensor> proxy_anchor_grads(const Problem& p, const Inputs& in,
           }
         }
       });
-  Tensor gp = partial[0].clone();
-  for (int64_t slot = 1; slot < slots; ++slot) gp.add_(partial[slot]);
+  // The slots' partials summed in slot order, element by element.
+  Tensor gp = at::empty({C, D}, proxies.rows.options());
+  const acc_t* from = partial.const_data_ptr<acc_t>();
+  acc_t* to = gp.data_ptr<acc_t>();
+  at::parallel_for(0, C * D, 4096, [&](int64_t begin, int64_t end) {
+    std::copy(from + begin, from + end, to + begin);
+    for (int64_t slot = 1; slot < slots; ++slot) {
+      const acc_t* add = from + slot * C * D;
+      for (int64_t k = begin; k < end; ++k) to[k] += add[k];
+    }
+  });
   through_normalisation<acc_t>(gp, proxies, grad);
   through_normalisation<acc_t>(ge, embeddings, grad);
   return {gp, ge};

@@ -350,10 +350,14 @@ inline GemmRows gemm_rows(const Tensor& rows) {
   std::vector<char> bad(n, 0);  // (scanned in place: at::isfinite would allocate rows' size twice)
   AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "gemm_rows", [&] {
     const scalar_t* base = rows.const_data_ptr<scalar_t>();
+    using V = Vectorized<scalar_t>;
     at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const scalar_t* row = base + i * D;
-        for (int64_t k = 0; k < D && !bad[i]; ++k) bad[i] = !std::isfinite(row[k]);
+      for (int64_t i = begin; i < end; ++i) {  // (x − x is 0 for finite x, NaN for ±∞ and NaN)
+        const scalar_t zero = D == 0 ? scalar_t(0)
+                                     : at::vec::map_reduce_all<scalar_t>(
+                                           [](V v) { return v - v; },
+                                           [](V x, V y) { return x + y; }, base + i * D, D);
+        bad[i] = zero != scalar_t(0);
       }
     });
   });
