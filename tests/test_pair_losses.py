@@ -2478,6 +2478,25 @@ def test_proxy_anchor_nan_makes_the_loss_nan(where, device):
     assert ops.proxy_anchor_loss(e, labels, proxies).isnan()
 
 
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize("N,C,D", [(300, 40, 8), (40, 300, 8), (1100, 1100, 512)])
+def test_proxy_anchor_both_gradients_from_either_side(N, C, D, nan):
+    """The CPU kernel forms both gradients in one pass over the tiles with the embeddings as
+    their rows (few classes), with the proxies as their rows (few embeddings), or apart where
+    neither side's partial gradients fit (here 8 slots of 1,100 × 512): each as the float64
+    reference's; a NaN embedding makes every gradient NaN in each."""
+    e, proxies = make((N, D), seed=5), make((C, D), seed=6)
+    labels = make_labels(N, C, seed=5)
+    if nan:
+        e[N // 2, 0] = float("nan")
+    got, got_grads = proxy_loss_and_grads(ops.proxy_anchor_loss, e, labels, proxies)
+    exp, exp_grads = proxy_loss_and_grads(reference.proxy_anchor_loss, e, labels, proxies)
+    torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-12, equal_nan=True)
+    for a, b in zip(got_grads, exp_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, equal_nan=True)
+        assert a.isnan().all() == nan
+
+
 def test_proxy_anchor_shard_sums_of_no_pairs_are_minus_infinity():
     """A shard (group=) whose embeddings are all of class 0: proxy 0 has no negative pairs and
     proxy 1 no positive ones, so those log-sums (without the 1) are −∞, whichever tiles and

@@ -816,10 +816,10 @@ inline int64_t proxy_slots(int64_t N) {
 }
 
 template <typename Fn>
-void for_each_proxy_tile(const Tensor& e, const Tensor& proxies, Fn fn) {
+void for_each_proxy_tile(const Tensor& e, const Tensor& proxies, Fn fn, int64_t slots = 0) {
   const int64_t N = e.size(0), C = proxies.size(0);
   const int64_t rows = rows_per_task(N), blocks = (N + rows - 1) / rows;
-  const int64_t slots = proxy_slots(N);
+  slots = slots > 0 ? slots : proxy_slots(N);
   const at::ThreadLocalState state;  // (for_each_tile's reason)
   at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(state);
@@ -963,92 +963,118 @@ struct ProxyAnchorTerms {
   }
 };
 
-// The most entries (slots × C × D) of the slots' partial proxy gradients that
-// proxy_anchor_grads keeps: 16 MiB of float32.
+// The most entries (slots × rows × D) of the slots' partial gradients that proxy_anchor_grads
+// keeps (16 MiB of float32), and the fewest slots it takes (past that, the two gradients are
+// formed apart: each slot's share of the threads would be too coarse).
 constexpr int64_t kSlotEntries = int64_t{1} << 22;
+constexpr int64_t kFewestSlots = 8;
+
+// proxy_anchor_grads' slots with one side's rows (tile_rows of them) as the tiles' rows: as
+// many as for_each_proxy_tile takes, fewer where their partial gradients of the other side
+// would pass kSlotEntries; 0 where that leaves fewer than kFewestSlots (and than its blocks).
+inline int64_t grad_slots(int64_t tile_rows, int64_t other_rows, int64_t D) {
+  const int64_t rows = rows_per_task(tile_rows), blocks = (tile_rows + rows - 1) / rows;
+  const int64_t slots =
+      std::min(proxy_slots(tile_rows), kSlotEntries / std::max<int64_t>(other_rows * D, 1));
+  return slots > 0 && slots >= std::min(kFewestSlots, blocks) ? slots : 0;
+}
 
 // Both gradients of proxy anchor's loss in one pass over the tiles (for_each_proxy_tile, the
-// embeddings as rows): per tile, ∂loss/∂s once (vectorised by the terms' vector_form, where
-// it is ordinary), into the block's embeddings' gradient (the tile times the proxies' rows)
-// and into its slot's partial gradient of the proxies (the tile's transpose times the block's
+// embeddings or the proxies as the tiles' rows, whichever side's partial gradients are the
+// smaller): per tile, ∂loss/∂s once (vectorised by the terms' vector_form, where it is
+// ordinary), into the block's rows' gradient (the tile times the other side's rows) and into
+// its slot's partial gradient of the other side (the tile's transpose times the block's
 // rows); the slots' partials summed in order. One GEMM of the tile where the two gradients
-// apart (cos_rows_grad, each side's rows as anchors) form it twice, and no block of a few
-// proxies' rows that packs the embeddings again. Returns {∂/∂proxies, ∂/∂embeddings}.
+// apart (cos_rows_grad, each side's rows as anchors) form it twice. Returns {∂/∂proxies,
+// ∂/∂embeddings}.
 template <typename acc_t>
 std::pair<Tensor, Tensor> proxy_anchor_grads(const Problem& p, const Inputs& in,
                                              const ProxyAnchorTerms<acc_t>& terms, acc_t weight,
-                                             acc_t grad) {
+                                             acc_t grad, bool embedding_rows, int64_t slots) {
   using V = Vectorized<acc_t>;
   const Side &proxies = in.a, &embeddings = in.b;
-  const int64_t C = p.N, N = p.M, D = p.D;
-  const int64_t slots = proxy_slots(N);
+  const Side& mine = embedding_rows ? embeddings : proxies;  // the tiles' rows
+  const Side& other = embedding_rows ? proxies : embeddings;
+  const int64_t n = mine.rows.size(0), m = other.rows.size(0), D = p.D;
   const int64_t* labels = in.ref_lab.const_data_ptr<int64_t>();
-  const acc_t* inv_p = proxies.scale.const_data_ptr<acc_t>();
-  const acc_t* inv_e = embeddings.scale.const_data_ptr<acc_t>();
-  const GemmRows p_rows = gemm_rows(proxies.rows), e_rows = gemm_rows(embeddings.rows);
-  Tensor ge = at::zeros_like(embeddings.rows);
-  // (each slot's first tile of a block of proxies writes its rows: nothing to zero first)
-  Tensor partial = at::empty({slots, C, D}, proxies.rows.options());
-  const int64_t rows = rows_per_task(N), blocks = (N + rows - 1) / rows;
+  const acc_t* inv_mine = mine.scale.const_data_ptr<acc_t>();
+  const acc_t* inv_other = other.scale.const_data_ptr<acc_t>();
+  const GemmRows mine_rows = gemm_rows(mine.rows), other_rows = gemm_rows(other.rows);
+  Tensor owned = at::zeros_like(mine.rows);
+  // (each slot's first block writes its partial: nothing to zero first)
+  Tensor partial = at::empty({slots, m, D}, mine.rows.options());
+  const int64_t rows = rows_per_task(n), blocks = (n + rows - 1) / rows;
   const std::optional<VectorTerms<acc_t>> vt = terms.vector_form();
-  for_each_proxy_tile(
-      embeddings.rows, proxies.rows, [&](Tensor& s, int64_t slot, int64_t e0, int64_t c0) {
-        const int64_t de = s.size(0), dc = s.size(1), stride = s.stride(0);
-        // ∂loss/∂s times the proxy's scale (for the embeddings' gradient) in s, times the
-        // embedding's (for the proxies') in t.
-        Tensor t = at::empty({de, dc}, s.options());
-        acc_t* tp = t.data_ptr<acc_t>();
-        acc_t e[kCols];
-        for (int64_t r = 0; r < de; ++r) {
-          const int64_t j = e0 + r;
-          acc_t* x = s.data_ptr<acc_t>() + r * stride;
-          const acc_t scale = inv_e[j];
-          at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, x, x, inv_p + c0, dc);
-          const int64_t own = labels[j] - c0;  // the embedding's positive pair: its label's column
-          const double s_own = own >= 0 && own < dc ? static_cast<double>(x[own]) : 0.0;
-          if (vt) {
-            const double* nc = vt->neg_c.data() + c0;
-            for (int64_t c = 0; c < dc; ++c)  // (in double, as the scalar terms form them)
-              e[c] = static_cast<acc_t>(
-                  vt->neg_slope * (static_cast<double>(x[c]) - vt->neg_shift) + nc[c]);
-            at::vec::map([weight](V v) { return V(weight) * v.exp(); }, x, e, dc);
-          } else {
-            for (int64_t c = 0; c < dc; ++c)
-              x[c] = weight * std::exp(static_cast<acc_t>(terms.negative(c0 + c, j, x[c])));
-          }
-          if (own >= 0 && own < dc) x[own] = static_cast<acc_t>(terms.positive(c0 + own, j, s_own));
-          at::vec::map([scale](V v) { return v * V(scale); }, tp + r * dc, x, dc);
-          at::vec::map2([](V v, V inv) { return v * inv; }, x, x, inv_p + c0, dc);
+  auto tile = [&](Tensor& s, int64_t slot, int64_t r0, int64_t q0) {
+    const int64_t dr = s.size(0), dq = s.size(1), stride = s.stride(0);
+    // ∂loss/∂s times the other side's scale (for the rows' gradient) in s, times the row's
+    // (for the other side's) in t.
+    Tensor t = at::empty({dr, dq}, s.options());
+    acc_t* tp = t.data_ptr<acc_t>();
+    acc_t cosine[kCols], e[kCols];
+    for (int64_t r = 0; r < dr; ++r) {
+      const int64_t i = r0 + r;
+      acc_t* x = s.data_ptr<acc_t>() + r * stride;
+      const acc_t scale = inv_mine[i];
+      at::vec::map2([scale](V v, V inv) { return v * inv * V(scale); }, cosine, x, inv_other + q0,
+                    dq);
+      if (vt) {  // (the exponent in double, as the scalar terms form it)
+        const double* nc = vt->neg_c.data() + (embedding_rows ? q0 : i);
+        const int64_t step = embedding_rows ? 1 : 0;
+        for (int64_t c = 0; c < dq; ++c)
+          e[c] = static_cast<acc_t>(
+              vt->neg_slope * (static_cast<double>(cosine[c]) - vt->neg_shift) + nc[c * step]);
+        at::vec::map([weight](V v) { return V(weight) * v.exp(); }, x, e, dq);
+      } else {
+        for (int64_t c = 0; c < dq; ++c) {
+          const double term = embedding_rows ? terms.negative(q0 + c, i, cosine[c])
+                                             : terms.negative(i, q0 + c, cosine[c]);
+          x[c] = weight * std::exp(static_cast<acc_t>(term));
         }
-        Tensor dst = ge.narrow(0, e0, de);
-        blas::addmm_(dst, s, p_rows.rows.narrow(0, c0, dc));
-        add_nonfinite<acc_t>(p_rows, dst, s, c0);
-        Tensor mine = partial[slot].narrow(0, c0, dc);
-        const bool first = e0 == slot * blocks / slots * rows;  // (the slot's first block)
-        blas::addmm_(mine, t.t(), e_rows.rows.narrow(0, e0, de), first ? 0.0 : 1.0);
-        // (add_nonfinite's rule, the tile transposed: a proxy's row NaN where it weighs an
-        // embedding row that is not finite)
-        for (auto it = std::lower_bound(e_rows.nonfinite.begin(), e_rows.nonfinite.end(), e0);
-             it != e_rows.nonfinite.end() && *it < e0 + de; ++it) {
-          for (int64_t c = 0; c < dc; ++c) {
-            if (tp[(*it - e0) * dc + c] != acc_t(0)) mine[c].fill_(NAN);
-          }
+      }
+      // The positive pairs: an embedding's label's column, or a proxy's embeddings of its class.
+      if (embedding_rows) {
+        const int64_t c = labels[i] - q0;
+        if (c >= 0 && c < dq) x[c] = static_cast<acc_t>(terms.positive(q0 + c, i, cosine[c]));
+      } else {
+        for (int64_t c = 0; c < dq; ++c) {
+          if (labels[q0 + c] == i) x[c] = static_cast<acc_t>(terms.positive(i, q0 + c, cosine[c]));
         }
-      });
+      }
+      at::vec::map([scale](V v) { return v * V(scale); }, tp + r * dq, x, dq);
+      at::vec::map2([](V v, V inv) { return v * inv; }, x, x, inv_other + q0, dq);
+    }
+    Tensor dst = owned.narrow(0, r0, dr);
+    blas::addmm_(dst, s, other_rows.rows.narrow(0, q0, dq));
+    add_nonfinite<acc_t>(other_rows, dst, s, q0);
+    Tensor theirs = partial[slot].narrow(0, q0, dq);
+    const bool first = r0 == slot * blocks / slots * rows;  // (the slot's first block)
+    blas::addmm_(theirs, t.t(), mine_rows.rows.narrow(0, r0, dr), first ? 0.0 : 1.0);
+    // (add_nonfinite's rule, the tile transposed: a row of the other side NaN where it weighs
+    // a row of the block that is not finite)
+    for (auto it = std::lower_bound(mine_rows.nonfinite.begin(), mine_rows.nonfinite.end(), r0);
+         it != mine_rows.nonfinite.end() && *it < r0 + dr; ++it) {
+      for (int64_t c = 0; c < dq; ++c) {
+        if (tp[(*it - r0) * dq + c] != acc_t(0)) theirs[c].fill_(NAN);
+      }
+    }
+  };
+  for_each_proxy_tile(mine.rows, other.rows, tile, slots);
   // The slots' partials summed in slot order, element by element.
-  Tensor gp = at::empty({C, D}, proxies.rows.options());
+  Tensor summed = at::empty({m, D}, mine.rows.options());
   const acc_t* from = partial.const_data_ptr<acc_t>();
-  acc_t* to = gp.data_ptr<acc_t>();
-  at::parallel_for(0, C * D, 4096, [&](int64_t begin, int64_t end) {
+  acc_t* to = summed.data_ptr<acc_t>();
+  at::parallel_for(0, m * D, 4096, [&](int64_t begin, int64_t end) {
     std::copy(from + begin, from + end, to + begin);
     for (int64_t slot = 1; slot < slots; ++slot) {
-      const acc_t* add = from + slot * C * D;
+      const acc_t* add = from + slot * m * D;
       for (int64_t k = begin; k < end; ++k) to[k] += add[k];
     }
   });
-  through_normalisation<acc_t>(gp, proxies, grad);
-  through_normalisation<acc_t>(ge, embeddings, grad);
-  return {gp, ge};
+  through_normalisation<acc_t>(summed, other, grad);
+  through_normalisation<acc_t>(owned, mine, grad);
+  if (embedding_rows) return {summed, owned};
+  return {owned, summed};
 }
 
 // ---------------------------------------------------------------------------- the ops
@@ -1365,9 +1391,13 @@ std::tuple<Tensor, Tensor> proxy_anchor_backward_cpu(const Tensor& grad, const T
         const acc_t w = sp[3];  // α/C in every row
         const acc_t g = static_cast<acc_t>(grad.item<double>());
         const auto dtype = embeddings.scalar_type();
-        if (want_p && want_e && proxy_slots(p.M) * p.N * p.D <= kSlotEntries) {
-          const auto [proxies_grad, embeddings_grad] =
-              proxy_anchor_grads<acc_t>(p, in, terms, w, g);
+        // Both gradients in one pass where one side's partial gradients fit (the smaller).
+        const int64_t by_embeddings = grad_slots(p.M, p.N, p.D);
+        const int64_t by_proxies = grad_slots(p.N, p.M, p.D);
+        const bool embedding_rows = by_embeddings > 0 && (by_proxies == 0 || p.N <= p.M);
+        if (want_p && want_e && (by_embeddings > 0 || by_proxies > 0)) {
+          const auto [proxies_grad, embeddings_grad] = proxy_anchor_grads<acc_t>(
+              p, in, terms, w, g, embedding_rows, embedding_rows ? by_embeddings : by_proxies);
           gp = proxies_grad.to(dtype);
           ge = embeddings_grad.to(dtype);
           return;
