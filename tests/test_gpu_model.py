@@ -45,6 +45,20 @@ if triton_testing.INTERPRETING and triton_testing.available() is None:
         tl.store(out_ptr + offsets, tl.exp2(d), mask=mask)
 
     @triton.jit
+    def _planes_kernel(x_ptr, out_ptr, PLANES, BLOCK: tl.constexpr):
+        """out = the sum of PLANES planes of BLOCK x BLOCK, loaded two at a time, the second
+        masked by a comparison of the loop's (runtime) counter."""
+        i = tl.arange(0, BLOCK)
+        at = x_ptr + i[:, None] * BLOCK + i[None, :]
+        mask = (i < BLOCK)[:, None] & (i < BLOCK)[None, :]
+        total = tl.zeros((BLOCK, BLOCK), tl.float32)
+        for j in range(0, PLANES, 2):
+            first = tl.load(at + j * BLOCK * BLOCK, mask=mask, other=0.0)
+            second = tl.load(at + (j + 1) * BLOCK * BLOCK, mask=mask & (j + 1 < PLANES), other=0.0)
+            total += first + second
+        tl.store(out_ptr + i[:, None] * BLOCK + i[None, :], total)
+
+    @triton.jit
     def _gather_kernel(x_ptr, out_ptr, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
         """out[i] = x[i·STRIDE]: a gather (one element per access) and a contiguous store."""
         i = tl.arange(0, BLOCK)
@@ -90,6 +104,34 @@ def test_a_gather_forms_each_address_alone():
     c = launches[0].counts
     assert c["addr:addptr:ptr"] == 64 + 64 // 4  # the gather per element, the store per 4
     assert c["addr:mul:i32"] == 64 and not any(k.startswith("int:") and v for k, v in c.items())
+
+
+@needs_interpreter
+def test_a_mask_and_a_loop_counters_comparison_count_the_active_lanes():
+    """A mask combined with a comparison of a runtime loop counter: its active lanes' bytes, as
+    any mask's (the interpreter may hold such a mask as integers, not as booleans)."""
+    B, planes = 16, 3
+    x = torch.randn(planes + 1, B, B)
+    out = torch.empty(B, B)
+    with gpu_model.counting() as launches:
+        _planes_kernel[(1,)](x, out, planes, BLOCK=B)
+    c = launches[0].counts
+    torch.testing.assert_close(out, x[:planes].sum(0))
+    assert c["load:fp32"] == planes * B * B * 4 and c["load-lanes:fp32"] == (planes + 1) * B * B
+    assert c["waits"] == 2  # (both loads of a step issued before either is used)
+    assert c["touched"] == (planes * B * B + B * B) * 4
+
+
+def test_the_distinct_bytes_touched_past_the_pending_limit():
+    """Launch.touch keeps its addresses unique every 2^22 new ones: the distinct bytes are right
+    whatever the number of accesses and of distinct addresses, more than that included."""
+    launch = gpu_model.Launch("k")
+    distinct = (1 << 22) + 12345
+    for start in range(0, distinct, 1 << 20):  # every address twice, in overlapping batches
+        batch = np.arange(start, min(start + (1 << 21), distinct), dtype=np.int64) * 4
+        launch.touch(batch, 4)
+    launch.close()
+    assert launch.counts["touched"] == distinct * 4
 
 
 def _wrapper(x):
@@ -167,6 +209,9 @@ def test_extrapolation_is_exact_for_polynomial_work_and_refuses_different_launch
     other = [gpu_model.Launch("j", Counter())]
     with pytest.raises(ValueError, match="launches differ"):
         gpu_model.extrapolate([(128, launches(128)), (256, other)], 8192)
+    # A case counted at its headline size alone is taken as counted.
+    (at,) = gpu_model.extrapolate([((1024, 200), launches(1024))], (1024, 200))
+    assert at.counts["programs"] == 16 and at.counts["float:fmul:fp32"] == 3 * 1024**2 + 5 * 1024
 
 
 def test_extrapolation_in_two_variables_is_exact_for_multilinear_work():

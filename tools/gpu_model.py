@@ -113,14 +113,18 @@ class Launch:
     compiled: dict | None = None  # compile_spec()'s facts, from compile_launches()
     _addresses: dict = dataclasses.field(default_factory=dict, repr=False)
     _pending: Counter = dataclasses.field(default_factory=Counter, repr=False)  # addresses per itemsize
+    _unique: Counter = dataclasses.field(default_factory=Counter, repr=False)  # of them distinct, known
 
     def touch(self, ptrs: np.ndarray, itemsize: int) -> None:
         batch = self._addresses.setdefault(itemsize, [])
         batch.append(ptrs.ravel())
         self._pending[itemsize] += ptrs.size
-        if self._pending[itemsize] > 1 << 22:  # keep the pending addresses small
+        # Keep the addresses small: made unique once 2^22 have come since they last were (a
+        # limit on all of them would sort them again at every access once more distinct
+        # addresses than that have been touched).
+        if self._pending[itemsize] - self._unique[itemsize] > 1 << 22:
             self._addresses[itemsize] = [np.unique(np.concatenate(batch))]
-            self._pending[itemsize] = self._addresses[itemsize][0].size
+            self._pending[itemsize] = self._unique[itemsize] = self._addresses[itemsize][0].size
 
     def close(self) -> None:
         self.counts["touched"] = sum(
@@ -128,6 +132,7 @@ class Launch:
         )
         self._addresses.clear()
         self._pending.clear()
+        self._unique.clear()
 
 
 class _Launches(list):
@@ -433,7 +438,9 @@ def counting(within: tuple[str, ...] = ()):
                     out.model_load = counter.epoch
                 element = ptrs.get_element_ty()
                 itemsize = np.dtype(interpreter._get_np_dtype(element)).itemsize
-                active = ptrs.data[mask.data] if mask is not None else ptrs.data
+                # (a mask combined with a scalar comparison may hold integers: as booleans, not
+                # indices)
+                active = ptrs.data[mask.data.astype(bool)] if mask is not None else ptrs.data
                 counter.add(f"{kind}:{_type(element)}", active.size * itemsize)
                 counter.add(f"{kind}-lanes:{_type(element)}", np.size(ptrs.data))
                 counter.addresses(ptrs, mask, itemsize)
@@ -1158,11 +1165,14 @@ def extrapolate(runs: list[tuple], size) -> list[Launch]:
     the work grows as that polynomial). Several (sizes are tuples, one value per variable):
     each count fitted as a multilinear polynomial (a sum of products of distinct variables,
     exact where the work is linear in each, as per-pair work is), through 2^variables runs.
-    Evaluated at `size`; the launches must match one for one."""
+    Evaluated at `size`; the launches must match one for one. A single run at `size` itself
+    is its own counts."""
     sizes = [s for s, _ in runs]
     names = [[launch.kernel for launch in launches] for _, launches in runs]
     if any(n != names[0] for n in names):
         raise ValueError(f"the launches differ between sizes {sizes}: {names}")
+    if sizes == [size]:
+        return list(runs[0][1])
     if isinstance(size, tuple):
         import itertools
 
@@ -1340,7 +1350,8 @@ def flash_supcon(n: int = 8192, d: int = 128, block: int = 64) -> dict[str, list
 
 def cases() -> list[Case]:
     """The GPU benchmarks' headline Triton cases: the pair losses at N = 8,192, D = 128, 8 per
-    class (each triplet mining), cdist at P = R = 8,192, M = 128 (float32 also with TF32, and a
+    class (each triplet mining; proxy-anchor at N = 1,024 and 8,192, D = 512, 11,318 classes,
+    and at N = 1,024 with 200), cdist at P = R = 8,192, M = 128 (float32 also with TF32, and a
     batch's 256 x 256 in float32), bilinear_pool at N = 32, D = 512, 28 x 28; float32 and bfloat16, forward and
     forward+backward."""
     import torch
@@ -1374,6 +1385,10 @@ def cases() -> list[Case]:
                     corners = tuple((rows, c) for rows in (128, 256) for c in classes)
                     out.append(Case("proxy_anchor_loss", f"N={n} D=512 C=11318 fp32", pass_, _proxy_anchor,
                                     corners, (n, 11318), n * 11318, calls))  # fmt: skip
+                # And the benchmark's few classes (CUB-200's), counted as they are: at a batch of
+                # 1,024 the slices are single tiles, which no smaller batch splits into as many.
+                out.append(Case("proxy_anchor_loss", "N=1024 D=512 C=200 fp32", pass_, _proxy_anchor,
+                                ((1024, 200),), (1024, 200), 1024 * 200, calls))  # fmt: skip
             calls = tuple(f"torchkit.triton.cdist.{p}" for p in PASSES)
             # Whole forward tiles (128) and grad_kernel's tiles of the other rows (32) in the
             # headline's three slices.
