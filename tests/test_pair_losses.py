@@ -1690,11 +1690,24 @@ def ntxent_batch_rules(log_s, log_r, loss, npos, pairs, shard, dtype):
     return (total / positives.clamp(min=1).double()).to(dtype), stats
 
 
+def proxy_batch_rules(ln, lp, npos, alpha, dtype):
+    """Proxy-anchor's batch rules as proxy_anchor_forward in pair_losses_cpu.cpp applies them,
+    in float64: PML's DivisorReducer, the positive terms over the P proxies with a positive
+    pair, the negative ones over all C."""
+    C = npos.numel()
+    P = (npos > 0).sum()
+    total = torch.where(P > 0, lp.double().sum() / P.clamp(min=1).double(), 0.0) + ln.double().sum() / max(C, 1)
+    share = torch.where(P > 0, alpha / P.clamp(min=1).double(), 0.0).to(ln.dtype).expand(C)
+    per_proxy = torch.full((C,), alpha / max(C, 1), dtype=torch.float64).to(ln.dtype)
+    return total.to(dtype), torch.stack([lp, ln, share, per_proxy], dim=1)
+
+
 @pytest.mark.triton("pair_losses", dispatch=False)
 @TRITON_DEVICE
 def test_triton_batch_rules_and_the_loss_cast(device):
     """The log-sum-exp engine's last two kernels (terms_kernel, loss_kernel) apply PML's batch
-    rules to SupCon's and NT-Xent's per anchor outputs as the CPU kernels do, on batches chosen
+    rules to SupCon's, NT-Xent's and proxy-anchor's per anchor outputs as the CPU kernels do
+    (proxy-anchor's with an α past float32's range too), on batches chosen
     for them: no anchor with a positive pair, one positive pair alone, no negative pair,
     AvgNonZero's zero terms, NaN and ±∞ terms, more anchors than a block holds; and cast the loss
     as PyTorch does (float64 to float32, then to the dtype: bfloat16 by rounding to nearest even,
@@ -1731,6 +1744,12 @@ def test_triton_batch_rules_and_the_loss_cast(device):
                     torch.testing.assert_close(g.cpu(), w, rtol=1e-15, atol=0, equal_nan=True)
                 got = lse._loss(lse.LOSS_NTXENT, *on(device, b, c), npos32, a.to(device), N * pairs, shard, dtype, acc)
                 want = ntxent_batch_rules(a, b, c, npos, pairs, shard, dtype)
+                for g, w in zip(got, want, strict=True):
+                    assert g.dtype == w.dtype and g.shape == w.shape
+                    torch.testing.assert_close(g.cpu(), w, rtol=1e-15, atol=0, equal_nan=True)
+            for alpha in (32.0, 1e300):  # (proxy-anchor: no shard here; its anchors the proxies)
+                got = lse._loss(lse.LOSS_PROXY, *on(device, a, c), npos32, None, 0, None, dtype, acc, alpha)
+                want = proxy_batch_rules(a, c, npos, alpha, dtype)
                 for g, w in zip(got, want, strict=True):
                     assert g.dtype == w.dtype and g.shape == w.shape
                     torch.testing.assert_close(g.cpu(), w, rtol=1e-15, atol=0, equal_nan=True)

@@ -126,6 +126,8 @@ GRAD_CONFIGS = (
     Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=256, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
 )
+# The slices jacobian_kernel loads at once (it writes the four loads out).
+SLICE_GROUP = tl.constexpr(4)
 # The per-row kernels (prefix, merge, Jacobian); exact operations only (no FMA contraction),
 # as the CPU kernels round the norms.
 ROW_CONFIGS = (
@@ -773,21 +775,28 @@ def terms_kernel(out_ptr, sum_ptr, npos_ptr, partial_ptr, N, LOSS: tl.constexpr,
     """Per block of anchors, the batch's partial sums partial[k, block] in float64 (k: the loss
     terms, the anchors counted, the positive pairs), from merge_kernel's out and sum and the
     anchors' positive pairs: SupCon's terms over the anchors AvgNonZero counts; NT-Xent's
-    (sum: Σ_p −log(q_p + tiny)) over the anchors with a positive pair, each counted."""
+    (sum: Σ_p −log(q_p + tiny)) over the anchors with a positive pair, each counted.
+    Proxy-anchor's (anchors: the proxies; out: Ln, sum: Lp): Σ Lp, Σ Ln and the proxies with
+    a positive pair."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
     npos = tl.load(npos_ptr + rows, mask=row_mask, other=0)
     total = tl.load(sum_ptr + rows, mask=row_mask, other=0.0)
-    if LOSS == LOSS_SUPCON:
-        loss, kept = _supcon_terms(tl.load(out_ptr + rows, mask=row_mask, other=0.0), total, npos)
-    else:
-        kept = npos > 0
-        loss = total.to(tl.float64)
     blocks = tl.num_programs(0).to(tl.int64)
     at = partial_ptr + tl.program_id(0)
-    tl.store(at, tl.sum(tl.where(kept, loss, 0.0), axis=0))
-    tl.store(at + blocks, tl.sum(kept.to(tl.float64), axis=0))
-    tl.store(at + 2 * blocks, tl.sum(npos.to(tl.int64), axis=0).to(tl.float64))
+    if LOSS == LOSS_PROXY:
+        tl.store(at, tl.sum(total.to(tl.float64), axis=0))
+        tl.store(at + blocks, tl.sum(tl.load(out_ptr + rows, mask=row_mask, other=0.0).to(tl.float64), axis=0))
+        tl.store(at + 2 * blocks, tl.sum((npos > 0).to(tl.float64), axis=0))
+    else:
+        if LOSS == LOSS_SUPCON:
+            loss, kept = _supcon_terms(tl.load(out_ptr + rows, mask=row_mask, other=0.0), total, npos)
+        else:
+            kept = npos > 0
+            loss = total.to(tl.float64)
+        tl.store(at, tl.sum(tl.where(kept, loss, 0.0), axis=0))
+        tl.store(at + blocks, tl.sum(kept.to(tl.float64), axis=0))
+        tl.store(at + 2 * blocks, tl.sum(npos.to(tl.int64), axis=0).to(tl.float64))
 
 
 @triton.jit
@@ -802,6 +811,7 @@ def loss_kernel(
     N,
     BLOCKS,
     PAIRS,
+    SCALE_BITS,
     LOSS: tl.constexpr,
     SHARD: tl.constexpr,
     WIDE: tl.constexpr,
@@ -818,7 +828,11 @@ def loss_kernel(
     the anchors counted) where the loss counts the anchor, else 0.
     NT-Xent (log_s: the negatives' log-sums, out: log R, sum: Σ_p −log(q_p + tiny)): stats
     (log S, log R (−∞ without a positive pair), 1/positives), all 0 where PML's rules make the
-    loss 0."""
+    loss 0.
+    Proxy-anchor (anchors: the C = N proxies; out: Ln, sum: Lp; scale: α; not a shard): PML's
+    DivisorReducer, the positive terms over the P proxies with a positive pair (0 without any),
+    the negative ones over all C (proxy_anchor_forward in pair_losses_cpu.cpp); stats (Lp, Ln,
+    α/P (0 without any), α/C), the quotients in float64."""
     chunk = tl.arange(0, BLOCK_ROWS)
     terms = tl.zeros((BLOCK_ROWS,), tl.float64)
     counted = tl.zeros((BLOCK_ROWS,), tl.float64)
@@ -832,49 +846,63 @@ def loss_kernel(
     terms = tl.sum(terms, axis=0)
     counted = tl.sum(counted, axis=0)
     positives = tl.sum(positives, axis=0)
-    negatives = PAIRS.to(tl.float64) - positives
-    # PML's condition for a loss at all: a positive and a negative pair, and more than one of
-    # one kind; a shard's terms need only the first.
-    use = (positives > 0) & (negatives > 0)
-    if not SHARD:
-        use = use & ((positives > 1) | (negatives > 1))
-    if LOSS == LOSS_SUPCON:
-        if SHARD:
-            use = counted > 0
-        else:
-            use = use & (counted > 0)
-        denominator = tl.maximum(counted, 1.0)
-    else:
-        denominator = tl.maximum(positives, 1.0)
-    total = tl.where(use, terms, 0.0)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + chunk
     row_mask = rows < N
-    npos = tl.load(npos_ptr + rows, mask=row_mask, other=0)
-    out = tl.load(out_ptr + rows, mask=row_mask, other=0.0)
-    if LOSS == LOSS_SUPCON:
-        _, kept = _supcon_terms(out, tl.load(sum_ptr + rows, mask=row_mask, other=0.0), npos)
-        w = tl.where(kept, tl.where(use, 1.0 / (tl.maximum(npos, 1).to(tl.float64) * denominator), 0.0), 0.0)
-        tl.store(stats_ptr + 2 * rows, out, mask=row_mask)
-        tl.store(stats_ptr + 2 * rows + 1, w.to(ACC), mask=row_mask)
+    if LOSS == LOSS_PROXY:  # (terms: Σ Lp, counted: Σ Ln, positives: P)
+        alpha = tm.f64(SCALE_BITS)
+        some = positives > 0
+        total = tl.where(some, terms / tl.maximum(positives, 1.0), 0.0) + counted / tl.maximum(N, 1).to(tl.float64)
+        share = tl.where(some, alpha / tl.maximum(positives, 1.0), 0.0).to(ACC)
+        per_proxy = (alpha / tl.maximum(N, 1).to(tl.float64)).to(ACC)
+        zero = tl.zeros((BLOCK_ROWS,), ACC)
+        tl.store(stats_ptr + 4 * rows, tl.load(sum_ptr + rows, mask=row_mask, other=0.0), mask=row_mask)
+        tl.store(stats_ptr + 4 * rows + 1, tl.load(out_ptr + rows, mask=row_mask, other=0.0), mask=row_mask)
+        tl.store(stats_ptr + 4 * rows + 2, share + zero, mask=row_mask)
+        tl.store(stats_ptr + 4 * rows + 3, per_proxy + zero, mask=row_mask)
+        if tl.program_id(0) == 0:
+            tl.store(result_ptr, _to_output(total, WIDE, BF16))
     else:
-        log_s = tl.load(log_s_ptr + rows, mask=row_mask, other=0.0)
-        log_r = tl.where(npos > 0, out, float("-inf"))
-        share = (1.0 / denominator).to(ACC)
-        tl.store(stats_ptr + 3 * rows, tl.where(use, log_s, 0.0), mask=row_mask)
-        tl.store(stats_ptr + 3 * rows + 1, tl.where(use, log_r, 0.0), mask=row_mask)
-        tl.store(stats_ptr + 3 * rows + 2, tl.where(use, share + tl.zeros_like(log_s), 0.0), mask=row_mask)
-    if tl.program_id(0) == 0:
-        if SHARD:
-            tl.store(result_ptr, total)
-            if LOSS == LOSS_SUPCON:
-                tl.store(result_ptr + 1, counted)
-                tl.store(result_ptr + 2, positives)
-                tl.store(result_ptr + 3, negatives)
+        negatives = PAIRS.to(tl.float64) - positives
+        # PML's condition for a loss at all: a positive and a negative pair, and more than one of
+        # one kind; a shard's terms need only the first.
+        use = (positives > 0) & (negatives > 0)
+        if not SHARD:
+            use = use & ((positives > 1) | (negatives > 1))
+        if LOSS == LOSS_SUPCON:
+            if SHARD:
+                use = counted > 0
             else:
-                tl.store(result_ptr + 1, positives)
-                tl.store(result_ptr + 2, negatives)
+                use = use & (counted > 0)
+            denominator = tl.maximum(counted, 1.0)
         else:
-            tl.store(result_ptr, _to_output(total / denominator, WIDE, BF16))
+            denominator = tl.maximum(positives, 1.0)
+        total = tl.where(use, terms, 0.0)
+        npos = tl.load(npos_ptr + rows, mask=row_mask, other=0)
+        out = tl.load(out_ptr + rows, mask=row_mask, other=0.0)
+        if LOSS == LOSS_SUPCON:
+            _, kept = _supcon_terms(out, tl.load(sum_ptr + rows, mask=row_mask, other=0.0), npos)
+            w = tl.where(kept, tl.where(use, 1.0 / (tl.maximum(npos, 1).to(tl.float64) * denominator), 0.0), 0.0)
+            tl.store(stats_ptr + 2 * rows, out, mask=row_mask)
+            tl.store(stats_ptr + 2 * rows + 1, w.to(ACC), mask=row_mask)
+        else:
+            log_s = tl.load(log_s_ptr + rows, mask=row_mask, other=0.0)
+            log_r = tl.where(npos > 0, out, float("-inf"))
+            share = (1.0 / denominator).to(ACC)
+            tl.store(stats_ptr + 3 * rows, tl.where(use, log_s, 0.0), mask=row_mask)
+            tl.store(stats_ptr + 3 * rows + 1, tl.where(use, log_r, 0.0), mask=row_mask)
+            tl.store(stats_ptr + 3 * rows + 2, tl.where(use, share + tl.zeros_like(log_s), 0.0), mask=row_mask)
+        if tl.program_id(0) == 0:
+            if SHARD:
+                tl.store(result_ptr, total)
+                if LOSS == LOSS_SUPCON:
+                    tl.store(result_ptr + 1, counted)
+                    tl.store(result_ptr + 2, positives)
+                    tl.store(result_ptr + 3, negatives)
+                else:
+                    tl.store(result_ptr + 1, positives)
+                    tl.store(result_ptr + 2, negatives)
+            else:
+                tl.store(result_ptr, _to_output(total / denominator, WIDE, BF16))
 
 
 # --------------------------------------------------------------------------- backward
@@ -1204,7 +1232,10 @@ def jacobian_kernel(
 ):
     """out = grad·∂/∂x of g·e for e = x / max(‖x‖, eps), per row, g the sum of grad_kernel's
     slices (in slice order): (g − e(e·g))·inv·2^-E where ‖x‖ > eps, g·1e12 where the clamp
-    holds (its constant); in out's dtype. e is formed from x as the prefix scaled it. LIVE > 0:
+    holds (its constant); in out's dtype. e is formed from x as the prefix scaled it. The
+    slices are loaded SLICE_GROUP at a time (one round trip to memory for each group: a few
+    hundred proxies' rows are few programs, each summing dozens of slices), and their sum
+    is kept in the first slice's plane (the callers' scratch) for the second pass. LIVE > 0:
     0 wherever the LIVE (1 or 2) values at live_ptr are all 0 (coef_kernel's flag: no anchor
     has a term; contrastive's stats of its first anchor: neither kind's terms count): a loss
     of 0 by PML's rules has gradients 0, a NaN row's included, as the CPU kernels'."""
@@ -1218,12 +1249,20 @@ def jacobian_kernel(
     for k0 in range(0, D, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (ks < D)[None, :]
+        at = g_ptr + rows[:, None] * D + ks[None, :]
         g = tl.zeros((BLOCK_ROWS, BLOCK_D), ACC)
-        for j in range(0, SLICES):
-            g += tl.load(g_ptr + j * plane + rows[:, None] * D + ks[None, :], mask=mask, other=0.0)
+        for j in range(0, SLICES, SLICE_GROUP):
+            # (a slice past the last adds +0: g, a sum from +0, is never −0)
+            p0 = tl.load(at + j * plane, mask=mask, other=0.0)
+            p1 = tl.load(at + (j + 1) * plane, mask=mask & (j + 1 < SLICES), other=0.0)
+            p2 = tl.load(at + (j + 2) * plane, mask=mask & (j + 2 < SLICES), other=0.0)
+            p3 = tl.load(at + (j + 3) * plane, mask=mask & (j + 3 < SLICES), other=0.0)
+            g = g + p0 + p1 + p2 + p3
+        tl.store(at, g, mask=mask)
         x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
         e = tl.where(clamped[:, None], x * inv[:, None], tm.ldexp(x, 0 - E[:, None], IS64) * inv[:, None])
         dot += tl.sum(g * e, axis=1)
+    tl.debug_barrier()  # (the sums stored, each by the thread that reads it back below)
     grad = tl.load(grad_ptr).to(ACC)
     live = True
     if LIVE > 0:
@@ -1234,9 +1273,7 @@ def jacobian_kernel(
     for k0 in range(0, D, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (ks < D)[None, :]
-        g = tl.zeros((BLOCK_ROWS, BLOCK_D), ACC)
-        for j in range(0, SLICES):
-            g += tl.load(g_ptr + j * plane + rows[:, None] * D + ks[None, :], mask=mask, other=0.0)
+        g = tl.load(g_ptr + rows[:, None] * D + ks[None, :], mask=mask, other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_row + ks[None, :], mask=mask, other=0.0).to(ACC)
         e = tl.where(clamped[:, None], x * inv[:, None], tm.ldexp(x, 0 - E[:, None], IS64) * inv[:, None])
         v = (g - e * along[:, None]) * inv[:, None]
@@ -1550,13 +1587,16 @@ def _proxy_positives(a: _Operands, b: _Operands) -> Tensor:
     return npos
 
 
-def _loss(loss, out, total, npos, log_s, pairs: int, shard, dtype: torch.dtype, acc: torch.dtype) -> tuple:
-    """The loss (or a shard's parts) and the stats of SupCon or NT-Xent (loss) from _rows'
-    per anchor outputs (NT-Xent's positives pass; log_s: its negatives'), by PML's batch rules
-    on the device: terms_kernel and loss_kernel, two launches, no host synchronisation."""
+def _loss(
+    loss, out, total, npos, log_s, pairs: int, shard, dtype: torch.dtype, acc: torch.dtype, scale: float = 0.0
+) -> tuple:
+    """The loss (or a shard's parts) and the stats of SupCon, NT-Xent or proxy-anchor (loss;
+    the last's scale: α, not a shard) from _rows' per anchor outputs (NT-Xent's positives pass;
+    log_s: its negatives'), by PML's batch rules on the device: terms_kernel and loss_kernel,
+    two launches, no host synchronisation."""
     N = npos.shape[0]
     dev = npos.device
-    stats = torch.empty(N, 2 if loss == LOSS_SUPCON else 3, dtype=acc, device=dev)
+    stats = torch.empty(N, {LOSS_SUPCON: 2, LOSS_NTXENT: 3, LOSS_PROXY: 4}[loss], dtype=acc, device=dev)
     if shard is None:
         result = torch.empty((), dtype=dtype, device=dev)
     else:
@@ -1577,6 +1617,7 @@ def _loss(loss, out, total, npos, log_s, pairs: int, shard, dtype: torch.dtype, 
         N,
         grid[0],
         pairs,
+        float_bits(scale),
         LOSS=loss,
         SHARD=shard is not None,
         WIDE=shard is not None or dtype == torch.float64,
@@ -1832,18 +1873,7 @@ def proxy_anchor_forward(embeddings, labels, proxies, margin, alpha, shard=None,
     if shard is not None:
         parts = torch.stack([lp.double(), ln.double(), (npos > 0).double()], dim=1)
         return parts, torch.zeros(a.n, 4, dtype=acc, device=proxies.device)
-    # PML's DivisorReducer: the positive terms over the P proxies with positives (0 without
-    # any), the negative ones over all C proxies (proxy_anchor_forward in pair_losses_cpu.cpp).
-    C = a.n
-    P = (npos > 0).sum(dtype=torch.int64)
-    pos = torch.where(P > 0, lp.double().sum() / P.clamp(min=1).double(), 0.0)
-    total = pos + (ln.double().sum() / C if C > 0 else 0.0)
-    share = torch.where(P > 0, alpha / P.clamp(min=1).double(), 0.0).to(acc)
-    # (α/C made in float64 and cast: past float32's range a tensor cast gives inf, as the CPU
-    # kernel's; full_like would refuse the value)
-    per_proxy = torch.full_like(ln, alpha / max(C, 1), dtype=torch.float64).to(acc)
-    stats = torch.stack([lp, ln, share.expand(C), per_proxy], dim=1)
-    return total.to(embeddings.dtype), stats
+    return _loss(LOSS_PROXY, ln, lp, npos, None, 0, None, embeddings.dtype, acc, alpha)
 
 
 def proxy_anchor_backward(
@@ -2023,21 +2053,23 @@ def compile_cases() -> list[CompileCase]:
                     (_merge_config(ROW_CONFIGS[0], 4),),
                 )
             )
-        for loss, what in ((LOSS_SUPCON, "supcon"), (LOSS_NTXENT, "ntxent")):
+        for loss, what in ((LOSS_SUPCON, "supcon"), (LOSS_NTXENT, "ntxent"), (LOSS_PROXY, "proxy")):
             loss_types = {**types, "partial_ptr": "*fp64", "stats_ptr": "*" + acc, "BLOCKS": "i32", "PAIRS": "i64"}
             cases.append(
                 case(f"pair_losses.lse.terms {what} {name}", terms_kernel, loss_types, dict(LOSS=loss), (BATCH_CONFIG,))
             )
-            cases.append(
-                case(
-                    f"pair_losses.lse.coef {what} {name}",
-                    coef_kernel,
-                    {**loss_types, "terms_ptr": "*" + acc},
-                    dict(LOSS=loss, **flags),
-                    (BATCH_CONFIG,),
+            if loss != LOSS_PROXY:  # (proxy-anchor's coefficients are its stats)
+                cases.append(
+                    case(
+                        f"pair_losses.lse.coef {what} {name}",
+                        coef_kernel,
+                        {**loss_types, "terms_ptr": "*" + acc},
+                        dict(LOSS=loss, **flags),
+                        (BATCH_CONFIG,),
+                    )
                 )
-            )
-            for shard in (False, True) if first else (False,):  # (the loss in its dtype; a shard's parts)
+            # (the loss in its dtype; a shard's parts: proxy-anchor's shards take theirs otherwise)
+            for shard in (False, True) if first and loss != LOSS_PROXY else (False,):
                 result = "*fp64" if shard else ("*i16" if dtype == "bf16" else "*" + dtype)
                 cases.append(
                     case(
