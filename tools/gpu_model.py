@@ -1245,14 +1245,14 @@ class Case:
         return f"{self.op} | {self.case}"
 
 
-def _pair_loss(loss: str, params: dict, dtype) -> Callable[..., None]:
+def _pair_loss(loss: str, params: dict, dtype, width: int) -> Callable[..., None]:
     def run(n: int, between: Callable[[], None]) -> None:
         import torch
 
         from torchkit.triton import pair_losses as kernels
 
         g = torch.Generator().manual_seed(0)
-        e = torch.randn(n, 128, generator=g).to(dtype)
+        e = torch.randn(n, width, generator=g).to(dtype)
         labels = torch.arange(n) // 8
         name, values = loss.removesuffix("_loss"), tuple(params.values())
         value, stats = getattr(kernels, f"{name}_forward")(e, labels, None, None, *values)
@@ -1350,10 +1350,10 @@ def flash_supcon(n: int = 8192, d: int = 128, block: int = 64) -> dict[str, list
 
 def cases() -> list[Case]:
     """The GPU benchmarks' headline Triton cases: the pair losses at N = 8,192, D = 128, 8 per
-    class (each triplet mining; proxy-anchor at N = 1,024 and 8,192, D = 512, 11,318 classes,
-    and at N = 1,024 with 200), cdist at P = R = 8,192, M = 128 (float32 also with TF32, and a
-    batch's 256 x 256 in float32), bilinear_pool at N = 32, D = 512, 28 x 28; float32 and bfloat16, forward and
-    forward+backward."""
+    class, and in float32 at N = 1,024, D = 512 (each triplet mining; proxy-anchor at N = 1,024
+    and 8,192, D = 512, 11,318 classes, and at N = 1,024 with 200), cdist at P = R = 8,192,
+    M = 128 (float32 also with TF32, and a batch's 256 x 256 in float32), bilinear_pool at
+    N = 32, D = 512, 28 x 28; float32 and bfloat16, forward and forward+backward."""
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -1365,17 +1365,19 @@ def cases() -> list[Case]:
             for loss, params in VARIANTS.values():
                 if params.get("distance", "euclidean") != "euclidean":
                     continue  # (distance="cosine": the CPU kernel's alone)
-                case = f"N=8192 D=128 8/class {tname}"
-                if loss == "triplet_margin_loss":
-                    case += f" {params['mining']}"
-                run = _pair_loss(loss, params, dtype)
+                mining = f" {params['mining']}" if loss == "triplet_margin_loss" else ""
+                calls = tuple(f"torchkit.triton.pair_losses.{loss.removesuffix('_loss')}_{p}" for p in PASSES)
                 # The sliced engines' (lse.py's, ms.py's, euclid.py's, triplets.py's) at sizes whose
                 # tiles split as the headline's (headline_slices).
                 sliced = loss in ("supcon_loss", "ntxent_loss", "multi_similarity_loss", "contrastive_loss")
                 sliced = sliced or loss == "triplet_margin_loss"
                 sizes = (192, 384, 576) if sliced else (128, 256, 512)
-                calls = tuple(f"torchkit.triton.pair_losses.{loss.removesuffix('_loss')}_{p}" for p in PASSES)
-                out.append(Case(loss, case, pass_, run, sizes, 8192, 8192**2, calls))
+                case = f"N=8192 D=128 8/class {tname}{mining}"
+                out.append(Case(loss, case, pass_, _pair_loss(loss, params, dtype, 128), sizes, 8192, 8192**2, calls))
+                if dtype == torch.float32:  # and the benchmark's batch of 1,024 of D = 512, counted as it is
+                    case = f"N=1024 D=512 8/class {tname}{mining}"
+                    run = _pair_loss(loss, params, dtype, 512)
+                    out.append(Case(loss, case, pass_, run, (1024,), 1024, 1024**2, calls))
             if dtype == torch.float32:  # the benchmark's proxy cases: Stanford Online Products' classes
                 # Its work is per (embedding, proxy) pair: counted at two sizes of each, whose
                 # tiles split into the headline's slices. A batch of 1,024 (the headline's) and

@@ -241,6 +241,20 @@ def jacobian_kernel(
 
 
 @triton.jit
+def _scaled_squares(total, block, k0, ks, D, normal, f1, f2, s):
+    """total plus the squares of a block of features k0 + ks of rows (features past D add
+    nothing), each scaled by 2^s (norm64_kernel's), in feature order (_feature)."""
+    for kk in tl.static_range(ORDERED_BLOCK):
+        v = _feature(block, ks, kk).to(tl.float64)
+        if normal:
+            v = v * f1 * f2
+        else:
+            v = tm.ldexp(v, s, True)
+        total = tl.where(k0 + kk < D, total + v * v, total)
+    return total
+
+
+@triton.jit
 def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """1 / max(‖x‖, eps) per row in float64, the norm as the CPU kernels' row_norms forms it:
     the row times 2^-e (e: frexp's exponent of its largest |entry|) squared and summed in
@@ -268,19 +282,13 @@ def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BL
     f1 = tm.pow2(tl.where(normal, half, 0), True)
     f2 = tm.pow2(tl.where(normal, s - half, 0), True)
     ks = tl.arange(0, ORDERED_BLOCK)
-    for k0 in range(0, D, ORDERED_BLOCK):
-        block = tl.load(
-            x_ptr + rows[:, None] * stride_row + (k0 + ks)[None, :],
-            mask=row_mask[:, None] & (k0 + ks < D)[None, :],
-            other=0.0,
-        )
-        for kk in tl.static_range(ORDERED_BLOCK):  # (in feature order: _feature)
-            v = _feature(block, ks, kk).to(tl.float64)
-            if normal:
-                v = v * f1 * f2
-            else:
-                v = tm.ldexp(v, s, True)
-            total = tl.where(k0 + kk < D, total + v * v, total)
+    for k0 in range(0, D, 2 * ORDERED_BLOCK):  # (two blocks' loads in flight together)
+        at = x_ptr + rows[:, None] * stride_row + (k0 + ks)[None, :]
+        first = tl.load(at, mask=row_mask[:, None] & (k0 + ks < D)[None, :], other=0.0)
+        k1 = k0 + ORDERED_BLOCK
+        second = tl.load(at + ORDERED_BLOCK, mask=row_mask[:, None] & (k1 + ks < D)[None, :], other=0.0)
+        total = _scaled_squares(total, first, k0, ks, D, normal, f1, f2, s)
+        total = _scaled_squares(total, second, k1, ks, D, normal, f1, f2, s)
     norm = tl.where(special, top, tm.ldexp(tl.sqrt(total), e, True))
     eps = tl.full((BLOCK_ROWS,), NORM_EPS, tl.float64)
     inv = 1.0 / tl.where(norm < eps, eps, norm)  # NaN stays NaN
@@ -843,8 +851,8 @@ def triplet_margin_forward(
     config = config or lse._default(triplets.ALL_ROWS_CONFIGS, acc)
     exact_config = exact_config or triplets.ALL_EXACT_CONFIGS[0]
     pa, pb, _ = euclid._sides(embeddings, labels, ref_embeddings, ref_labels, acc, row_config)
-    pos = triplets.positives(pa, pb, self_, offset)
     semi = mining == "semi_hard"
+    pos = triplets.positives(pa, pb, self_, offset, margin, semi, acc)
     sums, count = triplets.all_triplets(pa, pb, pos, self_, offset, margin, semi, acc, config, exact_config)
     per = torch.where((count > 0) & (pos[-1] > 0), float("nan"), sums)
     return result(per.sum(), count.sum(), torch.cat([idx, count[:, None]], 1))
@@ -876,7 +884,7 @@ def _triplet_band_backward(
     how = euclid._scheme(a.raw.dtype, half_pairs=False)
     tiles = [euclid._Points(side, *p, i, row_config, how) for side, p, i in zip(sides, points, ids, strict=False)]
     ta, tb = tiles[0], tiles[-1]
-    pos = triplets.positives(ta, tb, *pairs)
+    pos = triplets.positives(ta, tb, *pairs, margin, semi, acc)
     step = rows_config.kwargs["BLOCK_N"]
     width = min(N, max(step, BAND_PAIRS // M // step * step))
     band = torch.empty(width, M, dtype=torch.int32, device=a.e.device)

@@ -72,25 +72,51 @@ def _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, cols, row_mask, col_m
 
 
 @triton.jit
+def _eight(ptr, at, k0, D, mask):
+    """Features k0 .. k0 + 7 of rows whose first features are at ptr + at (past D: feature
+    D − 1 read again, for _square to take as 0, rather than a masked lane: the interpreter
+    gives a one-row tensor's masked lane no `other`). Loads only, used after both sides' are
+    issued: one round trip to memory for the sixteen."""
+    x0 = tl.load(ptr + at + tl.minimum(k0, D - 1), mask=mask, other=0.0)
+    x1 = tl.load(ptr + at + tl.minimum(k0 + 1, D - 1), mask=mask, other=0.0)
+    x2 = tl.load(ptr + at + tl.minimum(k0 + 2, D - 1), mask=mask, other=0.0)
+    x3 = tl.load(ptr + at + tl.minimum(k0 + 3, D - 1), mask=mask, other=0.0)
+    x4 = tl.load(ptr + at + tl.minimum(k0 + 4, D - 1), mask=mask, other=0.0)
+    x5 = tl.load(ptr + at + tl.minimum(k0 + 5, D - 1), mask=mask, other=0.0)
+    x6 = tl.load(ptr + at + tl.minimum(k0 + 6, D - 1), mask=mask, other=0.0)
+    x7 = tl.load(ptr + at + tl.minimum(k0 + 7, D - 1), mask=mask, other=0.0)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _square(out, a, b, k, D, inv_a, inv_b, ONE_FEATURE: tl.constexpr):
+    """out + (a − b)², a and b feature k of the anchor rows and of their refs (_eight's: 0 past
+    D), normalised (_unit) in float64: one step of the feature-order sum."""
+    a = tl.where(k < D, a.to(tl.float64), 0.0)
+    b = tl.where(k < D, b.to(tl.float64), 0.0)
+    v = _unit(a, inv_a, ONE_FEATURE)[:, None] - _unit(b, inv_b, ONE_FEATURE)
+    return out + v * v
+
+
+@triton.jit
 def _pair_exact(xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, js, row_mask, mask, D, ONE_FEATURE: tl.constexpr):
     """Exact distances (Points::direct: float64, feature order; 1 between a zero row and a unit
-    one) of anchor rows[i] and ref rows js[i, p] (2-D): ORDERED_BLOCK features at a time,
-    unrolled, so that their loads are in flight together (the features past D add 0)."""
+    one) of anchor rows[i] and ref rows js[i, p] (2-D): eight features of each at a time
+    (_eight), their loads in flight together."""
     inv_a = tl.load(inv_a_ptr + rows, mask=row_mask, other=0.0)
     inv_b = tl.load(inv_b_ptr + js, mask=mask, other=0.0)
     out = tl.zeros(js.shape, tl.float64)
-    for k0 in range(0, D, ORDERED_BLOCK):
-        for kk in tl.static_range(ORDERED_BLOCK):
-            # (past D: feature D − 1 read again and taken as 0, rather than a masked lane: the
-            # interpreter gives a one-row tensor's masked lane no `other`)
-            k = tl.minimum(k0 + kk, D - 1)
-            past = k0 + kk >= D
-            a = tl.load(xa_ptr + rows * sa + k, mask=row_mask, other=0.0).to(tl.float64)
-            b = tl.load(xb_ptr + js * sb + k, mask=mask, other=0.0).to(tl.float64)
-            v = _unit(tl.where(past, 0.0, a), inv_a, ONE_FEATURE)[:, None] - _unit(
-                tl.where(past, 0.0, b), inv_b, ONE_FEATURE
-            )
-            out += v * v
+    for k0 in range(0, D, 8):
+        a0, a1, a2, a3, a4, a5, a6, a7 = _eight(xa_ptr, rows * sa, k0, D, row_mask)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _eight(xb_ptr, js * sb, k0, D, mask)
+        out = _square(out, a0, b0, k0 + 0, D, inv_a, inv_b, ONE_FEATURE)
+        out = _square(out, a1, b1, k0 + 1, D, inv_a, inv_b, ONE_FEATURE)
+        out = _square(out, a2, b2, k0 + 2, D, inv_a, inv_b, ONE_FEATURE)
+        out = _square(out, a3, b3, k0 + 3, D, inv_a, inv_b, ONE_FEATURE)
+        out = _square(out, a4, b4, k0 + 4, D, inv_a, inv_b, ONE_FEATURE)
+        out = _square(out, a5, b5, k0 + 5, D, inv_a, inv_b, ONE_FEATURE)
+        out = _square(out, a6, b6, k0 + 6, D, inv_a, inv_b, ONE_FEATURE)
+        out = _square(out, a7, b7, k0 + 7, D, inv_a, inv_b, ONE_FEATURE)
     out = tl.sqrt(out)
     if not ONE_FEATURE:  # (one feature: |±1 − 0| is 1 exactly already)
         zero_a, zero_b = _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, js, row_mask, mask, D)

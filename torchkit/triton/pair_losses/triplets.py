@@ -27,12 +27,12 @@ at a NaN distance winning. all and semi_hard: the triplets with d_ap − d_an + 
   tiles) wins, the first of its kind. Then the chosen pairs' exact distances, for the loss.
 
 - all and semi_hard (all_triplets): an anchor's positives are its label's segment of the
-  refs in label order; positives_kernel keeps their exact distances t (the first POS_CAP).
-  triplet_rows_kernel, a program per block of anchors and slice of refs, takes a chunk of
-  BLOCK_P positives at a time: per positive the squared distances below which a negative
-  surely counts and above which it surely does not, whatever the CPU kernel's float64
-  rounding (_thresholds); per tile of negatives and positive, the tile's [lo, hi] decides
-  (_decide). A negative that some positive leaves undecided, or whose d² cancelled and that
+  refs in label order; positives_kernel keeps their exact distances t and, per positive, the
+  squared distances below which a negative surely counts and above which it surely does not,
+  whatever the CPU kernel's float64 rounding (_thresholds: the first POS_CAP, computed once
+  for every slice). triplet_rows_kernel, a program per block of anchors and slice of refs,
+  takes a chunk of BLOCK_P positives at a time; per tile of negatives and positive, the
+  tile's [lo, hi] decides (_decide). A negative that some positive leaves undecided, or whose d² cancelled and that
   counts (its tile distance too coarse for the sum), is listed with the chunk, and
   triplet_exact_kernel decides its triplets on its exact distance; an anchor whose list
   outgrew CAP is taken whole. Sums per slice in float64 (a tile's row in ACC), added in
@@ -413,9 +413,9 @@ def hard_pick_kernel(
 
 # --------------------------------------------------------------------------- all and semi_hard
 
-# Each anchor's first POS_CAP positives' exact distances, kept by positives_kernel for the
-# other kernels (KEPT; further positives, in classes past POS_CAP rows, are computed where
-# used). A multiple of the rows kernels' BLOCK_P.
+# Each anchor's first POS_CAP positives' exact distances and thresholds, kept by
+# positives_kernel for the other kernels (KEPT; further positives, in classes past POS_CAP
+# rows, are computed where used). A multiple of the rows kernels' BLOCK_P.
 POS_CAP = 64
 
 
@@ -500,6 +500,40 @@ def _positives(
 
 
 @triton.jit
+def _chunk(
+    thr_ptr, kind_ptr, tpos_ptr, order_ptr, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, row_mask, lo, hi, p0,
+    margin, OFFSET, D, SELF: tl.constexpr, SEMI: tl.constexpr, ONE_FEATURE: tl.constexpr, KEPT: tl.constexpr,
+    ACC: tl.constexpr, IS64: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """Positives [p0, p0 + BLOCK_P) of each anchor (_positives): their ref rows, _thresholds'
+    values and which are positives (pok, int32), kept by positives_kernel for the first KEPT
+    (no float64 work in the tiles' kernel), else computed."""
+    if p0 < KEPT:
+        ps = p0 + tl.arange(0, BLOCK_P)
+        q = lo[:, None] + ps[None, :]
+        p_mask = row_mask[:, None] & (q < hi[:, None])
+        js = tl.load(order_ptr + q, mask=p_mask, other=0)
+        at = thr_ptr + rows[:, None] * (5 * KEPT) + ps[None, :]
+        # (past an anchor's positives: none, which decides nothing)
+        hit = tl.load(at, mask=p_mask, other=float("-inf"))
+        miss = tl.load(at + KEPT, mask=p_mask, other=float("-inf"))
+        semi = tl.load(at + 2 * KEPT, mask=p_mask, other=0.0)
+        not_semi = tl.load(at + 3 * KEPT, mask=p_mask, other=0.0)
+        T = tl.load(at + 4 * KEPT, mask=p_mask, other=0.0)
+        kind = tl.load(kind_ptr + rows[:, None] * KEPT + ps[None, :], mask=p_mask, other=0).to(tl.int32)
+        pok = kind & 1
+        zero = kind >= 2
+    else:
+        js, t = _positives(
+            tpos_ptr, order_ptr, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, row_mask, lo, hi, p0, OFFSET, D,
+            SELF, ONE_FEATURE, KEPT, BLOCK_P,
+        )  # fmt: skip
+        hit, miss, semi, not_semi, T, zero = _thresholds(t, margin, SEMI, ACC, IS64)
+        pok = (t >= 0).to(tl.int32)
+    return js, hit, miss, semi, not_semi, T, zero, pok
+
+
+@triton.jit
 def positives_kernel(
     xa_ptr,
     xb_ptr,
@@ -512,17 +546,26 @@ def positives_kernel(
     hi_ptr,
     tpos_ptr,
     nan_ptr,
+    thr_ptr,
+    kind_ptr,
     N,
     D,
     OFFSET,
+    MARGIN_BITS,
     SELF: tl.constexpr,
+    SEMI: tl.constexpr,
     ONE_FEATURE: tl.constexpr,
     KEPT: tl.constexpr,
+    ACC: tl.constexpr,
+    IS64: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     """Per anchor, its positives' exact distances (the first KEPT: tpos, (N, KEPT)
-    float64, −1 past its positives) and how many are NaN (nan, int64)."""
+    float64, −1 past its positives), how many are NaN (nan, int64), and the first KEPT's
+    _thresholds, once for every slice of triplet_rows_kernel (thr, (N, 5, KEPT) ACC: hit,
+    miss, semi, not_semi, T; kind, (N, KEPT) int8: 1 a positive, 2 a negative at 0 counts)."""
+    margin = tm.f64(MARGIN_BITS)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
     lo = tl.load(lo_ptr + rows, mask=row_mask, other=0)
@@ -540,6 +583,15 @@ def positives_kernel(
         nan += tl.sum((t != t).to(tl.int64), axis=1)
         kept = row_mask[:, None] & (ps < KEPT)[None, :]
         tl.store(tpos_ptr + rows[:, None] * KEPT + ps[None, :], t, mask=kept)
+        hit, miss, semi, not_semi, T, zero = _thresholds(t, margin, SEMI, ACC, IS64)
+        at = thr_ptr + rows[:, None] * (5 * KEPT) + ps[None, :]
+        tl.store(at, hit, mask=kept)
+        tl.store(at + KEPT, miss, mask=kept)
+        tl.store(at + 2 * KEPT, semi, mask=kept)
+        tl.store(at + 3 * KEPT, not_semi, mask=kept)
+        tl.store(at + 4 * KEPT, T, mask=kept)
+        kind = (t >= 0).to(tl.int8) + 2 * zero.to(tl.int8)
+        tl.store(kind_ptr + rows[:, None] * KEPT + ps[None, :], kind, mask=kept)
     tl.store(nan_ptr + rows, nan, mask=row_mask)
 
 
@@ -566,6 +618,8 @@ def triplet_rows_kernel(
     lo_ptr,
     hi_ptr,
     tpos_ptr,
+    thr_ptr,
+    kind_ptr,
     nan_ptr,
     sums_ptr,
     count_ptr,
@@ -638,12 +692,10 @@ def triplet_rows_kernel(
     total_count = tl.zeros((BLOCK_N,), tl.int64)
     ps = tl.arange(0, BLOCK_P)
     for p0 in range(0, tl.max(hi - lo, axis=0), BLOCK_P):
-        js, t = _positives(
-            tpos_ptr, order_ptr, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, row_mask, lo, hi, p0, OFFSET, D,
-            SELF, ONE_FEATURE, KEPT, BLOCK_P,
+        js, hit, miss, semi, not_semi, T, zero, pok = _chunk(
+            thr_ptr, kind_ptr, tpos_ptr, order_ptr, xa_ptr, xb_ptr, sa, sb, inv_a_ptr, inv_b_ptr, rows, row_mask, lo,
+            hi, p0, margin, OFFSET, D, SELF, SEMI, ONE_FEATURE, KEPT, ACC, IS64, BLOCK_P,
         )  # fmt: skip
-        hit, miss, semi, not_semi, T, zero = _thresholds(t, margin, SEMI, ACC, IS64)
-        pok = (t >= 0).to(tl.int32)
         counted_nan = tl.sum(pok, axis=1)  # (a NaN negative counts with each)
         counted_zero = tl.sum(zero.to(tl.int32), axis=1)
         term_zero = tl.sum(tl.where(zero, T, 0.0), axis=1)
@@ -1101,15 +1153,20 @@ def batch_hard(
     return idx, dist
 
 
-def positives(a: euclid._Points, b: euclid._Points, self_: bool, offset: int) -> tuple:
+def positives(
+    a: euclid._Points, b: euclid._Points, self_: bool, offset: int, margin: float, semi: bool, acc: torch.dtype
+) -> tuple:
     """mining="all" / "semi_hard"'s positives: (order, lo, hi), the refs' rows in label order and
-    each anchor's label's segment of them, then positives_kernel's (tpos, nan)."""
+    each anchor's label's segment of them, then positives_kernel's (tpos, thr, kind, nan)."""
     keys, order = torch.sort(b.labels, stable=True)
     lo = torch.searchsorted(keys, a.labels)
     hi = torch.searchsorted(keys, a.labels, right=True)
     N, D = a.c.shape
-    tpos = torch.empty(N, POS_CAP, dtype=torch.float64, device=a.c.device)
-    nan = torch.empty(N, dtype=torch.int64, device=a.c.device)
+    dev = a.c.device
+    tpos = torch.empty(N, POS_CAP, dtype=torch.float64, device=dev)
+    thr = torch.empty(N, 5, POS_CAP, dtype=acc, device=dev)
+    kind = torch.empty(N, POS_CAP, dtype=torch.int8, device=dev)
+    nan = torch.empty(N, dtype=torch.int64, device=dev)
     if N > 0:
         positives_kernel[(blocks(N, POSITIVES_CONFIG.kwargs["BLOCK_ROWS"]),)](
             a.side.raw,
@@ -1123,15 +1180,21 @@ def positives(a: euclid._Points, b: euclid._Points, self_: bool, offset: int) ->
             hi,
             tpos,
             nan,
+            thr,
+            kind,
             N,
             D,
             offset,
+            float_bits(margin),
             SELF=self_,
+            SEMI=semi,
             ONE_FEATURE=D == 1,
             KEPT=POS_CAP,
+            ACC=acc_tl(acc),
+            IS64=acc == torch.float64,
             **POSITIVES_CONFIG.launch,
         )
-    return order, lo, hi, tpos, nan
+    return order, lo, hi, tpos, thr, kind, nan
 
 
 def _all_cap(scheme: int, M: int) -> int:
@@ -1174,7 +1237,7 @@ def all_triplets(
     sums = torch.empty((slices, N) if forward else (0,), dtype=torch.float64, device=dev)
     count = torch.empty((slices, N) if forward else (0,), dtype=torch.int64, device=dev)
     band = torch.empty(0, dtype=torch.int32, device=dev) if forward else band
-    order, lo, hi, tpos, nan = pos
+    order, lo, hi, tpos, thr, kind, nan = pos
     inputs = (a.side.raw, b.side.raw, a.side.raw.stride(0), b.side.raw.stride(0), a.side.inv64, b.side.inv64)
     bits = float_bits(margin)
     flags = dict(SELF=self_, SEMI=semi, BAND=not forward, ONE_FEATURE=D == 1, KEPT=POS_CAP)
@@ -1194,6 +1257,8 @@ def all_triplets(
         lo,
         hi,
         tpos,
+        thr,
+        kind,
         nan,
         sums,
         count,
@@ -1386,6 +1451,8 @@ def compile_cases() -> list[CompileCase]:
             "ROW0": "i32",
             **dict.fromkeys(("order_ptr", "lo_ptr", "hi_ptr", "nan_ptr", "count_ptr", "out_count_ptr"), "*i64"),
             **dict.fromkeys(("tpos_ptr", "sums_ptr", "out_sum_ptr"), "*fp64"),
+            "thr_ptr": "*" + acc,
+            "kind_ptr": "*i8",
             "slot_ptr": "*i64",
             "band_ptr": "*i32",
         }
@@ -1425,7 +1492,7 @@ def compile_cases() -> list[CompileCase]:
                     f"pair_losses.triplets.positives {name}{' self' if self_ else ''}",
                     positives_kernel,
                     types,
-                    dict(SELF=self_, ONE_FEATURE=False, KEPT=POS_CAP),
+                    dict(SELF=self_, SEMI=False, ONE_FEATURE=False, KEPT=POS_CAP, ACC=flags["ACC"], IS64=is64),
                     (POSITIVES_CONFIG,),
                 )
             )
