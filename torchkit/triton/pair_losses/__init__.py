@@ -83,9 +83,8 @@ from torchkit.triton._launch import CompileCase, Config, acc_tl, blocks
 from torchkit.triton.pair_losses import euclid, lse, ms, triplets
 from torchkit.triton.pair_losses._common import (
     NORM_EPS,
-    ORDERED_BLOCK,
+    _eight,
     _euclidean_only,
-    _feature,
     _pair_exact,
     _parts,
     _self_pairs,
@@ -121,11 +120,11 @@ HARD_GRAD_CONFIGS = (
     _config(BLOCK_ROWS=16, BLOCK_F=64, num_warps=4, num_stages=2),
     _config(BLOCK_ROWS=8, BLOCK_F=16, num_warps=2, num_stages=2),
 )
-# The per-row kernels (norms, keys, points, Jacobian): 32 rows a program (256 programs at
-# N = 8,192; fewer programs under the interpreter), features 32 at a time (16 x 128 spilled
-# equal_next_kernel's float64 registers, 32 x 64 more of them and the Jacobian's).
+# The per-row kernels (norms, keys, points, Jacobian): 8 rows a program (128 programs at
+# N = 1,024, the SMs' count; fewer under the interpreter), features 128 at a time: one round
+# trip to memory per 128 features (16 x 128 spilled equal_next_kernel's float64 registers).
 ROW_CONFIGS = (
-    _config(BLOCK_ROWS=32, BLOCK_D=32, num_warps=4, num_stages=2),
+    _config(BLOCK_ROWS=8, BLOCK_D=128, num_warps=4, num_stages=2),
     _config(BLOCK_ROWS=8, BLOCK_D=16, num_warps=2, num_stages=2),
 )
 
@@ -241,16 +240,37 @@ def jacobian_kernel(
 
 
 @triton.jit
-def _scaled_squares(total, block, k0, ks, D, normal, f1, f2, s):
-    """total plus the squares of a block of features k0 + ks of rows (features past D add
-    nothing), each scaled by 2^s (norm64_kernel's), in feature order (_feature)."""
-    for kk in tl.static_range(ORDERED_BLOCK):
-        v = _feature(block, ks, kk).to(tl.float64)
-        if normal:
+def _scaled_squares(total, xs, k0, D, f1, f2, s, NORMAL: tl.constexpr):
+    """total plus the squares of features k0 .. k0 + 7 of rows (_eight's xs; features past D
+    add nothing), each scaled by 2^s (norm64_kernel's: by f1·f2 where NORMAL), in feature
+    order."""
+    for kk in tl.static_range(8):
+        v = xs[kk].to(tl.float64)
+        if NORMAL:
             v = v * f1 * f2
         else:
             v = tm.ldexp(v, s, True)
         total = tl.where(k0 + kk < D, total + v * v, total)
+    return total
+
+
+@triton.jit
+def _scaled_sum(total, x_ptr, at, row_mask, D, f1, f2, s, NORMAL: tl.constexpr):
+    """total plus the scaled squares (_scaled_squares) of every feature of rows: thirty-two
+    features' loads in flight together where NORMAL, eight by ldexp (its registers)."""
+    if NORMAL:
+        for k0 in range(0, D, 32):
+            a = _eight(x_ptr, at, k0, D, row_mask)
+            b = _eight(x_ptr, at, k0 + 8, D, row_mask)
+            c = _eight(x_ptr, at, k0 + 16, D, row_mask)
+            d = _eight(x_ptr, at, k0 + 24, D, row_mask)
+            total = _scaled_squares(total, a, k0, D, f1, f2, s, NORMAL)
+            total = _scaled_squares(total, b, k0 + 8, D, f1, f2, s, NORMAL)
+            total = _scaled_squares(total, c, k0 + 16, D, f1, f2, s, NORMAL)
+            total = _scaled_squares(total, d, k0 + 24, D, f1, f2, s, NORMAL)
+    else:
+        for k0 in range(0, D, 8):
+            total = _scaled_squares(total, _eight(x_ptr, at, k0, D, row_mask), k0, D, f1, f2, s, NORMAL)
     return total
 
 
@@ -281,14 +301,10 @@ def norm64_kernel(x_ptr, inv_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, BL
     half = tl.where(s >= 0, s // 2, s)
     f1 = tm.pow2(tl.where(normal, half, 0), True)
     f2 = tm.pow2(tl.where(normal, s - half, 0), True)
-    ks = tl.arange(0, ORDERED_BLOCK)
-    for k0 in range(0, D, 2 * ORDERED_BLOCK):  # (two blocks' loads in flight together)
-        at = x_ptr + rows[:, None] * stride_row + (k0 + ks)[None, :]
-        first = tl.load(at, mask=row_mask[:, None] & (k0 + ks < D)[None, :], other=0.0)
-        k1 = k0 + ORDERED_BLOCK
-        second = tl.load(at + ORDERED_BLOCK, mask=row_mask[:, None] & (k1 + ks < D)[None, :], other=0.0)
-        total = _scaled_squares(total, first, k0, ks, D, normal, f1, f2, s)
-        total = _scaled_squares(total, second, k1, ks, D, normal, f1, f2, s)
+    if normal:  # (ldexp's path: a block holding a row of entries near the largest float, rare)
+        total = _scaled_sum(total, x_ptr, rows * stride_row, row_mask, D, f1, f2, s, True)
+    else:
+        total = _scaled_sum(total, x_ptr, rows * stride_row, row_mask, D, f1, f2, s, False)
     norm = tl.where(special, top, tm.ldexp(tl.sqrt(total), e, True))
     eps = tl.full((BLOCK_ROWS,), NORM_EPS, tl.float64)
     inv = 1.0 / tl.where(norm < eps, eps, norm)  # NaN stays NaN
@@ -314,12 +330,19 @@ def row_keys_kernel(x_ptr, key_ptr, N, D, stride_row, BLOCK_ROWS: tl.constexpr, 
 
 @triton.jit
 def _entries(xa_ptr, xb_ptr, sa, sb, NA, r, ks, mask):
-    """Entries ks of rows r numbered over two sides (a's rows, then b's from NA), in float64
-    (exact; where ±0 compare equal also for 16-bit types under the interpreter)."""
+    """Loads entries ks of rows r numbered over two sides (a's rows, then b's from NA): a's
+    and b's, for _pick (loads only: both rows' issued before either is used)."""
     in_a = r < NA
     va = tl.load(xa_ptr + r[:, None] * sa + ks[None, :], mask=mask & in_a[:, None], other=0.0)
     vb = tl.load(xb_ptr + (r - NA)[:, None] * sb + ks[None, :], mask=mask & (in_a == 0)[:, None], other=0.0)
-    return tl.where(in_a[:, None], va.to(tl.float64), vb.to(tl.float64))
+    return va, vb
+
+
+@triton.jit
+def _pick(r, NA, va, vb):
+    """_entries' values of rows r in float64 (exact; where ±0 compare equal also for 16-bit
+    types under the interpreter)."""
+    return tl.where((r < NA)[:, None], va.to(tl.float64), vb.to(tl.float64))
 
 
 @triton.jit
@@ -338,10 +361,22 @@ def equal_next_kernel(
     for k0 in range(0, D, BLOCK_D):
         ks = k0 + tl.arange(0, BLOCK_D)
         mask = same[:, None] & (ks < D)[None, :]
-        xi = _entries(xa_ptr, xb_ptr, sa, sb, NA, i, ks, mask)
-        xj = _entries(xa_ptr, xb_ptr, sa, sb, NA, j, ks, mask)
-        same = same & (tl.max(tl.where(mask & (xi != xj), 1, 0), axis=1) == 0)
+        ia, ib = _entries(xa_ptr, xb_ptr, sa, sb, NA, i, ks, mask)
+        ja, jb = _entries(xa_ptr, xb_ptr, sa, sb, NA, j, ks, mask)
+        differ = mask & (_pick(i, NA, ia, ib) != _pick(j, NA, ja, jb))
+        same = same & (tl.max(tl.where(differ, 1, 0), axis=1) == 0)
     tl.store(out_ptr + t, same, mask=t < N)
+
+
+@triton.jit
+def _unit_squares(out, xs, k0, D, inv):
+    """out plus the squares of features k0 .. k0 + 7 of rows (_eight's xs; features past D add
+    nothing), normalised as ms._exact normalises them, in feature order."""
+    for kk in tl.static_range(8):
+        a = xs[kk].to(tl.float64)
+        a = tl.where(D == 1, _unit(a, inv, True), a * inv)
+        out = tl.where(k0 + kk < D, out + a * a, out)
+    return out
 
 
 @triton.jit
@@ -352,17 +387,16 @@ def self_cos_kernel(x_ptr, inv_ptr, out_ptr, N, D, stride_row, BLOCK_ROWS: tl.co
     row_mask = rows < N
     inv = tl.load(inv_ptr + rows, mask=row_mask, other=0.0)
     out = tl.zeros((BLOCK_ROWS,), tl.float64)
-    ks = tl.arange(0, ORDERED_BLOCK)
-    for k0 in range(0, D, ORDERED_BLOCK):
-        block = tl.load(
-            x_ptr + rows[:, None] * stride_row + (k0 + ks)[None, :],
-            mask=row_mask[:, None] & (k0 + ks < D)[None, :],
-            other=0.0,
-        )
-        for kk in tl.static_range(ORDERED_BLOCK):  # (in feature order: _feature)
-            a = _feature(block, ks, kk).to(tl.float64)
-            a = tl.where(D == 1, _unit(a, inv, True), a * inv)
-            out = tl.where(k0 + kk < D, out + a * a, out)
+    at = rows * stride_row
+    for k0 in range(0, D, 32):  # (thirty-two features' loads in flight together)
+        a = _eight(x_ptr, at, k0, D, row_mask)
+        b = _eight(x_ptr, at, k0 + 8, D, row_mask)
+        c = _eight(x_ptr, at, k0 + 16, D, row_mask)
+        d = _eight(x_ptr, at, k0 + 24, D, row_mask)
+        out = _unit_squares(out, a, k0, D, inv)
+        out = _unit_squares(out, b, k0 + 8, D, inv)
+        out = _unit_squares(out, c, k0 + 16, D, inv)
+        out = _unit_squares(out, d, k0 + 24, D, inv)
     tl.store(out_ptr + rows, out, mask=row_mask)
 
 

@@ -17,11 +17,6 @@ from torchkit.triton import _launch
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's (csrc/cpu/pair_losses_cpu.h's kNormEps)
 
 
-# The features the feature-order sums of the exact kernels load at once (one round trip to
-# memory per block, not per feature), then take out one by one (_feature).
-ORDERED_BLOCK = tl.constexpr(8)
-
-
 @triton.jit
 def _feature(block, ks, kk):
     """Feature kk of a block of rows' features (2-D; ks: the features' indices along its
@@ -74,9 +69,9 @@ def _zero_rows(xa_ptr, xb_ptr, sa, sb, inv_a, inv_b, rows, cols, row_mask, col_m
 @triton.jit
 def _eight(ptr, at, k0, D, mask):
     """Features k0 .. k0 + 7 of rows whose first features are at ptr + at (past D: feature
-    D − 1 read again, for _square to take as 0, rather than a masked lane: the interpreter
-    gives a one-row tensor's masked lane no `other`). Loads only, used after both sides' are
-    issued: one round trip to memory for the sixteen."""
+    D − 1 read again, for the caller to take as 0, rather than a masked lane: the interpreter
+    gives a one-row tensor's masked lane no `other`). Loads only, used after the caller's
+    other loads are issued: one round trip to memory for all of them."""
     x0 = tl.load(ptr + at + tl.minimum(k0, D - 1), mask=mask, other=0.0)
     x1 = tl.load(ptr + at + tl.minimum(k0 + 1, D - 1), mask=mask, other=0.0)
     x2 = tl.load(ptr + at + tl.minimum(k0 + 2, D - 1), mask=mask, other=0.0)

@@ -122,7 +122,7 @@ ROWS_CONFIGS = (
 # its accumulator fits in the registers (each block recomputes the tile); the second the TF32
 # pair's default where its rows are held whole (eight warps spill them).
 GRAD_CONFIGS = (
-    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=256, num_warps=8, num_stages=3),
+    Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=256, num_warps=8, num_stages=4),
     Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=256, num_warps=4, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
 )

@@ -79,15 +79,18 @@ ROWS_CONFIGS = (
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, num_warps=4, num_stages=2),
 )
 # ms_exact_kernel: float64 cosines summed in feature order (as the CPU kernel's), no FMA;
-# BLOCK_K features loaded at once (_exact).
+# two blocks of BLOCK_K features loaded at once (_exact); 8 anchors a program (128 programs
+# at N = 1,024).
 EXACT_CONFIGS = (
-    Config(BLOCK_ROWS=16, BLOCK_K=8, num_warps=4, num_stages=2, fp_fusion=False),
+    Config(BLOCK_ROWS=8, BLOCK_K=8, num_warps=4, num_stages=2, fp_fusion=False),
     Config(BLOCK_ROWS=4, BLOCK_K=4, num_warps=2, num_stages=2, fp_fusion=False),
 )
 # ms_grad_kernel: lse.grad_kernel's tiles with more per-anchor numbers (the second spills past
-# 512 bytes on sm_80 with bfloat16 rows held: the first is every dtype's default).
+# 512 bytes on sm_80 with bfloat16 rows held: the first is every dtype's default). Each block
+# of features recomputes the tile: 128 of them (eight warps hold the accumulator) read half
+# the L2 bytes of 64 where the rows are not held (D = 512 in float32).
 GRAD_CONFIGS = (
-    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=4, num_stages=2),
+    Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32, BLOCK_F=128, num_warps=8, num_stages=3),
     Config(BLOCK_N=64, BLOCK_M=32, BLOCK_K=32, BLOCK_F=64, num_warps=8, num_stages=2),
     Config(BLOCK_N=32, BLOCK_M=32, BLOCK_K=16, BLOCK_F=32, num_warps=4, num_stages=2),  # float64's
 )
@@ -299,6 +302,33 @@ def ms_rows_kernel(
 
 
 @triton.jit
+def _exact_loads(xa_ptr, xb_ptr, sa, sb, rows, row_mask, cols, mask, k0, ks, D):
+    """Features k0 + ks of the anchors `rows` and of their refs `cols` (2-D, per anchor): loads
+    only, for _exact_sum."""
+    k_mask = k0 + ks < D
+    xa = tl.load(xa_ptr + rows[:, None] * sa + (k0 + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    xb = tl.load(
+        xb_ptr + cols[:, :, None] * sb + (k0 + ks)[None, None, :],
+        mask=mask[:, :, None] & k_mask[None, None, :],
+        other=0.0,
+    )
+    return xa, xb
+
+
+@triton.jit
+def _exact_sum(out, xa, xb, inv_a, inv_b, k0, ks, D, ONE_FEATURE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out plus the products of _exact_loads' features, normalised, one after another
+    (_feature)."""
+    for kk in tl.static_range(BLOCK_K):
+        a = _feature(xa, ks, kk)
+        b = tl.sum(tl.where(ks[None, None, :] == kk, xb, -0.0), axis=2)  # (_feature's, in 3-D)
+        a = _unit(a.to(tl.float64), inv_a, ONE_FEATURE)
+        b = _unit(b.to(tl.float64), inv_b, ONE_FEATURE)
+        out = tl.where(k0 + kk < D, out + a[:, None] * b, out)
+    return out
+
+
+@triton.jit
 def _exact(
     xa_ptr,
     xb_ptr,
@@ -316,27 +346,16 @@ def _exact(
 ):
     """The exact cosines of anchors `rows` with refs `cols` (2-D, per anchor), as the CPU
     kernel's exact_cos: Σ_k (x_ik·inv_i)(y_jk·inv_j) in float64, in feature order. The
-    features come BLOCK_K at a time, loaded at once (one round trip to memory, not one per
-    feature), and are summed one after another (_feature)."""
+    features come two blocks of BLOCK_K at a time, loaded together (one round trip to memory,
+    not one per feature), and are summed one after another (_exact_sum)."""
     inv_b = tl.load(inv_b_ptr + cols, mask=mask, other=0.0)
     out = tl.zeros(cols.shape, tl.float64)
     ks = tl.arange(0, BLOCK_K)
-    for k0 in range(0, D, BLOCK_K):
-        k_mask = k0 + ks < D
-        xa = tl.load(
-            xa_ptr + rows[:, None] * sa + (k0 + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        xb = tl.load(
-            xb_ptr + cols[:, :, None] * sb + (k0 + ks)[None, None, :],
-            mask=mask[:, :, None] & k_mask[None, None, :],
-            other=0.0,
-        )
-        for kk in tl.static_range(BLOCK_K):
-            a = _feature(xa, ks, kk)
-            b = tl.sum(tl.where(ks[None, None, :] == kk, xb, -0.0), axis=2)  # (_feature's, in 3-D)
-            a = _unit(a.to(tl.float64), inv_a, ONE_FEATURE)
-            b = _unit(b.to(tl.float64), inv_b, ONE_FEATURE)
-            out = tl.where(k0 + kk < D, out + a[:, None] * b, out)
+    for k0 in range(0, D, 2 * BLOCK_K):
+        xa0, xb0 = _exact_loads(xa_ptr, xb_ptr, sa, sb, rows, row_mask, cols, mask, k0, ks, D)
+        xa1, xb1 = _exact_loads(xa_ptr, xb_ptr, sa, sb, rows, row_mask, cols, mask, k0 + BLOCK_K, ks, D)
+        out = _exact_sum(out, xa0, xb0, inv_a, inv_b, k0, ks, D, ONE_FEATURE, BLOCK_K)
+        out = _exact_sum(out, xa1, xb1, inv_a, inv_b, k0 + BLOCK_K, ks, D, ONE_FEATURE, BLOCK_K)
     return out
 
 
